@@ -1,0 +1,301 @@
+#!/usr/bin/env bash
+# A real Apache Kafka broker (KRaft, no ZooKeeper, no Docker) for development and tests.
+#
+#   scripts/kafka.sh start [--brokers 1|3]   install on first use, format, start, wait until it answers
+#   scripts/kafka.sh stop                    stop every broker this script started
+#   scripts/kafka.sh status                  exit 0 when running (prints the bootstrap list)
+#   scripts/kafka.sh kill <node-id>          SIGKILL one broker of a cluster (failure tests)
+#   scripts/kafka.sh restart-node <node-id>  start one stopped broker of a cluster again
+#
+# Kafka's jars come from Maven Central (org.apache.kafka:kafka_2.13) through `mvn
+# dependency:copy-dependencies` and are cached under $KAFKA_CACHE_DIR, so every start after the
+# first takes seconds.
+#
+# Environment (all optional):
+#   KAFKA_VERSION    Kafka version from Maven Central        (default 4.2.2)
+#   KAFKA_PORT       first broker's client port              (default 9092; brokers 2, 3 use +1, +2)
+#   KAFKA_DATA_DIR   log dirs, configs, pid files, logs      (default $HOME/.cache/streaming-hub/kafka-data-$KAFKA_PORT)
+#   KAFKA_CACHE_DIR  where the jars are cached               (default $HOME/.cache/streaming-hub/kafka-$KAFKA_VERSION)
+#   KAFKA_HEAP       JVM heap per broker                     (default 640m)
+set -euo pipefail
+
+KAFKA_VERSION="${KAFKA_VERSION:-4.2.2}"
+KAFKA_PORT="${KAFKA_PORT:-9092}"
+CACHE_ROOT="${HOME}/.cache/streaming-hub"
+KAFKA_CACHE_DIR="${KAFKA_CACHE_DIR:-$CACHE_ROOT/kafka-$KAFKA_VERSION}"
+KAFKA_DATA_DIR="${KAFKA_DATA_DIR:-$CACHE_ROOT/kafka-data-$KAFKA_PORT}"
+KAFKA_HEAP="${KAFKA_HEAP:-640m}"
+LOG4J_VERSION_FALLBACK="2.24.3"
+
+log() { echo "kafka.sh: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+controller_port() { echo $((KAFKA_PORT + 1000 + $1 - 1)); }
+client_port() { echo $((KAFKA_PORT + $1 - 1)); }
+node_dir() { echo "$KAFKA_DATA_DIR/node-$1"; }
+
+install_kafka() {
+  if [[ -f "$KAFKA_CACHE_DIR/.complete" ]]; then return 0; fi
+  command -v mvn >/dev/null || die "Maven (mvn) is required to install Kafka from Maven Central"
+  command -v java >/dev/null || die "Java 17+ is required to run Kafka"
+  log "installing Apache Kafka $KAFKA_VERSION from Maven Central into $KAFKA_CACHE_DIR (first use only)"
+  local work; work="$(mktemp -d)"
+  mkdir -p "$KAFKA_CACHE_DIR/libs"
+  # Resolve the broker's runtime classpath first, to learn which log4j-core it brings.
+  write_pom "$work" ""
+  mvn -q -B -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$KAFKA_CACHE_DIR/libs" >"$work/mvn.log" 2>&1 || { cat "$work/mvn.log" >&2; die "maven resolution failed"; }
+  local core; core="$(ls "$KAFKA_CACHE_DIR/libs" | sed -n 's/^log4j-core-\(.*\)\.jar$/\1/p' | head -1)"
+  [[ -n "$core" ]] || core="$LOG4J_VERSION_FALLBACK"
+  # The SLF4J 1.x binding ships only in Kafka's tarball; without it the broker logs nothing.
+  write_pom "$work" "<dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-slf4j-impl</artifactId><version>$core</version></dependency>"
+  mvn -q -B -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$KAFKA_CACHE_DIR/libs" >"$work/mvn.log" 2>&1 || { cat "$work/mvn.log" >&2; die "maven resolution failed"; }
+  # Both SLF4J bindings must not be on the path at once.
+  rm -f "$KAFKA_CACHE_DIR"/libs/log4j-slf4j2-impl-*.jar
+  cat >"$KAFKA_CACHE_DIR/log4j2.yaml" <<'EOF'
+Configuration:
+  Properties:
+    Property:
+      - name: "logfile"
+        value: "${sys:kafka.logs.dir}/server.log"
+  Appenders:
+    File:
+      name: FILE
+      fileName: "${logfile}"
+      PatternLayout:
+        pattern: "[%d] %p %m (%c)%n"
+  Loggers:
+    Root:
+      level: WARN
+      AppenderRef:
+        - ref: FILE
+    Logger:
+      - name: kafka.server.KafkaServer
+        level: INFO
+      - name: kafka.Kafka
+        level: INFO
+EOF
+  touch "$KAFKA_CACHE_DIR/.complete"
+  rm -rf "$work"
+}
+
+write_pom() {
+  cat >"$1/pom.xml" <<EOF
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>local.streaming-hub</groupId><artifactId>kafka-runtime</artifactId><version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka_2.13</artifactId><version>$KAFKA_VERSION</version></dependency>
+    $2
+  </dependencies>
+</project>
+EOF
+}
+
+java_cmd() {
+  # $1 = node id; remaining args passed to java
+  local node="$1"; shift
+  java -Xms128m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dkafka.logs.dir="$(node_dir "$node")/logs" \
+    -Dlog4j2.configurationFile="$KAFKA_CACHE_DIR/log4j2.yaml" \
+    -cp "$KAFKA_CACHE_DIR/libs/*" "$@"
+}
+
+write_config() {
+  local node="$1" brokers="$2" dir; dir="$(node_dir "$node")"
+  mkdir -p "$dir/data" "$dir/logs"
+  local rf=1 minisr=1 quorum i
+  if [[ "$brokers" -gt 1 ]]; then rf=3; minisr=2; fi
+  quorum=""
+  for ((i = 1; i <= brokers; i++)); do quorum+="${quorum:+,}$i@127.0.0.1:$(controller_port "$i")"; done
+  cat >"$dir/server.properties" <<EOF
+process.roles=broker,controller
+node.id=$node
+controller.quorum.voters=$quorum
+listeners=PLAINTEXT://127.0.0.1:$(client_port "$node"),CONTROLLER://127.0.0.1:$(controller_port "$node")
+advertised.listeners=PLAINTEXT://127.0.0.1:$(client_port "$node"),CONTROLLER://127.0.0.1:$(controller_port "$node")
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$dir/data
+num.partitions=1
+default.replication.factor=$rf
+min.insync.replicas=$minisr
+offsets.topic.replication.factor=$rf
+offsets.topic.num.partitions=1
+transaction.state.log.replication.factor=$rf
+transaction.state.log.min.isr=$minisr
+transaction.state.log.num.partitions=1
+share.coordinator.state.topic.replication.factor=$rf
+share.coordinator.state.topic.min.isr=$minisr
+group.initial.rebalance.delay.ms=0
+group.consumer.min.session.timeout.ms=2000
+group.classic.min.session.timeout.ms=2000
+auto.create.topics.enable=false
+log.cleaner.backoff.ms=500
+log.cleaner.dedupe.buffer.size=4194304
+log.cleaner.threads=1
+log.segment.bytes=16777216
+num.network.threads=2
+num.io.threads=4
+EOF
+}
+
+# Sends a Metadata v4 request and succeeds when the answer lists at least $2 brokers.
+metadata_ok() {
+  python3 - "$1" "$2" <<'EOF' 2>/dev/null
+import socket, struct, sys
+port, want = int(sys.argv[1]), int(sys.argv[2])
+cid = b"kafka.sh"
+body = struct.pack(">hhih", 3, 4, 1, len(cid)) + cid + struct.pack(">i", -1) + b"\x00"
+s = socket.create_connection(("127.0.0.1", port), timeout=2)
+s.sendall(struct.pack(">i", len(body)) + body)
+def recv(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise SystemExit(1)
+        buf += chunk
+    return buf
+size = struct.unpack(">i", recv(4))[0]
+resp = recv(size)
+corr, throttle, nbrokers = struct.unpack(">iii", resp[:12])
+sys.exit(0 if corr == 1 and nbrokers >= want else 1)
+EOF
+}
+
+running_nodes() {
+  local n=0
+  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
+    [[ -f "$pidf" ]] || continue
+    if kill -0 "$(cat "$pidf")" 2>/dev/null; then n=$((n + 1)); fi
+  done
+  echo "$n"
+}
+
+start_node() {
+  local node="$1" dir; dir="$(node_dir "$node")"
+  if [[ -f "$dir/kafka.pid" ]] && kill -0 "$(cat "$dir/kafka.pid")" 2>/dev/null; then return 0; fi
+  nohup java -Xms128m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dkafka.logs.dir="$dir/logs" -Dlog4j2.configurationFile="$KAFKA_CACHE_DIR/log4j2.yaml" \
+    -cp "$KAFKA_CACHE_DIR/libs/*" kafka.Kafka "$dir/server.properties" \
+    >"$dir/logs/stdout.log" 2>&1 </dev/null &
+  echo $! >"$dir/kafka.pid"
+}
+
+wait_ready() {
+  local brokers="$1" deadline=$((SECONDS + 90)) i
+  while ((SECONDS < deadline)); do
+    if metadata_ok "$KAFKA_PORT" "$brokers"; then return 0; fi
+    for ((i = 1; i <= brokers; i++)); do
+      local pidf; pidf="$(node_dir "$i")/kafka.pid"
+      if [[ -f "$pidf" ]] && ! kill -0 "$(cat "$pidf")" 2>/dev/null; then
+        tail -n 40 "$(node_dir "$i")/logs/stdout.log" "$(node_dir "$i")/logs/server.log" >&2 2>/dev/null || true
+        die "broker $i exited during start-up (logs in $(node_dir "$i")/logs)"
+      fi
+    done
+    sleep 0.3
+  done
+  die "broker did not answer a metadata request within 90 s"
+}
+
+bootstrap_list() {
+  local brokers="$1" out="" i
+  for ((i = 1; i <= brokers; i++)); do out+="${out:+,}127.0.0.1:$(client_port "$i")"; done
+  echo "$out"
+}
+
+cmd_start() {
+  local brokers=1 i
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --brokers) brokers="$2"; shift 2 ;;
+      *) die "unknown option $1" ;;
+    esac
+  done
+  [[ "$brokers" == 1 || "$brokers" == 3 ]] || die "--brokers must be 1 or 3"
+  if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(running_nodes)" -gt 0 ]]; then
+    local have; have="$(cat "$KAFKA_DATA_DIR/brokers")"
+    [[ "$have" == "$brokers" ]] || die "a $have-broker setup is running in $KAFKA_DATA_DIR; stop it first"
+    if metadata_ok "$KAFKA_PORT" "$brokers"; then
+      log "already running ($(bootstrap_list "$brokers"))"; echo "$(bootstrap_list "$brokers")"; return 0
+    fi
+  fi
+  install_kafka
+  if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(cat "$KAFKA_DATA_DIR/brokers")" != "$brokers" ]]; then
+    rm -rf "$KAFKA_DATA_DIR" # a different cluster shape needs fresh storage
+  fi
+  mkdir -p "$KAFKA_DATA_DIR"
+  echo "$brokers" >"$KAFKA_DATA_DIR/brokers"
+  local cluster_id_file="$KAFKA_DATA_DIR/cluster.id"
+  if [[ ! -f "$cluster_id_file" ]]; then
+    java_cmd 1 kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1 >"$cluster_id_file"
+  fi
+  for ((i = 1; i <= brokers; i++)); do
+    write_config "$i" "$brokers"
+    java_cmd "$i" kafka.tools.StorageTool format --ignore-formatted -t "$(cat "$cluster_id_file")" \
+      -c "$(node_dir "$i")/server.properties" >"$(node_dir "$i")/logs/format.log" 2>&1 \
+      || { cat "$(node_dir "$i")/logs/format.log" >&2; die "storage format failed"; }
+  done
+  local t0=$SECONDS
+  for ((i = 1; i <= brokers; i++)); do start_node "$i"; done
+  wait_ready "$brokers"
+  log "ready in $((SECONDS - t0)) s: $(bootstrap_list "$brokers")"
+  bootstrap_list "$brokers"
+}
+
+cmd_stop() {
+  local any=0
+  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
+    [[ -f "$pidf" ]] || continue
+    local pid; pid="$(cat "$pidf")"
+    if kill -0 "$pid" 2>/dev/null; then kill "$pid"; any=1; fi
+  done
+  local deadline=$((SECONDS + 30))
+  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
+    [[ -f "$pidf" ]] || continue
+    local pid; pid="$(cat "$pidf")"
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+    rm -f "$pidf"
+  done
+  [[ $any == 1 ]] && log "stopped" || log "not running"
+}
+
+cmd_status() {
+  local n; n="$(running_nodes)"
+  if [[ "$n" -gt 0 ]] && metadata_ok "$KAFKA_PORT" 1; then
+    echo "running: $n broker(s), bootstrap $(bootstrap_list "$(cat "$KAFKA_DATA_DIR/brokers")")"
+    return 0
+  fi
+  echo "not running"; return 1
+}
+
+cmd_kill() {
+  local pidf; pidf="$(node_dir "$1")/kafka.pid"
+  [[ -f "$pidf" ]] || die "node $1 is not running"
+  kill -9 "$(cat "$pidf")" 2>/dev/null || true
+  rm -f "$pidf"
+}
+
+cmd_restart_node() {
+  start_node "$1"
+  local deadline=$((SECONDS + 60))
+  until metadata_ok "$(client_port "$1")" 1; do
+    ((SECONDS < deadline)) || die "node $1 did not come back"
+    sleep 0.3
+  done
+}
+
+case "${1:-}" in
+  start) shift; cmd_start "$@" ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  kill) cmd_kill "$2" ;;
+  restart-node) cmd_restart_node "$2" ;;
+  install) install_kafka ;;
+  *) echo "usage: $0 start [--brokers 1|3] | stop | status | kill <node> | restart-node <node>" >&2; exit 2 ;;
+esac

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what is missing, starts the real Kafka
+# broker, checks formatting and lints, runs every unit and integration test.
+#
+#   scripts/test.sh            # everything
+#   scripts/test.sh ingest     # extra arguments go to `cargo test`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/streaming-hub/target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+scripts/setup.sh
+scripts/kafka.sh start >/dev/null
+export STREAMING_HUB_TEST_BROKERS="${STREAMING_HUB_TEST_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
+
+echo "== cargo fmt --check" >&2
+cargo fmt --check
+echo "== cargo clippy -- -D warnings" >&2
+cargo clippy --all-targets -- -D warnings
+echo "== cargo test" >&2
+cargo test "$@"

@@ -1,0 +1,162 @@
+//! Wiring: the pieces a `streaming-hub run` process starts, in order, and how it stops.
+//!
+//! Start: apply the topology (create what is missing, warn about differences), start ingest on its
+//! own thread (role `all` or `ingest`), start the hub stage on its own thread (role `all` or
+//! `delivery`), serve HTTP (`/healthz`, `/readyz`, `/metrics`). Stop on
+//! SIGTERM or Ctrl-C: readiness goes false, ingest commits its open batch and leaves, then exit.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+use crate::config::{Config, LogFormat, Role};
+use crate::hub::task::{HubStage, NoHandler};
+use crate::ingest::pipeline::Ingest;
+use crate::runtime::avro::Codec;
+use crate::runtime::clock::{SharedClock, SystemClock};
+use crate::runtime::topology::Topology;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Topology(#[from] crate::runtime::topology::TopologyError),
+    #[error(transparent)]
+    Ingest(#[from] crate::ingest::pipeline::IngestError),
+    #[error(transparent)]
+    Hub(#[from] crate::hub::task::HubError),
+    #[error("codec: {0}")]
+    Codec(String),
+    #[error("http server: {0}")]
+    Http(String),
+}
+
+pub fn init_tracing(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match config.log_format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+#[derive(Clone)]
+struct Health {
+    ready: Arc<AtomicBool>,
+    metrics: PrometheusHandle,
+}
+
+pub async fn run(config: Config) -> Result<(), AppError> {
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| AppError::Http(e.to_string()))?;
+    let clock: SharedClock = Arc::new(SystemClock);
+
+    let topology = Topology::load(&config.topology_file, &config)?;
+    for finding in topology.apply(&config, false).await? {
+        if finding.is_difference() {
+            tracing::warn!(%finding, "topic differs from the topology");
+        } else {
+            tracing::debug!(%finding, "topology");
+        }
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut ingest_thread = None;
+    if matches!(config.role, Role::All | Role::Ingest) {
+        let ingest = Ingest::new(&config, clock.clone())?;
+        let stop = stop.clone();
+        ingest_thread = Some(
+            std::thread::Builder::new()
+                .name("ingest".into())
+                .spawn(move || ingest.run(stop))
+                .map_err(|e| AppError::Http(e.to_string()))?,
+        );
+    }
+
+    let mut hub_thread = None;
+    if matches!(config.role, Role::All | Role::Delivery) {
+        let codec = Arc::new(Codec::new().map_err(|e| AppError::Codec(e.to_string()))?);
+        let mut hub = HubStage::new(&config, codec, clock.clone(), Box::new(NoHandler));
+        let stop = stop.clone();
+        hub_thread = Some(
+            std::thread::Builder::new()
+                .name("hub".into())
+                .spawn(move || hub.run(stop))
+                .map_err(|e| AppError::Http(e.to_string()))?,
+        );
+    }
+
+    let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
+        .await
+        .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
+    let health = Health { ready: ready.clone(), metrics };
+    let router = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .with_state(health);
+    tracing::info!(addr = %config.http_listen_addr, role = ?config.role, "streaming hub running");
+    ready.store(true, Ordering::SeqCst);
+
+    let stop_signal = stop.clone();
+    let ready_signal = ready.clone();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        ready_signal.store(false, Ordering::SeqCst);
+        stop_signal.store(true, Ordering::SeqCst);
+    });
+    let served = server.await.map_err(|e| AppError::Http(e.to_string()));
+    stop.store(true, Ordering::SeqCst);
+    if let Some(handle) = ingest_thread {
+        match tokio::task::spawn_blocking(move || handle.join()).await {
+            Ok(Ok(result)) => result?,
+            _ => tracing::error!("ingest thread panicked"),
+        }
+    }
+    if let Some(handle) = hub_thread {
+        match tokio::task::spawn_blocking(move || handle.join()).await {
+            Ok(Ok(result)) => result?,
+            _ => tracing::error!("hub thread panicked"),
+        }
+    }
+    served
+}
+
+async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
+    if h.ready.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+    }
+}
+
+async fn metrics_text(State(h): State<Health>) -> String {
+    h.metrics.render()
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

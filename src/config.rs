@@ -1,0 +1,530 @@
+//! The hub's configuration: every `STREAMING_HUB_*` variable, its default and its meaning, in one
+//! table ([`VARIABLES`]), read from the environment and optionally a TOML file.
+//!
+//! Sources, later wins: built-in defaults, the file named by `STREAMING_HUB_CONFIG_FILE` (keys are
+//! the variable names without the prefix, lower case: `kafka_brokers = "…"`), the environment.
+//! Unknown `STREAMING_HUB_*` variables and unknown file keys are errors (a typo must not silently
+//! fall back to a default). Every error names the variable at fault. `streaming-hub config` prints
+//! the table as Markdown; the README's table is that output.
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::ingest::signature::SignatureKeys;
+use crate::runtime::secret::Secret;
+
+pub const PREFIX: &str = "STREAMING_HUB_";
+pub const CONFIG_FILE_VAR: &str = "STREAMING_HUB_CONFIG_FILE";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("{var} is required: {why}")]
+    Missing { var: &'static str, why: String },
+    #[error("{var} is invalid: {why}")]
+    Invalid { var: String, why: String },
+    #[error("{var} is not a known setting (see `streaming-hub config` for the list)")]
+    Unknown { var: String },
+    #[error("config file {path}: {why}")]
+    File { path: String, why: String },
+}
+
+/// One documented setting.
+#[derive(Debug, Clone, Copy)]
+pub struct Variable {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// Which parts of the hub a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    All,
+    Ingest,
+    Delivery,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Parses one variable's text into its typed value.
+pub trait FromVar: Sized {
+    fn from_var(text: &str) -> Result<Self, String>;
+}
+
+impl FromVar for String {
+    fn from_var(text: &str) -> Result<Self, String> {
+        Ok(text.to_string())
+    }
+}
+
+impl FromVar for Secret {
+    fn from_var(text: &str) -> Result<Self, String> {
+        Ok(Secret::new(text))
+    }
+}
+
+impl FromVar for Option<String> {
+    fn from_var(text: &str) -> Result<Self, String> {
+        Ok((!text.is_empty()).then(|| text.to_string()))
+    }
+}
+
+impl FromVar for bool {
+    fn from_var(text: &str) -> Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            _ => Err(format!("expected true or false, got {text:?}")),
+        }
+    }
+}
+
+macro_rules! from_var_number {
+    ($($t:ty),*) => {$(
+        impl FromVar for $t {
+            fn from_var(text: &str) -> Result<Self, String> {
+                text.trim().parse::<$t>().map_err(|e| format!("expected a number, got {text:?} ({e})"))
+            }
+        }
+    )*};
+}
+from_var_number!(u16, u32, u64, usize, i32);
+
+impl FromVar for Duration {
+    fn from_var(text: &str) -> Result<Self, String> {
+        humantime::parse_duration(text.trim())
+            .map_err(|e| format!("expected a duration such as 30s, 5m or 24h, got {text:?} ({e})"))
+    }
+}
+
+impl FromVar for SocketAddr {
+    fn from_var(text: &str) -> Result<Self, String> {
+        text.parse()
+            .map_err(|e| format!("expected host:port, got {text:?} ({e})"))
+    }
+}
+
+impl FromVar for PathBuf {
+    fn from_var(text: &str) -> Result<Self, String> {
+        if text.is_empty() {
+            return Err("must not be empty".into());
+        }
+        Ok(PathBuf::from(text))
+    }
+}
+
+impl FromVar for Role {
+    fn from_var(text: &str) -> Result<Self, String> {
+        match text {
+            "all" => Ok(Role::All),
+            "ingest" => Ok(Role::Ingest),
+            "delivery" => Ok(Role::Delivery),
+            _ => Err(format!("expected all, ingest or delivery, got {text:?}")),
+        }
+    }
+}
+
+impl FromVar for LogFormat {
+    fn from_var(text: &str) -> Result<Self, String> {
+        match text {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            _ => Err(format!("expected text or json, got {text:?}")),
+        }
+    }
+}
+
+macro_rules! settings {
+    ($( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:literal; )*) => {
+        /// The whole configuration, typed. Field docs are the README's.
+        #[derive(Debug, Clone)]
+        pub struct Config {
+            $( $(#[doc = $doc])+ pub $field: $ty, )*
+        }
+
+        /// Every variable, its default and its meaning.
+        pub const VARIABLES: &[Variable] = &[
+            $( Variable {
+                name: concat!("STREAMING_HUB_", upper!($field)),
+                default: $default,
+                doc: concat!($($doc),+),
+            }, )*
+        ];
+
+        impl Config {
+            fn build(values: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+                Ok(Config { $(
+                    $field: {
+                        let var = concat!("STREAMING_HUB_", upper!($field));
+                        let text = values.get(var).map(String::as_str).unwrap_or($default);
+                        <$ty as FromVar>::from_var(text)
+                            .map_err(|why| ConfigError::Invalid { var: var.to_string(), why })?
+                    },
+                )* })
+            }
+        }
+    };
+}
+
+// `concat!` cannot upper-case, so each field name is spelled out once more in upper case here,
+// next to the table; a field missing here does not compile.
+macro_rules! upper {
+    (kafka_brokers) => { "KAFKA_BROKERS" };
+    (kafka_security_protocol) => { "KAFKA_SECURITY_PROTOCOL" };
+    (kafka_sasl_mechanism) => { "KAFKA_SASL_MECHANISM" };
+    (kafka_sasl_username) => { "KAFKA_SASL_USERNAME" };
+    (kafka_sasl_password) => { "KAFKA_SASL_PASSWORD" };
+    (kafka_ssl_ca_location) => { "KAFKA_SSL_CA_LOCATION" };
+    (kafka_ssl_certificate_location) => { "KAFKA_SSL_CERTIFICATE_LOCATION" };
+    (kafka_ssl_key_location) => { "KAFKA_SSL_KEY_LOCATION" };
+    (kafka_ssl_key_password) => { "KAFKA_SSL_KEY_PASSWORD" };
+    (topic_prefix) => { "TOPIC_PREFIX" };
+    (topology_file) => { "TOPOLOGY_FILE" };
+    (replication_factor) => { "REPLICATION_FACTOR" };
+    (group_id) => { "GROUP_ID" };
+    (instance_id) => { "INSTANCE_ID" };
+    (role) => { "ROLE" };
+    (http_listen_addr) => { "HTTP_LISTEN_ADDR" };
+    (state_dir) => { "STATE_DIR" };
+    (follow_pattern) => { "FOLLOW_PATTERN" };
+    (follow_refresh_interval) => { "FOLLOW_REFRESH_INTERVAL" };
+    (require_uuidv7) => { "REQUIRE_UUIDV7" };
+    (max_payload_bytes) => { "MAX_PAYLOAD_BYTES" };
+    (require_signatures) => { "REQUIRE_SIGNATURES" };
+    (signature_keys) => { "SIGNATURE_KEYS" };
+    (ingest_batch_max) => { "INGEST_BATCH_MAX" };
+    (commit_interval) => { "COMMIT_INTERVAL" };
+    (idempotency_ttl) => { "IDEMPOTENCY_TTL" };
+    (session_timeout) => { "SESSION_TIMEOUT" };
+    (log) => { "LOG" };
+    (log_format) => { "LOG_FORMAT" };
+}
+
+settings! {
+    /// Kafka bootstrap servers, comma separated.
+    kafka_brokers: String = "127.0.0.1:9092";
+    /// `plaintext`, `ssl`, `sasl_plaintext` or `sasl_ssl`.
+    kafka_security_protocol: String = "plaintext";
+    /// SASL mechanism when the protocol is `sasl_*`: `SCRAM-SHA-256`, `SCRAM-SHA-512` or `PLAIN`.
+    kafka_sasl_mechanism: Option<String> = "";
+    /// SASL user name (required with a SASL protocol).
+    kafka_sasl_username: Option<String> = "";
+    /// SASL password (secret; never logged).
+    kafka_sasl_password: Secret = "";
+    /// PEM file of the CA that signed the brokers' certificates (TLS).
+    kafka_ssl_ca_location: Option<String> = "";
+    /// PEM client certificate for mutual TLS.
+    kafka_ssl_certificate_location: Option<String> = "";
+    /// PEM client private key for mutual TLS.
+    kafka_ssl_key_location: Option<String> = "";
+    /// Password of the client private key (secret).
+    kafka_ssl_key_password: Secret = "";
+    /// Prefix of every topic the hub owns (`<prefix>.inbox`, …); letters, digits, `.`, `_`, `-`.
+    topic_prefix: String = "streaming-hub";
+    /// The topology file: the hub's topics and their settings.
+    topology_file: PathBuf = "topology/topics.toml";
+    /// Replication factor of the hub's topics (3 in production; `min.insync.replicas` is capped by it).
+    replication_factor: i32 = "1";
+    /// Consumer group of ingest (input topics); the hub tasks use `<group>.hub`.
+    group_id: String = "streaming-hub";
+    /// This instance's stable name: transactional ids and static group membership derive from it.
+    /// Empty = the host name. Two instances must never share one.
+    instance_id: String = "";
+    /// Which parts run in this process: `all`, `ingest` or `delivery`.
+    role: Role = "all";
+    /// Address of the HTTP API, `/metrics` and health endpoints.
+    http_listen_addr: SocketAddr = "127.0.0.1:8080";
+    /// Directory of the local RocksDB stores (a cache rebuilt from Kafka).
+    state_dir: PathBuf = ".streaming-hub-state";
+    /// Regex of the producer topics ingest follows.
+    follow_pattern: String = r"^lerian\.streaming\.[a-z0-9_-]+$";
+    /// How often the follow set is re-evaluated (a new producer topic is followed within this).
+    follow_refresh_interval: std::time::Duration = "10s";
+    /// `ce-id` must be a UUIDv7; `false` accepts any id of at most 256 bytes without control characters.
+    require_uuidv7: bool = "true";
+    /// Largest record value accepted; larger ones are quarantined as `payload_too_large`.
+    max_payload_bytes: usize = "1048576";
+    /// Quarantine records without a valid producer envelope signature (`ce-sig`).
+    require_signatures: bool = "false";
+    /// Producer signing keys, `<kid>@<source>:<base64 secret>`, comma separated (secret).
+    signature_keys: Secret = "";
+    /// Most records one stage (ingest, hub) puts in one transaction.
+    ingest_batch_max: usize = "5000";
+    /// Longest a batch stays open before it commits (bounds latency under light load).
+    commit_interval: std::time::Duration = "50ms";
+    /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time.
+    idempotency_ttl: std::time::Duration = "24h";
+    /// Consumer group session timeout (how fast a dead instance's partitions move).
+    session_timeout: std::time::Duration = "10s";
+    /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
+    log: String = "info";
+    /// Log format: `text` or `json`.
+    log_format: LogFormat = "text";
+}
+
+impl Config {
+    /// Reads the process environment (and the file it names).
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Self::from_vars(std::env::vars())
+    }
+
+    /// Reads the given variables (and the file they name); for tests and embedding.
+    pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+        let env: BTreeMap<String, String> =
+            vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)).collect();
+        let mut values = BTreeMap::new();
+        if let Some(path) = env.get(CONFIG_FILE_VAR) {
+            values.extend(read_file(path)?);
+        }
+        for (k, v) in env {
+            if k != CONFIG_FILE_VAR {
+                values.insert(k, v);
+            }
+        }
+        for key in values.keys() {
+            if !VARIABLES.iter().any(|v| v.name == key) {
+                return Err(ConfigError::Unknown { var: key.clone() });
+            }
+        }
+        let config = Config::build(&values)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |var: &str, why: &str| ConfigError::Invalid {
+            var: var.to_string(),
+            why: why.to_string(),
+        };
+        if self.kafka_brokers.trim().is_empty() {
+            return Err(invalid("STREAMING_HUB_KAFKA_BROKERS", "must not be empty"));
+        }
+        if self.topic_prefix.is_empty()
+            || !self
+                .topic_prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        {
+            return Err(invalid(
+                "STREAMING_HUB_TOPIC_PREFIX",
+                "use letters, digits, '.', '_' and '-' only",
+            ));
+        }
+        if self.group_id.is_empty() {
+            return Err(invalid("STREAMING_HUB_GROUP_ID", "must not be empty"));
+        }
+        if !(1..=5).contains(&self.replication_factor) {
+            return Err(invalid("STREAMING_HUB_REPLICATION_FACTOR", "must be between 1 and 5"));
+        }
+        if let Err(e) = regex::Regex::new(&self.follow_pattern) {
+            return Err(invalid("STREAMING_HUB_FOLLOW_PATTERN", &e.to_string()));
+        }
+        if !self.follow_pattern.starts_with('^') {
+            return Err(invalid(
+                "STREAMING_HUB_FOLLOW_PATTERN",
+                "must start with '^' (Kafka treats other names as literal topics)",
+            ));
+        }
+        if self.ingest_batch_max == 0 {
+            return Err(invalid("STREAMING_HUB_INGEST_BATCH_MAX", "must be at least 1"));
+        }
+        if self.max_payload_bytes == 0 {
+            return Err(invalid("STREAMING_HUB_MAX_PAYLOAD_BYTES", "must be at least 1"));
+        }
+        match self.kafka_security_protocol.as_str() {
+            "plaintext" | "ssl" => {}
+            "sasl_plaintext" | "sasl_ssl" => {
+                if self.kafka_sasl_mechanism.is_none() {
+                    return Err(ConfigError::Missing {
+                        var: "STREAMING_HUB_KAFKA_SASL_MECHANISM",
+                        why: "a sasl_* security protocol needs a mechanism".into(),
+                    });
+                }
+                if self.kafka_sasl_username.is_none() {
+                    return Err(ConfigError::Missing {
+                        var: "STREAMING_HUB_KAFKA_SASL_USERNAME",
+                        why: "a sasl_* security protocol needs a user name".into(),
+                    });
+                }
+            }
+            _ => {
+                return Err(invalid(
+                    "STREAMING_HUB_KAFKA_SECURITY_PROTOCOL",
+                    "expected plaintext, ssl, sasl_plaintext or sasl_ssl",
+                ));
+            }
+        }
+        let keys = self.signature_keys()?;
+        if self.require_signatures && keys.is_empty() {
+            return Err(ConfigError::Missing {
+                var: "STREAMING_HUB_SIGNATURE_KEYS",
+                why: "STREAMING_HUB_REQUIRE_SIGNATURES=true needs at least one key".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The producer signing keys, parsed (errors never echo the secret).
+    pub fn signature_keys(&self) -> Result<SignatureKeys, ConfigError> {
+        SignatureKeys::parse(self.signature_keys.expose()).map_err(|e| ConfigError::Invalid {
+            var: "STREAMING_HUB_SIGNATURE_KEYS".into(),
+            why: e.to_string(),
+        })
+    }
+
+    /// The instance id, defaulting to the host name.
+    pub fn instance(&self) -> String {
+        if !self.instance_id.is_empty() {
+            return self.instance_id.clone();
+        }
+        std::fs::read_to_string("/etc/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "streaming-hub".to_string())
+    }
+
+    /// The consumer group of the hub tasks (the one replay resets on `<prefix>.inbox`).
+    pub fn hub_group_id(&self) -> String {
+        format!("{}.hub", self.group_id)
+    }
+
+    /// The configuration table as Markdown (the README's).
+    pub fn markdown_table() -> String {
+        let mut out = String::from("| Variable | Default | Meaning |\n|---|---|---|\n");
+        for v in VARIABLES {
+            let default = if v.default.is_empty() {
+                "(empty)".to_string()
+            } else {
+                format!("`{}`", v.default)
+            };
+            let doc = v.doc.trim().replace("\n", " ").replace(" |", " \\|");
+            out.push_str(&format!("| `{}` | {} | {} |\n", v.name, default, doc));
+        }
+        out
+    }
+}
+
+fn read_file(path: &str) -> Result<BTreeMap<String, String>, ConfigError> {
+    let err = |why: String| ConfigError::File {
+        path: path.to_string(),
+        why,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| err(e.to_string()))?;
+    let mut out = BTreeMap::new();
+    for (key, value) in table {
+        let var = format!("{PREFIX}{}", key.to_ascii_uppercase());
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            other => return Err(err(format!("{key}: expected a string, number or boolean, got {other}"))),
+        };
+        out.insert(var, text);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_apply_when_nothing_is_set() {
+        let c = Config::from_vars(vars(&[("PATH", "/bin")])).unwrap();
+        assert_eq!(c.kafka_brokers, "127.0.0.1:9092");
+        assert_eq!(c.topic_prefix, "streaming-hub");
+        assert_eq!(c.http_listen_addr.to_string(), "127.0.0.1:8080");
+        assert!(c.require_uuidv7);
+        assert_eq!(c.max_payload_bytes, 1 << 20);
+        assert_eq!(c.hub_group_id(), "streaming-hub.hub");
+    }
+
+    #[test]
+    fn malformed_variable_is_named_in_the_error() {
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_HTTP_LISTEN_ADDR", "nope")])).unwrap_err();
+        assert!(e.to_string().starts_with("STREAMING_HUB_HTTP_LISTEN_ADDR is invalid"), "{e}");
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_UUIDV7", "maybe")])).unwrap_err();
+        assert!(e.to_string().contains("STREAMING_HUB_REQUIRE_UUIDV7"), "{e}");
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_COMMIT_INTERVAL", "soon")])).unwrap_err();
+        assert!(e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL"), "{e}");
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_TOPIC_PREFIX", "a b")])).unwrap_err();
+        assert!(e.to_string().contains("STREAMING_HUB_TOPIC_PREFIX"), "{e}");
+    }
+
+    #[test]
+    fn missing_variable_is_named_in_the_error() {
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_SIGNATURES", "true")])).unwrap_err();
+        assert_eq!(
+            e,
+            ConfigError::Missing {
+                var: "STREAMING_HUB_SIGNATURE_KEYS",
+                why: "STREAMING_HUB_REQUIRE_SIGNATURES=true needs at least one key".into()
+            }
+        );
+        let e = Config::from_vars(vars(&[
+            ("STREAMING_HUB_KAFKA_SECURITY_PROTOCOL", "sasl_ssl"),
+            ("STREAMING_HUB_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().starts_with("STREAMING_HUB_KAFKA_SASL_USERNAME is required"), "{e}");
+    }
+
+    #[test]
+    fn unknown_variable_is_rejected_not_ignored() {
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_BROKER", "x:1")])).unwrap_err();
+        assert_eq!(e, ConfigError::Unknown { var: "STREAMING_HUB_KAFKA_BROKER".into() });
+    }
+
+    #[test]
+    fn secret_keys_error_does_not_echo_the_secret() {
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_SIGNATURE_KEYS", "k1@ledger:c2hvcnQ=")])).unwrap_err();
+        assert!(e.to_string().contains("STREAMING_HUB_SIGNATURE_KEYS"), "{e}");
+        assert!(!e.to_string().contains("c2hvcnQ"), "{e}");
+        let c = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_SASL_PASSWORD", "pa55word")])).unwrap();
+        assert!(!format!("{c:?}").contains("pa55word"));
+    }
+
+    #[test]
+    fn file_values_apply_and_environment_overrides_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hub.toml");
+        std::fs::write(&path, "topic_prefix = \"from-file\"\ningest_batch_max = 10\ngroup_id = \"g\"\n").unwrap();
+        let c = Config::from_vars(vars(&[
+            (CONFIG_FILE_VAR, path.to_str().unwrap()),
+            ("STREAMING_HUB_GROUP_ID", "from-env"),
+        ]))
+        .unwrap();
+        assert_eq!(c.topic_prefix, "from-file");
+        assert_eq!(c.ingest_batch_max, 10);
+        assert_eq!(c.group_id, "from-env");
+        std::fs::write(&path, "topic_prefixx = \"typo\"\n").unwrap();
+        let e = Config::from_vars(vars(&[(CONFIG_FILE_VAR, path.to_str().unwrap())])).unwrap_err();
+        assert_eq!(e, ConfigError::Unknown { var: "STREAMING_HUB_TOPIC_PREFIXX".into() });
+    }
+
+    #[test]
+    fn every_variable_is_documented_once() {
+        let mut names: Vec<_> = VARIABLES.iter().map(|v| v.name).collect();
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), n, "a variable is listed twice");
+        for v in VARIABLES {
+            assert!(v.name.starts_with(PREFIX));
+            assert!(!v.doc.trim().is_empty(), "{} has no doc", v.name);
+        }
+        let table = Config::markdown_table();
+        assert_eq!(table.lines().count(), n + 2);
+    }
+}

@@ -1,0 +1,123 @@
+//! Dedup on `ce-id`, scoped by tenant, and the tenant's arrival sequence.
+//!
+//! Rule (DESIGN.md §2): the store maps (tenant, ce-id) to the inbox offset where the id was first
+//! seen. Seen at another offset: a duplicate — nothing is written, it is counted. Seen at the same
+//! offset: a replay after an offset reset — processed again, with the sequence number it got the
+//! first time. Unseen, or seen but expired: a new event, which takes the tenant's next sequence.
+//!
+//! Expiry: an entry lives `STREAMING_HUB_IDEMPOTENCY_TTL` from the first copy's ingest time. An
+//! index family (`dedup_expiry`, key = expires_at big-endian ‖ dedup key) lets each batch delete
+//! what has expired by walking the index from its start — never a scan of all entries, never work
+//! per event. An expired entry not yet purged counts as absent.
+//!
+//! Keys: dedup = `tenant 0x00 ce-id` (a tenant id cannot contain NUL: ingest quarantines control
+//! characters); sequence = `tenant`.
+use crate::runtime::records::DedupEntry;
+
+/// The store families of this module.
+pub const DEDUP: &str = "dedup";
+pub const DEDUP_EXPIRY: &str = "dedup_expiry";
+pub const SEQUENCE: &str = "sequence";
+
+/// What the dedup store says of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    /// First sighting (or the earlier one expired): assign the next sequence.
+    New,
+    /// The same id at another offset: drop.
+    Duplicate { first_offset: i64 },
+    /// The same id at the same offset: an offset reset replays it; keep its sequence.
+    Replay { sequence: u64 },
+}
+
+/// Judges an event at `offset` of `partition` given the stored entry for its (tenant, ce-id).
+pub fn judge(existing: Option<&DedupEntry>, partition: i32, offset: i64, now_ms: i64) -> Seen {
+    match existing {
+        Some(e) if e.expires_at > now_ms => {
+            if e.first_offset == offset && e.inbox_partition == partition {
+                Seen::Replay { sequence: e.sequence }
+            } else {
+                Seen::Duplicate { first_offset: e.first_offset }
+            }
+        }
+        _ => Seen::New,
+    }
+}
+
+pub fn dedup_key(tenant: &str, ce_id: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(tenant.len() + 1 + ce_id.len());
+    k.extend_from_slice(tenant.as_bytes());
+    k.push(0);
+    k.extend_from_slice(ce_id.as_bytes());
+    k
+}
+
+pub fn expiry_key(expires_at: i64, dedup_key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(8 + dedup_key.len());
+    k.extend_from_slice(&(expires_at.max(0) as u64).to_be_bytes());
+    k.extend_from_slice(dedup_key);
+    k
+}
+
+/// Splits an expiry index key into (expires_at, dedup key).
+pub fn split_expiry_key(key: &[u8]) -> Option<(i64, &[u8])> {
+    let (t, rest) = key.split_at_checked(8)?;
+    Some((u64::from_be_bytes(t.try_into().ok()?) as i64, rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(offset: i64, sequence: u64, expires_at: i64) -> DedupEntry {
+        DedupEntry {
+            tenant_id: "t".into(),
+            ce_id: "id".into(),
+            inbox_partition: 2,
+            first_offset: offset,
+            sequence,
+            expires_at,
+        }
+    }
+
+    #[test]
+    fn unseen_id_is_new() {
+        assert_eq!(judge(None, 2, 10, 1_000), Seen::New);
+    }
+
+    #[test]
+    fn same_id_at_another_offset_is_a_duplicate() {
+        let e = entry(10, 4, 5_000);
+        assert_eq!(judge(Some(&e), 2, 11, 1_000), Seen::Duplicate { first_offset: 10 });
+    }
+
+    #[test]
+    fn same_id_at_the_same_offset_is_a_replay_with_its_first_sequence() {
+        let e = entry(10, 4, 5_000);
+        assert_eq!(judge(Some(&e), 2, 10, 1_000), Seen::Replay { sequence: 4 });
+    }
+
+    #[test]
+    fn same_offset_in_another_partition_is_a_duplicate_not_a_replay() {
+        let e = entry(10, 4, 5_000);
+        assert_eq!(judge(Some(&e), 3, 10, 1_000), Seen::Duplicate { first_offset: 10 });
+    }
+
+    #[test]
+    fn duplicate_whose_first_copy_expired_is_new() {
+        let e = entry(10, 4, 5_000);
+        assert_eq!(judge(Some(&e), 2, 99, 5_000), Seen::New);
+        assert_eq!(judge(Some(&e), 2, 99, 4_999), Seen::Duplicate { first_offset: 10 });
+    }
+
+    #[test]
+    fn expiry_keys_sort_by_time_and_split_back() {
+        let a = expiry_key(1_000, &dedup_key("t", "b"));
+        let b = expiry_key(2_000, &dedup_key("t", "a"));
+        assert!(a < b, "index walks oldest first");
+        let (t, k) = split_expiry_key(&b).unwrap();
+        assert_eq!(t, 2_000);
+        assert_eq!(k, dedup_key("t", "a").as_slice());
+        assert_eq!(split_expiry_key(b"short"), None);
+    }
+}

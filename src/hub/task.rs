@@ -1,0 +1,547 @@
+//! The hub stage: one task per assigned inbox partition, all driven by one thread and one
+//! transactional producer per instance (Kafka's "EOS v2": zombies are fenced by the consumer group
+//! generation carried into every offset commit, and a restarted instance fences its previous
+//! incarnation through the shared transactional id `<prefix>.hub.<instance>`).
+//!
+//! Per batch, one transaction: for each record dedup → sequence → the [`EventHandler`] (matching and
+//! jobs hang off it), the changelog records of every store write, the handler's outputs, and the
+//! inbox offsets. Store writes are staged and reach RocksDB only after the commit.
+//!
+//! Rebalance: a partition assigned to us is restored from its changelogs inside the rebalance
+//! callback, before any of its records is processed. A partition revoked while a batch was being
+//! filled has its records dropped from that batch (no transaction is open while polling, so
+//! nothing of it was written): the new owner reads them from the committed offset.
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError as RdKafkaError;
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+
+use crate::config::Config;
+use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
+use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::changelog::{self, TrackingContext};
+use crate::runtime::clock::SharedClock;
+use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::records::{DedupEntry, SequenceRecord};
+use crate::runtime::store::{Staged, Store};
+use crate::runtime::telemetry::{self, HubEvent, Restored};
+
+const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Expired dedup entries purged per task per batch (bounded work, never a full scan).
+const EXPIRY_PER_BATCH: usize = 500;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("store: {0}")]
+    Store(#[from] crate::runtime::store::StoreError),
+    #[error("codec: {0}")]
+    Codec(String),
+    #[error("restoring partition {partition}: {why}")]
+    Restore { partition: i32, why: String },
+    #[error("fenced by a newer instance: {0}")]
+    Fenced(String),
+}
+
+/// An accepted, deduplicated, sequenced event, as the next stage receives it.
+pub struct SequencedEvent<'a> {
+    pub tenant: &'a str,
+    pub ce_id: &'a str,
+    pub sequence: u64,
+    pub partition: i32,
+    pub offset: i64,
+    /// Processed again after an offset reset.
+    pub replay: bool,
+    pub record: &'a BorrowedMessage<'a>,
+}
+
+/// The narrow hand-off to matching and jobs: called for each event inside the transaction.
+pub trait EventHandler: Send {
+    fn on_event(&mut self, event: &SequencedEvent<'_>, out: &mut Outputs<'_>) -> Result<(), HubError>;
+}
+
+/// Nothing downstream (this state: matching plugs in here).
+pub struct NoHandler;
+
+impl EventHandler for NoHandler {
+    fn on_event(&mut self, _: &SequencedEvent<'_>, _: &mut Outputs<'_>) -> Result<(), HubError> {
+        Ok(())
+    }
+}
+
+/// What a handler may write: records into the open transaction.
+pub struct Outputs<'a> {
+    producer: &'a BaseProducer<TrackingContext>,
+}
+
+impl Outputs<'_> {
+    pub fn send(&mut self, topic: &str, partition: Option<i32>, key: &[u8], value: Option<&[u8]>) -> Result<(), HubError> {
+        let mut r = BaseRecord::<[u8], [u8]>::to(topic).key(key);
+        if let Some(v) = value {
+            r = r.payload(v);
+        }
+        if let Some(p) = partition {
+            r = r.partition(p);
+        }
+        send(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
+    }
+}
+
+/// A task: the stores of one inbox partition.
+struct Task {
+    store: Store,
+}
+
+/// Names and settings every task shares.
+#[derive(Clone)]
+struct Env {
+    config: Config,
+    codec: Arc<Codec>,
+    inbox: String,
+    dedup_changelog: String,
+    sequence_changelog: String,
+}
+
+impl Env {
+    fn changelog_of(&self, family: &str) -> &str {
+        if family == DEDUP { &self.dedup_changelog } else { &self.sequence_changelog }
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    tasks: HashMap<i32, Task>,
+    revoked: HashSet<i32>,
+    fatal: Option<HubError>,
+}
+
+struct HubContext {
+    env: Env,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl ClientContext for HubContext {}
+
+impl ConsumerContext for HubContext {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+            for p in &parts {
+                shared.tasks.remove(p); // closes its RocksDB
+                shared.revoked.insert(*p);
+            }
+            telemetry::Rebalance { stage: "hub", kind: "revoke", partitions: &format!("{parts:?}") }.emit();
+        }
+    }
+
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+            telemetry::Rebalance { stage: "hub", kind: "assign", partitions: &format!("{parts:?}") }.emit();
+            for p in parts {
+                match open_and_restore(&self.env, p) {
+                    Ok(task) => {
+                        self.shared.lock().unwrap_or_else(|e| e.into_inner()).tasks.insert(p, task);
+                    }
+                    Err(e) => {
+                        tracing::error!(partition = p, error = %e, "restore failed");
+                        self.shared.lock().unwrap_or_else(|e| e.into_inner()).fatal = Some(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
+    config.state_dir.join(&config.topic_prefix).join(format!("hub-{partition}"))
+}
+
+/// Opens a task's store and brings it up to date with its changelogs.
+fn open_and_restore(env: &Env, partition: i32) -> Result<Task, HubError> {
+    let path = store_path(&env.config, partition);
+    std::fs::create_dir_all(&path).map_err(|e| HubError::Restore { partition, why: e.to_string() })?;
+    let store = Store::open(&path, &[DEDUP, DEDUP_EXPIRY, SEQUENCE])?;
+    for family in [DEDUP, SEQUENCE] {
+        let topic = env.changelog_of(family).to_string();
+        let after = store.changelog_offset(family)?;
+        let stats = changelog::restore(&env.config, &topic, partition, after, |records| {
+            let mut staged = Staged::default();
+            for (key, value, _) in records {
+                restore_one(&store, &env.codec, &mut staged, family, key, *value)?;
+            }
+            let last = records.last().map(|r| r.2).unwrap_or_default();
+            store.apply(staged, &[(family, last)]).map_err(|e| e.to_string())
+        })?;
+        Restored { partition, store: family, records: stats.records, took: stats.took }.emit();
+    }
+    Ok(Task { store })
+}
+
+/// Applies one changelog record to the staging, keeping the expiry index in step.
+fn restore_one(
+    store: &Store,
+    codec: &Codec,
+    staged: &mut Staged,
+    family: &'static str,
+    key: &[u8],
+    value: Option<&[u8]>,
+) -> Result<(), String> {
+    if family == DEDUP {
+        if let Some(old) = staged.read(store, DEDUP, key).map_err(|e| e.to_string())? {
+            if let Ok(old) = codec.decode::<DedupEntry>(RecordKind::DedupEntry, &old) {
+                staged.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, key));
+            }
+        }
+        if let Some(v) = value {
+            let entry: DedupEntry = codec.decode(RecordKind::DedupEntry, v).map_err(|e| e.to_string())?;
+            staged.put(DEDUP_EXPIRY, dedup::expiry_key(entry.expires_at, key), Vec::new());
+        }
+    }
+    match value {
+        Some(v) => staged.put(family, key.to_vec(), v.to_vec()),
+        None => staged.delete(family, key.to_vec()),
+    }
+    Ok(())
+}
+
+pub struct HubStage {
+    env: Env,
+    clock: SharedClock,
+    handler: Box<dyn EventHandler>,
+}
+
+impl HubStage {
+    pub fn new(config: &Config, codec: Arc<Codec>, clock: SharedClock, handler: Box<dyn EventHandler>) -> HubStage {
+        let p = &config.topic_prefix;
+        HubStage {
+            env: Env {
+                config: config.clone(),
+                codec,
+                inbox: format!("{p}.inbox"),
+                dedup_changelog: format!("{p}.hub.dedup.changelog"),
+                sequence_changelog: format!("{p}.hub.sequence.changelog"),
+            },
+            clock,
+            handler,
+        }
+    }
+
+    /// Runs until `stop` is set or a fatal error; blocking (run it on its own thread).
+    pub fn run(&mut self, stop: Arc<AtomicBool>) -> Result<(), HubError> {
+        let config = &self.env.config;
+        let instance = config.instance();
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(config, &format!("{}.hub.{instance}", config.topic_prefix))
+            .set("message.max.bytes", "4194304")
+            .create_with_context(TrackingContext::default())
+            .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        producer.init_transactions(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(config, &config.hub_group_id(), &format!("hub-{instance}"))
+            .create_with_context(HubContext { env: self.env.clone(), shared: shared.clone() })
+            .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        consumer.subscribe(&[self.env.inbox.as_str()]).map_err(KafkaError::from)?;
+        tracing::info!(group = %config.hub_group_id(), "hub stage started");
+
+        while !stop.load(Ordering::Relaxed) {
+            let mut batch = self.fill_batch(&consumer, &stop);
+            if let Some(e) = shared.lock().unwrap_or_else(|p| p.into_inner()).fatal.take() {
+                return Err(e);
+            }
+            self.drop_revoked(&consumer, &shared, &mut batch);
+            if batch.is_empty() {
+                continue;
+            }
+            let started = Instant::now();
+            let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+            let result = self.process_batch(&producer, &consumer, &mut guard.tasks, &batch);
+            match result {
+                Ok(n) => telemetry::HubCommit { records: n, took: started.elapsed() }.emit(),
+                Err(e) => {
+                    if let HubError::Fenced(_) = e {
+                        return Err(e);
+                    }
+                    tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
+                    if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
+                        return Err(fatal_or_kafka(abort));
+                    }
+                    drop(guard);
+                    rewind(&consumer, &batch);
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+        tracing::info!("hub stage stopping");
+        consumer.unsubscribe();
+        Ok(())
+    }
+
+    fn fill_batch<'c>(&self, consumer: &'c BaseConsumer<HubContext>, stop: &AtomicBool) -> Vec<BorrowedMessage<'c>> {
+        let config = &self.env.config;
+        let mut batch = Vec::new();
+        let mut deadline: Option<Instant> = None;
+        let mut last: HashMap<i32, i64> = HashMap::new();
+        while batch.len() < config.ingest_batch_max {
+            let wait = match deadline {
+                None => Duration::from_millis(100),
+                Some(d) => d.saturating_duration_since(Instant::now()),
+            };
+            if deadline.is_some() && wait.is_zero() {
+                break;
+            }
+            match consumer.poll(wait) {
+                None => {
+                    if deadline.is_none() && stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                Some(Ok(m)) => {
+                    if last.get(&m.partition()).is_some_and(|&o| m.offset() <= o) {
+                        continue;
+                    }
+                    last.insert(m.partition(), m.offset());
+                    batch.push(m);
+                    if deadline.is_none() {
+                        deadline = Some(Instant::now() + config.commit_interval);
+                    }
+                }
+                Some(Err(e)) => tracing::warn!(error = %e, "hub consumer error"),
+            }
+        }
+        batch
+    }
+
+    /// Drops records of partitions revoked while the batch filled; if such a partition came
+    /// back, its position is reset so they are read again.
+    fn drop_revoked(&self, consumer: &BaseConsumer<HubContext>, shared: &Mutex<Shared>, batch: &mut Vec<BorrowedMessage<'_>>) {
+        let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.revoked.is_empty() {
+            return;
+        }
+        let revoked = std::mem::take(&mut guard.revoked);
+        let owned: HashSet<i32> = guard.tasks.keys().copied().collect();
+        drop(guard);
+        let mut first: HashMap<i32, i64> = HashMap::new();
+        batch.retain(|m| {
+            if revoked.contains(&m.partition()) {
+                first.entry(m.partition()).or_insert(m.offset());
+                false
+            } else {
+                true
+            }
+        });
+        for (p, o) in first {
+            if owned.contains(&p) {
+                let _ = consumer.seek(&self.env.inbox, p, Offset::Offset(o), Duration::from_secs(5));
+            }
+        }
+    }
+
+    fn process_batch(
+        &mut self,
+        producer: &BaseProducer<TrackingContext>,
+        consumer: &BaseConsumer<HubContext>,
+        tasks: &mut HashMap<i32, Task>,
+        batch: &[BorrowedMessage<'_>],
+    ) -> Result<usize, HubError> {
+        let env = &self.env;
+        let now = self.clock.now_ms();
+        let ttl = env.config.idempotency_ttl.as_millis() as i64;
+        producer.begin_transaction().map_err(fatal_or_kafka)?;
+        let _ = producer.context().take();
+        let mut staged: HashMap<i32, Staged> = HashMap::new();
+        let mut sequences: HashMap<(i32, String), u64> = HashMap::new();
+        let mut offsets: HashMap<i32, i64> = HashMap::new();
+        let mut outputs = Outputs { producer };
+        for m in batch {
+            let p = m.partition();
+            offsets.insert(p, m.offset() + 1);
+            let Some(task) = tasks.get(&p) else {
+                continue; // unreachable: revoked partitions were dropped from the batch
+            };
+            let st = staged.entry(p).or_default();
+            let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
+                HubEvent { outcome: "invalid", partition: p, offset: m.offset(), ce_id: "" }.emit();
+                continue;
+            };
+            let key = dedup::dedup_key(tenant, ce_id);
+            let existing = match st.read(&task.store, DEDUP, &key)? {
+                Some(bytes) => Some(env.codec.decode::<DedupEntry>(RecordKind::DedupEntry, &bytes).map_err(|e| HubError::Codec(e.to_string()))?),
+                None => None,
+            };
+            let (sequence, replay) = match dedup::judge(existing.as_ref(), p, m.offset(), now) {
+                Seen::Duplicate { .. } => {
+                    HubEvent { outcome: "duplicate", partition: p, offset: m.offset(), ce_id }.emit();
+                    continue;
+                }
+                Seen::Replay { sequence } => (sequence, true),
+                Seen::New => {
+                    let next = match sequences.get(&(p, tenant.to_string())) {
+                        Some(n) => *n,
+                        None => read_sequence(&env.codec, st, &task.store, tenant)?,
+                    };
+                    sequences.insert((p, tenant.to_string()), next + 1);
+                    let entry = DedupEntry {
+                        tenant_id: tenant.to_string(),
+                        ce_id: ce_id.to_string(),
+                        inbox_partition: p,
+                        first_offset: m.offset(),
+                        sequence: next,
+                        expires_at: ingest_ms.unwrap_or(now) + ttl,
+                    };
+                    if let Some(old) = &existing {
+                        st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
+                    }
+                    let bytes = env.codec.encode(RecordKind::DedupEntry, &entry).map_err(|e| HubError::Codec(e.to_string()))?;
+                    outputs.send(&env.dedup_changelog, Some(p), &key, Some(&bytes))?;
+                    st.put(DEDUP_EXPIRY, dedup::expiry_key(entry.expires_at, &key), Vec::new());
+                    st.put(DEDUP, key, bytes);
+                    (next, false)
+                }
+            };
+            HubEvent { outcome: if replay { "replay" } else { "new" }, partition: p, offset: m.offset(), ce_id }.emit();
+            let event = SequencedEvent { tenant, ce_id, sequence, partition: p, offset: m.offset(), replay, record: m };
+            self.handler.on_event(&event, &mut outputs)?;
+        }
+        for ((p, tenant), next) in sequences {
+            let rec = SequenceRecord { tenant_id: tenant.clone(), next_sequence: next };
+            let bytes = env.codec.encode(RecordKind::Sequence, &rec).map_err(|e| HubError::Codec(e.to_string()))?;
+            outputs.send(&env.sequence_changelog, Some(p), tenant.as_bytes(), Some(&bytes))?;
+            staged.entry(p).or_default().put(SEQUENCE, tenant.into_bytes(), bytes);
+        }
+        for (p, task) in tasks.iter() {
+            let st = staged.entry(*p).or_default();
+            purge_expired(env, &task.store, st, &mut outputs, *p, now)?;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (p, next) in &offsets {
+            tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next)).map_err(KafkaError::from)?;
+        }
+        let metadata = consumer
+            .group_metadata()
+            .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
+        producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        producer.flush(TXN_TIMEOUT).map_err(fatal_or_kafka)?; // serves delivery reports: offsets
+        let (delivered, failed) = producer.context().take();
+        if let Some(why) = failed {
+            return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
+        }
+        producer.commit_transaction(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        // Committed: now the local stores may move, each with its changelog offsets.
+        for (p, st) in staged {
+            let Some(task) = tasks.get(&p) else { continue };
+            let mut marks: Vec<(&str, i64)> = Vec::new();
+            for family in [DEDUP, SEQUENCE] {
+                if let Some(o) = delivered.get(env.changelog_of(family)).and_then(|m| m.get(&p)) {
+                    marks.push((family, *o));
+                }
+            }
+            task.store.apply(st, &marks)?;
+        }
+        Ok(batch.len())
+    }
+}
+
+fn read_sequence(codec: &Codec, st: &Staged, store: &Store, tenant: &str) -> Result<u64, HubError> {
+    match st.read(store, SEQUENCE, tenant.as_bytes())? {
+        Some(b) => Ok(codec
+            .decode::<SequenceRecord>(RecordKind::Sequence, &b)
+            .map_err(|e| HubError::Codec(e.to_string()))?
+            .next_sequence),
+        None => Ok(0),
+    }
+}
+
+/// Deletes dedup entries whose time is up, oldest first, a bounded number per batch.
+fn purge_expired(env: &Env, store: &Store, st: &mut Staged, out: &mut Outputs<'_>, partition: i32, now: i64) -> Result<(), HubError> {
+    let candidates = store.scan_from(DEDUP_EXPIRY, &[], EXPIRY_PER_BATCH)?;
+    for (ikey, _) in candidates {
+        let Some((expires_at, key)) = dedup::split_expiry_key(&ikey) else { continue };
+        if expires_at > now {
+            break;
+        }
+        if st.get(DEDUP_EXPIRY, &ikey).is_some() {
+            continue; // touched in this batch
+        }
+        st.delete(DEDUP_EXPIRY, ikey.clone());
+        let current = st.read(store, DEDUP, key)?;
+        let still = current
+            .and_then(|b| env.codec.decode::<DedupEntry>(RecordKind::DedupEntry, &b).ok())
+            .is_some_and(|e| e.expires_at == expires_at);
+        if still {
+            out.send(&env.dedup_changelog, Some(partition), key, None)?;
+            st.delete(DEDUP, key.to_vec());
+            telemetry::DedupExpired { partition }.emit();
+        }
+    }
+    Ok(())
+}
+
+/// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
+/// not an ingest output (someone else wrote to the inbox).
+fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<i64>)> {
+    let tenant = std::str::from_utf8(m.key()?).ok().filter(|t| !t.is_empty())?;
+    let headers = m.headers()?;
+    let mut ce_id = None;
+    let mut ingest = None;
+    for h in headers.iter() {
+        match h.key {
+            "ce-id" => ce_id = h.value.and_then(|v| std::str::from_utf8(v).ok()),
+            crate::ingest::pipeline::H_INGEST_TIME => {
+                ingest = h
+                    .value
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+                    .map(|t| t.timestamp_millis())
+            }
+            _ => {}
+        }
+    }
+    Some((tenant, ce_id.filter(|c| !c.is_empty())?, ingest))
+}
+
+fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
+    producer: &BaseProducer<TrackingContext>,
+    mut record: BaseRecord<'_, K, P>,
+) -> Result<(), RdKafkaError> {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((RdKafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                record = r;
+                producer.poll(Duration::from_millis(5));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}
+
+fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
+    let mut first: HashMap<(&str, i32), i64> = HashMap::new();
+    for m in batch {
+        first.entry((m.topic(), m.partition())).or_insert(m.offset());
+    }
+    for ((topic, p), o) in first {
+        if let Err(e) = consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(5)) {
+            tracing::debug!(partition = p, error = %e, "rewind skipped");
+        }
+    }
+}
+
+fn fatal_or_kafka(e: RdKafkaError) -> HubError {
+    match e.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::Fenced | RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch) => {
+            HubError::Fenced(e.to_string())
+        }
+        _ => HubError::Kafka(KafkaError::from(e)),
+    }
+}

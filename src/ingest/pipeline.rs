@@ -1,0 +1,381 @@
+//! The ingest loop: consume the follow set, classify each record, write accepted records to
+//! `<prefix>.inbox` keyed by tenant and quarantined ones to `<prefix>.quarantine`, and commit the
+//! outputs and the input offsets in one Kafka transaction per batch.
+//!
+//! Invariants:
+//! - A `read_committed` reader of inbox + quarantine sees each input record exactly once: outputs
+//!   and offsets commit together, an aborted batch is rewound and read again, and a zombie is fenced
+//!   by the transactional id `<prefix>.ingest.<instance>` plus the group generation (KIP-447).
+//! - A batch closes at `STREAMING_HUB_INGEST_BATCH_MAX` records or `STREAMING_HUB_COMMIT_INTERVAL`
+//!   after its first record, whichever comes first, so latency stays low under light load.
+//! - The payload is never parsed; a malformed record is a verdict, never an error of the loop.
+//! - The loop runs on its own OS thread: rdkafka's transactional calls block.
+//!
+//! Output layout. Inbox: key = tenant id, value and headers unchanged, plus
+//! `x-streaming-hub-source-topic`, `-source-partition`, `-source-offset`, `-ingest-time` (RFC 3339,
+//! ms, UTC). Quarantine: key and headers of the input, plus the producers' forensic headers
+//! `x-lerian-dlq-*` and `x-streaming-hub-reason`; a `payload_too_large` record keeps only its size
+//! (`x-lerian-dlq-payload-omitted: true`), so a huge record cannot stall the partition.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError as RdKafkaError;
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer, DefaultProducerContext};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+
+use crate::config::Config;
+use crate::ingest::classify::{ClassifyConfig, Reason, Verdict, classify};
+use crate::runtime::clock::SharedClock;
+use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestVerdict};
+
+/// Header names the hub adds to inbox records.
+pub const H_SOURCE_TOPIC: &str = "x-streaming-hub-source-topic";
+pub const H_SOURCE_PARTITION: &str = "x-streaming-hub-source-partition";
+pub const H_SOURCE_OFFSET: &str = "x-streaming-hub-source-offset";
+pub const H_INGEST_TIME: &str = "x-streaming-hub-ingest-time";
+pub const H_REASON: &str = "x-streaming-hub-reason";
+
+/// Largest number of headers a record may carry; a record over it is quarantined without them.
+const MAX_HEADERS: usize = 256;
+/// Largest total size of a record's headers we copy to an output record.
+const MAX_HEADER_BYTES: usize = 64 * 1024;
+const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Another instance with our transactional id took over: this one must stop.
+    #[error("fenced by another instance with the same transactional id: {0}")]
+    Fenced(String),
+}
+
+struct IngestContext;
+
+impl ClientContext for IngestContext {}
+
+impl ConsumerContext for IngestContext {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        log_rebalance("revoke", rebalance);
+    }
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        log_rebalance("assign", rebalance);
+    }
+}
+
+fn log_rebalance(kind: &'static str, rebalance: &Rebalance<'_>) {
+    let partitions = match rebalance {
+        Rebalance::Assign(tpl) | Rebalance::Revoke(tpl) => tpl
+            .elements()
+            .iter()
+            .map(|e| format!("{}[{}]", e.topic(), e.partition()))
+            .collect::<Vec<_>>()
+            .join(","),
+        Rebalance::Error(e) => format!("error: {e}"),
+    };
+    telemetry::Rebalance { stage: "ingest", kind, partitions: &partitions }.emit();
+}
+
+/// Everything the loop needs, resolved once.
+pub struct Ingest {
+    config: Config,
+    classify: ClassifyConfig,
+    inbox: String,
+    quarantine: String,
+    clock: SharedClock,
+}
+
+impl Ingest {
+    pub fn new(config: &Config, clock: SharedClock) -> Result<Ingest, IngestError> {
+        let keys = config.signature_keys().map_err(|e| IngestError::Config(e.to_string()))?;
+        Ok(Ingest {
+            classify: ClassifyConfig {
+                require_uuidv7: config.require_uuidv7,
+                max_payload_bytes: config.max_payload_bytes,
+                require_signatures: config.require_signatures,
+                keys,
+            },
+            inbox: format!("{}.inbox", config.topic_prefix),
+            quarantine: format!("{}.quarantine", config.topic_prefix),
+            config: config.clone(),
+            clock,
+        })
+    }
+
+    /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
+    pub fn run(&self, stop: Arc<AtomicBool>) -> Result<(), IngestError> {
+        let instance = self.config.instance();
+        let consumer: BaseConsumer<IngestContext> =
+            kafka::transactional_consumer(&self.config, &self.config.group_id, &format!("ingest-{instance}"))
+                .create_with_context(IngestContext)
+                .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
+        let producer: ThreadedProducer<DefaultProducerContext> =
+            kafka::transactional_producer(&self.config, &txn_id)
+                .set("message.max.bytes", "4194304")
+                .create()
+                .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        producer.init_transactions(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        consumer
+            .subscribe(&[self.config.follow_pattern.as_str()])
+            .map_err(KafkaError::from)?;
+        tracing::info!(pattern = %self.config.follow_pattern, group = %self.config.group_id, transactional_id = %txn_id, "ingest started");
+
+        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.config.ingest_batch_max);
+        while !stop.load(Ordering::Relaxed) {
+            batch.clear();
+            self.fill_batch(&consumer, &mut batch, &stop)?;
+            if batch.is_empty() {
+                continue;
+            }
+            let started = Instant::now();
+            match self.commit_batch(&producer, &consumer, &batch) {
+                Ok(()) => IngestCommit { records: batch.len(), took: started.elapsed(), outcome: CommitOutcome::Committed }.emit(None),
+                Err(e) => {
+                    let msg = e.to_string();
+                    if let Some(code) = e.rdkafka_error_code() {
+                        if is_fenced(code) {
+                            return Err(IngestError::Fenced(msg));
+                        }
+                    }
+                    IngestCommit { records: batch.len(), took: started.elapsed(), outcome: CommitOutcome::Aborted }.emit(Some(&msg));
+                    if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
+                        return Err(fatal_or_kafka(abort));
+                    }
+                    rewind(&consumer, &batch);
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+        tracing::info!("ingest stopping");
+        drop(batch);
+        consumer.unsubscribe();
+        Ok(())
+    }
+
+    /// Polls until the batch is full, or the commit interval has passed since its first record.
+    fn fill_batch<'c>(
+        &self,
+        consumer: &'c BaseConsumer<IngestContext>,
+        batch: &mut Vec<BorrowedMessage<'c>>,
+        stop: &AtomicBool,
+    ) -> Result<(), IngestError> {
+        let mut deadline: Option<Instant> = None;
+        // Guards against a partition revoked and re-assigned inside one batch: never take an
+        // offset twice.
+        let mut last: HashMap<(String, i32), i64> = HashMap::new();
+        while batch.len() < self.config.ingest_batch_max {
+            let wait = match deadline {
+                None => Duration::from_millis(100),
+                Some(d) => d.saturating_duration_since(Instant::now()),
+            };
+            if deadline.is_some() && wait.is_zero() {
+                break;
+            }
+            match consumer.poll(wait) {
+                None => {
+                    if deadline.is_none() && stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                Some(Ok(msg)) => {
+                    let key = (msg.topic().to_string(), msg.partition());
+                    if last.get(&key).is_some_and(|&o| msg.offset() <= o) {
+                        continue;
+                    }
+                    last.insert(key, msg.offset());
+                    batch.push(msg);
+                    if deadline.is_none() {
+                        deadline = Some(Instant::now() + self.config.commit_interval);
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "ingest consumer error");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn commit_batch(
+        &self,
+        producer: &ThreadedProducer<DefaultProducerContext>,
+        consumer: &BaseConsumer<IngestContext>,
+        batch: &[BorrowedMessage<'_>],
+    ) -> Result<(), RdKafkaError> {
+        producer.begin_transaction()?;
+        let now_ms = self.clock.now_ms();
+        let ingest_time = rfc3339_ms(now_ms);
+        let mut offsets: HashMap<(&str, i32), i64> = HashMap::new();
+        for msg in batch {
+            self.route(producer, msg, &ingest_time)?;
+            offsets.insert((msg.topic(), msg.partition()), msg.offset() + 1);
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), next) in offsets {
+            tpl.add_partition_offset(topic, partition, Offset::Offset(next))?;
+        }
+        let metadata = consumer
+            .group_metadata()
+            .ok_or_else(|| RdKafkaError::Subscription("consumer has no group metadata yet".into()))?;
+        producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
+        producer.commit_transaction(TXN_TIMEOUT)?;
+        Ok(())
+    }
+
+    /// Classifies one record and sends its output (if any) into the open transaction.
+    fn route(
+        &self,
+        producer: &ThreadedProducer<DefaultProducerContext>,
+        msg: &BorrowedMessage<'_>,
+        ingest_time: &str,
+    ) -> Result<(), RdKafkaError> {
+        let raw = msg.headers();
+        let count = raw.map_or(0, |h| h.count());
+        let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(count.min(MAX_HEADERS));
+        let mut header_bytes = 0usize;
+        if let Some(h) = raw {
+            for hdr in h.iter().take(MAX_HEADERS + 1) {
+                header_bytes += hdr.key.len() + hdr.value.map_or(0, <[u8]>::len);
+                headers.push((hdr.key, hdr.value));
+            }
+        }
+        let oversized_headers = count > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES;
+        let value = msg.payload();
+        let verdict = if oversized_headers {
+            Verdict::Quarantine(crate::ingest::classify::Quarantined {
+                reason: Reason::PayloadTooLarge,
+                message: format!(
+                    "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes)"
+                ),
+            })
+        } else {
+            classify(&headers, value, &self.classify)
+        };
+        let ce_id = headers
+            .iter()
+            .find(|(k, _)| *k == "ce-id")
+            .and_then(|(_, v)| v.and_then(|v| std::str::from_utf8(v).ok()));
+        let partition = msg.partition().to_string();
+        let offset = msg.offset().to_string();
+        match verdict {
+            Verdict::Accept(accepted) => {
+                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "accept", reason: "accepted", message: "" }.emit();
+                let mut out = OwnedHeaders::new_with_capacity(headers.len() + 4);
+                for (k, v) in &headers {
+                    out = out.insert(Header { key: k, value: *v });
+                }
+                out = out
+                    .insert(Header { key: H_SOURCE_TOPIC, value: Some(msg.topic()) })
+                    .insert(Header { key: H_SOURCE_PARTITION, value: Some(&partition) })
+                    .insert(Header { key: H_SOURCE_OFFSET, value: Some(&offset) })
+                    .insert(Header { key: H_INGEST_TIME, value: Some(ingest_time) });
+                let mut record = BaseRecord::<str, [u8]>::to(&self.inbox).key(accepted.tenant.as_str()).headers(out);
+                if let Some(v) = value {
+                    record = record.payload(v);
+                }
+                send(producer, record)
+            }
+            Verdict::Drop => {
+                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "drop", reason: "system_event", message: "" }.emit();
+                Ok(())
+            }
+            Verdict::Quarantine(q) => {
+                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "quarantine", reason: q.reason.code(), message: &q.message }.emit();
+                let omit = q.reason == Reason::PayloadTooLarge;
+                let size = value.map_or(0, <[u8]>::len).to_string();
+                let mut out = OwnedHeaders::new_with_capacity(headers.len() + 12);
+                if !oversized_headers {
+                    for (k, v) in &headers {
+                        out = out.insert(Header { key: k, value: *v });
+                    }
+                }
+                let forensic: [(&str, &str); 12] = [
+                    ("x-lerian-dlq-source-topic", msg.topic()),
+                    ("x-lerian-dlq-source-partition", &partition),
+                    ("x-lerian-dlq-source-offset", &offset),
+                    ("x-lerian-dlq-error-class", "validation_error"),
+                    ("x-lerian-dlq-error-message", &q.message),
+                    ("x-lerian-dlq-cause-kind", q.reason.cause_kind()),
+                    ("x-lerian-dlq-retry-count", "0"),
+                    ("x-lerian-dlq-first-failure-at", ingest_time),
+                    ("x-lerian-dlq-producer-id", &self.config.group_id),
+                    ("x-lerian-dlq-payload-omitted", if omit { "true" } else { "false" }),
+                    ("x-lerian-dlq-payload-bytes", &size),
+                    (H_REASON, q.reason.code()),
+                ];
+                for (k, v) in forensic {
+                    out = out.insert(Header { key: k, value: Some(v) });
+                }
+                let mut record = BaseRecord::<[u8], [u8]>::to(&self.quarantine).headers(out);
+                if let Some(k) = msg.key() {
+                    record = record.key(k);
+                }
+                if let (Some(v), false) = (value, omit) {
+                    record = record.payload(v);
+                }
+                send(producer, record)
+            }
+        }
+    }
+}
+
+/// Sends into the open transaction, waiting while the local queue is full.
+fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
+    producer: &ThreadedProducer<DefaultProducerContext>,
+    mut record: BaseRecord<'_, K, P>,
+) -> Result<(), RdKafkaError> {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((RdKafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                record = r;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}
+
+/// After an abort, moves each partition of the batch back to the batch's first offset so the
+/// same records are read again. A partition we no longer own is skipped: its new owner starts
+/// from the last committed offset anyway.
+fn rewind(consumer: &BaseConsumer<IngestContext>, batch: &[BorrowedMessage<'_>]) {
+    let mut first: HashMap<(&str, i32), i64> = HashMap::new();
+    for m in batch {
+        first.entry((m.topic(), m.partition())).or_insert(m.offset());
+    }
+    for ((topic, partition), offset) in first {
+        if let Err(e) = consumer.seek(topic, partition, Offset::Offset(offset), Duration::from_secs(5)) {
+            tracing::debug!(topic, partition, error = %e, "rewind skipped");
+        }
+    }
+}
+
+fn is_fenced(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::Fenced | RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch
+    )
+}
+
+fn fatal_or_kafka(e: RdKafkaError) -> IngestError {
+    match e.rdkafka_error_code() {
+        Some(code) if is_fenced(code) => IngestError::Fenced(e.to_string()),
+        _ => IngestError::Kafka(KafkaError::from(e)),
+    }
+}
+
+pub fn rfc3339_ms(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}

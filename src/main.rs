@@ -1,0 +1,98 @@
+//! The `streaming-hub` command: run the hub, manage its topology, print its configuration.
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use streaming_hub::app;
+use streaming_hub::config::Config;
+use streaming_hub::runtime::topology::Topology;
+
+#[derive(Parser)]
+#[command(name = "streaming-hub", version, about = "Kafka-native event delivery hub")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the hub (the default): ingest, HTTP API, metrics.
+    Run,
+    /// The hub's own topics.
+    Topology {
+        #[command(subcommand)]
+        action: TopologyAction,
+    },
+    /// Print every STREAMING_HUB_* variable, its default and meaning (Markdown).
+    Config,
+}
+
+#[derive(Subcommand)]
+enum TopologyAction {
+    /// Create missing topics; report (exit 1) existing topics whose settings differ.
+    Apply {
+        /// Only report; create nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Config) = cli.command {
+        print!("{}", Config::markdown_table());
+        return ExitCode::SUCCESS;
+    }
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("streaming-hub: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    app::init_tracing(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("streaming-hub: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        match cli.command.unwrap_or(Command::Run) {
+            Command::Run => match app::run(config).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "hub stopped with an error");
+                    ExitCode::FAILURE
+                }
+            },
+            Command::Topology { action: TopologyAction::Apply { dry_run } } => {
+                let topology = match Topology::load(&config.topology_file, &config) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        eprintln!("streaming-hub: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+                match topology.apply(&config, dry_run).await {
+                    Ok(findings) => {
+                        for f in &findings {
+                            println!("{f}");
+                        }
+                        if findings.iter().any(|f| f.is_difference()) {
+                            eprintln!("streaming-hub: some topics differ from the topology (see DIFFERS lines)");
+                            ExitCode::from(1)
+                        } else {
+                            ExitCode::SUCCESS
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("streaming-hub: topology apply failed: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Command::Config => unreachable!("handled before the configuration is read"),
+        }
+    })
+}

@@ -1,0 +1,121 @@
+//! Kafka clients, configured once from [`Config`]: connection and security settings shared by every
+//! client, then the shapes the stages need — a `read_committed` consumer that never auto-commits,
+//! an idempotent transactional producer, an admin client.
+//!
+//! rdkafka's transactional calls block; callers run them on a dedicated thread (ingest) or through
+//! `spawn_blocking`, never on an async worker.
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
+
+use crate::config::Config;
+
+/// Errors from Kafka, split by what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    /// The client could not be created (bad settings): stop.
+    #[error("kafka client setup failed: {0}")]
+    Setup(String),
+    /// A call failed; retrying later may help.
+    #[error("kafka call failed: {0}")]
+    Call(#[from] rdkafka::error::KafkaError),
+}
+
+impl KafkaError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            KafkaError::Setup(_) => false,
+            KafkaError::Call(e) => !matches!(
+                e.rdkafka_error_code(),
+                Some(rdkafka::types::RDKafkaErrorCode::Fenced)
+                    | Some(rdkafka::types::RDKafkaErrorCode::ProducerFenced)
+                    | Some(rdkafka::types::RDKafkaErrorCode::InvalidProducerEpoch)
+            ),
+        }
+    }
+}
+
+/// The settings every client of this hub shares: brokers, TLS, SASL.
+pub fn base(config: &Config) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &config.kafka_brokers)
+        .set("security.protocol", &config.kafka_security_protocol)
+        .set("client.id", format!("streaming-hub-{}", config.instance()))
+        .set("socket.keepalive.enable", "true");
+    if let Some(mechanism) = &config.kafka_sasl_mechanism {
+        c.set("sasl.mechanism", mechanism);
+    }
+    if let Some(user) = &config.kafka_sasl_username {
+        c.set("sasl.username", user);
+        c.set("sasl.password", config.kafka_sasl_password.expose());
+    }
+    if let Some(ca) = &config.kafka_ssl_ca_location {
+        c.set("ssl.ca.location", ca);
+    }
+    if let Some(cert) = &config.kafka_ssl_certificate_location {
+        c.set("ssl.certificate.location", cert);
+    }
+    if let Some(key) = &config.kafka_ssl_key_location {
+        c.set("ssl.key.location", key);
+    }
+    if !config.kafka_ssl_key_password.is_empty() {
+        c.set("ssl.key.password", config.kafka_ssl_key_password.expose());
+    }
+    // librdkafka logs through the `log` facade otherwise; its own level is enough.
+    c.set_log_level(rdkafka::config::RDKafkaLogLevel::Warning);
+    c
+}
+
+/// A consumer of a consume-process-produce loop: manual offsets (they go into the transaction),
+/// `read_committed` (inputs may be other transactions' outputs), static membership.
+pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> ClientConfig {
+    let mut c = base(config);
+    c.set("group.id", group)
+        .set("group.instance.id", member)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "false")
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", millis(config.session_timeout))
+        .set("heartbeat.interval.ms", millis(config.session_timeout / 4))
+        .set(
+            "topic.metadata.refresh.interval.ms",
+            millis(config.follow_refresh_interval),
+        )
+        .set("fetch.wait.max.ms", "20")
+        .set("queued.max.messages.kbytes", "65536");
+    c
+}
+
+/// An idempotent, transactional producer. The transactional id must be stable for one logical
+/// writer (an instance, a task), so that a restarted writer fences its zombie.
+pub fn transactional_producer(config: &Config, transactional_id: &str) -> ClientConfig {
+    let mut c = base(config);
+    c.set("transactional.id", transactional_id)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("transaction.timeout.ms", "60000")
+        .set("linger.ms", "5")
+        .set("batch.num.messages", "10000")
+        .set("compression.type", "lz4")
+        // murmur2 is what Java clients use: any producer keying the inbox by tenant agrees with us.
+        .set("partitioner", "murmur2_random");
+    c
+}
+
+pub fn admin(config: &Config) -> Result<AdminClient<DefaultClientContext>, KafkaError> {
+    base(config)
+        .create()
+        .map_err(|e| KafkaError::Setup(e.to_string()))
+}
+
+/// The timeout for metadata and admin calls.
+pub const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn millis(d: Duration) -> String {
+    d.as_millis().to_string()
+}

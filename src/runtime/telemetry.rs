@@ -1,0 +1,150 @@
+//! One typed event per observable thing. Each event both logs (structured, `tracing`) and counts
+//! (`metrics`) with fixed labels, so metric names live here and nowhere else.
+//!
+//! Metric names (Prometheus): `streaming_hub_ingest_records_total{topic,verdict,reason}`,
+//! `streaming_hub_ingest_commits_total{outcome}`, `streaming_hub_ingest_commit_seconds`,
+//! `streaming_hub_ingest_batch_records`.
+use std::time::Duration;
+
+use metrics::{counter, histogram};
+
+pub const INGEST_RECORDS: &str = "streaming_hub_ingest_records_total";
+pub const INGEST_COMMITS: &str = "streaming_hub_ingest_commits_total";
+pub const INGEST_COMMIT_SECONDS: &str = "streaming_hub_ingest_commit_seconds";
+pub const INGEST_BATCH_RECORDS: &str = "streaming_hub_ingest_batch_records";
+
+/// A record got its verdict (counted per record; logged at debug, with its `ce-id`, except
+/// quarantines, logged at warn: an operator wants to see those).
+pub struct IngestVerdict<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+    pub ce_id: Option<&'a str>,
+    pub verdict: &'static str,
+    pub reason: &'static str,
+    pub message: &'a str,
+}
+
+impl IngestVerdict<'_> {
+    pub fn emit(&self) {
+        counter!(INGEST_RECORDS, "topic" => self.topic.to_string(), "verdict" => self.verdict, "reason" => self.reason)
+            .increment(1);
+        if self.verdict == "quarantine" {
+            tracing::warn!(
+                topic = self.topic, partition = self.partition, offset = self.offset,
+                ce_id = self.ce_id.unwrap_or(""), reason = self.reason, message = self.message,
+                "record quarantined"
+            );
+        } else {
+            tracing::debug!(
+                topic = self.topic, partition = self.partition, offset = self.offset,
+                ce_id = self.ce_id.unwrap_or(""), verdict = self.verdict, "record classified"
+            );
+        }
+    }
+}
+
+/// A batch transaction committed or aborted.
+pub struct IngestCommit {
+    pub records: usize,
+    pub took: Duration,
+    pub outcome: CommitOutcome,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed,
+    Aborted,
+}
+
+impl IngestCommit {
+    pub fn emit(&self, error: Option<&str>) {
+        let outcome = match self.outcome {
+            CommitOutcome::Committed => "committed",
+            CommitOutcome::Aborted => "aborted",
+        };
+        counter!(INGEST_COMMITS, "outcome" => outcome).increment(1);
+        if self.outcome == CommitOutcome::Committed {
+            histogram!(INGEST_COMMIT_SECONDS).record(self.took.as_secs_f64());
+            histogram!(INGEST_BATCH_RECORDS).record(self.records as f64);
+            tracing::trace!(records = self.records, took_ms = self.took.as_millis() as u64, "ingest batch committed");
+        } else {
+            tracing::warn!(records = self.records, error = error.unwrap_or(""), "ingest batch aborted; it will be read again");
+        }
+    }
+}
+
+/// Partitions moved to or from this instance.
+pub struct Rebalance<'a> {
+    pub stage: &'static str,
+    pub kind: &'static str,
+    pub partitions: &'a str,
+}
+
+impl Rebalance<'_> {
+    pub fn emit(&self) {
+        tracing::info!(stage = self.stage, kind = self.kind, partitions = self.partitions, "rebalance");
+    }
+}
+
+pub const HUB_EVENTS: &str = "streaming_hub_hub_events_total";
+pub const HUB_COMMIT_SECONDS: &str = "streaming_hub_hub_commit_seconds";
+pub const HUB_BATCH_RECORDS: &str = "streaming_hub_hub_batch_records";
+pub const RESTORE_RECORDS: &str = "streaming_hub_restore_records_total";
+pub const RESTORE_SECONDS: &str = "streaming_hub_restore_seconds";
+pub const DEDUP_EXPIRED: &str = "streaming_hub_dedup_expired_total";
+
+/// The hub task's decision on one inbox record: `new`, `replay`, `duplicate` or `invalid`.
+pub struct HubEvent<'a> {
+    pub outcome: &'static str,
+    pub partition: i32,
+    pub offset: i64,
+    pub ce_id: &'a str,
+}
+
+impl HubEvent<'_> {
+    pub fn emit(&self) {
+        counter!(HUB_EVENTS, "outcome" => self.outcome).increment(1);
+        tracing::debug!(outcome = self.outcome, partition = self.partition, offset = self.offset, ce_id = self.ce_id, "hub event");
+    }
+}
+
+/// A hub batch committed.
+pub struct HubCommit {
+    pub records: usize,
+    pub took: Duration,
+}
+
+impl HubCommit {
+    pub fn emit(&self) {
+        histogram!(HUB_COMMIT_SECONDS).record(self.took.as_secs_f64());
+        histogram!(HUB_BATCH_RECORDS).record(self.records as f64);
+    }
+}
+
+/// A task's store caught up with its changelog.
+pub struct Restored {
+    pub partition: i32,
+    pub store: &'static str,
+    pub records: u64,
+    pub took: Duration,
+}
+
+impl Restored {
+    pub fn emit(&self) {
+        counter!(RESTORE_RECORDS, "store" => self.store).increment(self.records);
+        histogram!(RESTORE_SECONDS, "store" => self.store).record(self.took.as_secs_f64());
+        tracing::info!(partition = self.partition, store = self.store, records = self.records, took_ms = self.took.as_millis() as u64, "store restored");
+    }
+}
+
+/// A dedup entry reached its TTL and was deleted.
+pub struct DedupExpired {
+    pub partition: i32,
+}
+
+impl DedupExpired {
+    pub fn emit(&self) {
+        counter!(DEDUP_EXPIRED).increment(1);
+    }
+}

@@ -1,0 +1,341 @@
+//! The hub's topics as data (`topology/topics.toml`) and the code that makes a cluster match it.
+//!
+//! `apply` creates missing topics and reports every existing topic whose partitions or settings
+//! differ from the file; it never alters an existing topic (changing partitions of a keyed topic
+//! moves tenants between tasks — an operator decides that, not a start-up). `--dry-run` only
+//! reports. Names are `<prefix>.<name>`.
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::types::RDKafkaErrorCode;
+use serde::Deserialize;
+
+use crate::config::Config;
+use crate::runtime::kafka::{self, ADMIN_TIMEOUT, KafkaError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("topology file {path}: {why}")]
+    File { path: String, why: String },
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("creating topic {topic} failed: {why}")]
+    Create { topic: String, why: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopicSpec {
+    pub name: String,
+    pub partitions: i32,
+    pub cleanup_policy: CleanupPolicy,
+    /// Delete topics only; "forever" keeps everything.
+    #[serde(default)]
+    pub retention: Option<String>,
+    pub min_insync_replicas: i32,
+    #[serde(default)]
+    pub max_message_bytes: Option<u64>,
+    #[serde(default)]
+    pub writers: Vec<String>,
+    #[serde(default)]
+    pub readers: Vec<String>,
+    #[serde(default)]
+    pub about: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CleanupPolicy {
+    Compact,
+    Delete,
+}
+
+impl CleanupPolicy {
+    fn as_str(self) -> &'static str {
+        match self {
+            CleanupPolicy::Compact => "compact",
+            CleanupPolicy::Delete => "delete",
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    topic: Vec<TopicSpec>,
+}
+
+/// The parsed topology with the prefix and replication factor of this deployment.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub prefix: String,
+    pub replication_factor: i32,
+    pub topics: Vec<TopicSpec>,
+}
+
+/// What `apply` found for one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finding {
+    Created { topic: String },
+    WouldCreate { topic: String },
+    Matches { topic: String },
+    Differs { topic: String, setting: String, want: String, have: String },
+}
+
+impl Finding {
+    pub fn is_difference(&self) -> bool {
+        matches!(self, Finding::Differs { .. })
+    }
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Finding::Created { topic } => write!(f, "created  {topic}"),
+            Finding::WouldCreate { topic } => write!(f, "missing  {topic} (would create)"),
+            Finding::Matches { topic } => write!(f, "ok       {topic}"),
+            Finding::Differs { topic, setting, want, have } => {
+                write!(f, "DIFFERS  {topic}: {setting} is {have}, the topology says {want}")
+            }
+        }
+    }
+}
+
+impl Topology {
+    pub fn load(path: &Path, config: &Config) -> Result<Topology, TopologyError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TopologyError::File {
+            path: path.display().to_string(),
+            why: e.to_string(),
+        })?;
+        Self::parse(&text, &config.topic_prefix, config.replication_factor).map_err(|why| {
+            TopologyError::File {
+                path: path.display().to_string(),
+                why,
+            }
+        })
+    }
+
+    pub fn parse(text: &str, prefix: &str, replication_factor: i32) -> Result<Topology, String> {
+        let file: File = toml::from_str(text).map_err(|e| e.to_string())?;
+        for t in &file.topic {
+            if t.partitions < 1 {
+                return Err(format!("topic {}: partitions must be at least 1", t.name));
+            }
+            if let Some(r) = &t.retention {
+                retention_ms(r).map_err(|e| format!("topic {}: retention: {e}", t.name))?;
+            }
+        }
+        Ok(Topology {
+            prefix: prefix.to_string(),
+            replication_factor,
+            topics: file.topic,
+        })
+    }
+
+    pub fn full_name(&self, name: &str) -> String {
+        format!("{}.{}", self.prefix, name)
+    }
+
+    pub fn spec(&self, name: &str) -> Option<&TopicSpec> {
+        self.topics.iter().find(|t| t.name == name)
+    }
+
+    /// The settings a topic must have, as Kafka names them.
+    pub fn desired_configs(&self, t: &TopicSpec) -> BTreeMap<&'static str, String> {
+        let mut m = BTreeMap::new();
+        m.insert("cleanup.policy", t.cleanup_policy.as_str().to_string());
+        m.insert(
+            "min.insync.replicas",
+            t.min_insync_replicas.min(self.replication_factor).to_string(),
+        );
+        if let Some(r) = &t.retention {
+            m.insert("retention.ms", retention_ms(r).expect("validated at parse").to_string());
+        }
+        if let Some(b) = t.max_message_bytes {
+            m.insert("max.message.bytes", b.to_string());
+        }
+        m
+    }
+
+    /// Creates missing topics (unless `dry_run`) and reports differences of existing ones.
+    pub async fn apply(&self, config: &Config, dry_run: bool) -> Result<Vec<Finding>, TopologyError> {
+        let admin = kafka::admin(config)?;
+        let metadata = admin
+            .inner()
+            .fetch_metadata(None, ADMIN_TIMEOUT)
+            .map_err(KafkaError::from)?;
+        let existing: BTreeMap<String, usize> = metadata
+            .topics()
+            .iter()
+            .map(|t| (t.name().to_string(), t.partitions().len()))
+            .collect();
+        let opts = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
+        let mut findings = Vec::new();
+        let mut to_create = Vec::new();
+        for t in &self.topics {
+            let name = self.full_name(&t.name);
+            match existing.get(&name) {
+                None if dry_run => findings.push(Finding::WouldCreate { topic: name }),
+                None => to_create.push((name, t)),
+                Some(&partitions) => {
+                    let mut differs = false;
+                    if partitions != t.partitions as usize {
+                        differs = true;
+                        findings.push(Finding::Differs {
+                            topic: name.clone(),
+                            setting: "partitions".into(),
+                            want: t.partitions.to_string(),
+                            have: partitions.to_string(),
+                        });
+                    }
+                    let described = admin
+                        .describe_configs(&[ResourceSpecifier::Topic(&name)], &opts)
+                        .await
+                        .map_err(KafkaError::from)?;
+                    let resource = match described.into_iter().next() {
+                        Some(Ok(r)) => r,
+                        Some(Err(e)) => return Err(KafkaError::Setup(format!("describe_configs: {e}")).into()),
+                        None => return Err(KafkaError::Setup("empty describe_configs answer".into()).into()),
+                    };
+                    for (key, want) in self.desired_configs(t) {
+                        let have = resource.get(key).and_then(|e| e.value.clone()).unwrap_or_default();
+                        if have != want {
+                            differs = true;
+                            findings.push(Finding::Differs {
+                                topic: name.clone(),
+                                setting: key.to_string(),
+                                want,
+                                have,
+                            });
+                        }
+                    }
+                    if !differs {
+                        findings.push(Finding::Matches { topic: name });
+                    }
+                }
+            }
+        }
+        if !to_create.is_empty() {
+            let configs: Vec<(String, i32, BTreeMap<&'static str, String>)> = to_create
+                .iter()
+                .map(|(name, t)| (name.clone(), t.partitions, self.desired_configs(t)))
+                .collect();
+            let new_topics: Vec<NewTopic<'_>> = configs
+                .iter()
+                .map(|(name, partitions, cfg)| {
+                    let mut nt = NewTopic::new(
+                        name,
+                        *partitions,
+                        TopicReplication::Fixed(self.replication_factor),
+                    );
+                    for (k, v) in cfg {
+                        nt = nt.set(k, v);
+                    }
+                    nt
+                })
+                .collect();
+            let results = admin
+                .create_topics(&new_topics, &opts)
+                .await
+                .map_err(KafkaError::from)?;
+            for r in results {
+                match r {
+                    Ok(topic) => findings.push(Finding::Created { topic }),
+                    // Another instance created it between our metadata read and now: fine.
+                    Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => {
+                        findings.push(Finding::Matches { topic })
+                    }
+                    Err((topic, code)) => {
+                        return Err(TopologyError::Create {
+                            topic,
+                            why: code.to_string(),
+                        });
+                    }
+                }
+            }
+            wait_for_topics(config, configs.iter().map(|c| c.0.as_str())).await?;
+        }
+        Ok(findings)
+    }
+}
+
+/// Waits until freshly created topics show up with leaders in the metadata.
+async fn wait_for_topics<'a>(
+    config: &Config,
+    names: impl Iterator<Item = &'a str>,
+) -> Result<(), TopologyError> {
+    let names: Vec<&str> = names.collect();
+    let admin = kafka::admin(config)?;
+    let deadline = std::time::Instant::now() + ADMIN_TIMEOUT;
+    loop {
+        let md = admin
+            .inner()
+            .fetch_metadata(None, ADMIN_TIMEOUT)
+            .map_err(KafkaError::from)?;
+        let ready = names.iter().all(|n| {
+            md.topics().iter().any(|t| {
+                t.name() == *n
+                    && t.error().is_none()
+                    && !t.partitions().is_empty()
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            })
+        });
+        if ready {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(KafkaError::Setup("created topics did not get leaders in time".into()).into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn retention_ms(text: &str) -> Result<i64, String> {
+    if text == "forever" {
+        return Ok(-1);
+    }
+    humantime::parse_duration(text)
+        .map(|d| d.as_millis() as i64)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = include_str!("../../topology/topics.toml");
+
+    #[test]
+    fn bundled_topology_parses_and_changelogs_match_inbox_partitions() {
+        let t = Topology::parse(FILE, "streaming-hub", 1).unwrap();
+        let inbox = t.spec("inbox").unwrap().partitions;
+        let changelogs: Vec<_> = t.topics.iter().filter(|s| s.name.ends_with(".changelog")).collect();
+        assert!(!changelogs.is_empty());
+        for c in changelogs {
+            assert_eq!(c.partitions, inbox, "{} must have as many partitions as the inbox", c.name);
+            assert_eq!(c.cleanup_policy, CleanupPolicy::Compact, "{} must be compacted", c.name);
+        }
+        assert_eq!(t.spec("subscriptions").unwrap().cleanup_policy, CleanupPolicy::Compact);
+        assert_eq!(t.full_name("inbox"), "streaming-hub.inbox");
+    }
+
+    #[test]
+    fn min_insync_replicas_is_capped_by_the_replication_factor() {
+        let single = Topology::parse(FILE, "p", 1).unwrap();
+        let three = Topology::parse(FILE, "p", 3).unwrap();
+        let inbox = single.spec("inbox").unwrap();
+        assert_eq!(single.desired_configs(inbox)["min.insync.replicas"], "1");
+        assert_eq!(three.desired_configs(inbox)["min.insync.replicas"], "2");
+        assert_eq!(single.desired_configs(inbox)["retention.ms"], (7 * 86_400_000i64).to_string());
+    }
+
+    #[test]
+    fn malformed_topology_is_rejected_with_the_topic_named() {
+        let bad = "[[topic]]\nname = \"x\"\npartitions = 0\ncleanup_policy = \"delete\"\nmin_insync_replicas = 1\n";
+        assert!(Topology::parse(bad, "p", 1).unwrap_err().contains("topic x"));
+        let bad = "[[topic]]\nname = \"x\"\npartitions = 1\ncleanup_policy = \"shred\"\nmin_insync_replicas = 1\n";
+        assert!(Topology::parse(bad, "p", 1).is_err());
+    }
+}

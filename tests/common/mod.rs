@@ -1,0 +1,396 @@
+//! Shared test harness: the real broker started by `scripts/kafka.sh`, a unique topic prefix per
+//! test, the hub binary as a child process, and readers that wait for a condition (never a sleep
+//! standing in for one).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+
+pub fn brokers() -> String {
+    std::env::var("STREAMING_HUB_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A name no other test (or earlier run) uses: lower case, digits, no dots.
+pub fn unique(tag: &str) -> String {
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    format!("{tag}{}", &id[20..])
+}
+
+pub fn admin() -> AdminClient<DefaultClientContext> {
+    ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("admin client")
+}
+
+/// Fails the test with a clear message when no broker answers.
+pub fn require_broker() {
+    let a = admin();
+    a.inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("no Kafka broker at {} ({e}); run scripts/kafka.sh start or scripts/test.sh", brokers()));
+}
+
+pub async fn create_topic(name: &str, partitions: i32) {
+    let a = admin();
+    let t = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let r = a.create_topics(&[t], &AdminOptions::new()).await.expect("create topic");
+    for x in r {
+        x.expect("topic created");
+    }
+    wait_until(Duration::from_secs(30), "topic has leaders", || {
+        let md = a.inner().fetch_metadata(Some(name), Duration::from_secs(5)).ok()?;
+        let t = md.topics().first()?;
+        (t.partitions().len() == partitions as usize && t.partitions().iter().all(|p| p.leader() >= 0)).then_some(())
+    });
+}
+
+pub fn producer() -> BaseProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("linger.ms", "5")
+        .set("message.max.bytes", "4194304")
+        .set("queue.buffering.max.messages", "200000")
+        .create()
+        .expect("producer")
+}
+
+/// One record to produce: key, headers in order (a value of None is a null header), value.
+#[derive(Clone, Debug, Default)]
+pub struct Rec {
+    pub key: Option<Vec<u8>>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    pub value: Option<Vec<u8>>,
+    pub partition: Option<i32>,
+}
+
+impl Rec {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| v.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+/// A valid business event: the platform's header set, a UUIDv7 id.
+pub fn event(tenant: &str, source: &str, resource: &str, ev: &str) -> Rec {
+    let id = uuid::Uuid::now_v7().to_string();
+    let h = |k: &str, v: &str| (k.to_string(), Some(v.as_bytes().to_vec()));
+    Rec {
+        key: Some(tenant.as_bytes().to_vec()),
+        headers: vec![
+            h("ce-specversion", "1.0"),
+            h("ce-id", &id),
+            h("ce-source", source),
+            h("ce-type", &format!("studio.lerian.{source}.{resource}.{ev}")),
+            h("ce-time", "2026-09-26T12:00:00.123456789Z"),
+            h("ce-schemaversion", "1.0.0"),
+            h("ce-resourcetype", resource),
+            h("ce-eventtype", ev),
+            h("ce-datacontenttype", "application/json"),
+            h("ce-tenantid", tenant),
+        ],
+        value: Some(format!("{{\"id\":\"{id}\",\"amount\":\"10.00\"}}").into_bytes()),
+        partition: None,
+    }
+}
+
+impl Rec {
+    pub fn set(mut self, name: &str, value: Option<&[u8]>) -> Rec {
+        self.headers.retain(|(k, _)| k != name);
+        if let Some(v) = value {
+            self.headers.push((name.to_string(), Some(v.to_vec())));
+        }
+        self
+    }
+    pub fn add(mut self, name: &str, value: &[u8]) -> Rec {
+        self.headers.push((name.to_string(), Some(value.to_vec())));
+        self
+    }
+    pub fn id(&self) -> String {
+        self.header("ce-id").unwrap_or_default().to_string()
+    }
+}
+
+pub fn produce(producer: &BaseProducer, topic: &str, recs: &[Rec]) {
+    for r in recs {
+        let mut headers = OwnedHeaders::new_with_capacity(r.headers.len());
+        for (k, v) in &r.headers {
+            headers = headers.insert(Header { key: k, value: v.as_deref() });
+        }
+        let mut record = BaseRecord::<[u8], [u8]>::to(topic).headers(headers);
+        if let Some(k) = &r.key {
+            record = record.key(k);
+        }
+        if let Some(v) = &r.value {
+            record = record.payload(v);
+        }
+        if let Some(p) = r.partition {
+            record = record.partition(p);
+        }
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((e, back)) => {
+                    assert!(
+                        matches!(e, rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull)),
+                        "produce failed: {e}"
+                    );
+                    record = back;
+                    producer.poll(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+    producer.flush(Duration::from_secs(60)).expect("flush");
+}
+
+/// A record read back, with where it was.
+#[derive(Clone, Debug)]
+pub struct Got {
+    pub rec: Rec,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Reads everything committed on `topics` from the start until `done(records)` holds, or panics
+/// after `timeout` with what it saw.
+pub fn read_until(topics: &[&str], timeout: Duration, done: impl Fn(&[Got]) -> bool) -> Vec<Got> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for t in topics {
+        let md = consumer.fetch_metadata(Some(t), Duration::from_secs(10)).expect("metadata");
+        for p in md.topics()[0].partitions() {
+            tpl.add_partition_offset(t, p.id(), Offset::Beginning).unwrap();
+        }
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut out = Vec::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        if done(&out) {
+            return out;
+        }
+        assert!(Instant::now() < deadline, "condition not met within {timeout:?}; read {} records", out.len());
+        while let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            let m = m.expect("consume");
+            let headers = m
+                .headers()
+                .map(|h| h.iter().map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec))).collect())
+                .unwrap_or_default();
+            out.push(Got {
+                rec: Rec {
+                    key: m.key().map(<[u8]>::to_vec),
+                    headers,
+                    value: m.payload().map(<[u8]>::to_vec),
+                    partition: Some(m.partition()),
+                },
+                topic: m.topic().to_string(),
+                partition: m.partition(),
+                offset: m.offset(),
+            });
+            if out.len() % 10_000 == 0 {
+                break;
+            }
+        }
+    }
+}
+
+/// Polls `f` until it returns Some, or panics naming `what`.
+pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The hub binary as a child process with its own environment.
+pub struct Hub {
+    pub child: Child,
+    pub env: BTreeMap<String, String>,
+    pub log: std::path::PathBuf,
+}
+
+pub fn hub_env(prefix: &str, follow: &str) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("STREAMING_HUB_KAFKA_BROKERS".into(), brokers());
+    env.insert("STREAMING_HUB_TOPIC_PREFIX".into(), prefix.into());
+    env.insert("STREAMING_HUB_GROUP_ID".into(), format!("{prefix}-group"));
+    env.insert("STREAMING_HUB_INSTANCE_ID".into(), format!("{prefix}-1"));
+    env.insert("STREAMING_HUB_FOLLOW_PATTERN".into(), follow.into());
+    env.insert("STREAMING_HUB_HTTP_LISTEN_ADDR".into(), format!("127.0.0.1:{}", free_port()));
+    env.insert("STREAMING_HUB_STATE_DIR".into(), std::env::temp_dir().join(prefix).display().to_string());
+    env.insert("STREAMING_HUB_TOPOLOGY_FILE".into(), concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml").into());
+    env.insert("STREAMING_HUB_SESSION_TIMEOUT".into(), "6s".into());
+    env.insert("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL".into(), "2s".into());
+    env.insert("STREAMING_HUB_LOG".into(), "info,streaming_hub=info".into());
+    env
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Hub {
+    pub fn start(env: &BTreeMap<String, String>) -> Hub {
+        let log = std::env::temp_dir().join(format!("{}-{}.log", env["STREAMING_HUB_INSTANCE_ID"], unique("h")));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+            .arg("run")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(env)
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start hub");
+        let hub = Hub { child, env: env.clone(), log };
+        hub.wait_ready();
+        hub
+    }
+
+    pub fn addr(&self) -> String {
+        self.env["STREAMING_HUB_HTTP_LISTEN_ADDR"].clone()
+    }
+
+    fn wait_ready(&self) {
+        let addr = self.addr();
+        let log = self.log.clone();
+        wait_until(Duration::from_secs(60), "hub /readyz", || {
+            let mut s = std::net::TcpStream::connect(&addr).ok()?;
+            use std::io::{Read, Write};
+            s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
+            let mut buf = String::new();
+            s.read_to_string(&mut buf).ok()?;
+            buf.starts_with("HTTP/1.0 200").then_some(())
+        });
+        let _ = log;
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+
+    pub fn terminate(&mut self) {
+        unsafe_sigterm(self.child.id());
+        let _ = self.child.wait();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn unsafe_sigterm(pid: u32) {
+    let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+}
+
+/// Reads every committed record of `topics` up to their current end (a settled topic: nobody is
+/// writing). Positions move past transaction markers, so "end" is the high watermark.
+pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for t in topics {
+        let md = consumer.fetch_metadata(Some(t), Duration::from_secs(10)).expect("metadata");
+        for p in md.topics()[0].partitions() {
+            tpl.add_partition_offset(t, p.id(), Offset::Beginning).unwrap();
+            let (_, high) = consumer.fetch_watermarks(t, p.id(), Duration::from_secs(10)).unwrap();
+            ends.push((t.to_string(), p.id(), high));
+        }
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut out = Vec::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        while let Some(m) = consumer.poll(Duration::from_millis(200)) {
+            let m = m.expect("consume");
+            let headers = m
+                .headers()
+                .map(|h| h.iter().map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec))).collect())
+                .unwrap_or_default();
+            out.push(Got {
+                rec: Rec { key: m.key().map(<[u8]>::to_vec), headers, value: m.payload().map(<[u8]>::to_vec), partition: Some(m.partition()) },
+                topic: m.topic().to_string(),
+                partition: m.partition(),
+                offset: m.offset(),
+            });
+        }
+        let pos = consumer.position().unwrap();
+        let done = ends.iter().all(|(t, p, high)| {
+            *high == 0
+                || pos
+                    .find_partition(t, *p)
+                    .and_then(|e| match e.offset() { Offset::Offset(o) => Some(o >= *high), _ => None })
+                    .unwrap_or(false)
+        });
+        if done {
+            return out;
+        }
+        assert!(Instant::now() < deadline, "did not reach the end of {topics:?} within {timeout:?}; read {}", out.len());
+    }
+}
+
+/// The committed offsets of `group` on `topic` equal the topic's end: the group has done all.
+pub fn group_caught_up(group: &str, topic: &str) -> bool {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let md = match consumer.fetch_metadata(Some(topic), Duration::from_secs(10)) {
+        Ok(m) => m,
+        Err(_) => return false,
+    };
+    let mut tpl = TopicPartitionList::new();
+    for p in md.topics()[0].partitions() {
+        tpl.add_partition(topic, p.id());
+    }
+    let committed = match consumer.committed_offsets(tpl, Duration::from_secs(10)) {
+        Ok(c) => c,
+        Err(_) => return false,
+    };
+    committed.elements().iter().all(|e| {
+        let (_, high) = consumer.fetch_watermarks(topic, e.partition(), Duration::from_secs(10)).unwrap_or((0, -1));
+        match e.offset() {
+            Offset::Offset(o) => o >= high,
+            _ => high == 0,
+        }
+    })
+}

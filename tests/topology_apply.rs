@@ -1,0 +1,84 @@
+//! `streaming-hub topology apply` against the real broker: creates the topics with the listed
+//! settings, changes nothing the second time, and reports a topic whose settings differ.
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use rdkafka::admin::{AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+
+fn apply(prefix: &str, extra: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["topology", "apply"])
+        .args(extra)
+        .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
+        .env("STREAMING_HUB_TOPIC_PREFIX", prefix)
+        .env("STREAMING_HUB_TOPOLOGY_FILE", concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"))
+        .output()
+        .expect("run topology apply");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+async fn config_of(topic: &str, key: &str) -> String {
+    let a = admin();
+    let r = a
+        .describe_configs(&[ResourceSpecifier::Topic(topic)], &AdminOptions::new())
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    r.get(key).and_then(|e| e.value.clone()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
+    require_broker();
+    let prefix = unique("topo");
+
+    let (code, text) = apply(&prefix, &["--dry-run"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains(&format!("missing  {prefix}.inbox (would create)")), "{text}");
+    let md = admin().inner().fetch_metadata(None, Duration::from_secs(10)).unwrap();
+    assert!(!md.topics().iter().any(|t| t.name().starts_with(&prefix)), "dry run created something");
+
+    let (code, text) = apply(&prefix, &[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains(&format!("created  {prefix}.inbox")), "{text}");
+    assert!(text.contains(&format!("created  {prefix}.subscriptions")), "{text}");
+
+    let md = admin().inner().fetch_metadata(None, Duration::from_secs(10)).unwrap();
+    let inbox = md.topics().iter().find(|t| t.name() == format!("{prefix}.inbox")).unwrap();
+    assert_eq!(inbox.partitions().len(), 6);
+    assert_eq!(config_of(&format!("{prefix}.subscriptions"), "cleanup.policy").await, "compact");
+    assert_eq!(config_of(&format!("{prefix}.hub.dedup.changelog"), "cleanup.policy").await, "compact");
+    assert_eq!(config_of(&format!("{prefix}.inbox"), "cleanup.policy").await, "delete");
+    assert_eq!(config_of(&format!("{prefix}.inbox"), "retention.ms").await, "604800000");
+    assert_eq!(config_of(&format!("{prefix}.inbox"), "max.message.bytes").await, "2097152");
+
+    let (code, text) = apply(&prefix, &[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!text.contains("created"), "second apply changed something: {text}");
+    assert!(text.contains(&format!("ok       {prefix}.inbox")), "{text}");
+}
+
+#[tokio::test]
+async fn topic_with_a_wrong_cleanup_policy_is_reported() {
+    require_broker();
+    let prefix = unique("topo");
+    // Someone created the control topic by hand, with the default delete policy.
+    let name = format!("{prefix}.subscriptions");
+    let t = NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete");
+    for r in admin().create_topics(&[t], &AdminOptions::new()).await.unwrap() {
+        r.unwrap();
+    }
+    let (code, text) = apply(&prefix, &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains(&format!("DIFFERS  {name}: cleanup.policy is delete, the topology says compact")),
+        "{text}"
+    );
+    // It reports; it does not silently rewrite the operator's topic.
+    assert_eq!(config_of(&name, "cleanup.policy").await, "delete");
+}
