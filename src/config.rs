@@ -174,35 +174,93 @@ macro_rules! settings {
 // `concat!` cannot upper-case, so each field name is spelled out once more in upper case here,
 // next to the table; a field missing here does not compile.
 macro_rules! upper {
-    (kafka_brokers) => { "KAFKA_BROKERS" };
-    (kafka_security_protocol) => { "KAFKA_SECURITY_PROTOCOL" };
-    (kafka_sasl_mechanism) => { "KAFKA_SASL_MECHANISM" };
-    (kafka_sasl_username) => { "KAFKA_SASL_USERNAME" };
-    (kafka_sasl_password) => { "KAFKA_SASL_PASSWORD" };
-    (kafka_ssl_ca_location) => { "KAFKA_SSL_CA_LOCATION" };
-    (kafka_ssl_certificate_location) => { "KAFKA_SSL_CERTIFICATE_LOCATION" };
-    (kafka_ssl_key_location) => { "KAFKA_SSL_KEY_LOCATION" };
-    (kafka_ssl_key_password) => { "KAFKA_SSL_KEY_PASSWORD" };
-    (topic_prefix) => { "TOPIC_PREFIX" };
-    (topology_file) => { "TOPOLOGY_FILE" };
-    (replication_factor) => { "REPLICATION_FACTOR" };
-    (group_id) => { "GROUP_ID" };
-    (instance_id) => { "INSTANCE_ID" };
-    (role) => { "ROLE" };
-    (http_listen_addr) => { "HTTP_LISTEN_ADDR" };
-    (state_dir) => { "STATE_DIR" };
-    (follow_pattern) => { "FOLLOW_PATTERN" };
-    (follow_refresh_interval) => { "FOLLOW_REFRESH_INTERVAL" };
-    (require_uuidv7) => { "REQUIRE_UUIDV7" };
-    (max_payload_bytes) => { "MAX_PAYLOAD_BYTES" };
-    (require_signatures) => { "REQUIRE_SIGNATURES" };
-    (signature_keys) => { "SIGNATURE_KEYS" };
-    (ingest_batch_max) => { "INGEST_BATCH_MAX" };
-    (commit_interval) => { "COMMIT_INTERVAL" };
-    (idempotency_ttl) => { "IDEMPOTENCY_TTL" };
-    (session_timeout) => { "SESSION_TIMEOUT" };
-    (log) => { "LOG" };
-    (log_format) => { "LOG_FORMAT" };
+    (kafka_brokers) => {
+        "KAFKA_BROKERS"
+    };
+    (kafka_security_protocol) => {
+        "KAFKA_SECURITY_PROTOCOL"
+    };
+    (kafka_sasl_mechanism) => {
+        "KAFKA_SASL_MECHANISM"
+    };
+    (kafka_sasl_username) => {
+        "KAFKA_SASL_USERNAME"
+    };
+    (kafka_sasl_password) => {
+        "KAFKA_SASL_PASSWORD"
+    };
+    (kafka_ssl_ca_location) => {
+        "KAFKA_SSL_CA_LOCATION"
+    };
+    (kafka_ssl_certificate_location) => {
+        "KAFKA_SSL_CERTIFICATE_LOCATION"
+    };
+    (kafka_ssl_key_location) => {
+        "KAFKA_SSL_KEY_LOCATION"
+    };
+    (kafka_ssl_key_password) => {
+        "KAFKA_SSL_KEY_PASSWORD"
+    };
+    (topic_prefix) => {
+        "TOPIC_PREFIX"
+    };
+    (topology_file) => {
+        "TOPOLOGY_FILE"
+    };
+    (replication_factor) => {
+        "REPLICATION_FACTOR"
+    };
+    (group_id) => {
+        "GROUP_ID"
+    };
+    (instance_id) => {
+        "INSTANCE_ID"
+    };
+    (role) => {
+        "ROLE"
+    };
+    (http_listen_addr) => {
+        "HTTP_LISTEN_ADDR"
+    };
+    (state_dir) => {
+        "STATE_DIR"
+    };
+    (follow_pattern) => {
+        "FOLLOW_PATTERN"
+    };
+    (follow_refresh_interval) => {
+        "FOLLOW_REFRESH_INTERVAL"
+    };
+    (require_uuidv7) => {
+        "REQUIRE_UUIDV7"
+    };
+    (max_payload_bytes) => {
+        "MAX_PAYLOAD_BYTES"
+    };
+    (require_signatures) => {
+        "REQUIRE_SIGNATURES"
+    };
+    (signature_keys) => {
+        "SIGNATURE_KEYS"
+    };
+    (ingest_batch_max) => {
+        "INGEST_BATCH_MAX"
+    };
+    (commit_interval) => {
+        "COMMIT_INTERVAL"
+    };
+    (idempotency_ttl) => {
+        "IDEMPOTENCY_TTL"
+    };
+    (session_timeout) => {
+        "SESSION_TIMEOUT"
+    };
+    (log) => {
+        "LOG"
+    };
+    (log_format) => {
+        "LOG_FORMAT"
+    };
 }
 
 settings! {
@@ -274,9 +332,13 @@ impl Config {
     }
 
     /// Reads the given variables (and the file they name); for tests and embedding.
-    pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> =
-            vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)).collect();
+    pub fn from_vars(
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let env: BTreeMap<String, String> = vars
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(PREFIX))
+            .collect();
         let mut values = BTreeMap::new();
         if let Some(path) = env.get(CONFIG_FILE_VAR) {
             values.extend(read_file(path)?);
@@ -319,7 +381,10 @@ impl Config {
             return Err(invalid("STREAMING_HUB_GROUP_ID", "must not be empty"));
         }
         if !(1..=5).contains(&self.replication_factor) {
-            return Err(invalid("STREAMING_HUB_REPLICATION_FACTOR", "must be between 1 and 5"));
+            return Err(invalid(
+                "STREAMING_HUB_REPLICATION_FACTOR",
+                "must be between 1 and 5",
+            ));
         }
         if let Err(e) = regex::Regex::new(&self.follow_pattern) {
             return Err(invalid("STREAMING_HUB_FOLLOW_PATTERN", &e.to_string()));
@@ -331,10 +396,16 @@ impl Config {
             ));
         }
         if self.ingest_batch_max == 0 {
-            return Err(invalid("STREAMING_HUB_INGEST_BATCH_MAX", "must be at least 1"));
+            return Err(invalid(
+                "STREAMING_HUB_INGEST_BATCH_MAX",
+                "must be at least 1",
+            ));
         }
         if self.max_payload_bytes == 0 {
-            return Err(invalid("STREAMING_HUB_MAX_PAYLOAD_BYTES", "must be at least 1"));
+            return Err(invalid(
+                "STREAMING_HUB_MAX_PAYLOAD_BYTES",
+                "must be at least 1",
+            ));
         }
         match self.kafka_security_protocol.as_str() {
             "plaintext" | "ssl" => {}
@@ -416,7 +487,9 @@ fn read_file(path: &str) -> Result<BTreeMap<String, String>, ConfigError> {
         why,
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| err(e.to_string()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| err(e.to_string()))?;
     let mut out = BTreeMap::new();
     for (key, value) in table {
         let var = format!("{PREFIX}{}", key.to_ascii_uppercase());
@@ -424,7 +497,11 @@ fn read_file(path: &str) -> Result<BTreeMap<String, String>, ConfigError> {
             toml::Value::String(s) => s,
             toml::Value::Integer(i) => i.to_string(),
             toml::Value::Boolean(b) => b.to_string(),
-            other => return Err(err(format!("{key}: expected a string, number or boolean, got {other}"))),
+            other => {
+                return Err(err(format!(
+                    "{key}: expected a string, number or boolean, got {other}"
+                )));
+            }
         };
         out.insert(var, text);
     }
@@ -436,7 +513,10 @@ mod tests {
     use super::*;
 
     fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -453,18 +533,29 @@ mod tests {
     #[test]
     fn malformed_variable_is_named_in_the_error() {
         let e = Config::from_vars(vars(&[("STREAMING_HUB_HTTP_LISTEN_ADDR", "nope")])).unwrap_err();
-        assert!(e.to_string().starts_with("STREAMING_HUB_HTTP_LISTEN_ADDR is invalid"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("STREAMING_HUB_HTTP_LISTEN_ADDR is invalid"),
+            "{e}"
+        );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_UUIDV7", "maybe")])).unwrap_err();
-        assert!(e.to_string().contains("STREAMING_HUB_REQUIRE_UUIDV7"), "{e}");
+        assert!(
+            e.to_string().contains("STREAMING_HUB_REQUIRE_UUIDV7"),
+            "{e}"
+        );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_COMMIT_INTERVAL", "soon")])).unwrap_err();
-        assert!(e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL"), "{e}");
+        assert!(
+            e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL"),
+            "{e}"
+        );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_TOPIC_PREFIX", "a b")])).unwrap_err();
         assert!(e.to_string().contains("STREAMING_HUB_TOPIC_PREFIX"), "{e}");
     }
 
     #[test]
     fn missing_variable_is_named_in_the_error() {
-        let e = Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_SIGNATURES", "true")])).unwrap_err();
+        let e =
+            Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_SIGNATURES", "true")])).unwrap_err();
         assert_eq!(
             e,
             ConfigError::Missing {
@@ -477,21 +568,38 @@ mod tests {
             ("STREAMING_HUB_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
         ]))
         .unwrap_err();
-        assert!(e.to_string().starts_with("STREAMING_HUB_KAFKA_SASL_USERNAME is required"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("STREAMING_HUB_KAFKA_SASL_USERNAME is required"),
+            "{e}"
+        );
     }
 
     #[test]
     fn unknown_variable_is_rejected_not_ignored() {
         let e = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_BROKER", "x:1")])).unwrap_err();
-        assert_eq!(e, ConfigError::Unknown { var: "STREAMING_HUB_KAFKA_BROKER".into() });
+        assert_eq!(
+            e,
+            ConfigError::Unknown {
+                var: "STREAMING_HUB_KAFKA_BROKER".into()
+            }
+        );
     }
 
     #[test]
     fn secret_keys_error_does_not_echo_the_secret() {
-        let e = Config::from_vars(vars(&[("STREAMING_HUB_SIGNATURE_KEYS", "k1@ledger:c2hvcnQ=")])).unwrap_err();
-        assert!(e.to_string().contains("STREAMING_HUB_SIGNATURE_KEYS"), "{e}");
+        let e = Config::from_vars(vars(&[(
+            "STREAMING_HUB_SIGNATURE_KEYS",
+            "k1@ledger:c2hvcnQ=",
+        )]))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("STREAMING_HUB_SIGNATURE_KEYS"),
+            "{e}"
+        );
         assert!(!e.to_string().contains("c2hvcnQ"), "{e}");
-        let c = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_SASL_PASSWORD", "pa55word")])).unwrap();
+        let c =
+            Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_SASL_PASSWORD", "pa55word")])).unwrap();
         assert!(!format!("{c:?}").contains("pa55word"));
     }
 
@@ -499,7 +607,11 @@ mod tests {
     fn file_values_apply_and_environment_overrides_them() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("hub.toml");
-        std::fs::write(&path, "topic_prefix = \"from-file\"\ningest_batch_max = 10\ngroup_id = \"g\"\n").unwrap();
+        std::fs::write(
+            &path,
+            "topic_prefix = \"from-file\"\ningest_batch_max = 10\ngroup_id = \"g\"\n",
+        )
+        .unwrap();
         let c = Config::from_vars(vars(&[
             (CONFIG_FILE_VAR, path.to_str().unwrap()),
             ("STREAMING_HUB_GROUP_ID", "from-env"),
@@ -510,7 +622,12 @@ mod tests {
         assert_eq!(c.group_id, "from-env");
         std::fs::write(&path, "topic_prefixx = \"typo\"\n").unwrap();
         let e = Config::from_vars(vars(&[(CONFIG_FILE_VAR, path.to_str().unwrap())])).unwrap_err();
-        assert_eq!(e, ConfigError::Unknown { var: "STREAMING_HUB_TOPIC_PREFIXX".into() });
+        assert_eq!(
+            e,
+            ConfigError::Unknown {
+                var: "STREAMING_HUB_TOPIC_PREFIXX".into()
+            }
+        );
     }
 
     #[test]

@@ -7,7 +7,11 @@ use streaming_hub::config::Config;
 use streaming_hub::runtime::topology::Topology;
 
 #[derive(Parser)]
-#[command(name = "streaming-hub", version, about = "Kafka-native event delivery hub")]
+#[command(
+    name = "streaming-hub",
+    version,
+    about = "Kafka-native event delivery hub"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -50,7 +54,10 @@ fn main() -> ExitCode {
         }
     };
     app::init_tracing(&config);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("streaming-hub: cannot start the async runtime: {e}");

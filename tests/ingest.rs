@@ -64,20 +64,44 @@ fn table() -> Vec<(&'static str, Rec)> {
     vec![
         ("accept", ok()),
         ("accept", ledger_single_tenant),
-        ("accept", event("tenant-b", "ledger", "balance", "config-changed")),
+        (
+            "accept",
+            event("tenant-b", "ledger", "balance", "config-changed"),
+        ),
         ("drop", system_event()),
         ("missing_header", ok().set("ce-source", None)),
-        ("unsupported_specversion", ok().set("ce-specversion", Some(b"0.3"))),
+        (
+            "unsupported_specversion",
+            ok().set("ce-specversion", Some(b"0.3")),
+        ),
         ("invalid_id", ok().set("ce-id", Some(b"not-a-uuid"))),
         ("invalid_source", ok().set("ce-source", Some(b"Ledger!"))),
-        ("invalid_type", ok().set("ce-type", Some(b"studio.lerian.ledger.transaction"))),
-        ("type_mismatch", ok().set("ce-type", Some(b"studio.lerian.other.transaction.created"))),
+        (
+            "invalid_type",
+            ok().set("ce-type", Some(b"studio.lerian.ledger.transaction")),
+        ),
+        (
+            "type_mismatch",
+            ok().set("ce-type", Some(b"studio.lerian.other.transaction.created")),
+        ),
         ("invalid_time", ok().set("ce-time", Some(b"yesterday"))),
-        ("invalid_schemaversion", ok().set("ce-schemaversion", Some(b"one"))),
+        (
+            "invalid_schemaversion",
+            ok().set("ce-schemaversion", Some(b"one")),
+        ),
         ("missing_tenant", ok().set("ce-tenantid", None)),
-        ("duplicate_header", ok().add("ce-id", uuid::Uuid::now_v7().to_string().as_bytes())),
-        ("invalid_header_encoding", ok().set("ce-subject", Some(b"acc\r\nX-Injected: 1"))),
-        ("invalid_header_encoding", ok().set("ce-subject", Some(&[0xff, 0xfe, 0x41]))),
+        (
+            "duplicate_header",
+            ok().add("ce-id", uuid::Uuid::now_v7().to_string().as_bytes()),
+        ),
+        (
+            "invalid_header_encoding",
+            ok().set("ce-subject", Some(b"acc\r\nX-Injected: 1")),
+        ),
+        (
+            "invalid_header_encoding",
+            ok().set("ce-subject", Some(&[0xff, 0xfe, 0x41])),
+        ),
         ("payload_too_large", {
             let mut r = ok();
             r.value = Some(vec![b'x'; 5000]);
@@ -102,7 +126,9 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
     let expected_out = cases.iter().filter(|(o, _)| *o != "drop").count();
     let inbox = format!("{prefix}.inbox");
     let quarantine = format!("{prefix}.quarantine");
-    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| r.len() >= expected_out);
+    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
+        r.len() >= expected_out
+    });
     assert!(group_caught_up(&format!("{prefix}-group"), &topic) || got.len() == expected_out);
 
     // Index outputs by the input offset they came from.
@@ -113,7 +139,10 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
             .header("x-streaming-hub-source-offset")
             .or_else(|| g.rec.header("x-lerian-dlq-source-offset"))
             .expect("every output names its source offset");
-        assert!(by_offset.insert(off.parse().unwrap(), g).is_none(), "input offset {off} written twice");
+        assert!(
+            by_offset.insert(off.parse().unwrap(), g).is_none(),
+            "input offset {off} written twice"
+        );
     }
     assert_eq!(got.len(), expected_out);
     for (offset, (outcome, input)) in cases.iter().enumerate() {
@@ -124,42 +153,88 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
                 let g = out.unwrap_or_else(|| panic!("accepted record {offset} missing"));
                 assert_eq!(g.topic, inbox);
                 let tenant = input.header("ce-tenantid").unwrap();
-                assert_eq!(g.rec.key.as_deref(), Some(tenant.as_bytes()), "inbox key = tenant");
+                assert_eq!(
+                    g.rec.key.as_deref(),
+                    Some(tenant.as_bytes()),
+                    "inbox key = tenant"
+                );
                 assert_eq!(g.rec.value, input.value, "value unchanged");
-                assert_eq!(&g.rec.headers[..input.headers.len()], &input.headers[..], "original headers first, unchanged");
-                let added: Vec<&str> = g.rec.headers[input.headers.len()..].iter().map(|(k, _)| k.as_str()).collect();
+                assert_eq!(
+                    &g.rec.headers[..input.headers.len()],
+                    &input.headers[..],
+                    "original headers first, unchanged"
+                );
+                let added: Vec<&str> = g.rec.headers[input.headers.len()..]
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect();
                 assert_eq!(added, ADDED);
-                assert_eq!(g.rec.header("x-streaming-hub-source-topic"), Some(topic.as_str()));
+                assert_eq!(
+                    g.rec.header("x-streaming-hub-source-topic"),
+                    Some(topic.as_str())
+                );
                 assert_eq!(g.rec.header("x-streaming-hub-source-partition"), Some("0"));
-                chrono::DateTime::parse_from_rfc3339(g.rec.header("x-streaming-hub-ingest-time").unwrap()).unwrap();
+                chrono::DateTime::parse_from_rfc3339(
+                    g.rec.header("x-streaming-hub-ingest-time").unwrap(),
+                )
+                .unwrap();
             }
             reason => {
-                let g = out.unwrap_or_else(|| panic!("quarantined record {offset} ({reason}) missing"));
+                let g =
+                    out.unwrap_or_else(|| panic!("quarantined record {offset} ({reason}) missing"));
                 assert_eq!(g.topic, quarantine, "{reason}");
-                assert_eq!(g.rec.header("x-streaming-hub-reason"), Some(reason), "record {offset}");
+                assert_eq!(
+                    g.rec.header("x-streaming-hub-reason"),
+                    Some(reason),
+                    "record {offset}"
+                );
                 assert_eq!(g.rec.key, input.key);
-                assert_eq!(g.rec.header("x-lerian-dlq-source-topic"), Some(topic.as_str()));
-                assert_eq!(g.rec.header("x-lerian-dlq-error-class"), Some("validation_error"));
+                assert_eq!(
+                    g.rec.header("x-lerian-dlq-source-topic"),
+                    Some(topic.as_str())
+                );
+                assert_eq!(
+                    g.rec.header("x-lerian-dlq-error-class"),
+                    Some("validation_error")
+                );
                 assert_eq!(g.rec.header("x-lerian-dlq-cause-kind"), Some("codec"));
                 assert_eq!(g.rec.header("x-lerian-dlq-retry-count"), Some("0"));
-                assert_eq!(g.rec.header("x-lerian-dlq-producer-id"), Some(format!("{prefix}-group").as_str()));
-                assert!(!g.rec.header("x-lerian-dlq-error-message").unwrap().is_empty());
+                assert_eq!(
+                    g.rec.header("x-lerian-dlq-producer-id"),
+                    Some(format!("{prefix}-group").as_str())
+                );
+                assert!(
+                    !g.rec
+                        .header("x-lerian-dlq-error-message")
+                        .unwrap()
+                        .is_empty()
+                );
                 assert!(g.rec.header("x-lerian-dlq-first-failure-at").is_some());
                 let size = input.value.as_ref().map_or(0, Vec::len).to_string();
-                assert_eq!(g.rec.header("x-lerian-dlq-payload-bytes"), Some(size.as_str()));
+                assert_eq!(
+                    g.rec.header("x-lerian-dlq-payload-bytes"),
+                    Some(size.as_str())
+                );
                 if reason == "payload_too_large" {
                     assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("true"));
                     assert!(g.rec.value.is_none(), "an oversized payload is not copied");
                 } else {
                     assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("false"));
                     assert_eq!(g.rec.value, input.value);
-                    assert_eq!(&g.rec.headers[..input.headers.len()], &input.headers[..], "original headers kept");
+                    assert_eq!(
+                        &g.rec.headers[..input.headers.len()],
+                        &input.headers[..],
+                        "original headers kept"
+                    );
                 }
             }
         }
     }
     // The message names the header at fault.
-    let missing = by_offset[&4].rec.header("x-lerian-dlq-error-message").unwrap();
+    let missing = by_offset[&4]
+        .rec
+        .header("x-lerian-dlq-error-message")
+        .unwrap();
     assert!(missing.contains("ce-source"), "{missing}");
 }
 
@@ -173,35 +248,65 @@ async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
     let b64 = base64::engine::general_purpose::STANDARD.encode(&secret);
     let mut env = hub_env(&prefix, &follow_exactly(&topic));
     env.insert("STREAMING_HUB_REQUIRE_SIGNATURES".into(), "true".into());
-    env.insert("STREAMING_HUB_SIGNATURE_KEYS".into(), format!("k1@ledger:{b64},k2@tracer:{b64}"));
+    env.insert(
+        "STREAMING_HUB_SIGNATURE_KEYS".into(),
+        format!("k1@ledger:{b64},k2@tracer:{b64}"),
+    );
     let hub = Hub::start(&env);
 
     let mut tampered = vector_record();
     tampered.value = Some(br#"{"amount":"99.00"}"#.to_vec());
-    let cases = vec![
+    let cases = [
         ("accept", vector_record()),
         ("signature_invalid", tampered),
-        ("signature_unknown_key", vector_record().set("ce-sigkid", Some(b"k9"))),
+        (
+            "signature_unknown_key",
+            vector_record().set("ce-sigkid", Some(b"k9")),
+        ),
         // k2 exists but is bound to another source: invalid, not unknown.
-        ("signature_invalid", vector_record().set("ce-sigkid", Some(b"k2"))),
+        (
+            "signature_invalid",
+            vector_record().set("ce-sigkid", Some(b"k2")),
+        ),
         ("signature_missing", vector_record().set("ce-sig", None)),
     ];
     let recs: Vec<Rec> = cases.iter().map(|(_, r)| r.clone()).collect();
     produce(&producer(), &topic, &recs);
     let inbox = format!("{prefix}.inbox");
     let quarantine = format!("{prefix}.quarantine");
-    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| r.len() >= cases.len());
+    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
+        r.len() >= cases.len()
+    });
     let mut outcome_by_offset: BTreeMap<i64, String> = BTreeMap::new();
     for g in &got {
         if g.topic == inbox {
-            outcome_by_offset.insert(g.rec.header("x-streaming-hub-source-offset").unwrap().parse().unwrap(), "accept".into());
+            outcome_by_offset.insert(
+                g.rec
+                    .header("x-streaming-hub-source-offset")
+                    .unwrap()
+                    .parse()
+                    .unwrap(),
+                "accept".into(),
+            );
         } else {
-            let off = g.rec.header("x-lerian-dlq-source-offset").unwrap().parse().unwrap();
+            let off = g
+                .rec
+                .header("x-lerian-dlq-source-offset")
+                .unwrap()
+                .parse()
+                .unwrap();
             assert_eq!(g.rec.header("x-lerian-dlq-cause-kind"), Some("signature"));
-            outcome_by_offset.insert(off, g.rec.header("x-streaming-hub-reason").unwrap().to_string());
+            outcome_by_offset.insert(
+                off,
+                g.rec.header("x-streaming-hub-reason").unwrap().to_string(),
+            );
         }
     }
-    let want: BTreeMap<i64, String> = cases.iter().enumerate().map(|(i, (o, _))| (i as i64, o.to_string())).collect();
+    let want: BTreeMap<i64, String> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (o, _))| (i as i64, o.to_string()))
+        .collect();
     assert_eq!(outcome_by_offset, want);
     // The signing secret never reaches the log.
     assert!(!hub.log_text().contains(&b64));
@@ -227,10 +332,24 @@ async fn salted_tenant_meets_in_one_inbox_partition() {
     let got = read_until(&[&inbox], Duration::from_secs(60), |r| r.len() >= 30);
     assert_eq!(got.len(), 30);
     let partitions: HashSet<i32> = got.iter().map(|g| g.partition).collect();
-    assert_eq!(partitions.len(), 1, "one tenant, one inbox partition: {partitions:?}");
-    let sources: HashSet<&str> = got.iter().map(|g| g.rec.header("x-streaming-hub-source-partition").unwrap()).collect();
-    assert_eq!(sources.len(), 3, "the input really was spread over 3 partitions");
-    assert!(got.iter().all(|g| g.rec.key.as_deref() == Some(b"hot-tenant".as_slice())));
+    assert_eq!(
+        partitions.len(),
+        1,
+        "one tenant, one inbox partition: {partitions:?}"
+    );
+    let sources: HashSet<&str> = got
+        .iter()
+        .map(|g| g.rec.header("x-streaming-hub-source-partition").unwrap())
+        .collect();
+    assert_eq!(
+        sources.len(),
+        3,
+        "the input really was spread over 3 partitions"
+    );
+    assert!(
+        got.iter()
+            .all(|g| g.rec.key.as_deref() == Some(b"hot-tenant".as_slice()))
+    );
 }
 
 #[tokio::test]
@@ -243,7 +362,11 @@ async fn new_producer_topic_is_followed_without_restart_and_dlq_topics_never_are
     let pattern = format!(r"^lerian\.streaming\.{prefix}[a-z0-9_-]*$");
     let _hub = Hub::start(&hub_env(&prefix, &pattern));
     let p = producer();
-    produce(&p, &first, &[event("t1", "ledger", "transaction", "created")]);
+    produce(
+        &p,
+        &first,
+        &[event("t1", "ledger", "transaction", "created")],
+    );
     let inbox = format!("{prefix}.inbox");
     read_until(&[&inbox], Duration::from_secs(60), |r| r.len() == 1);
 
@@ -256,11 +379,18 @@ async fn new_producer_topic_is_followed_without_restart_and_dlq_topics_never_are
     produce(&p, &second, std::slice::from_ref(&late));
     produce(&p, &dlq, &[event("t3", "ledger", "transaction", "created")]);
     let started = std::time::Instant::now();
-    let got = read_until(&[&inbox], Duration::from_secs(30), |r| r.iter().any(|g| g.rec.id() == late.id()));
+    let got = read_until(&[&inbox], Duration::from_secs(30), |r| {
+        r.iter().any(|g| g.rec.id() == late.id())
+    });
     eprintln!("new topic followed after {:?}", started.elapsed());
-    assert!(got.iter().all(|g| g.rec.header("x-streaming-hub-source-topic") != Some(dlq.as_str())));
+    assert!(
+        got.iter()
+            .all(|g| g.rec.header("x-streaming-hub-source-topic") != Some(dlq.as_str()))
+    );
     // The dlq record is never read: once the hub has caught up on the second topic, nothing more.
-    wait_until(Duration::from_secs(30), "ingest caught up", || group_caught_up(&format!("{prefix}-group"), &second).then_some(()));
+    wait_until(Duration::from_secs(30), "ingest caught up", || {
+        group_caught_up(&format!("{prefix}-group"), &second).then_some(())
+    });
     let all = read_all(&[&inbox], Duration::from_secs(30));
     assert_eq!(all.len(), 2, "the .dlq topic must not be followed");
 }
@@ -275,7 +405,12 @@ async fn sigkill_mid_run_neither_loses_nor_duplicates_records() {
     // One in ten malformed (quarantined), one in 50 a system event (dropped).
     let recs: Vec<Rec> = (0..N)
         .map(|i| {
-            let mut r = event(&format!("tenant-{}", i % 17), "ledger", "transaction", "posted");
+            let mut r = event(
+                &format!("tenant-{}", i % 17),
+                "ledger",
+                "transaction",
+                "posted",
+            );
             r.partition = Some((i % 3) as i32);
             if i % 10 == 3 {
                 r = r.set("ce-time", Some(b"not-a-time"));
@@ -296,23 +431,42 @@ async fn sigkill_mid_run_neither_loses_nor_duplicates_records() {
     hub.kill();
     drop(hub);
     let partial = read_all(&[&inbox, &quarantine], Duration::from_secs(60)).len();
-    assert!(partial < N - drops, "the kill must land mid-run (had {partial})");
+    assert!(
+        partial < N - drops,
+        "the kill must land mid-run (had {partial})"
+    );
 
     let mut hub = Hub::start(&env);
-    wait_until(Duration::from_secs(240), "ingest caught up after restart", || {
-        group_caught_up(&format!("{prefix}-group"), &topic).then_some(())
-    });
+    wait_until(
+        Duration::from_secs(240),
+        "ingest caught up after restart",
+        || group_caught_up(&format!("{prefix}-group"), &topic).then_some(()),
+    );
     hub.terminate();
     let got = read_all(&[&inbox, &quarantine], Duration::from_secs(120));
     let mut seen: HashMap<(String, i64), usize> = HashMap::new();
     for g in &got {
-        let part = g.rec.header("x-streaming-hub-source-partition").or(g.rec.header("x-lerian-dlq-source-partition")).unwrap();
-        let off = g.rec.header("x-streaming-hub-source-offset").or(g.rec.header("x-lerian-dlq-source-offset")).unwrap();
-        *seen.entry((part.to_string(), off.parse().unwrap())).or_default() += 1;
+        let part = g
+            .rec
+            .header("x-streaming-hub-source-partition")
+            .or(g.rec.header("x-lerian-dlq-source-partition"))
+            .unwrap();
+        let off = g
+            .rec
+            .header("x-streaming-hub-source-offset")
+            .or(g.rec.header("x-lerian-dlq-source-offset"))
+            .unwrap();
+        *seen
+            .entry((part.to_string(), off.parse().unwrap()))
+            .or_default() += 1;
     }
     let dup = seen.values().filter(|&&c| c > 1).count();
     assert_eq!(dup, 0, "input records written more than once");
-    assert_eq!(got.len(), N - drops, "every non-dropped input record exactly once");
+    assert_eq!(
+        got.len(),
+        N - drops,
+        "every non-dropped input record exactly once"
+    );
     let q = got.iter().filter(|g| g.topic == quarantine).count();
     assert_eq!(q, N / 10);
 }

@@ -14,10 +14,17 @@ fn apply(prefix: &str, extra: &[&str]) -> (i32, String) {
         .args(extra)
         .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
         .env("STREAMING_HUB_TOPIC_PREFIX", prefix)
-        .env("STREAMING_HUB_TOPOLOGY_FILE", concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"))
+        .env(
+            "STREAMING_HUB_TOPOLOGY_FILE",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
+        )
         .output()
         .expect("run topology apply");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.code().unwrap_or(-1), text)
 }
 
@@ -39,27 +46,64 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
 
     let (code, text) = apply(&prefix, &["--dry-run"]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains(&format!("missing  {prefix}.inbox (would create)")), "{text}");
-    let md = admin().inner().fetch_metadata(None, Duration::from_secs(10)).unwrap();
-    assert!(!md.topics().iter().any(|t| t.name().starts_with(&prefix)), "dry run created something");
+    assert!(
+        text.contains(&format!("missing  {prefix}.inbox (would create)")),
+        "{text}"
+    );
+    let md = admin()
+        .inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap();
+    assert!(
+        !md.topics().iter().any(|t| t.name().starts_with(&prefix)),
+        "dry run created something"
+    );
 
     let (code, text) = apply(&prefix, &[]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains(&format!("created  {prefix}.inbox")), "{text}");
-    assert!(text.contains(&format!("created  {prefix}.subscriptions")), "{text}");
+    assert!(
+        text.contains(&format!("created  {prefix}.subscriptions")),
+        "{text}"
+    );
 
-    let md = admin().inner().fetch_metadata(None, Duration::from_secs(10)).unwrap();
-    let inbox = md.topics().iter().find(|t| t.name() == format!("{prefix}.inbox")).unwrap();
+    let md = admin()
+        .inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap();
+    let inbox = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == format!("{prefix}.inbox"))
+        .unwrap();
     assert_eq!(inbox.partitions().len(), 6);
-    assert_eq!(config_of(&format!("{prefix}.subscriptions"), "cleanup.policy").await, "compact");
-    assert_eq!(config_of(&format!("{prefix}.hub.dedup.changelog"), "cleanup.policy").await, "compact");
-    assert_eq!(config_of(&format!("{prefix}.inbox"), "cleanup.policy").await, "delete");
-    assert_eq!(config_of(&format!("{prefix}.inbox"), "retention.ms").await, "604800000");
-    assert_eq!(config_of(&format!("{prefix}.inbox"), "max.message.bytes").await, "2097152");
+    assert_eq!(
+        config_of(&format!("{prefix}.subscriptions"), "cleanup.policy").await,
+        "compact"
+    );
+    assert_eq!(
+        config_of(&format!("{prefix}.hub.dedup.changelog"), "cleanup.policy").await,
+        "compact"
+    );
+    assert_eq!(
+        config_of(&format!("{prefix}.inbox"), "cleanup.policy").await,
+        "delete"
+    );
+    assert_eq!(
+        config_of(&format!("{prefix}.inbox"), "retention.ms").await,
+        "604800000"
+    );
+    assert_eq!(
+        config_of(&format!("{prefix}.inbox"), "max.message.bytes").await,
+        "2097152"
+    );
 
     let (code, text) = apply(&prefix, &[]);
     assert_eq!(code, 0, "{text}");
-    assert!(!text.contains("created"), "second apply changed something: {text}");
+    assert!(
+        !text.contains("created"),
+        "second apply changed something: {text}"
+    );
     assert!(text.contains(&format!("ok       {prefix}.inbox")), "{text}");
 }
 
@@ -70,13 +114,19 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     // Someone created the control topic by hand, with the default delete policy.
     let name = format!("{prefix}.subscriptions");
     let t = NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete");
-    for r in admin().create_topics(&[t], &AdminOptions::new()).await.unwrap() {
+    for r in admin()
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
         r.unwrap();
     }
     let (code, text) = apply(&prefix, &[]);
     assert_eq!(code, 1, "{text}");
     assert!(
-        text.contains(&format!("DIFFERS  {name}: cleanup.policy is delete, the topology says compact")),
+        text.contains(&format!(
+            "DIFFERS  {name}: cleanup.policy is delete, the topology says compact"
+        )),
         "{text}"
     );
     // It reports; it does not silently rewrite the operator's topic.

@@ -35,9 +35,13 @@ pub fn judge(existing: Option<&DedupEntry>, partition: i32, offset: i64, now_ms:
     match existing {
         Some(e) if e.expires_at > now_ms => {
             if e.first_offset == offset && e.inbox_partition == partition {
-                Seen::Replay { sequence: e.sequence }
+                Seen::Replay {
+                    sequence: e.sequence,
+                }
             } else {
-                Seen::Duplicate { first_offset: e.first_offset }
+                Seen::Duplicate {
+                    first_offset: e.first_offset,
+                }
             }
         }
         _ => Seen::New,
@@ -88,7 +92,10 @@ mod tests {
     #[test]
     fn same_id_at_another_offset_is_a_duplicate() {
         let e = entry(10, 4, 5_000);
-        assert_eq!(judge(Some(&e), 2, 11, 1_000), Seen::Duplicate { first_offset: 10 });
+        assert_eq!(
+            judge(Some(&e), 2, 11, 1_000),
+            Seen::Duplicate { first_offset: 10 }
+        );
     }
 
     #[test]
@@ -100,14 +107,20 @@ mod tests {
     #[test]
     fn same_offset_in_another_partition_is_a_duplicate_not_a_replay() {
         let e = entry(10, 4, 5_000);
-        assert_eq!(judge(Some(&e), 3, 10, 1_000), Seen::Duplicate { first_offset: 10 });
+        assert_eq!(
+            judge(Some(&e), 3, 10, 1_000),
+            Seen::Duplicate { first_offset: 10 }
+        );
     }
 
     #[test]
     fn duplicate_whose_first_copy_expired_is_new() {
         let e = entry(10, 4, 5_000);
         assert_eq!(judge(Some(&e), 2, 99, 5_000), Seen::New);
-        assert_eq!(judge(Some(&e), 2, 99, 4_999), Seen::Duplicate { first_offset: 10 });
+        assert_eq!(
+            judge(Some(&e), 2, 99, 4_999),
+            Seen::Duplicate { first_offset: 10 }
+        );
     }
 
     #[test]

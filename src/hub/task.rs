@@ -33,6 +33,8 @@ use crate::runtime::records::{DedupEntry, SequenceRecord};
 use crate::runtime::store::{Staged, Store};
 use crate::runtime::telemetry::{self, HubEvent, Restored};
 
+/// The stores backed by a changelog (`dedup_expiry` is a local index rebuilt on restore).
+const CHANGELOGGED: [&str; 2] = [DEDUP, SEQUENCE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
@@ -65,7 +67,11 @@ pub struct SequencedEvent<'a> {
 
 /// The narrow hand-off to matching and jobs: called for each event inside the transaction.
 pub trait EventHandler: Send {
-    fn on_event(&mut self, event: &SequencedEvent<'_>, out: &mut Outputs<'_>) -> Result<(), HubError>;
+    fn on_event(
+        &mut self,
+        event: &SequencedEvent<'_>,
+        out: &mut Outputs<'_>,
+    ) -> Result<(), HubError>;
 }
 
 /// Nothing downstream (this state: matching plugs in here).
@@ -83,7 +89,13 @@ pub struct Outputs<'a> {
 }
 
 impl Outputs<'_> {
-    pub fn send(&mut self, topic: &str, partition: Option<i32>, key: &[u8], value: Option<&[u8]>) -> Result<(), HubError> {
+    pub fn send(
+        &mut self,
+        topic: &str,
+        partition: Option<i32>,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), HubError> {
         let mut r = BaseRecord::<[u8], [u8]>::to(topic).key(key);
         if let Some(v) = value {
             r = r.payload(v);
@@ -112,7 +124,11 @@ struct Env {
 
 impl Env {
     fn changelog_of(&self, family: &str) -> &str {
-        if family == DEDUP { &self.dedup_changelog } else { &self.sequence_changelog }
+        if family == DEDUP {
+            &self.dedup_changelog
+        } else {
+            &self.sequence_changelog
+        }
     }
 }
 
@@ -139,23 +155,35 @@ impl ConsumerContext for HubContext {
                 shared.tasks.remove(p); // closes its RocksDB
                 shared.revoked.insert(*p);
             }
-            telemetry::Rebalance { stage: "hub", kind: "revoke", partitions: &format!("{parts:?}") }.emit();
+            telemetry::Rebalance {
+                stage: "hub",
+                kind: "revoke",
+                partitions: &format!("{parts:?}"),
+            }
+            .emit();
         }
     }
 
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
-            telemetry::Rebalance { stage: "hub", kind: "assign", partitions: &format!("{parts:?}") }.emit();
-            for p in parts {
-                match open_and_restore(&self.env, p) {
-                    Ok(task) => {
-                        self.shared.lock().unwrap_or_else(|e| e.into_inner()).tasks.insert(p, task);
-                    }
-                    Err(e) => {
-                        tracing::error!(partition = p, error = %e, "restore failed");
-                        self.shared.lock().unwrap_or_else(|e| e.into_inner()).fatal = Some(e);
-                    }
+            telemetry::Rebalance {
+                stage: "hub",
+                kind: "assign",
+                partitions: &format!("{parts:?}"),
+            }
+            .emit();
+            match open_and_restore(&self.env, &parts) {
+                Ok(tasks) => {
+                    self.shared
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .tasks
+                        .extend(tasks);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "restore failed");
+                    self.shared.lock().unwrap_or_else(|e| e.into_inner()).fatal = Some(e);
                 }
             }
         }
@@ -163,28 +191,61 @@ impl ConsumerContext for HubContext {
 }
 
 pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
-    config.state_dir.join(&config.topic_prefix).join(format!("hub-{partition}"))
+    config
+        .state_dir
+        .join(&config.topic_prefix)
+        .join(format!("hub-{partition}"))
 }
 
-/// Opens a task's store and brings it up to date with its changelogs.
-fn open_and_restore(env: &Env, partition: i32) -> Result<Task, HubError> {
-    let path = store_path(&env.config, partition);
-    std::fs::create_dir_all(&path).map_err(|e| HubError::Restore { partition, why: e.to_string() })?;
-    let store = Store::open(&path, &[DEDUP, DEDUP_EXPIRY, SEQUENCE])?;
-    for family in [DEDUP, SEQUENCE] {
-        let topic = env.changelog_of(family).to_string();
-        let after = store.changelog_offset(family)?;
-        let stats = changelog::restore(&env.config, &topic, partition, after, |records| {
-            let mut staged = Staged::default();
-            for (key, value, _) in records {
-                restore_one(&store, &env.codec, &mut staged, family, key, *value)?;
-            }
-            let last = records.last().map(|r| r.2).unwrap_or_default();
-            store.apply(staged, &[(family, last)]).map_err(|e| e.to_string())
+/// Opens the stores of newly assigned partitions and brings them up to date with their
+/// changelogs (one consumer for all of them) before any of their records is processed.
+fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<Vec<(i32, Task)>, HubError> {
+    let mut tasks = Vec::new();
+    let mut specs = Vec::new();
+    for &partition in partitions {
+        let path = store_path(&env.config, partition);
+        std::fs::create_dir_all(&path).map_err(|e| HubError::Restore {
+            partition,
+            why: e.to_string(),
         })?;
-        Restored { partition, store: family, records: stats.records, took: stats.took }.emit();
+        let store = Store::open(&path, &[DEDUP, DEDUP_EXPIRY, SEQUENCE])?;
+        for family in CHANGELOGGED {
+            specs.push((
+                tasks.len(),
+                family,
+                changelog::RestoreSpec {
+                    topic: env.changelog_of(family).to_string(),
+                    partition,
+                    after: store.changelog_offset(family)?,
+                },
+            ));
+        }
+        tasks.push((partition, Task { store }));
     }
-    Ok(Task { store })
+    let plain: Vec<changelog::RestoreSpec> = specs.iter().map(|s| s.2.clone()).collect();
+    let stats = changelog::restore(&env.config, &plain, |i, records| {
+        let (task_index, family, _) = &specs[i];
+        let store = &tasks[*task_index].1.store;
+        let mut staged = Staged::default();
+        for (key, value, _) in records {
+            restore_one(store, &env.codec, &mut staged, family, key, *value)?;
+        }
+        let last = records.last().map(|r| r.2).unwrap_or_default();
+        store
+            .apply(staged, &[(family, last)])
+            .map_err(|e| e.to_string())
+    })
+    .map_err(|e| HubError::Restore {
+        partition: partitions.first().copied().unwrap_or(-1),
+        why: e.to_string(),
+    })?;
+    Restored {
+        partitions: partitions.len(),
+        records: stats.records,
+        took: stats.took,
+    }
+    .emit();
+    Ok(tasks)
 }
 
 /// Applies one changelog record to the staging, keeping the expiry index in step.
@@ -203,8 +264,14 @@ fn restore_one(
             }
         }
         if let Some(v) = value {
-            let entry: DedupEntry = codec.decode(RecordKind::DedupEntry, v).map_err(|e| e.to_string())?;
-            staged.put(DEDUP_EXPIRY, dedup::expiry_key(entry.expires_at, key), Vec::new());
+            let entry: DedupEntry = codec
+                .decode(RecordKind::DedupEntry, v)
+                .map_err(|e| e.to_string())?;
+            staged.put(
+                DEDUP_EXPIRY,
+                dedup::expiry_key(entry.expires_at, key),
+                Vec::new(),
+            );
         }
     }
     match value {
@@ -221,7 +288,12 @@ pub struct HubStage {
 }
 
 impl HubStage {
-    pub fn new(config: &Config, codec: Arc<Codec>, clock: SharedClock, handler: Box<dyn EventHandler>) -> HubStage {
+    pub fn new(
+        config: &Config,
+        codec: Arc<Codec>,
+        clock: SharedClock,
+        handler: Box<dyn EventHandler>,
+    ) -> HubStage {
         let p = &config.topic_prefix;
         HubStage {
             env: Env {
@@ -241,20 +313,39 @@ impl HubStage {
         let config = &self.env.config;
         let instance = config.instance();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(config, &format!("{}.hub.{instance}", config.topic_prefix))
-            .set("message.max.bytes", "4194304")
-            .create_with_context(TrackingContext::default())
-            .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        producer.init_transactions(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
-        let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(config, &config.hub_group_id(), &format!("hub-{instance}"))
-            .create_with_context(HubContext { env: self.env.clone(), shared: shared.clone() })
-            .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        consumer.subscribe(&[self.env.inbox.as_str()]).map_err(KafkaError::from)?;
+        let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(
+            config,
+            &format!("{}.hub.{instance}", config.topic_prefix),
+        )
+        .set("message.max.bytes", "4194304")
+        .create_with_context(TrackingContext::default())
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        producer
+            .init_transactions(TXN_TIMEOUT)
+            .map_err(fatal_or_kafka)?;
+        let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(
+            config,
+            &config.hub_group_id(),
+            &format!("hub-{instance}"),
+        )
+        .create_with_context(HubContext {
+            env: self.env.clone(),
+            shared: shared.clone(),
+        })
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        consumer
+            .subscribe(&[self.env.inbox.as_str()])
+            .map_err(KafkaError::from)?;
         tracing::info!(group = %config.hub_group_id(), "hub stage started");
 
         while !stop.load(Ordering::Relaxed) {
             let mut batch = self.fill_batch(&consumer, &stop);
-            if let Some(e) = shared.lock().unwrap_or_else(|p| p.into_inner()).fatal.take() {
+            if let Some(e) = shared
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .fatal
+                .take()
+            {
                 return Err(e);
             }
             self.drop_revoked(&consumer, &shared, &mut batch);
@@ -265,7 +356,11 @@ impl HubStage {
             let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
             let result = self.process_batch(&producer, &consumer, &mut guard.tasks, &batch);
             match result {
-                Ok(n) => telemetry::HubCommit { records: n, took: started.elapsed() }.emit(),
+                Ok(n) => telemetry::HubCommit {
+                    records: n,
+                    took: started.elapsed(),
+                }
+                .emit(),
                 Err(e) => {
                     if let HubError::Fenced(_) = e {
                         return Err(e);
@@ -285,7 +380,11 @@ impl HubStage {
         Ok(())
     }
 
-    fn fill_batch<'c>(&self, consumer: &'c BaseConsumer<HubContext>, stop: &AtomicBool) -> Vec<BorrowedMessage<'c>> {
+    fn fill_batch<'c>(
+        &self,
+        consumer: &'c BaseConsumer<HubContext>,
+        stop: &AtomicBool,
+    ) -> Vec<BorrowedMessage<'c>> {
         let config = &self.env.config;
         let mut batch = Vec::new();
         let mut deadline: Option<Instant> = None;
@@ -322,7 +421,12 @@ impl HubStage {
 
     /// Drops records of partitions revoked while the batch filled; if such a partition came
     /// back, its position is reset so they are read again.
-    fn drop_revoked(&self, consumer: &BaseConsumer<HubContext>, shared: &Mutex<Shared>, batch: &mut Vec<BorrowedMessage<'_>>) {
+    fn drop_revoked(
+        &self,
+        consumer: &BaseConsumer<HubContext>,
+        shared: &Mutex<Shared>,
+        batch: &mut Vec<BorrowedMessage<'_>>,
+    ) {
         let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
         if guard.revoked.is_empty() {
             return;
@@ -341,7 +445,12 @@ impl HubStage {
         });
         for (p, o) in first {
             if owned.contains(&p) {
-                let _ = consumer.seek(&self.env.inbox, p, Offset::Offset(o), Duration::from_secs(5));
+                let _ = consumer.seek(
+                    &self.env.inbox,
+                    p,
+                    Offset::Offset(o),
+                    Duration::from_secs(5),
+                );
             }
         }
     }
@@ -370,17 +479,33 @@ impl HubStage {
             };
             let st = staged.entry(p).or_default();
             let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
-                HubEvent { outcome: "invalid", partition: p, offset: m.offset(), ce_id: "" }.emit();
+                HubEvent {
+                    outcome: "invalid",
+                    partition: p,
+                    offset: m.offset(),
+                    ce_id: "",
+                }
+                .emit();
                 continue;
             };
             let key = dedup::dedup_key(tenant, ce_id);
             let existing = match st.read(&task.store, DEDUP, &key)? {
-                Some(bytes) => Some(env.codec.decode::<DedupEntry>(RecordKind::DedupEntry, &bytes).map_err(|e| HubError::Codec(e.to_string()))?),
+                Some(bytes) => Some(
+                    env.codec
+                        .decode::<DedupEntry>(RecordKind::DedupEntry, &bytes)
+                        .map_err(|e| HubError::Codec(e.to_string()))?,
+                ),
                 None => None,
             };
             let (sequence, replay) = match dedup::judge(existing.as_ref(), p, m.offset(), now) {
                 Seen::Duplicate { .. } => {
-                    HubEvent { outcome: "duplicate", partition: p, offset: m.offset(), ce_id }.emit();
+                    HubEvent {
+                        outcome: "duplicate",
+                        partition: p,
+                        offset: m.offset(),
+                        ce_id,
+                    }
+                    .emit();
                     continue;
                 }
                 Seen::Replay { sequence } => (sequence, true),
@@ -401,22 +526,57 @@ impl HubStage {
                     if let Some(old) = &existing {
                         st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
                     }
-                    let bytes = env.codec.encode(RecordKind::DedupEntry, &entry).map_err(|e| HubError::Codec(e.to_string()))?;
+                    let bytes = env
+                        .codec
+                        .encode(RecordKind::DedupEntry, &entry)
+                        .map_err(|e| HubError::Codec(e.to_string()))?;
                     outputs.send(&env.dedup_changelog, Some(p), &key, Some(&bytes))?;
-                    st.put(DEDUP_EXPIRY, dedup::expiry_key(entry.expires_at, &key), Vec::new());
+                    st.put(
+                        DEDUP_EXPIRY,
+                        dedup::expiry_key(entry.expires_at, &key),
+                        Vec::new(),
+                    );
                     st.put(DEDUP, key, bytes);
                     (next, false)
                 }
             };
-            HubEvent { outcome: if replay { "replay" } else { "new" }, partition: p, offset: m.offset(), ce_id }.emit();
-            let event = SequencedEvent { tenant, ce_id, sequence, partition: p, offset: m.offset(), replay, record: m };
+            HubEvent {
+                outcome: if replay { "replay" } else { "new" },
+                partition: p,
+                offset: m.offset(),
+                ce_id,
+            }
+            .emit();
+            let event = SequencedEvent {
+                tenant,
+                ce_id,
+                sequence,
+                partition: p,
+                offset: m.offset(),
+                replay,
+                record: m,
+            };
             self.handler.on_event(&event, &mut outputs)?;
         }
         for ((p, tenant), next) in sequences {
-            let rec = SequenceRecord { tenant_id: tenant.clone(), next_sequence: next };
-            let bytes = env.codec.encode(RecordKind::Sequence, &rec).map_err(|e| HubError::Codec(e.to_string()))?;
-            outputs.send(&env.sequence_changelog, Some(p), tenant.as_bytes(), Some(&bytes))?;
-            staged.entry(p).or_default().put(SEQUENCE, tenant.into_bytes(), bytes);
+            let rec = SequenceRecord {
+                tenant_id: tenant.clone(),
+                next_sequence: next,
+            };
+            let bytes = env
+                .codec
+                .encode(RecordKind::Sequence, &rec)
+                .map_err(|e| HubError::Codec(e.to_string()))?;
+            outputs.send(
+                &env.sequence_changelog,
+                Some(p),
+                tenant.as_bytes(),
+                Some(&bytes),
+            )?;
+            staged
+                .entry(p)
+                .or_default()
+                .put(SEQUENCE, tenant.into_bytes(), bytes);
         }
         for (p, task) in tasks.iter() {
             let st = staged.entry(*p).or_default();
@@ -424,24 +584,32 @@ impl HubStage {
         }
         let mut tpl = TopicPartitionList::new();
         for (p, next) in &offsets {
-            tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next)).map_err(KafkaError::from)?;
+            tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
+                .map_err(KafkaError::from)?;
         }
         let metadata = consumer
             .group_metadata()
             .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
-        producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        producer
+            .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
+            .map_err(fatal_or_kafka)?;
         producer.flush(TXN_TIMEOUT).map_err(fatal_or_kafka)?; // serves delivery reports: offsets
         let (delivered, failed) = producer.context().take();
         if let Some(why) = failed {
             return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
         }
-        producer.commit_transaction(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        producer
+            .commit_transaction(TXN_TIMEOUT)
+            .map_err(fatal_or_kafka)?;
         // Committed: now the local stores may move, each with its changelog offsets.
         for (p, st) in staged {
             let Some(task) = tasks.get(&p) else { continue };
             let mut marks: Vec<(&str, i64)> = Vec::new();
             for family in [DEDUP, SEQUENCE] {
-                if let Some(o) = delivered.get(env.changelog_of(family)).and_then(|m| m.get(&p)) {
+                if let Some(o) = delivered
+                    .get(env.changelog_of(family))
+                    .and_then(|m| m.get(&p))
+                {
                     marks.push((family, *o));
                 }
             }
@@ -462,10 +630,19 @@ fn read_sequence(codec: &Codec, st: &Staged, store: &Store, tenant: &str) -> Res
 }
 
 /// Deletes dedup entries whose time is up, oldest first, a bounded number per batch.
-fn purge_expired(env: &Env, store: &Store, st: &mut Staged, out: &mut Outputs<'_>, partition: i32, now: i64) -> Result<(), HubError> {
+fn purge_expired(
+    env: &Env,
+    store: &Store,
+    st: &mut Staged,
+    out: &mut Outputs<'_>,
+    partition: i32,
+    now: i64,
+) -> Result<(), HubError> {
     let candidates = store.scan_from(DEDUP_EXPIRY, &[], EXPIRY_PER_BATCH)?;
     for (ikey, _) in candidates {
-        let Some((expires_at, key)) = dedup::split_expiry_key(&ikey) else { continue };
+        let Some((expires_at, key)) = dedup::split_expiry_key(&ikey) else {
+            continue;
+        };
         if expires_at > now {
             break;
         }
@@ -475,7 +652,11 @@ fn purge_expired(env: &Env, store: &Store, st: &mut Staged, out: &mut Outputs<'_
         st.delete(DEDUP_EXPIRY, ikey.clone());
         let current = st.read(store, DEDUP, key)?;
         let still = current
-            .and_then(|b| env.codec.decode::<DedupEntry>(RecordKind::DedupEntry, &b).ok())
+            .and_then(|b| {
+                env.codec
+                    .decode::<DedupEntry>(RecordKind::DedupEntry, &b)
+                    .ok()
+            })
             .is_some_and(|e| e.expires_at == expires_at);
         if still {
             out.send(&env.dedup_changelog, Some(partition), key, None)?;
@@ -489,7 +670,9 @@ fn purge_expired(env: &Env, store: &Store, st: &mut Staged, out: &mut Outputs<'_
 /// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
 /// not an ingest output (someone else wrote to the inbox).
 fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<i64>)> {
-    let tenant = std::str::from_utf8(m.key()?).ok().filter(|t| !t.is_empty())?;
+    let tenant = std::str::from_utf8(m.key()?)
+        .ok()
+        .filter(|t| !t.is_empty())?;
     let headers = m.headers()?;
     let mut ce_id = None;
     let mut ingest = None;
@@ -528,7 +711,9 @@ fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?S
 fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
     let mut first: HashMap<(&str, i32), i64> = HashMap::new();
     for m in batch {
-        first.entry((m.topic(), m.partition())).or_insert(m.offset());
+        first
+            .entry((m.topic(), m.partition()))
+            .or_insert(m.offset());
     }
     for ((topic, p), o) in first {
         if let Err(e) = consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(5)) {
@@ -539,9 +724,11 @@ fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
 
 fn fatal_or_kafka(e: RdKafkaError) -> HubError {
     match e.rdkafka_error_code() {
-        Some(RDKafkaErrorCode::Fenced | RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch) => {
-            HubError::Fenced(e.to_string())
-        }
+        Some(
+            RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch,
+        ) => HubError::Fenced(e.to_string()),
         _ => HubError::Kafka(KafkaError::from(e)),
     }
 }

@@ -190,6 +190,7 @@ const SCHEMAVERSION: usize = 9;
 const RESOURCETYPE: usize = 10;
 const EVENTTYPE: usize = 11;
 const SYSTEMEVENT: usize = 12;
+const SIGKID: usize = 13;
 const SIG: usize = 15;
 const SLOTS: usize = 16;
 
@@ -202,8 +203,8 @@ fn slot_of(name: &str) -> Option<usize> {
 
 type Slots<'h> = [Option<&'h str>; SLOTS];
 
-fn quarantine(reason: Reason, message: String) -> Verdict {
-    Verdict::Quarantine(Quarantined { reason, message })
+fn quarantine(reason: Reason, message: String) -> Quarantined {
+    Quarantined { reason, message }
 }
 
 /// `"header <name>: <what>"` with the name escaped and clipped.
@@ -238,7 +239,7 @@ fn has_control(s: &str) -> bool {
 }
 
 /// Step 1: one pass over the headers, filling the known slots.
-fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Verdict> {
+fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quarantined> {
     let mut slots: Slots<'h> = [None; SLOTS];
     let mut extensions: Vec<&str> = Vec::new();
     for &(name, value) in headers {
@@ -286,25 +287,25 @@ pub fn classify(
 ) -> Verdict {
     let slots = match scan(headers) {
         Ok(slots) => slots,
-        Err(verdict) => return verdict,
+        Err(q) => return Verdict::Quarantine(q),
     };
     let value = value.unwrap_or_default();
     if value.len() > cfg.max_payload_bytes {
         let (len, max) = (value.len(), cfg.max_payload_bytes);
         let m = format!("value: {len} bytes, over the limit of {max} bytes");
-        return quarantine(Reason::PayloadTooLarge, m);
+        return Verdict::Quarantine(quarantine(Reason::PayloadTooLarge, m));
     }
     if slots[SYSTEMEVENT] == Some("true") {
         return Verdict::Drop;
     }
     match judge(&slots, value, cfg) {
         Ok(accepted) => Verdict::Accept(accepted),
-        Err(verdict) => verdict,
+        Err(q) => Verdict::Quarantine(q),
     }
 }
 
 /// Steps 4–6 for a business event.
-fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accepted, Verdict> {
+fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accepted, Quarantined> {
     let required = |slot: usize| {
         slots[slot].ok_or_else(|| {
             let m = at(SIGNED_HEADERS[slot], format_args!("absent"));
@@ -318,24 +319,44 @@ fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accept
 
     let specversion = required(SPECVERSION)?;
     if specversion != "1.0" {
-        return bad(Reason::UnsupportedSpecversion, SPECVERSION, specversion, "is not 1.0");
+        return bad(
+            Reason::UnsupportedSpecversion,
+            SPECVERSION,
+            specversion,
+            "is not 1.0",
+        );
     }
     let id = required(ID)?;
     if cfg.require_uuidv7 && !is_uuidv7(id) {
-        return bad(Reason::InvalidId, ID, id, "is not a UUIDv7 (hyphenated form)");
+        return bad(
+            Reason::InvalidId,
+            ID,
+            id,
+            "is not a UUIDv7 (hyphenated form)",
+        );
     }
     if !cfg.require_uuidv7 && (id.is_empty() || id.len() > 256) {
         return bad(Reason::InvalidId, ID, id, "must be 1 to 256 bytes");
     }
     let source = required(SOURCE)?;
     if !is_valid_source(source) {
-        return bad(Reason::InvalidSource, SOURCE, source, "must match ^[a-z0-9][a-z0-9_-]*$");
+        return bad(
+            Reason::InvalidSource,
+            SOURCE,
+            source,
+            "must match ^[a-z0-9][a-z0-9_-]*$",
+        );
     }
     let resource = required(RESOURCETYPE)?;
     let event = required(EVENTTYPE)?;
     for (slot, v) in [(RESOURCETYPE, resource), (EVENTTYPE, event)] {
         if v.is_empty() || v.contains('.') {
-            return bad(Reason::InvalidType, slot, v, "must be non-empty without dots");
+            return bad(
+                Reason::InvalidType,
+                slot,
+                v,
+                "must be non-empty without dots",
+            );
         }
     }
     let ty = required(TYPE)?;
@@ -345,7 +366,12 @@ fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accept
         || segments.iter().any(|s| s.is_empty())
         || segments[..2] != ["studio", "lerian"]
     {
-        return bad(Reason::InvalidType, TYPE, ty, "is not studio.lerian.<source>.<resource>.<event>");
+        return bad(
+            Reason::InvalidType,
+            TYPE,
+            ty,
+            "is not studio.lerian.<source>.<resource>.<event>",
+        );
     }
     for (segment, slot, expected) in [
         (segments[2], SOURCE, source),
@@ -353,24 +379,43 @@ fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accept
         (segments[4], EVENTTYPE, event),
     ] {
         if segment != expected {
-            let rule = format!("disagrees with {} {}", SIGNED_HEADERS[slot], shown(expected));
+            let rule = format!(
+                "disagrees with {} {}",
+                SIGNED_HEADERS[slot],
+                shown(expected)
+            );
             return bad(Reason::TypeMismatch, TYPE, ty, &rule);
         }
     }
     let time = required(TIME)?;
     if !is_rfc3339(time) {
-        return bad(Reason::InvalidTime, TIME, time, "is not an RFC 3339 date-time");
+        return bad(
+            Reason::InvalidTime,
+            TIME,
+            time,
+            "is not an RFC 3339 date-time",
+        );
     }
     let schemaversion = required(SCHEMAVERSION)?;
     let Some(schema_major) = schema_major(schemaversion) else {
         let rule = "is not a version such as 1.0.0, 1, v2 or 2.1";
-        return bad(Reason::InvalidSchemaversion, SCHEMAVERSION, schemaversion, rule);
+        return bad(
+            Reason::InvalidSchemaversion,
+            SCHEMAVERSION,
+            schemaversion,
+            rule,
+        );
     };
-    let tenant = match slots[TENANTID] {
-        Some(t) if !t.is_empty() => t,
-        Some(_) => return Err(quarantine(Reason::MissingTenant, at("ce-tenantid", format_args!("empty")))),
-        None => return Err(quarantine(Reason::MissingTenant, at("ce-tenantid", format_args!("absent")))),
-    };
+    let tenant = slots[TENANTID].unwrap_or_default();
+    if tenant.is_empty() {
+        let what = if slots[TENANTID].is_some() {
+            "empty"
+        } else {
+            "absent"
+        };
+        let m = at("ce-tenantid", format_args!("{what}"));
+        return Err(quarantine(Reason::MissingTenant, m));
+    }
     if cfg.require_signatures {
         verify_signature(slots, source, value, &cfg.keys)?;
     }
@@ -390,7 +435,7 @@ fn verify_signature(
     source: &str,
     value: &[u8],
     keys: &SignatureKeys,
-) -> Result<(), Verdict> {
+) -> Result<(), Quarantined> {
     let Some(sig) = slots[SIG] else {
         let m = at("ce-sig", format_args!("absent; signatures are required"));
         return Err(quarantine(Reason::SignatureMissing, m));
@@ -399,7 +444,7 @@ fn verify_signature(
     for (field, slot) in fields.iter_mut().zip(slots) {
         *field = slot.map(str::as_bytes);
     }
-    let kid = slots[13].unwrap_or_default();
+    let kid = slots[SIGKID].unwrap_or_default();
     let err = match keys.verify_fields(source, &fields, sig.as_bytes(), value) {
         Ok(()) => return Ok(()),
         Err(err) => err,
@@ -409,15 +454,25 @@ fn verify_signature(
             (Reason::SignatureMissing, err.to_string())
         }
         SignatureError::UnknownKey => {
-            let m = at("ce-sigkid", format_args!("key id {} not known to this hub", shown(kid)));
+            let m = at(
+                "ce-sigkid",
+                format_args!("key id {} not known to this hub", shown(kid)),
+            );
             (Reason::SignatureUnknownKey, m)
         }
         SignatureError::WrongSource => {
             let bound = keys.source_of(kid).unwrap_or_default();
-            let what = format_args!("key {} is bound to source {}, not {}", shown(kid), shown(bound), shown(source));
+            let what = format_args!(
+                "key {} is bound to source {}, not {}",
+                shown(kid),
+                shown(bound),
+                shown(source)
+            );
             (Reason::SignatureInvalid, at("ce-sigkid", what))
         }
-        SignatureError::Malformed | SignatureError::Mismatch => (Reason::SignatureInvalid, err.to_string()),
+        SignatureError::Malformed | SignatureError::Mismatch => {
+            (Reason::SignatureInvalid, err.to_string())
+        }
     };
     Err(quarantine(reason, m))
 }
@@ -425,15 +480,16 @@ fn verify_signature(
 /// A UUIDv7 (RFC 9562 variant) in the 36-character hyphenated form.
 fn is_uuidv7(id: &str) -> bool {
     id.len() == 36
-        && uuid::Uuid::try_parse(id).is_ok_and(|u| {
-            u.get_version_num() == 7 && u.get_variant() == uuid::Variant::RFC4122
-        })
+        && uuid::Uuid::try_parse(id)
+            .is_ok_and(|u| u.get_version_num() == 7 && u.get_variant() == uuid::Variant::RFC4122)
 }
 
 /// `digits` ASCII digits at `at`, as a number.
 fn digits(b: &[u8], at: usize, len: usize) -> Option<u32> {
     let field = b.get(at..at + len)?;
-    field.iter().try_fold(0u32, |n, &c| c.is_ascii_digit().then(|| n * 10 + u32::from(c - b'0')))
+    field.iter().try_fold(0u32, |n, &c| {
+        c.is_ascii_digit().then(|| n * 10 + u32::from(c - b'0'))
+    })
 }
 
 /// `YYYY-MM-DDTHH:MM:SS[.f{1,9}](Z|±HH:MM)` with a real calendar date (see the module doc).
@@ -501,4 +557,873 @@ fn schema_major(s: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    const UUID7: &str = "0190a8e2-0000-7000-8000-000000000001";
+    const VECTOR_SIG: &str = "v1.AJbY2MqfEv5EvFyAS70emQDM59tj3lpf0PBYeUW0ho4";
+
+    /// An owned record, so tests can mutate headers before borrowing them as Kafka gives them.
+    #[derive(Clone, Debug)]
+    struct Rec {
+        headers: Vec<(String, Option<Vec<u8>>)>,
+        value: Option<Vec<u8>>,
+    }
+
+    impl Rec {
+        /// A record written as in VECTORS.md: `name value | name value | ...`.
+        fn parse(spec: &str, value: &[u8]) -> Rec {
+            let headers = spec
+                .split('|')
+                .map(|h| h.trim().split_once(' ').unwrap())
+                .map(|(n, v)| (n.to_string(), Some(v.trim().as_bytes().to_vec())))
+                .collect();
+            Rec {
+                headers,
+                value: Some(value.to_vec()),
+            }
+        }
+
+        /// VECTORS.md: the single-tenant ledger event.
+        fn ledger() -> Rec {
+            let spec = "ce-specversion 1.0 | ce-id 0190a8e2-0000-7000-8000-000000000001 \
+                | ce-source ledger | ce-type studio.lerian.ledger.account.created \
+                | ce-time 2026-03-01T09:15:00.5-03:00 | ce-schemaversion 1.0.0 \
+                | ce-resourcetype account | ce-eventtype created | ce-subject acc-1 \
+                | ce-datacontenttype application/json | ce-tenantid default \
+                | traceparent 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+            Rec::parse(spec, br#"{"id":"acc-1"}"#)
+        }
+
+        /// VECTORS.md: the system event.
+        fn system() -> Rec {
+            let spec = "ce-specversion 1.0 | ce-id 0190a8e2-0000-7000-8000-000000000001 \
+                | ce-source platform-reaper \
+                | ce-type studio.lerian.platform-reaper.platform.reaper_pass \
+                | ce-time 2026-04-18T10:30:45.123456789Z | ce-schemaversion 1.0.0 \
+                | ce-resourcetype platform | ce-eventtype reaper_pass \
+                | ce-datacontenttype application/json | ce-systemevent true";
+            Rec::parse(spec, b"{}")
+        }
+
+        /// VECTORS.md: the signed transaction, with its `ce-sig`.
+        fn signed_vector() -> Rec {
+            let spec = "ce-specversion 1.0 | ce-id 0190a8e2-0000-7000-8000-000000000001 \
+                | ce-source ledger | ce-type studio.lerian.ledger.transaction.created \
+                | ce-time 2026-09-26T12:00:00Z | ce-schemaversion 1.0.0 \
+                | ce-resourcetype transaction | ce-eventtype created | ce-subject acc-1 \
+                | ce-datacontenttype application/json | ce-tenantid tenant-1 | ce-sigkid k1 \
+                | ce-sigts 2026-09-26T12:00:05.123456789Z \
+                | ce-sig v1.AJbY2MqfEv5EvFyAS70emQDM59tj3lpf0PBYeUW0ho4";
+            Rec::parse(spec, br#"{"amount":"10.00"}"#)
+        }
+
+        fn set(self, name: &str, value: &str) -> Rec {
+            self.set_raw(name, Some(value.as_bytes()))
+        }
+
+        fn set_raw(mut self, name: &str, value: Option<&[u8]>) -> Rec {
+            let value = value.map(<[u8]>::to_vec);
+            match self.headers.iter_mut().find(|(n, _)| n == name) {
+                Some(slot) => slot.1 = value,
+                None => self.headers.push((name.to_string(), value)),
+            }
+            self
+        }
+
+        fn push(mut self, name: &str, value: &str) -> Rec {
+            self.headers
+                .push((name.to_string(), Some(value.as_bytes().to_vec())));
+            self
+        }
+
+        fn remove(mut self, name: &str) -> Rec {
+            self.headers.retain(|(n, _)| n != name);
+            self
+        }
+
+        /// Sets `ce-sigkid` and a `ce-sig` computed with `secret`.
+        fn signed(self, kid: &str, secret: &[u8]) -> Rec {
+            let mut rec = self.remove("ce-sig").set("ce-sigkid", kid);
+            let sig = {
+                let h = rec.borrowed();
+                super::super::signature::sign(secret, &h, rec.value.as_deref().unwrap_or_default())
+            };
+            rec.headers.push(("ce-sig".into(), Some(sig.into_bytes())));
+            rec
+        }
+
+        fn borrowed(&self) -> Vec<(&str, Option<&[u8]>)> {
+            self.headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_deref()))
+                .collect()
+        }
+
+        fn classify(&self, cfg: &ClassifyConfig) -> Verdict {
+            classify(&self.borrowed(), self.value.as_deref(), cfg)
+        }
+    }
+
+    fn vector_secret() -> Vec<u8> {
+        (0u8..32).collect()
+    }
+
+    fn signing_cfg() -> ClassifyConfig {
+        let mut keys = SignatureKeys::default();
+        keys.insert("k1", "ledger", &vector_secret()).unwrap();
+        keys.insert("t1", "tracer", &[7u8; 32]).unwrap();
+        ClassifyConfig {
+            require_signatures: true,
+            keys,
+            ..ClassifyConfig::default()
+        }
+    }
+
+    #[track_caller]
+    fn assert_quarantined(verdict: Verdict, reason: Reason, header: &str) {
+        match verdict {
+            Verdict::Quarantine(q) => {
+                assert_eq!(q.reason, reason, "{}", q.message);
+                assert!(
+                    q.message.contains(header),
+                    "{:?} should name {header}",
+                    q.message
+                );
+            }
+            other => panic!("expected quarantine {reason}, got {other:?}"),
+        }
+    }
+
+    #[track_caller]
+    fn accepted(verdict: Verdict) -> Accepted {
+        match verdict {
+            Verdict::Accept(a) => a,
+            other => panic!("expected accept, got {other:?}"),
+        }
+    }
+
+    /// Expected verdict of a table row: accept, drop, or quarantine naming a header.
+    enum Expect {
+        Pass,
+        Gone,
+        Q(Reason, &'static str),
+    }
+
+    #[test]
+    fn one_record_per_verdict_and_per_reason_gets_exactly_that_verdict() {
+        use Expect::*;
+        use Reason::*;
+        let plain = &ClassifyConfig::default();
+        let small = &ClassifyConfig {
+            max_payload_bytes: 8,
+            ..ClassifyConfig::default()
+        };
+        let signing = &signing_cfg();
+        let ledger = Rec::ledger;
+        let other_type = "studio.lerian.ledger.account.deleted";
+        let table: Vec<(&str, Rec, &ClassifyConfig, Expect)> = vec![
+            ("accept", ledger(), plain, Pass),
+            ("drop", Rec::system(), plain, Gone),
+            (
+                "missing",
+                ledger().remove("ce-time"),
+                plain,
+                Q(MissingHeader, "ce-time"),
+            ),
+            (
+                "specversion",
+                ledger().set("ce-specversion", "0.3"),
+                plain,
+                Q(UnsupportedSpecversion, "ce-specversion"),
+            ),
+            (
+                "id",
+                ledger().set("ce-id", "42"),
+                plain,
+                Q(InvalidId, "ce-id"),
+            ),
+            (
+                "source",
+                ledger().set("ce-source", "Ledger"),
+                plain,
+                Q(InvalidSource, "ce-source"),
+            ),
+            (
+                "type",
+                ledger().set("ce-type", "a.b.c.d.e"),
+                plain,
+                Q(InvalidType, "ce-type"),
+            ),
+            (
+                "mismatch",
+                ledger().set("ce-type", other_type),
+                plain,
+                Q(TypeMismatch, "ce-type"),
+            ),
+            (
+                "time",
+                ledger().set("ce-time", "2026-03-01"),
+                plain,
+                Q(InvalidTime, "ce-time"),
+            ),
+            (
+                "schemaversion",
+                ledger().set("ce-schemaversion", "1.0.0.0"),
+                plain,
+                Q(InvalidSchemaversion, "ce-schemaversion"),
+            ),
+            (
+                "tenant",
+                ledger().remove("ce-tenantid"),
+                plain,
+                Q(MissingTenant, "ce-tenantid"),
+            ),
+            (
+                "duplicate",
+                ledger().push("ce-id", UUID7),
+                plain,
+                Q(DuplicateHeader, "ce-id"),
+            ),
+            (
+                "encoding",
+                ledger().set_raw("ce-subject", Some(b"acc-\xff")),
+                plain,
+                Q(InvalidHeaderEncoding, "ce-subject"),
+            ),
+            ("payload", ledger(), small, Q(PayloadTooLarge, "value")),
+            ("unsigned", ledger(), signing, Q(SignatureMissing, "ce-sig")),
+            (
+                "bad sig",
+                ledger().signed("k1", &[9; 32]),
+                signing,
+                Q(SignatureInvalid, "ce-sig"),
+            ),
+            (
+                "unknown key",
+                ledger().signed("k9", &vector_secret()),
+                signing,
+                Q(SignatureUnknownKey, "ce-sigkid"),
+            ),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for (name, rec, cfg, expect) in table {
+            let verdict = rec.classify(cfg);
+            match (expect, verdict) {
+                (Pass, Verdict::Accept(_)) | (Gone, Verdict::Drop) => {}
+                (Q(reason, header), Verdict::Quarantine(q)) => {
+                    assert_eq!(q.reason, reason, "{name}: {}", q.message);
+                    assert!(
+                        q.message.contains(header),
+                        "{name}: {:?} names {header}",
+                        q.message
+                    );
+                    seen.insert(reason);
+                }
+                (_, verdict) => panic!("{name}: unexpected {verdict:?}"),
+            }
+        }
+        assert_eq!(seen.len(), Reason::ALL.len(), "every reason code has a row");
+    }
+
+    #[test]
+    fn signed_vector_is_accepted_with_its_key() {
+        let a = accepted(Rec::signed_vector().classify(&signing_cfg()));
+        assert_eq!(
+            (a.tenant.as_str(), a.event_key().as_str()),
+            ("tenant-1", "transaction.created")
+        );
+    }
+
+    #[test]
+    fn signed_vector_with_a_wrong_secret_is_signature_invalid() {
+        let mut cfg = signing_cfg();
+        cfg.keys = SignatureKeys::default();
+        cfg.keys.insert("k1", "ledger", &[0x55; 32]).unwrap();
+        let verdict = Rec::signed_vector().classify(&cfg);
+        assert_quarantined(verdict, Reason::SignatureInvalid, "ce-sig");
+    }
+
+    #[test]
+    fn signed_vector_with_an_unknown_kid_is_signature_unknown_key() {
+        let rec = Rec::signed_vector().set("ce-sigkid", "k2");
+        assert_quarantined(
+            rec.classify(&signing_cfg()),
+            Reason::SignatureUnknownKey,
+            "ce-sigkid",
+        );
+    }
+
+    #[test]
+    fn signed_vector_without_ce_sig_is_signature_missing() {
+        let rec = Rec::signed_vector().remove("ce-sig");
+        assert_quarantined(
+            rec.classify(&signing_cfg()),
+            Reason::SignatureMissing,
+            "ce-sig",
+        );
+        let rec = Rec::signed_vector().remove("ce-sigkid");
+        assert_quarantined(
+            rec.classify(&signing_cfg()),
+            Reason::SignatureMissing,
+            "ce-sigkid",
+        );
+    }
+
+    #[test]
+    fn record_signed_by_a_key_of_another_source_is_signature_invalid() {
+        let rec = Rec::ledger().signed("t1", &[7u8; 32]);
+        let verdict = rec.classify(&signing_cfg());
+        assert_quarantined(verdict.clone(), Reason::SignatureInvalid, "ce-sigkid");
+        let Verdict::Quarantine(q) = verdict else {
+            unreachable!()
+        };
+        assert!(q.message.contains("tracer"), "{}", q.message);
+    }
+
+    #[test]
+    fn tampered_signed_header_is_signature_invalid() {
+        let rec = Rec::signed_vector().set("ce-subject", "acc-2");
+        assert_quarantined(
+            rec.classify(&signing_cfg()),
+            Reason::SignatureInvalid,
+            "ce-sig",
+        );
+        let rec = Rec::signed_vector().remove("ce-subject");
+        assert_quarantined(
+            rec.classify(&signing_cfg()),
+            Reason::SignatureInvalid,
+            "ce-sig",
+        );
+    }
+
+    #[test]
+    fn signature_messages_never_show_the_signature_or_secret() {
+        let secret = [0x5au8; 32];
+        let rec = Rec::ledger().signed("k1", &secret);
+        let Verdict::Quarantine(q) = rec.classify(&signing_cfg()) else {
+            panic!()
+        };
+        let sig = rec
+            .headers
+            .iter()
+            .find(|(n, _)| n == "ce-sig")
+            .unwrap()
+            .1
+            .clone()
+            .unwrap();
+        let sig = String::from_utf8(sig).unwrap();
+        assert!(
+            !q.message.contains(&sig[3..]) && !q.message.contains("5a5a"),
+            "{}",
+            q.message
+        );
+    }
+
+    #[test]
+    fn present_signature_is_not_verified_when_not_required() {
+        let rec = Rec::ledger()
+            .set("ce-sigkid", "nobody")
+            .set("ce-sig", "v1.garbage");
+        accepted(rec.classify(&ClassifyConfig::default()));
+    }
+
+    #[test]
+    fn system_event_is_dropped_not_quarantined() {
+        assert_eq!(
+            Rec::system().classify(&ClassifyConfig::default()),
+            Verdict::Drop
+        );
+        // Even when signatures are required, or attributes beyond the structure are wrong.
+        assert_eq!(Rec::system().classify(&signing_cfg()), Verdict::Drop);
+        let sloppy = Rec::system().remove("ce-time").set("ce-type", "x");
+        assert_eq!(sloppy.classify(&ClassifyConfig::default()), Verdict::Drop);
+    }
+
+    #[test]
+    fn system_event_with_broken_header_structure_is_still_quarantined() {
+        let cfg = ClassifyConfig::default();
+        let garbage = Rec::system().set_raw("ce-subject", Some(b"\x00"));
+        assert_quarantined(
+            garbage.classify(&cfg),
+            Reason::InvalidHeaderEncoding,
+            "ce-subject",
+        );
+        let twice = Rec::system().push("ce-systemevent", "true");
+        assert_quarantined(
+            twice.classify(&cfg),
+            Reason::DuplicateHeader,
+            "ce-systemevent",
+        );
+        let small = ClassifyConfig {
+            max_payload_bytes: 1,
+            ..ClassifyConfig::default()
+        };
+        assert_quarantined(
+            Rec::system().classify(&small),
+            Reason::PayloadTooLarge,
+            "value",
+        );
+    }
+
+    #[test]
+    fn systemevent_other_than_true_is_a_business_event() {
+        let cfg = ClassifyConfig::default();
+        for v in ["false", "TRUE", "1", ""] {
+            let rec = Rec::system().set("ce-systemevent", v);
+            assert_quarantined(rec.classify(&cfg), Reason::MissingTenant, "ce-tenantid");
+        }
+    }
+
+    #[test]
+    fn single_tenant_ledger_event_with_offset_time_is_accepted() {
+        let a = accepted(Rec::ledger().classify(&ClassifyConfig::default()));
+        let want = Accepted {
+            tenant: "default".into(),
+            ce_id: UUID7.into(),
+            source: "ledger".into(),
+            resource_type: "account".into(),
+            event_type: "created".into(),
+            schema_major: 1,
+        };
+        assert_eq!(a, want);
+        assert_eq!(a.event_key(), "account.created");
+    }
+
+    #[test]
+    fn real_producer_types_with_dashes_and_underscores_are_accepted() {
+        let cfg = ClassifyConfig::default();
+        for (source, resource, event) in [
+            ("ledger", "transaction", "posted"),
+            ("ledger", "balance", "config-changed"),
+            ("tracer", "rule", "activated"),
+            ("lender", "loan_application", "approved"),
+        ] {
+            let rec = Rec::ledger()
+                .set("ce-source", source)
+                .set("ce-resourcetype", resource)
+                .set("ce-eventtype", event)
+                .set(
+                    "ce-type",
+                    &format!("studio.lerian.{source}.{resource}.{event}"),
+                );
+            assert_eq!(
+                accepted(rec.classify(&cfg)).event_key(),
+                format!("{resource}.{event}")
+            );
+        }
+    }
+
+    #[test]
+    fn schema_versions_parse_to_their_major() {
+        let cfg = ClassifyConfig::default();
+        for (v, major) in [
+            ("1.0.0", 1),
+            ("1", 1),
+            ("v2", 2),
+            ("2.1", 2),
+            ("0.9", 0),
+            ("v10.0.3", 10),
+        ] {
+            let a = accepted(Rec::ledger().set("ce-schemaversion", v).classify(&cfg));
+            assert_eq!(a.schema_major, major, "{v}");
+        }
+        for v in [
+            "1.0.0.0",
+            "x",
+            "",
+            "v",
+            "+1",
+            "-1",
+            "1.",
+            ".1",
+            "1..0",
+            "01",
+            "1.0.0-rc.1",
+            "V2",
+        ] {
+            let rec = Rec::ledger().set("ce-schemaversion", v);
+            assert_quarantined(
+                rec.classify(&cfg),
+                Reason::InvalidSchemaversion,
+                "ce-schemaversion",
+            );
+        }
+        assert_eq!(schema_major("4294967295"), Some(u32::MAX));
+        assert_eq!(schema_major("4294967296"), None);
+    }
+
+    #[test]
+    fn rfc3339_times_with_any_offset_and_up_to_nanoseconds_are_accepted() {
+        let good = [
+            "2026-03-01T09:15:00.5-03:00",
+            "2026-04-18T10:30:45.123456789Z",
+            "2026-09-26T12:00:00Z",
+            "2024-02-29T23:59:59+14:00",
+            "2000-02-29T00:00:00-00:00",
+        ];
+        for t in good {
+            assert!(is_rfc3339(t), "{t}");
+            assert!(
+                chrono::DateTime::parse_from_rfc3339(t).is_ok(),
+                "chrono agrees on {t}"
+            );
+        }
+        let bad = [
+            "",
+            "2026-03-01",
+            "2026-03-01T09:15:00",
+            "2026-03-01 09:15:00Z",
+            "2026-03-01t09:15:00z",
+            "2026-03-01T09:15:00.1234567890Z",
+            "2026-03-01T09:15:00.Z",
+            "2025-02-29T00:00:00Z",
+            "1900-02-29T00:00:00Z",
+            "2026-13-01T00:00:00Z",
+            "2026-04-31T00:00:00Z",
+            "2026-03-01T24:00:00Z",
+            "2026-03-01T23:60:00Z",
+            "2026-12-31T23:59:60Z",
+            "2026-03-01T09:15:00+0300",
+            "2026-03-01T09:15:00+24:00",
+            "2026-03-01T09:15:00Z ",
+            "+2026-03-01T09:15:00Z",
+            "２０２６-03-01T09:15:00Z",
+        ];
+        for t in bad {
+            assert!(!is_rfc3339(t), "{t}");
+            let rec = Rec::ledger().set("ce-time", t);
+            assert_quarantined(
+                rec.classify(&ClassifyConfig::default()),
+                Reason::InvalidTime,
+                "ce-time",
+            );
+        }
+    }
+
+    #[test]
+    fn id_must_be_a_uuidv7_unless_relaxed() {
+        let strict = ClassifyConfig::default();
+        let relaxed = ClassifyConfig {
+            require_uuidv7: false,
+            ..ClassifyConfig::default()
+        };
+        let v4 = "0190a8e2-0000-4000-8000-000000000001";
+        let bad_variant = "0190a8e2-0000-7000-c000-000000000001";
+        let simple = "0190a8e200007000800000000000000a";
+        for id in [v4, bad_variant, simple, "order-42", ""] {
+            let rec = Rec::ledger().set("ce-id", id);
+            assert_quarantined(rec.classify(&strict), Reason::InvalidId, "ce-id");
+        }
+        accepted(
+            Rec::ledger()
+                .set("ce-id", &UUID7.to_uppercase())
+                .classify(&strict),
+        );
+        let longest = "i".repeat(256);
+        for id in ["order-42", v4, longest.as_str()] {
+            accepted(Rec::ledger().set("ce-id", id).classify(&relaxed));
+        }
+        for id in ["", &"i".repeat(257)] {
+            let rec = Rec::ledger().set("ce-id", id);
+            assert_quarantined(rec.classify(&relaxed), Reason::InvalidId, "ce-id");
+        }
+    }
+
+    #[test]
+    fn control_characters_and_bad_utf8_are_invalid_header_encoding() {
+        let cfg = ClassifyConfig::default();
+        let values: [&[u8]; 7] = [
+            b"a\rb",
+            b"a\nb",
+            b"a\0b",
+            b"a\tb",
+            b"a\x7fb",
+            "a\u{85}b".as_bytes(),
+            b"\xc3",
+        ];
+        for v in values {
+            let rec = Rec::ledger().set_raw("ce-tenantid", Some(v));
+            assert_quarantined(
+                rec.classify(&cfg),
+                Reason::InvalidHeaderEncoding,
+                "ce-tenantid",
+            );
+        }
+        let null = Rec::ledger().set_raw("ce-dataschema", None);
+        assert_quarantined(
+            null.classify(&cfg),
+            Reason::InvalidHeaderEncoding,
+            "ce-dataschema",
+        );
+        let name = Rec::ledger().push("ce-x\n", "1");
+        assert_quarantined(
+            name.classify(&cfg),
+            Reason::InvalidHeaderEncoding,
+            "ce-x\\n",
+        );
+        // Non-ce headers are carried, never judged.
+        let other = Rec::ledger()
+            .set_raw("x-binary", Some(b"\xff\x00"))
+            .set_raw("x-null", None);
+        accepted(other.classify(&cfg));
+        // Non-ASCII text without control characters is fine.
+        accepted(Rec::ledger().set("ce-subject", "conta-çé-✓").classify(&cfg));
+    }
+
+    #[test]
+    fn header_names_are_case_sensitive() {
+        let cfg = ClassifyConfig::default();
+        let upper = Rec::ledger().remove("ce-id").push("CE-ID", UUID7);
+        assert_quarantined(upper.classify(&cfg), Reason::MissingHeader, "ce-id");
+        accepted(
+            Rec::ledger()
+                .push("Ce-Id", "whatever")
+                .push("ce_id", "x")
+                .classify(&cfg),
+        );
+    }
+
+    #[test]
+    fn duplicated_extension_is_duplicate_header_but_other_duplicates_are_carried() {
+        let cfg = ClassifyConfig::default();
+        let ext = Rec::ledger()
+            .push("ce-partitionkey", "a")
+            .push("ce-foo", "1")
+            .push("ce-partitionkey", "a");
+        assert_quarantined(
+            ext.classify(&cfg),
+            Reason::DuplicateHeader,
+            "ce-partitionkey",
+        );
+        accepted(
+            Rec::ledger()
+                .push("traceparent", "x")
+                .push("ce-partitionkey", "a")
+                .classify(&cfg),
+        );
+    }
+
+    #[test]
+    fn resource_and_event_types_must_be_present_non_empty_and_dotless() {
+        let cfg = ClassifyConfig::default();
+        for h in ["ce-resourcetype", "ce-eventtype"] {
+            assert_quarantined(
+                Rec::ledger().remove(h).classify(&cfg),
+                Reason::MissingHeader,
+                h,
+            );
+            assert_quarantined(
+                Rec::ledger().set(h, "").classify(&cfg),
+                Reason::InvalidType,
+                h,
+            );
+            assert_quarantined(
+                Rec::ledger().set(h, "a.b").classify(&cfg),
+                Reason::InvalidType,
+                h,
+            );
+        }
+    }
+
+    #[test]
+    fn type_shape_is_invalid_type_and_disagreement_is_type_mismatch() {
+        let cfg = ClassifyConfig::default();
+        for t in [
+            "studio.lerian.ledger.account",
+            "studio.lerian.ledger.account.created.v2",
+            "studio.lerian..account.created",
+            "studio.lerian.ledger.account.",
+            "lerian.studio.ledger.account.created",
+            "",
+        ] {
+            let rec = Rec::ledger().set("ce-type", t);
+            assert_quarantined(rec.classify(&cfg), Reason::InvalidType, "ce-type");
+        }
+        for (t, names) in [
+            ("studio.lerian.tracer.account.created", "ce-source"),
+            ("studio.lerian.ledger.balance.created", "ce-resourcetype"),
+            ("studio.lerian.ledger.account.updated", "ce-eventtype"),
+        ] {
+            let rec = Rec::ledger().set("ce-type", t);
+            assert_quarantined(rec.classify(&cfg), Reason::TypeMismatch, names);
+        }
+    }
+
+    #[test]
+    fn empty_tenant_is_missing_tenant() {
+        let rec = Rec::ledger().set("ce-tenantid", "");
+        assert_quarantined(
+            rec.classify(&ClassifyConfig::default()),
+            Reason::MissingTenant,
+            "ce-tenantid",
+        );
+    }
+
+    #[test]
+    fn payload_at_the_limit_is_accepted_and_null_value_is_empty() {
+        let rec = Rec::ledger();
+        let len = rec.value.as_ref().unwrap().len();
+        let cfg = ClassifyConfig {
+            max_payload_bytes: len,
+            ..ClassifyConfig::default()
+        };
+        accepted(rec.classify(&cfg));
+        let null = Rec {
+            value: None,
+            ..Rec::ledger()
+        };
+        accepted(null.classify(&ClassifyConfig {
+            max_payload_bytes: 0,
+            ..cfg
+        }));
+    }
+
+    #[test]
+    fn messages_clip_long_values() {
+        let long = "x".repeat(10_000);
+        let Verdict::Quarantine(q) = Rec::ledger()
+            .set("ce-source", &long)
+            .classify(&ClassifyConfig::default())
+        else {
+            panic!()
+        };
+        assert!(q.message.len() < 200, "{}", q.message);
+    }
+
+    #[test]
+    fn reason_codes_are_unique_snake_case_with_their_cause_kind() {
+        let codes: std::collections::HashSet<_> = Reason::ALL.iter().map(Reason::code).collect();
+        assert_eq!(codes.len(), 15);
+        assert!(
+            codes
+                .iter()
+                .all(|c| c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
+        );
+        for r in Reason::ALL {
+            let kind = if r.code().starts_with("signature_") {
+                "signature"
+            } else {
+                "codec"
+            };
+            assert_eq!(r.cause_kind(), kind, "{r}");
+            assert_eq!(r.to_string(), r.code());
+        }
+    }
+
+    #[test]
+    fn known_slots_follow_the_canonical_signature_order() {
+        for (i, name) in SIGNED_HEADERS.iter().enumerate() {
+            assert_eq!(slot_of(name), Some(i));
+        }
+        assert_eq!(slot_of("ce-sig"), Some(SIG));
+        assert_eq!(SIGNED_HEADERS[TENANTID], "ce-tenantid");
+        assert_eq!(SIGNED_HEADERS[SIGKID], "ce-sigkid");
+        assert_eq!(slot_of("ce-other"), None);
+    }
+
+    fn header_name() -> impl Strategy<Value = String> {
+        let known: Vec<String> = SIGNED_HEADERS
+            .iter()
+            .chain(&["ce-sig", "CE-ID", "traceparent", "ce-", "ce-x"])
+            .map(|s| s.to_string())
+            .collect();
+        prop_oneof![
+            4 => proptest::sample::select(known),
+            1 => "ce-[a-z\\x00-\\x1f\\n]{0,6}",
+            1 => any::<String>(),
+        ]
+    }
+
+    fn header_value() -> impl Strategy<Value = Option<Vec<u8>>> {
+        let plausible = [
+            "1.0",
+            UUID7,
+            "ledger",
+            "studio.lerian.ledger.account.created",
+            "account",
+            "created",
+            "2026-03-01T09:15:00.5-03:00",
+            "1.0.0",
+            "v2",
+            "true",
+            "default",
+            "k1",
+            VECTOR_SIG,
+            "",
+            "studio.lerian...",
+            "9999-99-99T99:99:99.9999999999+99:99",
+            "v1.",
+            "4294967296",
+        ];
+        let plausible: Vec<Vec<u8>> = plausible.iter().map(|s| s.as_bytes().to_vec()).collect();
+        proptest::option::weighted(
+            0.95,
+            prop_oneof![
+                3 => proptest::sample::select(plausible),
+                1 => proptest::collection::vec(any::<u8>(), 0..48),
+                1 => any::<String>().prop_map(String::into_bytes),
+            ],
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        #[test]
+        fn classify_never_panics_on_arbitrary_headers(
+            headers in proptest::collection::vec((header_name(), header_value()), 0..24),
+            keep in proptest::collection::vec(any::<bool>(), 14),
+            value in proptest::option::of(proptest::collection::vec(any::<u8>(), 0..64)),
+            relaxed in any::<bool>(),
+            require_signatures in any::<bool>(),
+        ) {
+            // Start from a valid signed record, drop some of its headers, then add arbitrary ones
+            // (which may duplicate or contradict the rest).
+            let mut rec = Rec::signed_vector();
+            let mut keep = keep.into_iter();
+            rec.headers.retain(|_| keep.next().unwrap_or(true));
+            rec.headers.extend(headers);
+            rec.value = value;
+            let cfg = ClassifyConfig {
+                require_uuidv7: !relaxed,
+                max_payload_bytes: 48,
+                require_signatures,
+                ..signing_cfg()
+            };
+            match rec.classify(&cfg) {
+                Verdict::Accept(a) => {
+                    prop_assert!(!a.tenant.is_empty());
+                    prop_assert!(is_valid_source(&a.source));
+                }
+                Verdict::Quarantine(q) => prop_assert!(q.message.starts_with("header ") || q.message.starts_with("value")),
+                Verdict::Drop => {}
+            }
+        }
+
+        #[test]
+        fn time_and_version_parsers_never_panic(s in any::<String>()) {
+            let _ = is_rfc3339(&s);
+            let _ = schema_major(&s);
+            let _ = is_uuidv7(&s);
+        }
+
+        #[test]
+        fn generated_rfc3339_times_agree_with_chrono(
+            secs in 0i64..253_402_300_799,
+            nanos in 0u32..1_000_000_000,
+            digits in 0usize..10,
+            offset_min in -1439i32..=1439,
+        ) {
+            let offset = chrono::FixedOffset::east_opt(offset_min * 60).unwrap();
+            let t = chrono::DateTime::from_timestamp(secs, nanos).unwrap().with_timezone(&offset);
+            let mut s = t.format("%Y-%m-%dT%H:%M:%S").to_string();
+            if digits > 0 {
+                let frac = format!("{nanos:09}");
+                s.push('.');
+                s.push_str(&frac[..digits]);
+            }
+            s.push_str(&t.format("%:z").to_string());
+            prop_assert!(is_rfc3339(&s), "{}", s);
+        }
+    }
 }

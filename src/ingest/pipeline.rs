@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer, DefaultProducerContext};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
@@ -81,7 +81,12 @@ fn log_rebalance(kind: &'static str, rebalance: &Rebalance<'_>) {
             .join(","),
         Rebalance::Error(e) => format!("error: {e}"),
     };
-    telemetry::Rebalance { stage: "ingest", kind, partitions: &partitions }.emit();
+    telemetry::Rebalance {
+        stage: "ingest",
+        kind,
+        partitions: &partitions,
+    }
+    .emit();
 }
 
 /// Everything the loop needs, resolved once.
@@ -95,7 +100,9 @@ pub struct Ingest {
 
 impl Ingest {
     pub fn new(config: &Config, clock: SharedClock) -> Result<Ingest, IngestError> {
-        let keys = config.signature_keys().map_err(|e| IngestError::Config(e.to_string()))?;
+        let keys = config
+            .signature_keys()
+            .map_err(|e| IngestError::Config(e.to_string()))?;
         Ok(Ingest {
             classify: ClassifyConfig {
                 require_uuidv7: config.require_uuidv7,
@@ -113,17 +120,22 @@ impl Ingest {
     /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
     pub fn run(&self, stop: Arc<AtomicBool>) -> Result<(), IngestError> {
         let instance = self.config.instance();
-        let consumer: BaseConsumer<IngestContext> =
-            kafka::transactional_consumer(&self.config, &self.config.group_id, &format!("ingest-{instance}"))
-                .create_with_context(IngestContext)
-                .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        let consumer: BaseConsumer<IngestContext> = kafka::transactional_consumer(
+            &self.config,
+            &self.config.group_id,
+            &format!("ingest-{instance}"),
+        )
+        .create_with_context(IngestContext)
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
         let producer: ThreadedProducer<DefaultProducerContext> =
             kafka::transactional_producer(&self.config, &txn_id)
                 .set("message.max.bytes", "4194304")
                 .create()
                 .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        producer.init_transactions(TXN_TIMEOUT).map_err(fatal_or_kafka)?;
+        producer
+            .init_transactions(TXN_TIMEOUT)
+            .map_err(fatal_or_kafka)?;
         consumer
             .subscribe(&[self.config.follow_pattern.as_str()])
             .map_err(KafkaError::from)?;
@@ -138,7 +150,12 @@ impl Ingest {
             }
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
-                Ok(()) => IngestCommit { records: batch.len(), took: started.elapsed(), outcome: CommitOutcome::Committed }.emit(None),
+                Ok(()) => IngestCommit {
+                    records: batch.len(),
+                    took: started.elapsed(),
+                    outcome: CommitOutcome::Committed,
+                }
+                .emit(None),
                 Err(e) => {
                     let msg = e.to_string();
                     if let Some(code) = e.rdkafka_error_code() {
@@ -146,7 +163,12 @@ impl Ingest {
                             return Err(IngestError::Fenced(msg));
                         }
                     }
-                    IngestCommit { records: batch.len(), took: started.elapsed(), outcome: CommitOutcome::Aborted }.emit(Some(&msg));
+                    IngestCommit {
+                        records: batch.len(),
+                        took: started.elapsed(),
+                        outcome: CommitOutcome::Aborted,
+                    }
+                    .emit(Some(&msg));
                     if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
                         return Err(fatal_or_kafka(abort));
                     }
@@ -223,9 +245,9 @@ impl Ingest {
         for ((topic, partition), next) in offsets {
             tpl.add_partition_offset(topic, partition, Offset::Offset(next))?;
         }
-        let metadata = consumer
-            .group_metadata()
-            .ok_or_else(|| RdKafkaError::Subscription("consumer has no group metadata yet".into()))?;
+        let metadata = consumer.group_metadata().ok_or_else(|| {
+            RdKafkaError::Subscription("consumer has no group metadata yet".into())
+        })?;
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         producer.commit_transaction(TXN_TIMEOUT)?;
         Ok(())
@@ -268,28 +290,69 @@ impl Ingest {
         let offset = msg.offset().to_string();
         match verdict {
             Verdict::Accept(accepted) => {
-                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "accept", reason: "accepted", message: "" }.emit();
+                IngestVerdict {
+                    topic: msg.topic(),
+                    partition: msg.partition(),
+                    offset: msg.offset(),
+                    ce_id,
+                    verdict: "accept",
+                    reason: "accepted",
+                    message: "",
+                }
+                .emit();
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 4);
                 for (k, v) in &headers {
                     out = out.insert(Header { key: k, value: *v });
                 }
                 out = out
-                    .insert(Header { key: H_SOURCE_TOPIC, value: Some(msg.topic()) })
-                    .insert(Header { key: H_SOURCE_PARTITION, value: Some(&partition) })
-                    .insert(Header { key: H_SOURCE_OFFSET, value: Some(&offset) })
-                    .insert(Header { key: H_INGEST_TIME, value: Some(ingest_time) });
-                let mut record = BaseRecord::<str, [u8]>::to(&self.inbox).key(accepted.tenant.as_str()).headers(out);
+                    .insert(Header {
+                        key: H_SOURCE_TOPIC,
+                        value: Some(msg.topic()),
+                    })
+                    .insert(Header {
+                        key: H_SOURCE_PARTITION,
+                        value: Some(&partition),
+                    })
+                    .insert(Header {
+                        key: H_SOURCE_OFFSET,
+                        value: Some(&offset),
+                    })
+                    .insert(Header {
+                        key: H_INGEST_TIME,
+                        value: Some(ingest_time),
+                    });
+                let mut record = BaseRecord::<str, [u8]>::to(&self.inbox)
+                    .key(accepted.tenant.as_str())
+                    .headers(out);
                 if let Some(v) = value {
                     record = record.payload(v);
                 }
                 send(producer, record)
             }
             Verdict::Drop => {
-                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "drop", reason: "system_event", message: "" }.emit();
+                IngestVerdict {
+                    topic: msg.topic(),
+                    partition: msg.partition(),
+                    offset: msg.offset(),
+                    ce_id,
+                    verdict: "drop",
+                    reason: "system_event",
+                    message: "",
+                }
+                .emit();
                 Ok(())
             }
             Verdict::Quarantine(q) => {
-                IngestVerdict { topic: msg.topic(), partition: msg.partition(), offset: msg.offset(), ce_id, verdict: "quarantine", reason: q.reason.code(), message: &q.message }.emit();
+                IngestVerdict {
+                    topic: msg.topic(),
+                    partition: msg.partition(),
+                    offset: msg.offset(),
+                    ce_id,
+                    verdict: "quarantine",
+                    reason: q.reason.code(),
+                    message: &q.message,
+                }
+                .emit();
                 let omit = q.reason == Reason::PayloadTooLarge;
                 let size = value.map_or(0, <[u8]>::len).to_string();
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 12);
@@ -308,12 +371,18 @@ impl Ingest {
                     ("x-lerian-dlq-retry-count", "0"),
                     ("x-lerian-dlq-first-failure-at", ingest_time),
                     ("x-lerian-dlq-producer-id", &self.config.group_id),
-                    ("x-lerian-dlq-payload-omitted", if omit { "true" } else { "false" }),
+                    (
+                        "x-lerian-dlq-payload-omitted",
+                        if omit { "true" } else { "false" },
+                    ),
                     ("x-lerian-dlq-payload-bytes", &size),
                     (H_REASON, q.reason.code()),
                 ];
                 for (k, v) in forensic {
-                    out = out.insert(Header { key: k, value: Some(v) });
+                    out = out.insert(Header {
+                        key: k,
+                        value: Some(v),
+                    });
                 }
                 let mut record = BaseRecord::<[u8], [u8]>::to(&self.quarantine).headers(out);
                 if let Some(k) = msg.key() {
@@ -351,10 +420,17 @@ fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?S
 fn rewind(consumer: &BaseConsumer<IngestContext>, batch: &[BorrowedMessage<'_>]) {
     let mut first: HashMap<(&str, i32), i64> = HashMap::new();
     for m in batch {
-        first.entry((m.topic(), m.partition())).or_insert(m.offset());
+        first
+            .entry((m.topic(), m.partition()))
+            .or_insert(m.offset());
     }
     for ((topic, partition), offset) in first {
-        if let Err(e) = consumer.seek(topic, partition, Offset::Offset(offset), Duration::from_secs(5)) {
+        if let Err(e) = consumer.seek(
+            topic,
+            partition,
+            Offset::Offset(offset),
+            Duration::from_secs(5),
+        ) {
             tracing::debug!(topic, partition, error = %e, "rewind skipped");
         }
     }
@@ -363,7 +439,9 @@ fn rewind(consumer: &BaseConsumer<IngestContext>, batch: &[BorrowedMessage<'_>])
 fn is_fenced(code: RDKafkaErrorCode) -> bool {
     matches!(
         code,
-        RDKafkaErrorCode::Fenced | RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch
+        RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch
     )
 }
 

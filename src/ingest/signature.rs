@@ -28,8 +28,8 @@ use std::collections::HashMap;
 use std::fmt;
 
 use base64::Engine as _;
-use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, URL_SAFE_NO_PAD};
 use base64::engine::DecodePaddingMode;
+use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, URL_SAFE_NO_PAD};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
@@ -73,7 +73,10 @@ const SECRET_B64: GeneralPurpose = GeneralPurpose::new(
 pub(crate) fn signed_fields<'a>(headers: &[(&str, Option<&'a [u8]>)]) -> [Option<&'a [u8]>; 15] {
     let mut fields = [None; 15];
     for (slot, name) in fields.iter_mut().zip(SIGNED_HEADERS) {
-        *slot = headers.iter().find(|(n, _)| *n == name).and_then(|(_, v)| *v);
+        *slot = headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| *v);
     }
     fields
 }
@@ -154,7 +157,10 @@ impl Clone for SignatureKeys {
             .keys
             .iter()
             .map(|(kid, k)| {
-                let key = Key { source: k.source.clone(), mac: k.mac.clone() };
+                let key = Key {
+                    source: k.source.clone(),
+                    mac: k.mac.clone(),
+                };
                 (kid.clone(), key)
             })
             .collect();
@@ -164,8 +170,11 @@ impl Clone for SignatureKeys {
 
 impl fmt::Debug for SignatureKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut kids: Vec<(&str, &str)> =
-            self.keys.iter().map(|(kid, k)| (kid.as_str(), k.source.as_str())).collect();
+        let mut kids: Vec<(&str, &str)> = self
+            .keys
+            .iter()
+            .map(|(kid, k)| (kid.as_str(), k.source.as_str()))
+            .collect();
         kids.sort_unstable();
         let mut map = f.debug_map();
         for (kid, source) in kids {
@@ -201,7 +210,8 @@ pub fn is_valid_kid(kid: &str) -> bool {
     !b.is_empty()
         && b.len() <= 64
         && matches!(b[0], b'a'..=b'z' | b'0'..=b'9')
-        && b.iter().all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
+        && b.iter()
+            .all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'))
 }
 
 /// `^[a-z0-9][a-z0-9_-]*$` (the `ce-source` rule), without a regex.
@@ -209,7 +219,8 @@ pub fn is_valid_source(source: &str) -> bool {
     let b = source.as_bytes();
     !b.is_empty()
         && matches!(b[0], b'a'..=b'z' | b'0'..=b'9')
-        && b.iter().all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-'))
+        && b.iter()
+            .all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-'))
 }
 
 impl SignatureKeys {
@@ -227,15 +238,24 @@ impl SignatureKeys {
                 return Err(KeySpecError::EmptyEntry { index });
             }
             // The base64 alphabet has neither '@' nor ':', so the first of each splits unambiguously.
-            let (kid, rest) = entry.split_once('@').ok_or(KeySpecError::Malformed { index })?;
-            let (source, secret_b64) =
-                rest.split_once(':').ok_or(KeySpecError::Malformed { index })?;
+            let (kid, rest) = entry
+                .split_once('@')
+                .ok_or(KeySpecError::Malformed { index })?;
+            let (source, secret_b64) = rest
+                .split_once(':')
+                .ok_or(KeySpecError::Malformed { index })?;
             if !is_valid_kid(kid) {
-                return Err(KeySpecError::InvalidKid { index, kid: kid.to_owned() });
+                return Err(KeySpecError::InvalidKid {
+                    index,
+                    kid: kid.to_owned(),
+                });
             }
-            let secret = SECRET_B64
-                .decode(secret_b64)
-                .map_err(|_| KeySpecError::InvalidSecretEncoding { kid: kid.to_owned() })?;
+            let secret =
+                SECRET_B64
+                    .decode(secret_b64)
+                    .map_err(|_| KeySpecError::InvalidSecretEncoding {
+                        kid: kid.to_owned(),
+                    })?;
             keys.insert(kid, source, &secret)?;
         }
         Ok(keys)
@@ -244,19 +264,33 @@ impl SignatureKeys {
     /// Adds one key, with the same validation as [`SignatureKeys::parse`].
     pub fn insert(&mut self, kid: &str, source: &str, secret: &[u8]) -> Result<(), KeySpecError> {
         if !is_valid_kid(kid) {
-            return Err(KeySpecError::InvalidKid { index: self.keys.len(), kid: kid.to_owned() });
+            return Err(KeySpecError::InvalidKid {
+                index: self.keys.len(),
+                kid: kid.to_owned(),
+            });
         }
         if !is_valid_source(source) {
             let (kid, source) = (kid.to_owned(), source.to_owned());
-            return Err(KeySpecError::InvalidSource { kid, source_name: source });
+            return Err(KeySpecError::InvalidSource {
+                kid,
+                source_name: source,
+            });
         }
         if secret.len() < MIN_SECRET_BYTES {
-            return Err(KeySpecError::SecretTooShort { kid: kid.to_owned(), len: secret.len() });
+            return Err(KeySpecError::SecretTooShort {
+                kid: kid.to_owned(),
+                len: secret.len(),
+            });
         }
         if self.keys.contains_key(kid) {
-            return Err(KeySpecError::DuplicateKid { kid: kid.to_owned() });
+            return Err(KeySpecError::DuplicateKid {
+                kid: kid.to_owned(),
+            });
         }
-        let key = Key { source: source.to_owned(), mac: new_mac(secret) };
+        let key = Key {
+            source: source.to_owned(),
+            mac: new_mac(secret),
+        };
         self.keys.insert(kid.to_owned(), key);
         Ok(())
     }
@@ -281,7 +315,12 @@ impl SignatureKeys {
         headers: &[(&str, Option<&[u8]>)],
         value: &[u8],
     ) -> Result<(), SignatureError> {
-        let find = |name: &str| headers.iter().find(|(n, _)| *n == name).and_then(|(_, v)| *v);
+        let find = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| *n == name)
+                .and_then(|(_, v)| *v)
+        };
         let sig = find("ce-sig").ok_or(SignatureError::MissingSig)?;
         let fields = signed_fields(headers);
         self.verify_fields(source, &fields, sig, value)
@@ -301,7 +340,9 @@ impl SignatureKeys {
         if key.source != source {
             return Err(SignatureError::WrongSource);
         }
-        let encoded = sig.strip_prefix(SIG_PREFIX.as_bytes()).ok_or(SignatureError::Malformed)?;
+        let encoded = sig
+            .strip_prefix(SIG_PREFIX.as_bytes())
+            .ok_or(SignatureError::Malformed)?;
         if encoded.len() != 43 {
             return Err(SignatureError::Malformed);
         }
@@ -311,7 +352,8 @@ impl SignatureKeys {
             .map_err(|_| SignatureError::Malformed)?;
         let mut mac = key.mac.clone();
         feed_canonical(fields, value, |b| mac.update(b));
-        mac.verify_slice(&tag[..n]).map_err(|_| SignatureError::Mismatch)
+        mac.verify_slice(&tag[..n])
+            .map_err(|_| SignatureError::Mismatch)
     }
 }
 
@@ -358,7 +400,10 @@ mod tests {
 
     #[test]
     fn producer_vector_signature_is_reproduced_byte_for_byte() {
-        assert_eq!(sign(&vector_secret(), &vector_headers(), VECTOR_VALUE), VECTOR_SIG);
+        assert_eq!(
+            sign(&vector_secret(), &vector_headers(), VECTOR_VALUE),
+            VECTOR_SIG
+        );
     }
 
     #[test]
@@ -367,7 +412,10 @@ mod tests {
         assert!(bytes.starts_with(b"lerian.streaming.sig.v1\0"));
         let rest = &bytes[CANONICAL_PREFIX.len()..];
         assert_eq!(&rest[..8], b"\x01\x00\x00\x00\x031.0");
-        assert_eq!(&bytes[bytes.len() - 32..], Sha256::digest(VECTOR_VALUE).as_slice());
+        assert_eq!(
+            &bytes[bytes.len() - 32..],
+            Sha256::digest(VECTOR_VALUE).as_slice()
+        );
         // ce-dataschema and ce-systemevent are absent: presence 0 and length 0, no value bytes.
         let absent = canonical_bytes(&[], b"");
         assert_eq!(absent.len(), CANONICAL_PREFIX.len() + 15 * 5 + 32);
@@ -377,14 +425,20 @@ mod tests {
     fn absent_header_signs_differently_from_empty_header() {
         let empty = [("ce-subject", Some(&b""[..]))];
         assert_ne!(canonical_bytes(&empty, b"x"), canonical_bytes(&[], b"x"));
-        assert_ne!(sign(&vector_secret(), &empty, b"x"), sign(&vector_secret(), &[], b"x"));
+        assert_ne!(
+            sign(&vector_secret(), &empty, b"x"),
+            sign(&vector_secret(), &[], b"x")
+        );
     }
 
     #[test]
     fn vector_verifies_with_its_key_bound_to_its_source() {
         let mut headers = vector_headers();
         headers.push(("ce-sig", Some(VECTOR_SIG.as_bytes())));
-        assert_eq!(vector_keys().verify("ledger", &headers, VECTOR_VALUE), Ok(()));
+        assert_eq!(
+            vector_keys().verify("ledger", &headers, VECTOR_VALUE),
+            Ok(())
+        );
     }
 
     #[test]
@@ -400,17 +454,31 @@ mod tests {
         let mut headers = vector_headers();
         headers.push(("ce-sig", Some(VECTOR_SIG.as_bytes())));
         let keys = vector_keys();
-        assert_eq!(keys.verify("ledger", &headers, b"{}"), Err(SignatureError::Mismatch));
-        for bad in ["v2.AJbY2MqfEv5EvFyAS70emQDM59tj3lpf0PBYeUW0ho4", "v1.", "v1.!!!", ""] {
+        assert_eq!(
+            keys.verify("ledger", &headers, b"{}"),
+            Err(SignatureError::Mismatch)
+        );
+        for bad in [
+            "v2.AJbY2MqfEv5EvFyAS70emQDM59tj3lpf0PBYeUW0ho4",
+            "v1.",
+            "v1.!!!",
+            "",
+        ] {
             let last = headers.len() - 1;
             headers[last].1 = Some(bad.as_bytes());
-            assert_eq!(keys.verify("ledger", &headers, VECTOR_VALUE), Err(SignatureError::Malformed));
+            assert_eq!(
+                keys.verify("ledger", &headers, VECTOR_VALUE),
+                Err(SignatureError::Malformed)
+            );
         }
         // Padded base64url is not the wire form.
         let padded = format!("{VECTOR_SIG}=");
         let last = headers.len() - 1;
         headers[last].1 = Some(padded.as_bytes());
-        assert_eq!(keys.verify("ledger", &headers, VECTOR_VALUE), Err(SignatureError::Malformed));
+        assert_eq!(
+            keys.verify("ledger", &headers, VECTOR_VALUE),
+            Err(SignatureError::Malformed)
+        );
     }
 
     #[test]
@@ -450,7 +518,10 @@ mod tests {
         for spec in &cases {
             let err = SignatureKeys::parse(spec).expect_err(spec);
             let shown = format!("{err} {err:?}");
-            assert!(!shown.contains(&secret) && !shown.contains(&short), "{shown}");
+            assert!(
+                !shown.contains(&secret) && !shown.contains(&short),
+                "{shown}"
+            );
             assert!(!shown.contains("0123456789abcdef"), "{shown}");
         }
     }
@@ -459,14 +530,35 @@ mod tests {
     fn key_spec_rejects_each_malformation_with_its_own_error() {
         let s = encode_secret(&[1u8; 32]);
         let err = |spec: String| SignatureKeys::parse(&spec).unwrap_err();
-        assert!(matches!(err(format!("k1:{s}")), KeySpecError::Malformed { index: 0 }));
-        assert!(matches!(err(format!("-k@a:{s}")), KeySpecError::InvalidKid { .. }));
-        assert!(matches!(err(format!("k@a.b:{s}")), KeySpecError::InvalidSource { .. }));
-        assert!(matches!(err("k@a:%%%".into()), KeySpecError::InvalidSecretEncoding { .. }));
+        assert!(matches!(
+            err(format!("k1:{s}")),
+            KeySpecError::Malformed { index: 0 }
+        ));
+        assert!(matches!(
+            err(format!("-k@a:{s}")),
+            KeySpecError::InvalidKid { .. }
+        ));
+        assert!(matches!(
+            err(format!("k@a.b:{s}")),
+            KeySpecError::InvalidSource { .. }
+        ));
+        assert!(matches!(
+            err("k@a:%%%".into()),
+            KeySpecError::InvalidSecretEncoding { .. }
+        ));
         let short = encode_secret(&[1u8; 31]);
-        assert!(matches!(err(format!("k@a:{short}")), KeySpecError::SecretTooShort { len: 31, .. }));
-        assert!(matches!(err(format!("k@a:{s},k@b:{s}")), KeySpecError::DuplicateKid { .. }));
-        assert!(matches!(err(format!("k@a:{s},")), KeySpecError::EmptyEntry { index: 1 }));
+        assert!(matches!(
+            err(format!("k@a:{short}")),
+            KeySpecError::SecretTooShort { len: 31, .. }
+        ));
+        assert!(matches!(
+            err(format!("k@a:{s},k@b:{s}")),
+            KeySpecError::DuplicateKid { .. }
+        ));
+        assert!(matches!(
+            err(format!("k@a:{s},")),
+            KeySpecError::EmptyEntry { index: 1 }
+        ));
     }
 
     #[test]

@@ -64,87 +64,115 @@ impl TrackingContext {
 pub struct RestoreStats {
     pub records: u64,
     pub took: Duration,
-    pub from: Option<i64>,
-    pub to: i64,
 }
 
 /// One changelog record as restore hands it over: key, value (None = tombstone), offset.
 pub type ChangelogRecord<'a> = (&'a [u8], Option<&'a [u8]>, i64);
 
-/// Reads `topic[partition]` after `after` (None = from the beginning) to its current end and
-/// hands records to `apply` in chunks, in order.
+/// One changelog partition to restore: read it after `after` (None = from the beginning).
+#[derive(Debug, Clone)]
+pub struct RestoreSpec {
+    pub topic: String,
+    pub partition: i32,
+    pub after: Option<i64>,
+}
+
+/// Reads every spec'd changelog partition, with one consumer, from after its stored offset to its
+/// current end, and hands records to `apply(spec index, chunk)` in order per partition.
 pub fn restore(
     config: &Config,
-    topic: &str,
-    partition: i32,
-    after: Option<i64>,
-    mut apply: impl FnMut(&[ChangelogRecord<'_>]) -> Result<(), String>,
+    specs: &[RestoreSpec],
+    mut apply: impl FnMut(usize, &[ChangelogRecord<'_>]) -> Result<(), String>,
 ) -> Result<RestoreStats, KafkaError> {
     let started = Instant::now();
+    let mut stats = RestoreStats::default();
     let consumer: BaseConsumer = kafka::base(config)
         .set("group.id", format!("{}.restore", config.group_id))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
+        .set("fetch.wait.max.ms", "10")
         .set("fetch.max.bytes", "52428800")
         .set("max.partition.fetch.bytes", "16777216")
         .create()
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
-    let (low, high) = consumer.fetch_watermarks(topic, partition, Duration::from_secs(30))?;
-    let start = match after {
-        Some(o) if o + 1 >= low => o + 1,
-        _ => low,
-    };
-    let mut stats = RestoreStats { records: 0, took: Duration::ZERO, from: after, to: high };
-    if start >= high {
+    let mut tpl = TopicPartitionList::new();
+    // (spec index, end offset) of the partitions that have something to read.
+    let mut pending: Vec<(usize, i64)> = Vec::new();
+    let mut index: HashMap<(String, i32), usize> = HashMap::new();
+    for (i, s) in specs.iter().enumerate() {
+        let (low, high) =
+            consumer.fetch_watermarks(&s.topic, s.partition, Duration::from_secs(30))?;
+        let start = match s.after {
+            Some(o) if o + 1 >= low => o + 1,
+            _ => low,
+        };
+        if start < high {
+            tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(start))?;
+            pending.push((i, high));
+            index.insert((s.topic.clone(), s.partition), i);
+        }
+    }
+    if pending.is_empty() {
         stats.took = started.elapsed();
         return Ok(stats);
     }
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, partition, Offset::Offset(start))?;
     consumer.assign(&tpl)?;
     let deadline = Instant::now() + Duration::from_secs(600);
-    let mut idle_polls = 0u32;
+    let mut idle_since = Instant::now();
     loop {
         let mut chunk: Vec<rdkafka::message::BorrowedMessage<'_>> = Vec::with_capacity(4096);
         while chunk.len() < 4096 {
-            match consumer.poll(Duration::from_millis(if chunk.is_empty() { 200 } else { 0 })) {
+            match consumer.poll(Duration::from_millis(if chunk.is_empty() { 20 } else { 0 })) {
                 Some(Ok(m)) => chunk.push(m),
                 Some(Err(e)) => return Err(e.into()),
                 None => break,
             }
         }
-        idle_polls = if chunk.is_empty() { idle_polls + 1 } else { 0 };
         if !chunk.is_empty() {
-            let records: Vec<ChangelogRecord<'_>> = chunk
-                .iter()
-                .map(|m| (m.key().unwrap_or_default(), m.payload(), m.offset()))
-                .collect();
-            apply(&records).map_err(KafkaError::Setup)?;
-            stats.records += records.len() as u64;
+            idle_since = Instant::now();
+            // Hand records over per partition, in order.
+            let mut by_spec: HashMap<usize, Vec<ChangelogRecord<'_>>> = HashMap::new();
+            for m in &chunk {
+                if let Some(&i) = index.get(&(m.topic().to_string(), m.partition())) {
+                    by_spec.entry(i).or_default().push((
+                        m.key().unwrap_or_default(),
+                        m.payload(),
+                        m.offset(),
+                    ));
+                }
+            }
+            for (i, records) in by_spec {
+                apply(i, &records).map_err(KafkaError::Setup)?;
+                stats.records += records.len() as u64;
+            }
         }
-        // Done when the position passed the end we saw at the start (transaction markers
-        // included: the position moves past them).
+        // Done when each position passed the end seen at the start (positions move past
+        // transaction markers).
         let pos = consumer.position()?;
-        let at = pos
-            .find_partition(topic, partition)
-            .and_then(|e| match e.offset() {
-                Offset::Offset(o) => Some(o),
-                _ => None,
-            })
-            .unwrap_or(start);
-        if at >= high {
+        pending.retain(|(i, high)| {
+            let s = &specs[*i];
+            let at = pos
+                .find_partition(&s.topic, s.partition)
+                .and_then(|e| match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                });
+            !matches!(at, Some(o) if o >= *high)
+        });
+        if pending.is_empty() {
             break;
         }
-        // Aborted records and transaction markers at the very end may leave the position short
-        // of the high watermark; 2 s without a committed record there means we have them all.
-        if idle_polls >= 10 {
-            tracing::debug!(topic, partition, at, high, "restore ended on idle tail");
+        // Aborted records and markers at the very end may leave a position short of the high
+        // watermark; 2 s without any committed record means we have them all.
+        if idle_since.elapsed() > Duration::from_secs(2) {
+            tracing::debug!(left = pending.len(), "restore ended on idle tails");
             break;
         }
         if Instant::now() > deadline {
             return Err(KafkaError::Setup(format!(
-                "restore of {topic}[{partition}] stalled at {at} of {high}"
+                "restore stalled with {} partitions left",
+                pending.len()
             )));
         }
     }

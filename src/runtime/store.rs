@@ -22,6 +22,9 @@ pub enum StoreError {
     UnknownStore(String),
 }
 
+/// A key and its value, as read from a store.
+pub type KeyValue = (Vec<u8>, Vec<u8>);
+
 pub struct Store {
     db: DB,
     families: Vec<&'static str>,
@@ -82,7 +85,11 @@ impl Store {
         }
         let meta = self.cf(META)?;
         for (family, offset) in offsets {
-            batch.put_cf(meta, format!("offset/{family}").as_bytes(), offset.to_be_bytes());
+            batch.put_cf(
+                meta,
+                format!("offset/{family}").as_bytes(),
+                offset.to_be_bytes(),
+            );
         }
         self.db.write(batch)?;
         Ok(())
@@ -94,7 +101,7 @@ impl Store {
         family: &str,
         from: &[u8],
         limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    ) -> Result<Vec<KeyValue>, StoreError> {
         let cf = self.cf(family)?;
         let mut out = Vec::new();
         let iter = self.db.iterator_cf(
@@ -175,10 +182,16 @@ mod tests {
         let store = Store::open(dir.path(), &["dedup"]).unwrap();
         let mut staged = Staged::default();
         staged.put("dedup", b"k".to_vec(), b"v".to_vec());
-        assert_eq!(staged.read(&store, "dedup", b"k").unwrap().as_deref(), Some(b"v".as_slice()));
+        assert_eq!(
+            staged.read(&store, "dedup", b"k").unwrap().as_deref(),
+            Some(b"v".as_slice())
+        );
         assert_eq!(store.get("dedup", b"k").unwrap(), None);
         store.apply(staged, &[("dedup", 41)]).unwrap();
-        assert_eq!(store.get("dedup", b"k").unwrap().as_deref(), Some(b"v".as_slice()));
+        assert_eq!(
+            store.get("dedup", b"k").unwrap().as_deref(),
+            Some(b"v".as_slice())
+        );
         assert_eq!(store.changelog_offset("dedup").unwrap(), Some(41));
     }
 
@@ -204,7 +217,10 @@ mod tests {
             store.apply(staged, &[("sequence", 9)]).unwrap();
         }
         let store = Store::open(dir.path(), &["dedup", "sequence"]).unwrap();
-        assert_eq!(store.get("sequence", b"t1").unwrap(), Some(7u64.to_be_bytes().to_vec()));
+        assert_eq!(
+            store.get("sequence", b"t1").unwrap(),
+            Some(7u64.to_be_bytes().to_vec())
+        );
         assert_eq!(store.changelog_offset("sequence").unwrap(), Some(9));
         assert_eq!(store.changelog_offset("dedup").unwrap(), None);
     }

@@ -31,14 +31,22 @@ impl IngestVerdict<'_> {
             .increment(1);
         if self.verdict == "quarantine" {
             tracing::warn!(
-                topic = self.topic, partition = self.partition, offset = self.offset,
-                ce_id = self.ce_id.unwrap_or(""), reason = self.reason, message = self.message,
+                topic = self.topic,
+                partition = self.partition,
+                offset = self.offset,
+                ce_id = self.ce_id.unwrap_or(""),
+                reason = self.reason,
+                message = self.message,
                 "record quarantined"
             );
         } else {
             tracing::debug!(
-                topic = self.topic, partition = self.partition, offset = self.offset,
-                ce_id = self.ce_id.unwrap_or(""), verdict = self.verdict, "record classified"
+                topic = self.topic,
+                partition = self.partition,
+                offset = self.offset,
+                ce_id = self.ce_id.unwrap_or(""),
+                verdict = self.verdict,
+                "record classified"
             );
         }
     }
@@ -67,9 +75,17 @@ impl IngestCommit {
         if self.outcome == CommitOutcome::Committed {
             histogram!(INGEST_COMMIT_SECONDS).record(self.took.as_secs_f64());
             histogram!(INGEST_BATCH_RECORDS).record(self.records as f64);
-            tracing::trace!(records = self.records, took_ms = self.took.as_millis() as u64, "ingest batch committed");
+            tracing::trace!(
+                records = self.records,
+                took_ms = self.took.as_millis() as u64,
+                "ingest batch committed"
+            );
         } else {
-            tracing::warn!(records = self.records, error = error.unwrap_or(""), "ingest batch aborted; it will be read again");
+            tracing::warn!(
+                records = self.records,
+                error = error.unwrap_or(""),
+                "ingest batch aborted; it will be read again"
+            );
         }
     }
 }
@@ -83,7 +99,12 @@ pub struct Rebalance<'a> {
 
 impl Rebalance<'_> {
     pub fn emit(&self) {
-        tracing::info!(stage = self.stage, kind = self.kind, partitions = self.partitions, "rebalance");
+        tracing::info!(
+            stage = self.stage,
+            kind = self.kind,
+            partitions = self.partitions,
+            "rebalance"
+        );
     }
 }
 
@@ -105,7 +126,13 @@ pub struct HubEvent<'a> {
 impl HubEvent<'_> {
     pub fn emit(&self) {
         counter!(HUB_EVENTS, "outcome" => self.outcome).increment(1);
-        tracing::debug!(outcome = self.outcome, partition = self.partition, offset = self.offset, ce_id = self.ce_id, "hub event");
+        tracing::debug!(
+            outcome = self.outcome,
+            partition = self.partition,
+            offset = self.offset,
+            ce_id = self.ce_id,
+            "hub event"
+        );
     }
 }
 
@@ -122,19 +149,25 @@ impl HubCommit {
     }
 }
 
-/// A task's store caught up with its changelog.
+/// Newly assigned tasks caught up with their changelogs.
 pub struct Restored {
-    pub partition: i32,
-    pub store: &'static str,
+    pub partitions: usize,
     pub records: u64,
     pub took: Duration,
 }
 
 impl Restored {
     pub fn emit(&self) {
-        counter!(RESTORE_RECORDS, "store" => self.store).increment(self.records);
-        histogram!(RESTORE_SECONDS, "store" => self.store).record(self.took.as_secs_f64());
-        tracing::info!(partition = self.partition, store = self.store, records = self.records, took_ms = self.took.as_millis() as u64, "store restored");
+        counter!(RESTORE_RECORDS).increment(self.records);
+        histogram!(RESTORE_SECONDS).record(self.took.as_secs_f64());
+        let rate = self.records as f64 / self.took.as_secs_f64().max(1e-9);
+        tracing::info!(
+            partitions = self.partitions,
+            records = self.records,
+            took_ms = self.took.as_millis() as u64,
+            records_per_s = rate as u64,
+            "stores restored"
+        );
     }
 }
 

@@ -78,10 +78,21 @@ pub struct Topology {
 /// What `apply` found for one topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finding {
-    Created { topic: String },
-    WouldCreate { topic: String },
-    Matches { topic: String },
-    Differs { topic: String, setting: String, want: String, have: String },
+    Created {
+        topic: String,
+    },
+    WouldCreate {
+        topic: String,
+    },
+    Matches {
+        topic: String,
+    },
+    Differs {
+        topic: String,
+        setting: String,
+        want: String,
+        have: String,
+    },
 }
 
 impl Finding {
@@ -96,8 +107,16 @@ impl std::fmt::Display for Finding {
             Finding::Created { topic } => write!(f, "created  {topic}"),
             Finding::WouldCreate { topic } => write!(f, "missing  {topic} (would create)"),
             Finding::Matches { topic } => write!(f, "ok       {topic}"),
-            Finding::Differs { topic, setting, want, have } => {
-                write!(f, "DIFFERS  {topic}: {setting} is {have}, the topology says {want}")
+            Finding::Differs {
+                topic,
+                setting,
+                want,
+                have,
+            } => {
+                write!(
+                    f,
+                    "DIFFERS  {topic}: {setting} is {have}, the topology says {want}"
+                )
             }
         }
     }
@@ -148,10 +167,15 @@ impl Topology {
         m.insert("cleanup.policy", t.cleanup_policy.as_str().to_string());
         m.insert(
             "min.insync.replicas",
-            t.min_insync_replicas.min(self.replication_factor).to_string(),
+            t.min_insync_replicas
+                .min(self.replication_factor)
+                .to_string(),
         );
         if let Some(r) = &t.retention {
-            m.insert("retention.ms", retention_ms(r).expect("validated at parse").to_string());
+            m.insert(
+                "retention.ms",
+                retention_ms(r).expect("validated at parse").to_string(),
+            );
         }
         if let Some(b) = t.max_message_bytes {
             m.insert("max.message.bytes", b.to_string());
@@ -160,7 +184,11 @@ impl Topology {
     }
 
     /// Creates missing topics (unless `dry_run`) and reports differences of existing ones.
-    pub async fn apply(&self, config: &Config, dry_run: bool) -> Result<Vec<Finding>, TopologyError> {
+    pub async fn apply(
+        &self,
+        config: &Config,
+        dry_run: bool,
+    ) -> Result<Vec<Finding>, TopologyError> {
         let admin = kafka::admin(config)?;
         let metadata = admin
             .inner()
@@ -196,11 +224,20 @@ impl Topology {
                         .map_err(KafkaError::from)?;
                     let resource = match described.into_iter().next() {
                         Some(Ok(r)) => r,
-                        Some(Err(e)) => return Err(KafkaError::Setup(format!("describe_configs: {e}")).into()),
-                        None => return Err(KafkaError::Setup("empty describe_configs answer".into()).into()),
+                        Some(Err(e)) => {
+                            return Err(KafkaError::Setup(format!("describe_configs: {e}")).into());
+                        }
+                        None => {
+                            return Err(
+                                KafkaError::Setup("empty describe_configs answer".into()).into()
+                            );
+                        }
                     };
                     for (key, want) in self.desired_configs(t) {
-                        let have = resource.get(key).and_then(|e| e.value.clone()).unwrap_or_default();
+                        let have = resource
+                            .get(key)
+                            .and_then(|e| e.value.clone())
+                            .unwrap_or_default();
                         if have != want {
                             differs = true;
                             findings.push(Finding::Differs {
@@ -286,7 +323,9 @@ async fn wait_for_topics<'a>(
             return Ok(());
         }
         if std::time::Instant::now() > deadline {
-            return Err(KafkaError::Setup("created topics did not get leaders in time".into()).into());
+            return Err(
+                KafkaError::Setup("created topics did not get leaders in time".into()).into(),
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -311,13 +350,29 @@ mod tests {
     fn bundled_topology_parses_and_changelogs_match_inbox_partitions() {
         let t = Topology::parse(FILE, "streaming-hub", 1).unwrap();
         let inbox = t.spec("inbox").unwrap().partitions;
-        let changelogs: Vec<_> = t.topics.iter().filter(|s| s.name.ends_with(".changelog")).collect();
+        let changelogs: Vec<_> = t
+            .topics
+            .iter()
+            .filter(|s| s.name.ends_with(".changelog"))
+            .collect();
         assert!(!changelogs.is_empty());
         for c in changelogs {
-            assert_eq!(c.partitions, inbox, "{} must have as many partitions as the inbox", c.name);
-            assert_eq!(c.cleanup_policy, CleanupPolicy::Compact, "{} must be compacted", c.name);
+            assert_eq!(
+                c.partitions, inbox,
+                "{} must have as many partitions as the inbox",
+                c.name
+            );
+            assert_eq!(
+                c.cleanup_policy,
+                CleanupPolicy::Compact,
+                "{} must be compacted",
+                c.name
+            );
         }
-        assert_eq!(t.spec("subscriptions").unwrap().cleanup_policy, CleanupPolicy::Compact);
+        assert_eq!(
+            t.spec("subscriptions").unwrap().cleanup_policy,
+            CleanupPolicy::Compact
+        );
         assert_eq!(t.full_name("inbox"), "streaming-hub.inbox");
     }
 
@@ -328,13 +383,20 @@ mod tests {
         let inbox = single.spec("inbox").unwrap();
         assert_eq!(single.desired_configs(inbox)["min.insync.replicas"], "1");
         assert_eq!(three.desired_configs(inbox)["min.insync.replicas"], "2");
-        assert_eq!(single.desired_configs(inbox)["retention.ms"], (7 * 86_400_000i64).to_string());
+        assert_eq!(
+            single.desired_configs(inbox)["retention.ms"],
+            (7 * 86_400_000i64).to_string()
+        );
     }
 
     #[test]
     fn malformed_topology_is_rejected_with_the_topic_named() {
         let bad = "[[topic]]\nname = \"x\"\npartitions = 0\ncleanup_policy = \"delete\"\nmin_insync_replicas = 1\n";
-        assert!(Topology::parse(bad, "p", 1).unwrap_err().contains("topic x"));
+        assert!(
+            Topology::parse(bad, "p", 1)
+                .unwrap_err()
+                .contains("topic x")
+        );
         let bad = "[[topic]]\nname = \"x\"\npartitions = 1\ncleanup_policy = \"shred\"\nmin_insync_replicas = 1\n";
         assert!(Topology::parse(bad, "p", 1).is_err());
     }

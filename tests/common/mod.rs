@@ -26,7 +26,10 @@ pub fn unique(tag: &str) -> String {
 }
 
 pub fn admin() -> AdminClient<DefaultClientContext> {
-    ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("admin client")
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client")
 }
 
 /// Fails the test with a clear message when no broker answers.
@@ -34,20 +37,33 @@ pub fn require_broker() {
     let a = admin();
     a.inner()
         .fetch_metadata(None, Duration::from_secs(10))
-        .unwrap_or_else(|e| panic!("no Kafka broker at {} ({e}); run scripts/kafka.sh start or scripts/test.sh", brokers()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "no Kafka broker at {} ({e}); run scripts/kafka.sh start or scripts/test.sh",
+                brokers()
+            )
+        });
 }
 
 pub async fn create_topic(name: &str, partitions: i32) {
     let a = admin();
     let t = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let r = a.create_topics(&[t], &AdminOptions::new()).await.expect("create topic");
+    let r = a
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .expect("create topic");
     for x in r {
         x.expect("topic created");
     }
     wait_until(Duration::from_secs(30), "topic has leaders", || {
-        let md = a.inner().fetch_metadata(Some(name), Duration::from_secs(5)).ok()?;
+        let md = a
+            .inner()
+            .fetch_metadata(Some(name), Duration::from_secs(5))
+            .ok()?;
         let t = md.topics().first()?;
-        (t.partitions().len() == partitions as usize && t.partitions().iter().all(|p| p.leader() >= 0)).then_some(())
+        (t.partitions().len() == partitions as usize
+            && t.partitions().iter().all(|p| p.leader() >= 0))
+        .then_some(())
     });
 }
 
@@ -90,7 +106,10 @@ pub fn event(tenant: &str, source: &str, resource: &str, ev: &str) -> Rec {
             h("ce-specversion", "1.0"),
             h("ce-id", &id),
             h("ce-source", source),
-            h("ce-type", &format!("studio.lerian.{source}.{resource}.{ev}")),
+            h(
+                "ce-type",
+                &format!("studio.lerian.{source}.{resource}.{ev}"),
+            ),
             h("ce-time", "2026-09-26T12:00:00.123456789Z"),
             h("ce-schemaversion", "1.0.0"),
             h("ce-resourcetype", resource),
@@ -124,7 +143,10 @@ pub fn produce(producer: &BaseProducer, topic: &str, recs: &[Rec]) {
     for r in recs {
         let mut headers = OwnedHeaders::new_with_capacity(r.headers.len());
         for (k, v) in &r.headers {
-            headers = headers.insert(Header { key: k, value: v.as_deref() });
+            headers = headers.insert(Header {
+                key: k,
+                value: v.as_deref(),
+            });
         }
         let mut record = BaseRecord::<[u8], [u8]>::to(topic).headers(headers);
         if let Some(k) = &r.key {
@@ -141,7 +163,12 @@ pub fn produce(producer: &BaseProducer, topic: &str, recs: &[Rec]) {
                 Ok(()) => break,
                 Err((e, back)) => {
                     assert!(
-                        matches!(e, rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull)),
+                        matches!(
+                            e,
+                            rdkafka::error::KafkaError::MessageProduction(
+                                rdkafka::types::RDKafkaErrorCode::QueueFull
+                            )
+                        ),
                         "produce failed: {e}"
                     );
                     record = back;
@@ -175,9 +202,12 @@ pub fn read_until(topics: &[&str], timeout: Duration, done: impl Fn(&[Got]) -> b
         .expect("consumer");
     let mut tpl = TopicPartitionList::new();
     for t in topics {
-        let md = consumer.fetch_metadata(Some(t), Duration::from_secs(10)).expect("metadata");
+        let md = consumer
+            .fetch_metadata(Some(t), Duration::from_secs(10))
+            .expect("metadata");
         for p in md.topics()[0].partitions() {
-            tpl.add_partition_offset(t, p.id(), Offset::Beginning).unwrap();
+            tpl.add_partition_offset(t, p.id(), Offset::Beginning)
+                .unwrap();
         }
     }
     consumer.assign(&tpl).expect("assign");
@@ -187,12 +217,20 @@ pub fn read_until(topics: &[&str], timeout: Duration, done: impl Fn(&[Got]) -> b
         if done(&out) {
             return out;
         }
-        assert!(Instant::now() < deadline, "condition not met within {timeout:?}; read {} records", out.len());
+        assert!(
+            Instant::now() < deadline,
+            "condition not met within {timeout:?}; read {} records",
+            out.len()
+        );
         while let Some(m) = consumer.poll(Duration::from_millis(100)) {
             let m = m.expect("consume");
             let headers = m
                 .headers()
-                .map(|h| h.iter().map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec))).collect())
+                .map(|h| {
+                    h.iter()
+                        .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
+                        .collect()
+                })
                 .unwrap_or_default();
             out.push(Got {
                 rec: Rec {
@@ -219,7 +257,10 @@ pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -238,9 +279,18 @@ pub fn hub_env(prefix: &str, follow: &str) -> BTreeMap<String, String> {
     env.insert("STREAMING_HUB_GROUP_ID".into(), format!("{prefix}-group"));
     env.insert("STREAMING_HUB_INSTANCE_ID".into(), format!("{prefix}-1"));
     env.insert("STREAMING_HUB_FOLLOW_PATTERN".into(), follow.into());
-    env.insert("STREAMING_HUB_HTTP_LISTEN_ADDR".into(), format!("127.0.0.1:{}", free_port()));
-    env.insert("STREAMING_HUB_STATE_DIR".into(), std::env::temp_dir().join(prefix).display().to_string());
-    env.insert("STREAMING_HUB_TOPOLOGY_FILE".into(), concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml").into());
+    env.insert(
+        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    env.insert(
+        "STREAMING_HUB_STATE_DIR".into(),
+        std::env::temp_dir().join(prefix).display().to_string(),
+    );
+    env.insert(
+        "STREAMING_HUB_TOPOLOGY_FILE".into(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml").into(),
+    );
     env.insert("STREAMING_HUB_SESSION_TIMEOUT".into(), "6s".into());
     env.insert("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL".into(), "2s".into());
     env.insert("STREAMING_HUB_LOG".into(), "info,streaming_hub=info".into());
@@ -248,12 +298,20 @@ pub fn hub_env(prefix: &str, follow: &str) -> BTreeMap<String, String> {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 impl Hub {
     pub fn start(env: &BTreeMap<String, String>) -> Hub {
-        let log = std::env::temp_dir().join(format!("{}-{}.log", env["STREAMING_HUB_INSTANCE_ID"], unique("h")));
+        let log = std::env::temp_dir().join(format!(
+            "{}-{}.log",
+            env["STREAMING_HUB_INSTANCE_ID"],
+            unique("h")
+        ));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
             .arg("run")
@@ -264,7 +322,11 @@ impl Hub {
             .stderr(file)
             .spawn()
             .expect("start hub");
-        let hub = Hub { child, env: env.clone(), log };
+        let hub = Hub {
+            child,
+            env: env.clone(),
+            log,
+        };
         hub.wait_ready();
         hub
     }
@@ -310,7 +372,10 @@ impl Drop for Hub {
 }
 
 fn unsafe_sigterm(pid: u32) {
-    let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status();
 }
 
 /// Reads every committed record of `topics` up to their current end (a settled topic: nobody is
@@ -327,10 +392,15 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
     let mut tpl = TopicPartitionList::new();
     let mut ends = Vec::new();
     for t in topics {
-        let md = consumer.fetch_metadata(Some(t), Duration::from_secs(10)).expect("metadata");
+        let md = consumer
+            .fetch_metadata(Some(t), Duration::from_secs(10))
+            .expect("metadata");
         for p in md.topics()[0].partitions() {
-            tpl.add_partition_offset(t, p.id(), Offset::Beginning).unwrap();
-            let (_, high) = consumer.fetch_watermarks(t, p.id(), Duration::from_secs(10)).unwrap();
+            tpl.add_partition_offset(t, p.id(), Offset::Beginning)
+                .unwrap();
+            let (_, high) = consumer
+                .fetch_watermarks(t, p.id(), Duration::from_secs(10))
+                .unwrap();
             ends.push((t.to_string(), p.id(), high));
         }
     }
@@ -342,10 +412,19 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
             let m = m.expect("consume");
             let headers = m
                 .headers()
-                .map(|h| h.iter().map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec))).collect())
+                .map(|h| {
+                    h.iter()
+                        .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
+                        .collect()
+                })
                 .unwrap_or_default();
             out.push(Got {
-                rec: Rec { key: m.key().map(<[u8]>::to_vec), headers, value: m.payload().map(<[u8]>::to_vec), partition: Some(m.partition()) },
+                rec: Rec {
+                    key: m.key().map(<[u8]>::to_vec),
+                    headers,
+                    value: m.payload().map(<[u8]>::to_vec),
+                    partition: Some(m.partition()),
+                },
                 topic: m.topic().to_string(),
                 partition: m.partition(),
                 offset: m.offset(),
@@ -356,41 +435,90 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
             *high == 0
                 || pos
                     .find_partition(t, *p)
-                    .and_then(|e| match e.offset() { Offset::Offset(o) => Some(o >= *high), _ => None })
+                    .and_then(|e| match e.offset() {
+                        Offset::Offset(o) => Some(o >= *high),
+                        _ => None,
+                    })
                     .unwrap_or(false)
         });
         if done {
             return out;
         }
-        assert!(Instant::now() < deadline, "did not reach the end of {topics:?} within {timeout:?}; read {}", out.len());
+        assert!(
+            Instant::now() < deadline,
+            "did not reach the end of {topics:?} within {timeout:?}; read {}",
+            out.len()
+        );
     }
 }
 
-/// The committed offsets of `group` on `topic` equal the topic's end: the group has done all.
+/// `group` has done everything on `topic`: reading `read_committed` from its committed offsets
+/// finds no record before the end (only transaction markers may remain, which is why comparing
+/// offsets with the high watermark is not enough).
 pub fn group_caught_up(group: &str, topic: &str) -> bool {
-    let consumer: BaseConsumer = ClientConfig::new()
+    let probe: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
         .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "false")
         .create()
         .expect("consumer");
-    let md = match consumer.fetch_metadata(Some(topic), Duration::from_secs(10)) {
-        Ok(m) => m,
-        Err(_) => return false,
+    let Ok(md) = probe.fetch_metadata(Some(topic), Duration::from_secs(10)) else {
+        return false;
     };
     let mut tpl = TopicPartitionList::new();
     for p in md.topics()[0].partitions() {
         tpl.add_partition(topic, p.id());
     }
-    let committed = match consumer.committed_offsets(tpl, Duration::from_secs(10)) {
-        Ok(c) => c,
-        Err(_) => return false,
+    let Ok(committed) = probe.committed_offsets(tpl, Duration::from_secs(10)) else {
+        return false;
     };
-    committed.elements().iter().all(|e| {
-        let (_, high) = consumer.fetch_watermarks(topic, e.partition(), Duration::from_secs(10)).unwrap_or((0, -1));
-        match e.offset() {
-            Offset::Offset(o) => o >= high,
-            _ => high == 0,
+    let mut start = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for e in committed.elements() {
+        let Ok((_, high)) = probe.fetch_watermarks(topic, e.partition(), Duration::from_secs(10))
+        else {
+            return false;
+        };
+        let from = match e.offset() {
+            Offset::Offset(o) => o,
+            _ => 0,
+        };
+        if from < high {
+            start
+                .add_partition_offset(topic, e.partition(), Offset::Offset(from))
+                .unwrap();
+            ends.push((e.partition(), high));
         }
-    })
+    }
+    if ends.is_empty() {
+        return true;
+    }
+    // A separate reader (no group) so the probe never joins or disturbs the group.
+    let reader: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("probe"))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "false")
+        .create()
+        .expect("consumer");
+    reader.assign(&start).expect("assign");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if reader.poll(Duration::from_millis(100)).is_some() {
+            return false; // a record (or an error) before the end: not caught up
+        }
+        let Ok(pos) = reader.position() else {
+            return false;
+        };
+        let done = ends.iter().all(|(p, high)| {
+            matches!(pos.find_partition(topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *high)
+        });
+        if done {
+            return true;
+        }
+    }
+    false
 }

@@ -1,0 +1,220 @@
+//! The hub stage in-process against the real broker, with a manual clock and a recording handler:
+//! duplicates at other offsets are dropped, a replay after an offset reset is processed again with
+//! its first sequence number, and a duplicate whose first copy expired is accepted.
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use streaming_hub::config::Config;
+use streaming_hub::hub::task::{EventHandler, HubError, HubStage, Outputs, SequencedEvent};
+use streaming_hub::runtime::avro::Codec;
+use streaming_hub::runtime::clock::ManualClock;
+use streaming_hub::runtime::topology::Topology;
+
+/// (tenant, ce-id, sequence, offset, replay) of each event handed over.
+type Seen = (String, String, u64, i64, bool);
+
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<Seen>>>);
+
+impl EventHandler for Recorder {
+    fn on_event(&mut self, e: &SequencedEvent<'_>, _: &mut Outputs<'_>) -> Result<(), HubError> {
+        self.0.lock().unwrap().push((
+            e.tenant.to_string(),
+            e.ce_id.to_string(),
+            e.sequence,
+            e.offset,
+            e.replay,
+        ));
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn events(&self) -> Vec<Seen> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// An inbox record as ingest writes it.
+fn inbox_record(tenant: &str, id: &str, ingest_time: &str) -> Rec {
+    event(tenant, "ledger", "transaction", "created")
+        .set("ce-id", Some(id.as_bytes()))
+        .add("x-streaming-hub-ingest-time", ingest_time.as_bytes())
+}
+
+fn config(prefix: &str, state: &std::path::Path) -> Config {
+    let vars = hub_env(prefix, "^unused$").into_iter().chain([
+        (
+            "STREAMING_HUB_STATE_DIR".to_string(),
+            state.display().to_string(),
+        ),
+        (
+            "STREAMING_HUB_IDEMPOTENCY_TTL".to_string(),
+            "24h".to_string(),
+        ),
+        (
+            "STREAMING_HUB_COMMIT_INTERVAL".to_string(),
+            "20ms".to_string(),
+        ),
+    ]);
+    Config::from_vars(vars).unwrap()
+}
+
+struct Running {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<(), HubError>>>,
+}
+
+fn start(config: &Config, clock: &ManualClock, rec: &Recorder) -> Running {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut stage = HubStage::new(
+        config,
+        Arc::new(Codec::new().unwrap()),
+        Arc::new(clock.clone()),
+        Box::new(rec.clone()),
+    );
+    let s = stop.clone();
+    let thread = std::thread::spawn(move || stage.run(s));
+    Running {
+        stop,
+        thread: Some(thread),
+    }
+}
+
+impl Running {
+    fn stop(mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.take().unwrap().join().unwrap().unwrap();
+    }
+}
+
+fn reset_group_offsets(group: &str, topic: &str, partitions: i32) {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Offset(0))
+            .unwrap();
+    }
+    // A stopped static member stays in the group until its session times out; the group accepts
+    // an outside commit only once it is empty.
+    wait_until(
+        Duration::from_secs(30),
+        "the group is empty and takes the reset",
+        || c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).ok(),
+    );
+}
+
+#[tokio::test]
+async fn duplicates_drop_replays_reprocess_and_expired_duplicates_are_new() {
+    require_broker();
+    let prefix = unique("dedup");
+    let state = tempfile::tempdir().unwrap();
+    let cfg = config(&prefix, state.path());
+    Topology::load(&cfg.topology_file, &cfg)
+        .unwrap()
+        .apply(&cfg, false)
+        .await
+        .unwrap();
+    let inbox = format!("{prefix}.inbox");
+    let clock = ManualClock::new(
+        chrono::DateTime::parse_from_rfc3339("2026-09-26T12:00:00Z")
+            .unwrap()
+            .timestamp_millis(),
+    );
+    let t0 = "2026-09-26T12:00:00.000Z";
+
+    let id_a = uuid::Uuid::now_v7().to_string();
+    let id_b = uuid::Uuid::now_v7().to_string();
+    // a, b, a again (a duplicate, e.g. the producer retried), all one tenant: one partition.
+    let recs = vec![
+        inbox_record("t1", &id_a, t0),
+        inbox_record("t1", &id_b, t0),
+        inbox_record("t1", &id_a, t0),
+    ];
+    let p = producer();
+    produce(&p, &inbox, &recs);
+
+    let rec = Recorder::default();
+    let hub = start(&cfg, &clock, &rec);
+    wait_until(Duration::from_secs(60), "two events processed", || {
+        (rec.len() >= 2).then_some(())
+    });
+    wait_until(Duration::from_secs(30), "hub caught up", || {
+        group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+    });
+    hub.stop();
+    let first = rec.events();
+    assert_eq!(
+        first.len(),
+        2,
+        "the duplicate must not be processed: {first:?}"
+    );
+    assert_eq!(
+        (first[0].1.as_str(), first[0].2, first[0].4),
+        (id_a.as_str(), 0, false)
+    );
+    assert_eq!(
+        (first[1].1.as_str(), first[1].2, first[1].4),
+        (id_b.as_str(), 1, false)
+    );
+
+    // Replay: reset the hub group's offsets to the start; both events are processed again with
+    // their first sequence numbers, and the duplicate is still dropped.
+    reset_group_offsets(&cfg.hub_group_id(), &inbox, 6);
+    let replayed = Recorder::default();
+    let hub = start(&cfg, &clock, &replayed);
+    wait_until(Duration::from_secs(60), "replayed events", || {
+        (replayed.len() >= 2).then_some(())
+    });
+    wait_until(Duration::from_secs(30), "hub caught up", || {
+        group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+    });
+    let again = replayed.events();
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(again.iter().all(|e| e.4), "processed as replays");
+    assert_eq!(
+        again.iter().map(|e| (e.1.clone(), e.2)).collect::<Vec<_>>(),
+        vec![(id_a.clone(), 0), (id_b.clone(), 1)]
+    );
+
+    // 23 hours later the id is still remembered; 25 hours later its entry has expired and a new
+    // copy is a new event with the next sequence.
+    clock.advance(Duration::from_secs(23 * 3600));
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id_a, "2026-09-27T11:00:00.000Z")],
+    );
+    wait_until(Duration::from_secs(30), "hub caught up", || {
+        group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+    });
+    assert_eq!(replayed.len(), 2, "a copy within the TTL is a duplicate");
+    clock.advance(Duration::from_secs(2 * 3600));
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id_a, "2026-09-27T13:00:00.000Z")],
+    );
+    wait_until(
+        Duration::from_secs(30),
+        "expired duplicate accepted",
+        || (replayed.len() >= 3).then_some(()),
+    );
+    hub.stop();
+    let last = replayed.events().pop().unwrap();
+    assert_eq!((last.1.as_str(), last.2, last.4), (id_a.as_str(), 2, false));
+}
