@@ -11,7 +11,7 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 scripts/setup.sh
 scripts/kafka.sh start >/dev/null
-export STREAMING_HUB_TEST_BROKERS="${STREAMING_HUB_TEST_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
+export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
 
 echo "== cargo fmt --check" >&2
 cargo fmt --check

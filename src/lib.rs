@@ -4,7 +4,9 @@
 //! re-keys them by tenant into the inbox; `runtime` holds what every stage stands on (configuration
 //! of Kafka clients, the clock, the topology, Avro codecs).
 pub mod app;
+pub mod bench;
 pub mod config;
+pub mod demo;
 pub mod hub;
 pub mod ingest;
 pub mod runtime;

@@ -28,6 +28,35 @@ enum Command {
     },
     /// Print every STREAMING_HUB_* variable, its default and meaning (Markdown).
     Config,
+    /// Measure one stage against the real broker (see BENCHMARKS.md).
+    Bench {
+        /// `ingest` or `hub`.
+        stage: String,
+        /// Records to push through.
+        #[arg(long, default_value_t = 200_000)]
+        records: usize,
+        /// Payload bytes per record.
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+        /// The broker's pid file, to report its CPU too.
+        #[arg(long)]
+        broker_pid_file: Option<String>,
+    },
+    /// Produce sample platform events and show what a running hub does with them.
+    Demo {
+        /// Producer topic to write to.
+        #[arg(long, default_value = "lerian.streaming.ledger")]
+        topic: String,
+        /// Events per second.
+        #[arg(long, default_value_t = 20)]
+        rate: u32,
+        /// Stop after this long (e.g. 60s); default: until Ctrl-C.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        duration: Option<std::time::Duration>,
+        /// The running hub's HTTP address.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        hub_url: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -95,6 +124,26 @@ fn main() -> ExitCode {
                     }
                     Err(e) => {
                         eprintln!("streaming-hub: topology apply failed: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Command::Bench { stage, records, size, broker_pid_file } => {
+                let opts = streaming_hub::bench::BenchOptions { stage, records, size, broker_pid_file };
+                match streaming_hub::bench::run(&config, opts).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("streaming-hub bench: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Command::Demo { topic, rate, duration, hub_url } => {
+                let opts = streaming_hub::demo::DemoOptions { topic, rate, duration, hub_url };
+                match streaming_hub::demo::run(&config, opts).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("streaming-hub demo: {e}");
                         ExitCode::FAILURE
                     }
                 }

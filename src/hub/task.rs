@@ -174,7 +174,7 @@ impl ConsumerContext for HubContext {
             }
             .emit();
             match open_and_restore(&self.env, &parts) {
-                Ok(tasks) => {
+                Ok((tasks, _)) => {
                     self.shared
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -199,7 +199,7 @@ pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
 
 /// Opens the stores of newly assigned partitions and brings them up to date with their
 /// changelogs (one consumer for all of them) before any of their records is processed.
-fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<Vec<(i32, Task)>, HubError> {
+fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, u64), HubError> {
     let mut tasks = Vec::new();
     let mut specs = Vec::new();
     for &partition in partitions {
@@ -245,7 +245,23 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<Vec<(i32, Task)>, H
         took: stats.took,
     }
     .emit();
-    Ok(tasks)
+    Ok((tasks, stats.records))
+}
+
+/// Opens and restores the stores of `partitions`, then closes them; returns the records read.
+/// For benchmarks and operators' tools (warming a state directory before a cut-over).
+pub fn restore_only(
+    config: &Config,
+    codec: Arc<Codec>,
+    partitions: &[i32],
+) -> Result<u64, HubError> {
+    let stage = HubStage::new(
+        config,
+        codec,
+        Arc::new(crate::runtime::clock::SystemClock),
+        Box::new(NoHandler),
+    );
+    open_and_restore(&stage.env, partitions).map(|(_, records)| records)
 }
 
 /// Applies one changelog record to the staging, keeping the expiry index in step.

@@ -16,7 +16,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 
 pub fn brokers() -> String {
-    std::env::var("STREAMING_HUB_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+    std::env::var("TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
 /// A name no other test (or earlier run) uses: lower case, digits, no dots.

@@ -1,0 +1,284 @@
+//! `streaming-hub bench <stage>`: measures one stage against the real broker, in-process, with
+//! the same code the hub runs. The input is written first (not timed); then the stage starts and
+//! the clock runs until the stage's consumer group has committed the end of its input.
+//!
+//! - `ingest`: N CloudEvents records of `--size` bytes over 100 tenants → classify → inbox.
+//! - `hub`: N inbox records → dedup + sequence (one transaction per batch), then a second run on an
+//!   empty state directory measures restore speed from the changelogs.
+//!
+//! Each prints one JSON line: records, seconds, records/s, CPU seconds of this process (the stage
+//! and its Kafka client threads) and of the broker (from its pid file) per 1,000 records.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::Config;
+use crate::hub::task::{HubStage, NoHandler};
+use crate::ingest::pipeline::Ingest;
+use crate::runtime::avro::Codec;
+use crate::runtime::clock::SystemClock;
+use crate::runtime::kafka;
+use crate::runtime::topology::Topology;
+
+pub struct BenchOptions {
+    pub stage: String,
+    pub records: usize,
+    pub size: usize,
+    pub broker_pid_file: Option<String>,
+}
+
+pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
+    let run_id = uuid::Uuid::now_v7().simple().to_string()[20..].to_string();
+    let mut config = config.clone();
+    config.topic_prefix = format!("bench{run_id}");
+    config.group_id = format!("bench{run_id}");
+    config.instance_id = format!("bench{run_id}");
+    config.state_dir = std::env::temp_dir().join(format!("bench{run_id}"));
+    let topology = Topology::load(&config.topology_file, &config).map_err(|e| e.to_string())?;
+    topology
+        .apply(&config, false)
+        .await
+        .map_err(|e| e.to_string())?;
+    let out = match opts.stage.as_str() {
+        "ingest" => bench_ingest(&config, &opts).await?,
+        "hub" => bench_hub(&config, &opts).await?,
+        other => return Err(format!("unknown stage {other:?}: ingest or hub")),
+    };
+    let _ = std::fs::remove_dir_all(&config.state_dir);
+    println!("{out}");
+    Ok(())
+}
+
+async fn bench_ingest(config: &Config, opts: &BenchOptions) -> Result<String, String> {
+    let topic = format!("lerian.streaming.{}", config.topic_prefix);
+    create_topic(config, &topic, 6).await?;
+    let mut config = config.clone();
+    config.follow_pattern = format!("^{}$", topic.replace('.', r"\."));
+    let started = Instant::now();
+    produce(&config, &topic, opts.records, opts.size, false)?;
+    eprintln!(
+        "bench: wrote {} input records in {:?}",
+        opts.records,
+        started.elapsed()
+    );
+    let ingest = Ingest::new(&config, Arc::new(SystemClock)).map_err(|e| e.to_string())?;
+    let m = measure(&config, opts, &topic, &config.group_id, move |stop| {
+        ingest.run(stop).map_err(|e| e.to_string())
+    })?;
+    Ok(format!(
+        r#"{{"bench":"ingest","record_bytes":{},{m}}}"#,
+        opts.size
+    ))
+}
+
+async fn bench_hub(config: &Config, opts: &BenchOptions) -> Result<String, String> {
+    let inbox = format!("{}.inbox", config.topic_prefix);
+    produce(config, &inbox, opts.records, opts.size, true)?;
+    let codec = Arc::new(Codec::new().map_err(|e| e.to_string())?);
+    let mut stage = HubStage::new(
+        config,
+        codec.clone(),
+        Arc::new(SystemClock),
+        Box::new(NoHandler),
+    );
+    let m = measure(config, opts, &inbox, &config.hub_group_id(), move |stop| {
+        stage.run(stop).map_err(|e| e.to_string())
+    })?;
+    // Restore: an empty state directory, a new instance; time until the stores are rebuilt.
+    std::fs::remove_dir_all(&config.state_dir).map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let partitions: Vec<i32> = (0..6).collect();
+    let restored =
+        crate::hub::task::restore_only(config, codec, &partitions).map_err(|e| e.to_string())?;
+    let secs = started.elapsed().as_secs_f64();
+    Ok(format!(
+        r#"{{"bench":"hub","record_bytes":{},{m},"restore_records":{restored},"restore_seconds":{secs:.3},"restore_records_per_s":{:.0}}}"#,
+        opts.size,
+        restored as f64 / secs
+    ))
+}
+
+/// Runs `stage` on a thread until `group` has committed the end of `topic`; returns JSON fields.
+fn measure(
+    config: &Config,
+    opts: &BenchOptions,
+    topic: &str,
+    group: &str,
+    stage: impl FnOnce(Arc<AtomicBool>) -> Result<(), String> + Send + 'static,
+) -> Result<String, String> {
+    let ends = end_offsets(config, topic)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let cpu0 = cpu_seconds("self");
+    let broker0 = opts
+        .broker_pid_file
+        .as_deref()
+        .and_then(pid_of)
+        .map(|p| cpu_seconds(&p));
+    let started = Instant::now();
+    let s = stop.clone();
+    let handle = std::thread::spawn(move || stage(s));
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while !caught_up(config, group, topic, &ends)? {
+        if handle.is_finished() || Instant::now() > deadline {
+            stop.store(true, Ordering::SeqCst);
+            return Err(format!("stage stopped or timed out: {:?}", handle.join()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds("self") - cpu0;
+    let broker = match (broker0, opts.broker_pid_file.as_deref().and_then(pid_of)) {
+        (Some(b0), Some(p)) => format!(
+            "{:.3}",
+            (cpu_seconds(&p) - b0) * 1000.0 / opts.records as f64
+        ),
+        _ => "null".into(),
+    };
+    stop.store(true, Ordering::SeqCst);
+    let _ = handle.join();
+    Ok(format!(
+        r#""records":{},"seconds":{secs:.3},"records_per_s":{:.0},"cpu_s_per_1k":{:.4},"broker_cpu_s_per_1k":{broker}"#,
+        opts.records,
+        opts.records as f64 / secs,
+        cpu * 1000.0 / opts.records as f64
+    ))
+}
+
+async fn create_topic(config: &Config, topic: &str, partitions: i32) -> Result<(), String> {
+    let admin = kafka::admin(config).map_err(|e| e.to_string())?;
+    let t = NewTopic::new(
+        topic,
+        partitions,
+        TopicReplication::Fixed(config.replication_factor),
+    );
+    admin
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Writes `n` records: CloudEvents keyed by tenant, or inbox-shaped records when `inbox`.
+fn produce(config: &Config, topic: &str, n: usize, size: usize, inbox: bool) -> Result<(), String> {
+    let producer: BaseProducer = kafka::base(config)
+        .set("linger.ms", "20")
+        .set("batch.num.messages", "10000")
+        .set("compression.type", "lz4")
+        .set("queue.buffering.max.messages", "500000")
+        .set("partitioner", "murmur2_random")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let value = vec![b'x'; size];
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    for i in 0..n {
+        let tenant = format!("tenant-{}", i % 100);
+        let id = uuid::Uuid::now_v7().to_string();
+        let mut h = OwnedHeaders::new_with_capacity(12);
+        for (k, v) in [
+            ("ce-specversion", "1.0"),
+            ("ce-id", id.as_str()),
+            ("ce-source", "ledger"),
+            ("ce-type", "studio.lerian.ledger.transaction.posted"),
+            ("ce-time", now.as_str()),
+            ("ce-schemaversion", "1.0.0"),
+            ("ce-resourcetype", "transaction"),
+            ("ce-eventtype", "posted"),
+            ("ce-datacontenttype", "application/json"),
+            ("ce-tenantid", tenant.as_str()),
+        ] {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v),
+            });
+        }
+        if inbox {
+            h = h.insert(Header {
+                key: crate::ingest::pipeline::H_INGEST_TIME,
+                value: Some(now.as_str()),
+            });
+        }
+        let mut record = BaseRecord::<str, [u8]>::to(topic)
+            .key(&tenant)
+            .payload(&value)
+            .headers(h);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((_, r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(5));
+                }
+            }
+        }
+        if i % 1000 == 0 {
+            producer.poll(Duration::ZERO);
+        }
+    }
+    producer
+        .flush(Duration::from_secs(120))
+        .map_err(|e| e.to_string())
+}
+
+fn end_offsets(config: &Config, topic: &str) -> Result<Vec<(i32, i64)>, String> {
+    let c: BaseConsumer = kafka::base(config).create().map_err(|e| e.to_string())?;
+    let md = c
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for p in md.topics()[0].partitions() {
+        let (_, high) = c
+            .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        out.push((p.id(), high));
+    }
+    Ok(out)
+}
+
+fn caught_up(
+    config: &Config,
+    group: &str,
+    topic: &str,
+    ends: &[(i32, i64)],
+) -> Result<bool, String> {
+    let c: BaseConsumer = kafka::base(config)
+        .set("group.id", group)
+        .create()
+        .map_err(|e| e.to_string())?;
+    let mut tpl = TopicPartitionList::new();
+    for (p, _) in ends {
+        tpl.add_partition(topic, *p);
+    }
+    let committed = c
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    Ok(ends.iter().all(|(p, high)| {
+        *high == 0
+            || matches!(committed.find_partition(topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *high)
+    }))
+}
+
+fn pid_of(file: &str) -> Option<String> {
+    std::fs::read_to_string(file)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// User + system CPU seconds of a process (`self` or a pid), from /proc.
+fn cpu_seconds(pid: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0 // utime, stime (fields 14, 15), USER_HZ = 100
+}
