@@ -2,7 +2,7 @@
 //!
 //! Start: apply the topology (create what is missing, warn about differences), start ingest on its
 //! own thread (role `all` or `ingest`), start the hub stage on its own thread (role `all` or
-//! `delivery`), serve HTTP (`/healthz`, `/readyz`, `/metrics`). Stop on
+//! `delivery`), follow the control topic into the subscription table, serve HTTP (`/healthz`, `/readyz`, `/metrics`). Stop on
 //! SIGTERM or Ctrl-C: readiness goes false, ingest commits its open batch and leaves, then exit.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,12 +13,16 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
+use crate::api::{self, ApiState};
 use crate::config::{Config, LogFormat, Role};
-use crate::hub::task::{HubStage, NoHandler};
+use crate::hub::matching::MatchHandler;
+use crate::hub::task::HubStage;
 use crate::ingest::pipeline::Ingest;
 use crate::runtime::avro::Codec;
 use crate::runtime::clock::{SharedClock, SystemClock};
 use crate::runtime::topology::Topology;
+use crate::subscriptions::control::{self, Subscriptions};
+use crate::subscriptions::table::SharedTable;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -51,6 +55,7 @@ pub fn init_tracing(config: &Config) {
 #[derive(Clone)]
 struct Health {
     ready: Arc<AtomicBool>,
+    table: SharedTable,
     metrics: PrometheusHandle,
 }
 
@@ -83,10 +88,24 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         );
     }
 
+    let codec = Arc::new(Codec::new().map_err(|e| AppError::Codec(e.to_string()))?);
+    let table = SharedTable::default();
+    let control_thread = {
+        let (config, codec, table, stop) =
+            (config.clone(), codec.clone(), table.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || control::follow(&config, codec, table, stop))
+            .map_err(|e| AppError::Http(e.to_string()))?
+    };
     let mut hub_thread = None;
     if matches!(config.role, Role::All | Role::Delivery) {
-        let codec = Arc::new(Codec::new().map_err(|e| AppError::Codec(e.to_string()))?);
-        let mut hub = HubStage::new(&config, codec, clock.clone(), Box::new(NoHandler));
+        let mut hub = HubStage::new(
+            &config,
+            codec.clone(),
+            clock.clone(),
+            Box::new(MatchHandler::new(table.clone())),
+        );
         let stop = stop.clone();
         hub_thread = Some(
             std::thread::Builder::new()
@@ -102,12 +121,33 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let health = Health {
         ready: ready.clone(),
         metrics,
+        table: table.clone(),
     };
-    let router = Router::new()
+    let mut router: Router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .with_state(health);
+    if config.kek.is_empty() {
+        tracing::warn!(
+            "STREAMING_HUB_KEK is not set: the subscription API is off (it cannot seal secrets)"
+        );
+    } else {
+        let subs = Subscriptions::kafka(&config, codec.clone(), table.clone())
+            .map_err(|e| AppError::Http(e.to_string()))?;
+        let state = ApiState::from_config(&config, subs, clock.clone())
+            .map_err(|e| AppError::Http(e.to_string()))?;
+        router = router.merge(api::router(state));
+    }
+    if config.allow_private_sinks {
+        tracing::warn!(
+            "STREAMING_HUB_ALLOW_PRIVATE_SINKS is on: webhooks may target private and loopback addresses"
+        );
+    }
+    if config.allow_insecure_sinks {
+        tracing::warn!("STREAMING_HUB_ALLOW_INSECURE_SINKS is on: webhooks may use plain http");
+    }
+
     tracing::info!(addr = %config.http_listen_addr, role = ?config.role, "streaming hub running");
     ready.store(true, Ordering::SeqCst);
 
@@ -127,6 +167,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             _ => tracing::error!("ingest thread panicked"),
         }
     }
+    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || control_thread.join())
+        .await
+        .map(|j| j.unwrap_or(Ok(())))
+    {
+        tracing::error!(error = %e, "control topic reader failed");
+    }
     if let Some(handle) = hub_thread {
         match tokio::task::spawn_blocking(move || handle.join()).await {
             Ok(Ok(result)) => result?,
@@ -137,7 +183,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
 }
 
 async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
-    if h.ready.load(Ordering::SeqCst) {
+    if h.ready.load(Ordering::SeqCst) && h.table.is_caught_up() {
         (StatusCode::OK, "ready")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready")

@@ -255,6 +255,30 @@ macro_rules! upper {
     (session_timeout) => {
         "SESSION_TIMEOUT"
     };
+    (kek) => {
+        "KEK"
+    };
+    (kek_id) => {
+        "KEK_ID"
+    };
+    (kek_previous) => {
+        "KEK_PREVIOUS"
+    };
+    (jwt_secret) => {
+        "JWT_SECRET"
+    };
+    (allow_private_sinks) => {
+        "ALLOW_PRIVATE_SINKS"
+    };
+    (allow_insecure_sinks) => {
+        "ALLOW_INSECURE_SINKS"
+    };
+    (secret_rotation_grace) => {
+        "SECRET_ROTATION_GRACE"
+    };
+    (http_timeout) => {
+        "HTTP_TIMEOUT"
+    };
     (log) => {
         "LOG"
     };
@@ -319,6 +343,24 @@ settings! {
     idempotency_ttl: std::time::Duration = "24h";
     /// Consumer group session timeout (how fast a dead instance's partitions move).
     session_timeout: std::time::Duration = "10s";
+    /// Key-encryption key for signing secrets and credentials: base64 of 32 bytes (secret).
+    /// Required to run the subscription API; never logged.
+    kek: Secret = "";
+    /// Id of `STREAMING_HUB_KEK`, stored next to every ciphertext so the key can be rotated.
+    kek_id: String = "k1";
+    /// Retired key-encryption keys still needed to read old records: `<id>:<base64>`, comma
+    /// separated (secret).
+    kek_previous: Secret = "";
+    /// HS256 secret that signs API tokens (`Authorization: Bearer`), at least 32 bytes (secret).
+    jwt_secret: Secret = "";
+    /// DANGEROUS: allow webhook URLs that resolve to private, loopback or link-local addresses.
+    allow_private_sinks: bool = "false";
+    /// DANGEROUS: allow `http://` webhook URLs (otherwise `https://` only).
+    allow_insecure_sinks: bool = "false";
+    /// Default grace period of a rotated-out signing secret (at most 7 days).
+    secret_rotation_grace: std::time::Duration = "24h";
+    /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.
+    http_timeout: std::time::Duration = "15s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
     /// Log format: `text` or `json`.
@@ -429,6 +471,22 @@ impl Config {
                     "expected plaintext, ssl, sasl_plaintext or sasl_ssl",
                 ));
             }
+        }
+        if self.secret_rotation_grace > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(
+                "STREAMING_HUB_SECRET_ROTATION_GRACE",
+                "at most 7 days",
+            ));
+        }
+        if !self.kek.is_empty() {
+            crate::subscriptions::secrets::Kek::from_config(self)
+                .map_err(|e| invalid("STREAMING_HUB_KEK", &e.to_string()))?;
+        }
+        if !self.jwt_secret.is_empty() && self.jwt_secret.expose().len() < 32 {
+            return Err(invalid(
+                "STREAMING_HUB_JWT_SECRET",
+                "must be at least 32 bytes",
+            ));
         }
         let keys = self.signature_keys()?;
         if self.require_signatures && keys.is_empty() {

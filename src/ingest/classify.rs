@@ -540,7 +540,7 @@ fn is_rfc3339(s: &str) -> bool {
 }
 
 /// The major of a `ce-schemaversion` (see the module doc), or `None` when malformed.
-fn schema_major(s: &str) -> Option<u32> {
+pub fn schema_major(s: &str) -> Option<u32> {
     let body = s.strip_prefix('v').unwrap_or(s);
     let mut major = None;
     for (index, part) in body.split('.').enumerate() {

@@ -181,3 +181,29 @@ impl DedupExpired {
         counter!(DEDUP_EXPIRED).increment(1);
     }
 }
+
+pub const MATCHES: &str = "streaming_hub_matches_total";
+pub const EVENTS_UNMATCHED: &str = "streaming_hub_events_unmatched_total";
+
+/// An event was matched against the subscription table (zero matches is correct, not an error).
+pub struct Matched<'a> {
+    pub ce_id: &'a str,
+    pub tenant: &'a str,
+    pub subscriptions: usize,
+}
+
+impl Matched<'_> {
+    pub fn emit(&self) {
+        if self.subscriptions == 0 {
+            counter!(EVENTS_UNMATCHED).increment(1);
+        } else {
+            counter!(MATCHES).increment(self.subscriptions as u64);
+        }
+        tracing::debug!(
+            ce_id = self.ce_id,
+            tenant = self.tenant,
+            subscriptions = self.subscriptions,
+            "event matched"
+        );
+    }
+}

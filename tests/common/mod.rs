@@ -67,13 +67,30 @@ pub async fn create_topic(name: &str, partitions: i32) {
     });
 }
 
-pub fn producer() -> BaseProducer {
+/// Remembers the first delivery failure, so `produce` can fail loudly (a flush alone does not).
+#[derive(Default)]
+pub struct FailOnError(std::sync::Mutex<Option<String>>);
+
+impl rdkafka::ClientContext for FailOnError {}
+
+impl rdkafka::producer::ProducerContext for FailOnError {
+    type DeliveryOpaque = ();
+    fn delivery(&self, r: &rdkafka::producer::DeliveryResult<'_>, _: ()) {
+        if let Err((e, _)) = r {
+            self.0.lock().unwrap().get_or_insert_with(|| e.to_string());
+        }
+    }
+}
+
+pub type TestProducer = BaseProducer<FailOnError>;
+
+pub fn producer() -> TestProducer {
     ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("linger.ms", "5")
         .set("message.max.bytes", "4194304")
         .set("queue.buffering.max.messages", "200000")
-        .create()
+        .create_with_context(FailOnError::default())
         .expect("producer")
 }
 
@@ -139,7 +156,7 @@ impl Rec {
     }
 }
 
-pub fn produce(producer: &BaseProducer, topic: &str, recs: &[Rec]) {
+pub fn produce(producer: &TestProducer, topic: &str, recs: &[Rec]) {
     for r in recs {
         let mut headers = OwnedHeaders::new_with_capacity(r.headers.len());
         for (k, v) in &r.headers {
@@ -178,6 +195,9 @@ pub fn produce(producer: &BaseProducer, topic: &str, recs: &[Rec]) {
         }
     }
     producer.flush(Duration::from_secs(60)).expect("flush");
+    if let Some(e) = producer.context().0.lock().unwrap().take() {
+        panic!("a record was not delivered to {topic}: {e}");
+    }
 }
 
 /// A record read back, with where it was.

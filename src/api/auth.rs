@@ -1,0 +1,344 @@
+//! Bearer tokens: HS256 JWTs signed with `STREAMING_HUB_JWT_SECRET`, made by hand from
+//! `hmac` + `sha2` + base64url (no JWT crate, so no `alg` confusion can creep in through one).
+//!
+//! A token is `base64url(header).base64url(claims).base64url(HMAC-SHA256(secret, first two parts))`
+//! without padding. The header must say `"alg":"HS256"`; anything else (`none`, `HS512`, `RS256`)
+//! is refused before any signature work. Claims: `tenant_id` (the caller's tenant), `admin`
+//! (`true` for operators, who then name the tenant in the body or the `tenant_id` query), `exp`
+//! (required, seconds since the epoch, checked against the injected clock) and `iat`. The MAC is
+//! compared in constant time (`Mac::verify_slice`).
+//!
+//! Every refusal is `401` with code `unauthorized` (or `token_expired`) and no detail that would
+//! help a forger; the reason goes to the debug log.
+use std::time::Duration;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+use super::ApiState;
+use super::errors::{ApiError, codes};
+use crate::runtime::secret::Secret;
+
+/// Longest `Authorization` value considered.
+const MAX_TOKEN_BYTES: usize = 8 * 1024;
+/// Longest tenant id an admin may name.
+const MAX_TENANT_BYTES: usize = 256;
+
+/// The key that signs and checks API tokens.
+#[derive(Clone, Debug)]
+pub struct JwtKeys {
+    secret: Secret,
+}
+
+impl JwtKeys {
+    pub fn new(secret: Secret) -> JwtKeys {
+        JwtKeys { secret }
+    }
+
+    fn mac(&self) -> Hmac<Sha256> {
+        Hmac::<Sha256>::new_from_slice(self.secret.expose().as_bytes())
+            .expect("HMAC accepts keys of any length")
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    alg: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    typ: Option<String>,
+}
+
+/// The claims the hub reads; others are ignored.
+#[derive(Debug, Serialize, Deserialize)]
+struct Claims {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tenant_id: Option<String>,
+    #[serde(default)]
+    admin: bool,
+    exp: i64,
+    #[serde(default)]
+    iat: i64,
+}
+
+/// Mints a token valid for `ttl` from now (the `streaming-hub token` command).
+pub fn mint(secret: &Secret, tenant: Option<&str>, admin: bool, ttl: Duration) -> String {
+    mint_at(secret, tenant, admin, ttl, chrono::Utc::now().timestamp())
+}
+
+/// [`mint`] at a given time, seconds since the epoch.
+pub fn mint_at(
+    secret: &Secret,
+    tenant: Option<&str>,
+    admin: bool,
+    ttl: Duration,
+    now_secs: i64,
+) -> String {
+    let header = Header {
+        alg: "HS256".into(),
+        typ: Some("JWT".into()),
+    };
+    let claims = Claims {
+        tenant_id: tenant.map(str::to_string),
+        admin,
+        exp: now_secs.saturating_add(ttl.as_secs() as i64),
+        iat: now_secs,
+    };
+    let header = serde_json::to_vec(&header).expect("a token header serializes");
+    let claims = serde_json::to_vec(&claims).expect("token claims serialize");
+    let signing_input = format!(
+        "{}.{}",
+        URL_SAFE_NO_PAD.encode(header),
+        URL_SAFE_NO_PAD.encode(claims)
+    );
+    let mut mac = JwtKeys::new(secret.clone()).mac();
+    mac.update(signing_input.as_bytes());
+    format!(
+        "{signing_input}.{}",
+        URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+    )
+}
+
+/// Who is calling, as the token says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: Option<String>,
+    pub admin: bool,
+}
+
+impl Caller {
+    /// The tenant this request acts for. A tenant token acts for its own tenant (naming another is
+    /// refused); an admin token must name one (`named`, from the body or the query) unless the
+    /// token itself carries a `tenant_id`.
+    pub fn tenant_for(&self, named: Option<&str>) -> Result<String, ApiError> {
+        let field =
+            |code: &str, msg: &str| ApiError::bad_request(code, msg).with_field("tenant_id");
+        if let Some(t) = named {
+            if t.is_empty() || t.len() > MAX_TENANT_BYTES || t.chars().any(char::is_control) {
+                return Err(field(
+                    "invalid",
+                    "tenant_id must be 1-256 bytes without control characters",
+                ));
+            }
+        }
+        match (self.admin, named, self.tenant.as_deref()) {
+            (true, Some(t), _) => Ok(t.to_string()),
+            (true, None, Some(own)) => Ok(own.to_string()),
+            (true, None, None) => Err(field(
+                "required",
+                "an admin token must name the tenant (tenant_id)",
+            )),
+            (false, Some(t), Some(own)) if t != own => Err(field(
+                "tenant_not_allowed",
+                "a tenant token acts for its own tenant only",
+            )),
+            (false, _, Some(own)) => Ok(own.to_string()),
+            (false, _, None) => Err(ApiError::unauthorized(codes::UNAUTHORIZED, "invalid token")),
+        }
+    }
+}
+
+/// Why a token was refused (logged at debug, never sent).
+#[derive(Debug, PartialEq, Eq)]
+pub enum TokenError {
+    Malformed,
+    Algorithm,
+    Signature,
+    Expired,
+    NoSubject,
+}
+
+/// Checks a token and returns its caller; `now_secs` is the injected clock's time.
+pub fn verify(keys: &JwtKeys, token: &str, now_secs: i64) -> Result<Caller, TokenError> {
+    if keys.secret.is_empty() || token.len() > MAX_TOKEN_BYTES {
+        return Err(TokenError::Malformed);
+    }
+    let mut parts = token.split('.');
+    let (Some(h), Some(c), Some(s), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(TokenError::Malformed);
+    };
+    let decode = |p: &str| URL_SAFE_NO_PAD.decode(p).map_err(|_| TokenError::Malformed);
+    let header: Header = serde_json::from_slice(&decode(h)?).map_err(|_| TokenError::Malformed)?;
+    if header.alg != "HS256" {
+        return Err(TokenError::Algorithm);
+    }
+    let mut mac = keys.mac();
+    mac.update(&token.as_bytes()[..h.len() + 1 + c.len()]);
+    mac.verify_slice(&decode(s)?)
+        .map_err(|_| TokenError::Signature)?;
+    let claims: Claims = serde_json::from_slice(&decode(c)?).map_err(|_| TokenError::Malformed)?;
+    if claims.exp <= now_secs {
+        return Err(TokenError::Expired);
+    }
+    let tenant = claims.tenant_id.filter(|t| !t.is_empty());
+    if tenant.is_none() && !claims.admin {
+        return Err(TokenError::NoSubject);
+    }
+    Ok(Caller {
+        tenant,
+        admin: claims.admin,
+    })
+}
+
+impl FromRequestParts<ApiState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Caller, ApiError> {
+        let refused =
+            || ApiError::unauthorized(codes::UNAUTHORIZED, "a valid bearer token is required");
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .ok_or_else(refused)?;
+        let value = header.to_str().map_err(|_| refused())?;
+        let token = value
+            .strip_prefix("Bearer ")
+            .or_else(|| value.strip_prefix("bearer "))
+            .ok_or_else(refused)?
+            .trim();
+        let now_secs = state.clock.now_ms().div_euclid(1000);
+        verify(&state.jwt, token, now_secs).map_err(|e| {
+            tracing::debug!(reason = ?e, "bearer token refused");
+            match e {
+                TokenError::Expired => {
+                    ApiError::unauthorized(codes::TOKEN_EXPIRED, "the bearer token has expired")
+                }
+                _ => refused(),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_750_000_000;
+
+    fn keys() -> JwtKeys {
+        JwtKeys::new(Secret::new("0123456789abcdef0123456789abcdef"))
+    }
+
+    #[test]
+    fn minted_token_verifies_with_its_claims() {
+        let t = mint_at(
+            &keys().secret,
+            Some("acme"),
+            false,
+            Duration::from_secs(3600),
+            NOW,
+        );
+        assert_eq!(
+            verify(&keys(), &t, NOW + 10),
+            Ok(Caller {
+                tenant: Some("acme".into()),
+                admin: false
+            })
+        );
+        let a = mint_at(&keys().secret, None, true, Duration::from_secs(60), NOW);
+        assert_eq!(
+            verify(&keys(), &a, NOW),
+            Ok(Caller {
+                tenant: None,
+                admin: true
+            })
+        );
+    }
+
+    #[test]
+    fn expired_token_is_refused_at_its_exp() {
+        let t = mint_at(
+            &keys().secret,
+            Some("acme"),
+            false,
+            Duration::from_secs(60),
+            NOW,
+        );
+        assert_eq!(verify(&keys(), &t, NOW + 60), Err(TokenError::Expired));
+    }
+
+    #[test]
+    fn token_signed_with_another_secret_or_tampered_is_refused() {
+        let other = Secret::new("another-secret-another-secret-xx");
+        let t = mint_at(&other, Some("acme"), true, Duration::from_secs(60), NOW);
+        assert_eq!(verify(&keys(), &t, NOW), Err(TokenError::Signature));
+        let good = mint_at(
+            &keys().secret,
+            Some("acme"),
+            false,
+            Duration::from_secs(60),
+            NOW,
+        );
+        let (head, rest) = good.split_once('.').unwrap();
+        let (_, sig) = rest.split_once('.').unwrap();
+        let forged_claims =
+            URL_SAFE_NO_PAD.encode(br#"{"tenant_id":"acme","admin":true,"exp":9999999999}"#);
+        assert_eq!(
+            verify(&keys(), &format!("{head}.{forged_claims}.{sig}"), NOW),
+            Err(TokenError::Signature)
+        );
+    }
+
+    #[test]
+    fn alg_none_and_other_algorithms_are_refused() {
+        let claims = URL_SAFE_NO_PAD.encode(br#"{"tenant_id":"acme","exp":9999999999}"#);
+        for alg in ["none", "HS512", "RS256", "hs256"] {
+            let head = URL_SAFE_NO_PAD.encode(format!(r#"{{"alg":"{alg}"}}"#));
+            assert_eq!(
+                verify(&keys(), &format!("{head}.{claims}."), NOW),
+                Err(TokenError::Algorithm),
+                "{alg}"
+            );
+        }
+        assert_eq!(
+            verify(&keys(), "not-a-token", NOW),
+            Err(TokenError::Malformed)
+        );
+    }
+
+    #[test]
+    fn empty_jwt_secret_refuses_every_token() {
+        let t = mint_at(
+            &Secret::new(""),
+            Some("acme"),
+            true,
+            Duration::from_secs(60),
+            NOW,
+        );
+        assert_eq!(
+            verify(&JwtKeys::new(Secret::new("")), &t, NOW),
+            Err(TokenError::Malformed)
+        );
+    }
+
+    #[test]
+    fn tenant_token_acts_for_itself_and_admin_must_name_a_tenant() {
+        let tenant = Caller {
+            tenant: Some("acme".into()),
+            admin: false,
+        };
+        assert_eq!(tenant.tenant_for(None).unwrap(), "acme");
+        assert_eq!(tenant.tenant_for(Some("acme")).unwrap(), "acme");
+        assert_eq!(
+            tenant
+                .tenant_for(Some("other"))
+                .unwrap_err()
+                .field
+                .as_deref(),
+            Some("tenant_id")
+        );
+        let admin = Caller {
+            tenant: None,
+            admin: true,
+        };
+        assert_eq!(admin.tenant_for(Some("other")).unwrap(), "other");
+        assert_eq!(admin.tenant_for(None).unwrap_err().code, "required");
+        assert_eq!(admin.tenant_for(Some("")).unwrap_err().code, "invalid");
+    }
+}

@@ -1,0 +1,133 @@
+//! The tenant HTTP API (issue 5): subscriptions, their verification and their signing secrets,
+//! behind bearer tokens, plus `GET /openapi.json`.
+//!
+//! | Method and path                            | Handler                          |
+//! |--------------------------------------------|----------------------------------|
+//! | `POST /v1/subscriptions`                   | [`subscriptions::create`]        |
+//! | `GET /v1/subscriptions`                    | [`subscriptions::list`]          |
+//! | `GET/PATCH/DELETE /v1/subscriptions/{id}`  | [`subscriptions`]                |
+//! | `POST /v1/subscriptions/{id}/verify`       | [`verification::verify`]         |
+//! | `POST /v1/subscriptions/{id}/rotate-secret`| [`secrets::rotate`]              |
+//! | `GET /openapi.json` (no token)             | [`openapi::serve`]               |
+//!
+//! Invariants: every `/v1` handler takes a [`auth::Caller`] (no token, no handler), acts for one
+//! tenant, and finds subscriptions only through [`subscriptions::load`], which takes that tenant;
+//! another tenant's subscription is `404`, never `403`. Errors are JSON
+//! `{"error":{"code","message","field"}}` ([`errors`]). Plaintext signing secrets leave the
+//! process only in the create and rotate answers. The API talks to the rest of the hub through
+//! [`Subscriptions`] (the control topic, read-your-writes), the KEK and the delivery module's probe.
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+use crate::config::Config;
+use crate::runtime::clock::SharedClock;
+use crate::subscriptions::control::Subscriptions;
+use crate::subscriptions::model::SinkPolicy;
+use crate::subscriptions::secrets::{Kek, SecretError};
+
+pub mod auth;
+pub mod errors;
+pub mod extract;
+pub mod openapi;
+pub mod responses;
+pub mod secrets;
+pub mod subscriptions;
+pub mod verification;
+
+#[cfg(test)]
+mod tests;
+
+pub use auth::{Caller, JwtKeys, mint};
+
+/// Largest request body accepted (a subscription is well under 64 KiB).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct ApiState {
+    pub subs: Subscriptions,
+    pub kek: Arc<Kek>,
+    pub jwt: JwtKeys,
+    pub clock: SharedClock,
+    /// The delivery client (SSRF-guarded resolver, no redirects) the verification probe uses.
+    pub http: reqwest::Client,
+    pub sinks: SinkPolicy,
+    /// Default grace of a rotated-out signing secret.
+    pub rotation_grace: Duration,
+    /// Serializes this instance's read-modify-writes (see [`subscriptions`]).
+    writes: Arc<tokio::sync::Mutex<()>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiSetupError {
+    #[error("STREAMING_HUB_KEK: {0}")]
+    Kek(#[from] SecretError),
+    #[error(transparent)]
+    Client(#[from] crate::delivery::client::ClientError),
+}
+
+impl ApiState {
+    /// The state from its parts; the policy, grace and JWT secret come from `config`.
+    pub fn new(
+        config: &Config,
+        subs: Subscriptions,
+        kek: Arc<Kek>,
+        clock: SharedClock,
+        http: reqwest::Client,
+    ) -> ApiState {
+        if config.jwt_secret.is_empty() {
+            tracing::warn!("STREAMING_HUB_JWT_SECRET is empty: the API refuses every token");
+        }
+        ApiState {
+            subs,
+            kek,
+            jwt: JwtKeys::new(config.jwt_secret.clone()),
+            clock,
+            http,
+            sinks: SinkPolicy {
+                allow_private: config.allow_private_sinks,
+                allow_insecure: config.allow_insecure_sinks,
+            },
+            rotation_grace: config.secret_rotation_grace,
+            writes: Arc::default(),
+        }
+    }
+
+    /// The state with the KEK and the delivery client built from `config`.
+    pub fn from_config(
+        config: &Config,
+        subs: Subscriptions,
+        clock: SharedClock,
+    ) -> Result<ApiState, ApiSetupError> {
+        let kek = Arc::new(Kek::from_config(config)?);
+        let http = crate::delivery::client::build_client(config)?;
+        Ok(ApiState::new(config, subs, kek, clock, http))
+    }
+}
+
+/// The API's routes; merge it into the process's HTTP server.
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route(
+            "/v1/subscriptions",
+            post(subscriptions::create).get(subscriptions::list),
+        )
+        .route(
+            "/v1/subscriptions/{id}",
+            get(subscriptions::get_one)
+                .patch(subscriptions::patch)
+                .delete(subscriptions::delete),
+        )
+        .route("/v1/subscriptions/{id}/verify", post(verification::verify))
+        .route(
+            "/v1/subscriptions/{id}/rotate-secret",
+            post(secrets::rotate),
+        )
+        .route("/openapi.json", get(openapi::serve))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}

@@ -1,0 +1,156 @@
+//! The API's side of secrets at rest: sealing and opening a subscription's sensitive headers and
+//! signing secrets with the KEK, and `POST /v1/subscriptions/{id}/rotate-secret`.
+//!
+//! Rotation: the new secret goes first in `signing_secrets` with no expiry; the previous current
+//! one gets `expires_at = now + grace` (deliveries carry both signatures until then); secrets of
+//! earlier rotations that are still in their grace stay, those already expired are dropped. Only
+//! the new secret is ever in plaintext, in the response; the others are not even opened.
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+
+use super::ApiState;
+use super::auth::Caller;
+use super::errors::{ApiError, ErrorBody, codes};
+use super::extract::{SubscriptionQuery, parse_body};
+use super::responses::{RotateSecretRequest, RotatedSecret};
+use super::subscriptions::{load, view_of};
+use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
+use crate::runtime::secret::Secret;
+use crate::subscriptions::model::{FieldError, rfc3339};
+use crate::subscriptions::secrets::generate_signing_secret;
+
+/// The longest grace a rotated-out secret may get.
+pub const MAX_GRACE: Duration = Duration::from_secs(7 * 86_400);
+
+/// Seals a webhook's sensitive headers (a JSON object) for subscription `id`; none → `None`.
+pub fn seal_sensitive(
+    state: &ApiState,
+    id: &str,
+    headers: &BTreeMap<String, String>,
+) -> Result<Option<EncryptedBlob>, ApiError> {
+    if headers.is_empty() {
+        return Ok(None);
+    }
+    let json = serde_json::to_vec(headers)
+        .map_err(|e| ApiError::internal("sensitive headers do not serialize", &e))?;
+    Ok(Some(state.kek.seal(&json, id)))
+}
+
+/// Opens a subscription's sensitive headers (empty when it has none).
+pub fn open_sensitive(
+    state: &ApiState,
+    rec: &SubscriptionRecord,
+) -> Result<BTreeMap<String, String>, ApiError> {
+    let Some(blob) = &rec.destination.sensitive_headers else {
+        return Ok(BTreeMap::new());
+    };
+    let plain = state
+        .kek
+        .open(blob, &rec.id)
+        .map_err(|e| ApiError::internal("sensitive headers do not open", &e))?;
+    serde_json::from_slice(&plain)
+        .map_err(|e| ApiError::internal("sensitive headers are not a JSON object", &e))
+}
+
+/// The signing secrets that still sign at `now`, current first.
+pub fn open_secrets(
+    state: &ApiState,
+    rec: &SubscriptionRecord,
+    now: i64,
+) -> Result<Vec<Secret>, ApiError> {
+    rec.signing_secrets
+        .iter()
+        .filter(|s| s.expires_at.is_none_or(|t| t > now))
+        .map(|s| {
+            state
+                .kek
+                .open_secret(s, &rec.id)
+                .map_err(|e| ApiError::internal("a signing secret does not open", &e))
+        })
+        .collect()
+}
+
+fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Duration, ApiError> {
+    let request: RotateSecretRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        RotateSecretRequest::default()
+    } else {
+        parse_body(headers, body)?
+    };
+    let Some(text) = request.grace else {
+        return Ok(state.rotation_grace);
+    };
+    let grace = humantime::parse_duration(text.trim()).map_err(|_| {
+        FieldError::new("grace", "invalid", "expected a duration such as 1h or 24h")
+    })?;
+    if grace > MAX_GRACE {
+        return Err(
+            FieldError::new("grace", "too_long", "the grace period is at most 7 days").into(),
+        );
+    }
+    Ok(grace)
+}
+
+#[utoipa::path(post, path = "/v1/subscriptions/{id}/rotate-secret", tag = "subscriptions",
+    request_body(content = Option<RotateSecretRequest>, description = "Optional; default grace from the configuration"),
+    params(("id" = String, Path, description = "Subscription id"), SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The new secret, shown this once", body = RotatedSecret),
+        (status = 400, description = "Bad `grace`", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 409, description = "A pull destination has no signing secret", body = ErrorBody)))]
+pub async fn rotate(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<SubscriptionQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<RotatedSecret>, ApiError> {
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    load(&state, &tenant, &id)?;
+    let grace = grace_of(&state, &headers, &body)?;
+    let _guard = state.writes.lock().await;
+    let current = load(&state, &tenant, &id)?;
+    if current.destination.kind != DestinationType::Webhook {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            codes::NOT_A_WEBHOOK,
+            "only webhook subscriptions have a signing secret",
+        ));
+    }
+    let now = state.clock.now_ms();
+    let expires_at = now.saturating_add(grace.as_millis() as i64);
+    let secret = generate_signing_secret();
+    let mut rec = (*current).clone();
+    rec.signing_secrets = std::iter::once(state.kek.seal_secret(&secret, &rec.id, None))
+        .chain(
+            current
+                .signing_secrets
+                .iter()
+                .filter_map(|s| match s.expires_at {
+                    None => Some(crate::runtime::records::EncryptedSecret {
+                        expires_at: Some(expires_at),
+                        ..s.clone()
+                    }),
+                    Some(t) if t > now => Some(s.clone()),
+                    Some(_) => None,
+                }),
+        )
+        .collect();
+    rec.version += 1;
+    rec.updated_at = now;
+    state.subs.put(rec.clone()).await?;
+    tracing::info!(subscription_id = %rec.id, grace_secs = grace.as_secs(), "signing secret rotated");
+    Ok(Json(RotatedSecret {
+        signing_secret: secret,
+        previous_secret_expires_at: rfc3339(expires_at),
+        subscription: view_of(&state, &rec),
+    }))
+}

@@ -1,0 +1,386 @@
+//! `/v1/subscriptions`: create, list, read, update and delete a tenant's subscriptions.
+//!
+//! Tenant isolation is structural: every handler takes a [`Caller`], turns it into the one tenant
+//! it acts for ([`Caller::tenant_for`]) and reads subscriptions only through [`load`], which takes
+//! that tenant and answers `404` for another tenant's id exactly as for an unknown one.
+//!
+//! Writes go through [`Subscriptions::put`]/[`Subscriptions::delete`], which return once this
+//! instance's table has the write. A read-modify-write runs under [`ApiState::writes`] so two
+//! requests of this instance cannot both write version N+1 (writers elsewhere still race; the
+//! control topic keeps the last). The lock is never held across a verification probe.
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+use super::ApiState;
+use super::auth::Caller;
+use super::errors::{ApiError, ErrorBody, codes};
+use super::extract::{JsonBody, SubscriptionQuery, if_match};
+use super::responses::{
+    CheckedSubscription, CreatedSubscription, SubscriptionPage, VerificationOutcome,
+};
+use super::secrets::{open_sensitive, seal_sensitive};
+use super::verification::{Probe, probe_and_record};
+use crate::runtime::records::{
+    DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
+};
+use crate::subscriptions::model::{
+    CreateSubscription, DestinationPatch, FieldError, PatchSubscription, SubscriptionView,
+    ValidDestination, check_webhook_url, parse_retry_schedule, validate_event_types,
+    validate_header_map, validate_header_sets, validate_origin,
+};
+use crate::subscriptions::secrets::generate_signing_secret;
+use crate::subscriptions::table::Sub;
+
+/// The tenant's subscription `id`, or `404`.
+pub fn load(state: &ApiState, tenant: &str, id: &str) -> Result<Sub, ApiError> {
+    state
+        .subs
+        .get(id)
+        .filter(|s| s.tenant_id == tenant)
+        .ok_or_else(ApiError::not_found)
+}
+
+/// The view of `rec`, with the names of its sealed headers.
+pub fn view_of(state: &ApiState, rec: &SubscriptionRecord) -> SubscriptionView {
+    let names = match open_sensitive(state, rec) {
+        Ok(map) => map.into_keys().collect(),
+        Err(e) => {
+            tracing::warn!(subscription_id = %rec.id, error = %e.message, "sensitive headers do not open; shown without names");
+            Vec::new()
+        }
+    };
+    SubscriptionView::of(rec, names)
+}
+
+fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
+    [(
+        header::ETAG,
+        HeaderValue::from_str(&format!("\"{version}\"")).expect("digits are a valid header value"),
+    )]
+}
+
+#[utoipa::path(post, path = "/v1/subscriptions", tag = "subscriptions", request_body = CreateSubscription,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "Created; webhooks were probed before this answer", body = CreatedSubscription),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
+pub async fn create(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<CreateSubscription>,
+) -> Result<Response, ApiError> {
+    let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    let valid = body.validate(state.sinks).await?;
+    let id = uuid::Uuid::now_v7().to_string();
+    let now = state.clock.now_ms();
+    let (destination, secret) = match valid.destination {
+        ValidDestination::Webhook {
+            url,
+            headers,
+            sensitive_headers,
+        } => {
+            let sealed = seal_sensitive(&state, &id, &sensitive_headers)?;
+            let destination = DestinationRecord {
+                kind: DestinationType::Webhook,
+                url: Some(url),
+                headers,
+                sensitive_headers: sealed,
+            };
+            (destination, Some(generate_signing_secret()))
+        }
+        ValidDestination::Pull => {
+            let destination = DestinationRecord {
+                kind: DestinationType::Pull,
+                url: None,
+                headers: Default::default(),
+                sensitive_headers: None,
+            };
+            (destination, None)
+        }
+    };
+    let rec = SubscriptionRecord {
+        signing_secrets: secret
+            .iter()
+            .map(|s| state.kek.seal_secret(s, &id, None))
+            .collect(),
+        verification_state: if secret.is_some() {
+            VerificationState::Pending
+        } else {
+            VerificationState::Active
+        },
+        id,
+        tenant_id: tenant,
+        origin: valid.origin,
+        event_types: valid.event_types,
+        schema_major: valid.schema_major,
+        destination,
+        enabled: valid.enabled,
+        retry_schedule: valid.retry_schedule,
+        disabled_reason: None,
+        disabled_at: None,
+        created_at: now,
+        updated_at: now,
+        version: 1,
+    };
+    state.subs.put(rec.clone()).await?;
+    tracing::info!(subscription_id = %rec.id, tenant_id = %rec.tenant_id, "subscription created");
+    let (rec, verification) = match rec.destination.kind {
+        DestinationType::Webhook => probe_and_record(&state, rec, Probe::OnChange).await?,
+        DestinationType::Pull => (rec, VerificationOutcome::passed()),
+    };
+    let location = HeaderValue::from_str(&format!("/v1/subscriptions/{}", rec.id))
+        .expect("a UUID is a valid header value");
+    let body = CreatedSubscription {
+        subscription: view_of(&state, &rec),
+        signing_secret: secret,
+        verification,
+    };
+    Ok((
+        StatusCode::CREATED,
+        etag(rec.version),
+        [(header::LOCATION, location)],
+        Json(body),
+    )
+        .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/subscriptions", tag = "subscriptions", params(SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "One page of the tenant's subscriptions", body = SubscriptionPage),
+        (status = 400, description = "Bad `limit`, or an admin token without `tenant_id`", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody)))]
+pub async fn list(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Query(query): Query<SubscriptionQuery>,
+) -> Result<Json<SubscriptionPage>, ApiError> {
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    let limit = query.limit()?;
+    let after = query.cursor.as_deref().unwrap_or("");
+    let mut rest = state
+        .subs
+        .list(&tenant)
+        .into_iter()
+        .filter(|s| s.id.as_str() > after);
+    let data: Vec<SubscriptionView> = rest
+        .by_ref()
+        .take(limit)
+        .map(|s| view_of(&state, &s))
+        .collect();
+    let next_cursor = match rest.next() {
+        Some(_) => data.last().map(|v| v.id.clone()),
+        None => None,
+    };
+    Ok(Json(SubscriptionPage { data, next_cursor }))
+}
+
+#[utoipa::path(get, path = "/v1/subscriptions/{id}", tag = "subscriptions",
+    params(("id" = String, Path, description = "Subscription id"), SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The subscription; `ETag` is its version", body = SubscriptionView),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody)))]
+pub async fn get_one(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<SubscriptionQuery>,
+) -> Result<Response, ApiError> {
+    let sub = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
+    Ok((etag(sub.version), Json(view_of(&state, &sub))).into_response())
+}
+
+/// A [`PatchSubscription`] whose parts passed the rules that need no stored state.
+struct ValidPatch {
+    patch: PatchSubscription,
+    event_types: Option<Vec<String>>,
+    retry_schedule: Option<Option<Vec<u64>>>,
+    url: Option<String>,
+}
+
+async fn validate_patch(
+    state: &ApiState,
+    patch: PatchSubscription,
+) -> Result<ValidPatch, FieldError> {
+    if let Some(Some(o)) = &patch.origin {
+        validate_origin(o)?;
+    }
+    let event_types = patch
+        .event_types
+        .as_deref()
+        .map(validate_event_types)
+        .transpose()?;
+    let retry_schedule = match &patch.retry_schedule {
+        Some(steps) => Some(steps.as_deref().map(parse_retry_schedule).transpose()?),
+        None => None,
+    };
+    let mut url = None;
+    if let Some(DestinationPatch::Webhook { url: Some(u), .. }) = &patch.destination {
+        url = Some(check_webhook_url(u, state.sinks).await?);
+    }
+    Ok(ValidPatch {
+        patch,
+        event_types,
+        retry_schedule,
+        url,
+    })
+}
+
+/// Applies a validated patch to a copy of `current`; `true` when the URL changed.
+fn apply(
+    state: &ApiState,
+    current: &SubscriptionRecord,
+    p: ValidPatch,
+) -> Result<(SubscriptionRecord, bool), ApiError> {
+    let mut rec = current.clone();
+    if let Some(origin) = p.patch.origin {
+        rec.origin = origin;
+    }
+    if let Some(types) = p.event_types {
+        rec.event_types = types;
+    }
+    if let Some(major) = p.patch.schema_major {
+        rec.schema_major = major;
+    }
+    if let Some(steps) = p.retry_schedule {
+        rec.retry_schedule = steps;
+    }
+    if let Some(enabled) = p.patch.enabled {
+        if enabled && !rec.enabled {
+            rec.disabled_reason = None;
+            rec.disabled_at = None;
+        }
+        rec.enabled = enabled;
+    }
+    let mut url_changed = false;
+    match (p.patch.destination, rec.destination.kind) {
+        (None, _) | (Some(DestinationPatch::Pull {}), DestinationType::Pull) => {}
+        (
+            Some(DestinationPatch::Webhook {
+                headers,
+                sensitive_headers,
+                ..
+            }),
+            DestinationType::Webhook,
+        ) => {
+            if let Some(h) = headers {
+                rec.destination.headers = validate_header_map("headers", &h)?;
+            }
+            let sensitive = match &sensitive_headers {
+                Some(s) => validate_header_map("sensitive_headers", s)?,
+                None => open_sensitive(state, &rec)?,
+            };
+            validate_header_sets(&rec.destination.headers, &sensitive)?;
+            if sensitive_headers.is_some() {
+                rec.destination.sensitive_headers = seal_sensitive(state, &rec.id, &sensitive)?;
+            }
+            if let Some(url) = p.url.filter(|u| rec.destination.url.as_ref() != Some(u)) {
+                rec.destination.url = Some(url);
+                rec.verification_state = VerificationState::Pending;
+                url_changed = true;
+            }
+        }
+        _ => {
+            let e = FieldError::new(
+                "destination.type",
+                "immutable",
+                "the destination type cannot change; create a new subscription",
+            );
+            return Err(e.into());
+        }
+    }
+    Ok((rec, url_changed))
+}
+
+#[utoipa::path(patch, path = "/v1/subscriptions/{id}", tag = "subscriptions", request_body = PatchSubscription,
+    params(("id" = String, Path, description = "Subscription id"),
+        ("If-Match" = Option<String>, Header, description = "Apply only if the version is this one"), SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Updated; a new URL was probed before this answer", body = CheckedSubscription),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 412, description = "`If-Match` names another version", body = ErrorBody)))]
+pub async fn patch(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<SubscriptionQuery>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<PatchSubscription>,
+) -> Result<Response, ApiError> {
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    let expected = if_match(&headers)?;
+    load(&state, &tenant, &id)?;
+    let valid = validate_patch(&state, body).await?;
+    let guard = state.writes.lock().await;
+    let current = load(&state, &tenant, &id)?;
+    if expected.is_some_and(|v| v != current.version) {
+        let message = format!("the subscription is at version {}", current.version);
+        return Err(ApiError::new(
+            StatusCode::PRECONDITION_FAILED,
+            codes::VERSION_MISMATCH,
+            message,
+        )
+        .with_field("If-Match"));
+    }
+    let (mut rec, url_changed) = apply(&state, &current, valid)?;
+    if rec == *current {
+        return Ok((
+            etag(rec.version),
+            Json(CheckedSubscription {
+                subscription: view_of(&state, &rec),
+                verification: None,
+            }),
+        )
+            .into_response());
+    }
+    rec.version = current.version + 1;
+    rec.updated_at = state.clock.now_ms();
+    state.subs.put(rec.clone()).await?;
+    drop(guard);
+    let (rec, verification) = if url_changed {
+        let (rec, outcome) =
+            probe_and_record(&state, rec, super::verification::Probe::OnChange).await?;
+        (rec, Some(outcome))
+    } else {
+        (rec, None)
+    };
+    Ok((
+        etag(rec.version),
+        Json(CheckedSubscription {
+            subscription: view_of(&state, &rec),
+            verification,
+        }),
+    )
+        .into_response())
+}
+
+#[utoipa::path(delete, path = "/v1/subscriptions/{id}", tag = "subscriptions",
+    params(("id" = String, Path, description = "Subscription id"), SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "Deleted; no further deliveries are created"),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody)))]
+pub async fn delete(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<SubscriptionQuery>,
+) -> Result<StatusCode, ApiError> {
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    let _guard = state.writes.lock().await;
+    let sub = load(&state, &tenant, &id)?;
+    state.subs.delete(&sub.id).await?;
+    tracing::info!(subscription_id = %sub.id, tenant_id = %tenant, "subscription deleted");
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,344 @@
+//! Create, list, read, patch and delete: status codes, versions, `If-Match`, pagination.
+use axum::http::{Method, StatusCode};
+use serde_json::json;
+
+use super::{Harness, pull_body};
+use crate::runtime::records::VerificationState;
+
+#[tokio::test]
+async fn pull_subscription_is_created_active_with_a_uuidv7_id_and_no_secret() {
+    let h = Harness::new();
+    let body = json!({
+        "origin": "ledger", "event_types": ["transaction.created", "account.*"], "schema_major": 2,
+        "destination": {"type": "pull"}, "retry_schedule": ["5s", "10m"], "enabled": true
+    });
+    let a = h.post("/v1/subscriptions", &h.token("acme"), body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let id = a.body["id"].as_str().unwrap();
+    assert_eq!(uuid::Uuid::parse_str(id).unwrap().get_version_num(), 7);
+    assert_eq!(
+        a.headers["location"],
+        format!("/v1/subscriptions/{id}").as_str()
+    );
+    assert_eq!(a.headers["etag"], "\"1\"");
+    assert_eq!(a.body["tenant_id"], "acme");
+    assert_eq!(a.body["verification_state"], "active");
+    assert_eq!(a.body["verification"]["state"], "active");
+    assert_eq!(a.body["destination"], json!({"type": "pull"}));
+    assert_eq!(a.body["retry_schedule"], json!(["5s", "10m"]));
+    assert_eq!(a.body["created_at"], "2025-06-15T15:06:40.000Z");
+    assert_eq!(a.body["version"], 1);
+    assert!(a.body.get("signing_secret").is_none());
+    let stored = h.state.subs.get(id).unwrap();
+    assert_eq!(stored.retry_schedule, Some(vec![5_000, 600_000]));
+    assert_eq!(stored.verification_state, VerificationState::Active);
+    assert!(stored.signing_secrets.is_empty());
+}
+
+#[tokio::test]
+async fn get_returns_the_view_with_its_version_as_etag() {
+    let h = Harness::new();
+    let id = h.create_pull("acme").await;
+    let a = h
+        .get(&format!("/v1/subscriptions/{id}"), &h.token("acme"))
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.headers["etag"], "\"1\"");
+    assert_eq!(a.body["id"], id.as_str());
+    assert_eq!(a.body["event_types"], json!(["transaction.created"]));
+    assert!(a.body.get("signing_secrets").is_none());
+}
+
+#[tokio::test]
+async fn unknown_id_is_404_with_a_json_error() {
+    let h = Harness::new();
+    let a = h
+        .get(
+            "/v1/subscriptions/0190a000-0000-7000-8000-000000000000",
+            &h.token("acme"),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.body["error"]["code"], "not_found");
+}
+
+#[tokio::test]
+async fn list_pages_by_id_with_next_cursor_and_shows_only_the_callers_tenant() {
+    let h = Harness::new();
+    let mut mine = Vec::new();
+    for _ in 0..5 {
+        mine.push(h.create_pull("acme").await);
+        h.create_pull("other").await;
+    }
+    let token = h.token("acme");
+    let first = h.get("/v1/subscriptions?limit=2", &token).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let ids = |a: &super::Answer| {
+        a.body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&first), mine[..2]);
+    let cursor = first.body["next_cursor"].as_str().unwrap().to_string();
+    let second = h
+        .get(
+            &format!("/v1/subscriptions?limit=2&cursor={cursor}"),
+            &token,
+        )
+        .await;
+    assert_eq!(ids(&second), mine[2..4]);
+    let cursor = second.body["next_cursor"].as_str().unwrap().to_string();
+    let last = h
+        .get(
+            &format!("/v1/subscriptions?limit=2&cursor={cursor}"),
+            &token,
+        )
+        .await;
+    assert_eq!(ids(&last), mine[4..]);
+    assert!(
+        last.body.get("next_cursor").is_none(),
+        "last page has no cursor"
+    );
+    let all = h.get("/v1/subscriptions", &token).await;
+    assert_eq!(ids(&all), mine);
+    for bad in ["0", "201", "x"] {
+        let a = h
+            .get(&format!("/v1/subscriptions?limit={bad}"), &token)
+            .await;
+        assert_eq!(
+            (a.status, a.body["error"]["field"].as_str()),
+            (StatusCode::BAD_REQUEST, Some("limit")),
+            "{bad}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn admin_acts_only_for_the_tenant_it_names() {
+    let h = Harness::new();
+    let admin = h.admin_token();
+    let a = h.post("/v1/subscriptions", &admin, pull_body()).await;
+    assert_eq!(
+        (a.status, a.body["error"]["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("tenant_id"))
+    );
+    let mut body = pull_body();
+    body["tenant_id"] = json!("acme");
+    let a = h.post("/v1/subscriptions", &admin, body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["tenant_id"], "acme");
+    let id = a.body["id"].as_str().unwrap().to_string();
+    let a = h.get("/v1/subscriptions", &admin).await;
+    assert_eq!(a.body["error"]["field"], "tenant_id");
+    let a = h.get("/v1/subscriptions?tenant_id=acme", &admin).await;
+    assert_eq!(a.body["data"][0]["id"], id.as_str());
+    assert_eq!(
+        h.get(&format!("/v1/subscriptions/{id}?tenant_id=acme"), &admin)
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h.get(&format!("/v1/subscriptions/{id}?tenant_id=other"), &admin)
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn patch_changes_given_fields_clears_nulls_and_increments_the_version() {
+    let h = Harness::new();
+    let token = h.token("acme");
+    let mut body = pull_body();
+    body["origin"] = json!("ledger");
+    body["schema_major"] = json!(1);
+    let id = h.post("/v1/subscriptions", &token, body).await.body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let uri = format!("/v1/subscriptions/{id}");
+    let patch =
+        json!({"event_types": ["*"], "origin": null, "retry_schedule": ["1m"], "enabled": false});
+    let a = h
+        .call(Method::PATCH, &uri, Some(&token), Some(patch), &[])
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(a.body["version"], 2);
+    assert_eq!(a.headers["etag"], "\"2\"");
+    assert_eq!(a.body["event_types"], json!(["*"]));
+    assert_eq!(a.body["origin"], json!(null));
+    assert_eq!(a.body["schema_major"], 1, "absent fields stay");
+    assert_eq!(a.body["enabled"], false);
+    assert!(
+        a.body.get("verification").is_none(),
+        "no URL change, no probe"
+    );
+    let stored = h.state.subs.get(&id).unwrap();
+    assert_eq!(
+        (
+            stored.version,
+            stored.origin.clone(),
+            stored.retry_schedule.clone()
+        ),
+        (2, None, Some(vec![60_000]))
+    );
+    let same = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"enabled": false})),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        same.body["version"], 2,
+        "a patch that changes nothing writes nothing"
+    );
+}
+
+#[tokio::test]
+async fn patch_with_a_stale_if_match_is_412_and_with_the_current_one_applies() {
+    let h = Harness::new();
+    let token = h.token("acme");
+    let id = h.create_pull("acme").await;
+    let uri = format!("/v1/subscriptions/{id}");
+    let first = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"enabled": false})),
+            &[("if-match", "\"1\"")],
+        )
+        .await;
+    assert_eq!(first.status, StatusCode::OK);
+    let stale = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"enabled": true})),
+            &[("if-match", "\"1\"")],
+        )
+        .await;
+    assert_eq!(stale.status, StatusCode::PRECONDITION_FAILED);
+    assert_eq!(stale.body["error"]["code"], "version_mismatch");
+    assert_eq!(stale.body["error"]["field"], "If-Match");
+    assert!(
+        !h.state.subs.get(&id).unwrap().enabled,
+        "the stale patch changed nothing"
+    );
+    let bad = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"enabled": true})),
+            &[("if-match", "two")],
+        )
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let ok = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"enabled": true})),
+            &[("if-match", "2")],
+        )
+        .await;
+    assert_eq!(
+        (ok.status, ok.body["version"].as_u64()),
+        (StatusCode::OK, Some(3))
+    );
+}
+
+#[tokio::test]
+async fn patch_enabling_a_disabled_subscription_clears_the_disable_reason() {
+    let h = Harness::new();
+    let id = h.create_pull("acme").await;
+    let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
+    (
+        rec.enabled,
+        rec.disabled_reason,
+        rec.disabled_at,
+        rec.version,
+    ) = (false, Some("failing for 120h".into()), Some(START), 2);
+    h.state.subs.put(rec).await.unwrap();
+    let a = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&h.token("acme")),
+            Some(json!({"enabled": true})),
+            &[],
+        )
+        .await;
+    assert_eq!(a.body["enabled"], true);
+    assert_eq!(
+        (
+            a.body["disabled_reason"].clone(),
+            a.body["disabled_at"].clone()
+        ),
+        (json!(null), json!(null))
+    );
+}
+
+const START: i64 = super::START_MS;
+
+#[tokio::test]
+async fn patch_cannot_change_the_destination_type() {
+    let h = Harness::new();
+    let id = h.create_pull("acme").await;
+    let patch = json!({"destination": {"type": "webhook", "url": "http://127.0.0.1:9/hook"}});
+    let a = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&h.token("acme")),
+            Some(patch),
+            &[],
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (
+            a.body["error"]["code"].as_str(),
+            a.body["error"]["field"].as_str()
+        ),
+        (Some("immutable"), Some("destination.type"))
+    );
+}
+
+#[tokio::test]
+async fn delete_is_204_and_the_subscription_is_gone() {
+    let h = Harness::new();
+    let token = h.token("acme");
+    let id = h.create_pull("acme").await;
+    let uri = format!("/v1/subscriptions/{id}");
+    let a = h.call(Method::DELETE, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    assert!(a.text.is_empty());
+    assert!(h.state.subs.get(&id).is_none());
+    assert_eq!(h.get(&uri, &token).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        h.call(Method::DELETE, &uri, Some(&token), None, &[])
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn openapi_document_is_served_without_a_token() {
+    let h = Harness::new();
+    let a = h.call(Method::GET, "/openapi.json", None, None, &[]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.headers["content-type"], "application/json");
+    assert!(a.body["paths"]["/v1/subscriptions/{id}/rotate-secret"]["post"].is_object());
+}

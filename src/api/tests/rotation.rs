@@ -1,0 +1,275 @@
+//! Signing secrets: shown once on create and on rotate, sealed at rest, rotated with a grace
+//! period; sensitive headers sealed and shown by name only.
+use std::time::Duration;
+
+use axum::http::{Method, StatusCode};
+use serde_json::json;
+
+use super::{Harness, Hook, START_MS, webhook_body};
+use crate::runtime::avro::RecordKind;
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|w| w == needle.as_bytes())
+}
+
+#[tokio::test]
+async fn signing_secret_is_shown_on_create_only_and_is_sealed_at_rest() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let a = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let secret = a.body["signing_secret"].as_str().unwrap().to_string();
+    assert!(
+        secret.starts_with("whsec_") && secret.len() > 40,
+        "{secret}"
+    );
+    let id = a.body["id"].as_str().unwrap().to_string();
+
+    let got = h.get(&format!("/v1/subscriptions/{id}"), &token).await;
+    let listed = h.get("/v1/subscriptions", &token).await;
+    for text in [&got.text, &listed.text] {
+        assert!(!text.contains(&secret), "a GET shows the secret: {text}");
+        assert!(!text.contains("signing_secret"), "{text}");
+    }
+    let stored = h.state.subs.get(&id).unwrap();
+    assert!(
+        !format!("{stored:?}").contains(&secret),
+        "Debug of the stored record shows the secret"
+    );
+    let bytes = crate::runtime::avro::Codec::new()
+        .unwrap()
+        .encode(RecordKind::Subscription, &*stored)
+        .unwrap();
+    assert!(
+        !contains(&bytes, &secret),
+        "the control-topic bytes hold the secret"
+    );
+    assert!(
+        !contains(&bytes, &secret["whsec_".len()..]),
+        "the control-topic bytes hold the key"
+    );
+    assert_eq!(stored.signing_secrets.len(), 1);
+    assert_eq!(
+        h.kek()
+            .open_secret(&stored.signing_secrets[0], &id)
+            .unwrap()
+            .expose(),
+        secret,
+        "the seal holds it"
+    );
+    assert!(
+        h.kek()
+            .open_secret(&stored.signing_secrets[0], "another-id")
+            .is_err(),
+        "bound to the subscription id"
+    );
+}
+
+#[tokio::test]
+async fn rotate_puts_the_new_secret_first_and_keeps_the_old_one_until_its_grace_ends() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let created = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    let (id, first) = (
+        created.body["id"].as_str().unwrap().to_string(),
+        created.body["signing_secret"].as_str().unwrap().to_string(),
+    );
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+
+    let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let second = a.body["signing_secret"].as_str().unwrap().to_string();
+    assert_ne!(second, first);
+    let default_grace_end = START_MS + 24 * 3600 * 1000;
+    assert_eq!(
+        a.body["previous_secret_expires_at"],
+        crate::subscriptions::model::rfc3339(default_grace_end)
+    );
+    assert!(!a.body["subscription"].to_string().contains("whsec_"));
+    let stored = h.state.subs.get(&id).unwrap();
+    let opened: Vec<(String, Option<i64>)> = stored
+        .signing_secrets
+        .iter()
+        .map(|s| {
+            (
+                h.kek().open_secret(s, &id).unwrap().expose().to_string(),
+                s.expires_at,
+            )
+        })
+        .collect();
+    assert_eq!(
+        opened,
+        [
+            (second.clone(), None),
+            (first.clone(), Some(default_grace_end))
+        ]
+    );
+
+    // A probe now carries both signatures, so either secret verifies it.
+    let verified = h
+        .call(
+            Method::POST,
+            &format!("/v1/subscriptions/{id}/verify"),
+            Some(&token),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(verified.status, StatusCode::OK, "{}", verified.text);
+    let (headers, _) = hook.requests().pop().unwrap();
+    assert_eq!(
+        headers["webhook-signature"]
+            .to_str()
+            .unwrap()
+            .split(' ')
+            .count(),
+        2
+    );
+
+    // Past the first grace, another rotation drops the expired secret.
+    h.clock.advance(Duration::from_secs(25 * 3600));
+    let a = h.post(&uri, &h.token("acme"), json!({"grace": "1h"})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let third = a.body["signing_secret"].as_str().unwrap().to_string();
+    let stored = h.state.subs.get(&id).unwrap();
+    let now = START_MS + 25 * 3600 * 1000;
+    let opened: Vec<(String, Option<i64>)> = stored
+        .signing_secrets
+        .iter()
+        .map(|s| {
+            (
+                h.kek().open_secret(s, &id).unwrap().expose().to_string(),
+                s.expires_at,
+            )
+        })
+        .collect();
+    assert_eq!(opened, [(third, None), (second, Some(now + 3600 * 1000))]);
+    assert_eq!(
+        stored.version, 4,
+        "create (1), probe passed (2), rotate (3), rotate (4)"
+    );
+}
+
+#[tokio::test]
+async fn rotate_refuses_a_grace_over_seven_days_and_pull_destinations() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let id = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+    for (grace, code) in [("169h", "too_long"), ("tomorrow", "invalid")] {
+        let a = h.post(&uri, &token, json!({"grace": grace})).await;
+        assert_eq!(
+            (
+                a.status,
+                a.body["error"]["field"].as_str(),
+                a.body["error"]["code"].as_str()
+            ),
+            (StatusCode::BAD_REQUEST, Some("grace"), Some(code))
+        );
+    }
+    let a = h
+        .post(&uri, &token, json!({"grace": "1h", "keep": true}))
+        .await;
+    assert_eq!(a.body["error"]["field"], "keep");
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().signing_secrets.len(),
+        1,
+        "nothing rotated"
+    );
+    let pull = h.create_pull("acme").await;
+    let a = h
+        .call(
+            Method::POST,
+            &format!("/v1/subscriptions/{pull}/rotate-secret"),
+            Some(&token),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("not_a_webhook"))
+    );
+}
+
+#[tokio::test]
+async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let mut body = webhook_body(&hook.url);
+    body["destination"]["headers"] = json!({"X-Team": "payments"});
+    body["destination"]["sensitive_headers"] = json!({"Authorization": "Bearer sk_live_topsecret"});
+    let a = h.post("/v1/subscriptions", &token, body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let id = a.body["id"].as_str().unwrap().to_string();
+    let got = h.get(&format!("/v1/subscriptions/{id}"), &token).await;
+    assert_eq!(
+        got.body["destination"]["headers"],
+        json!({"x-team": "payments"})
+    );
+    assert_eq!(
+        got.body["destination"]["sensitive_header_names"],
+        json!(["authorization"])
+    );
+    for text in [&a.text, &got.text] {
+        assert!(!text.contains("sk_live_topsecret"), "{text}");
+    }
+    let stored = h.state.subs.get(&id).unwrap();
+    assert!(!format!("{stored:?}").contains("sk_live_topsecret"));
+    let bytes = crate::runtime::avro::Codec::new()
+        .unwrap()
+        .encode(RecordKind::Subscription, &*stored)
+        .unwrap();
+    assert!(!contains(&bytes, "sk_live_topsecret"));
+    let (headers, _) = hook.requests().pop().unwrap();
+    assert_eq!(headers["authorization"], "Bearer sk_live_topsecret");
+    assert_eq!(headers["x-team"], "payments");
+
+    // Replacing the plain headers keeps the sealed ones; naming one in both is refused.
+    let patch = json!({"destination": {"type": "webhook", "headers": {"x-env": "prod"}}});
+    let p = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&token),
+            Some(patch),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        p.body["destination"]["sensitive_header_names"],
+        json!(["authorization"]),
+        "{}",
+        p.text
+    );
+    let clash = json!({"destination": {"type": "webhook", "headers": {"authorization": "x"}}});
+    let p = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&token),
+            Some(clash),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        p.body["error"]["field"],
+        "destination.sensitive_headers.authorization"
+    );
+}

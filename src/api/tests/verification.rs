@@ -1,0 +1,246 @@
+//! The verification handshake against real local HTTP endpoints: on create, on URL change and on
+//! `/verify`, including the recovery of an auto-disabled subscription.
+use axum::http::{Method, StatusCode};
+use serde_json::json;
+
+use super::{Harness, Hook, START_MS, webhook_body};
+use crate::delivery::signing::sign;
+use crate::runtime::records::VerificationState;
+use crate::runtime::secret::Secret;
+
+#[tokio::test]
+async fn webhook_that_echoes_the_challenge_is_active_when_create_returns() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let a = h
+        .post(
+            "/v1/subscriptions",
+            &h.token("acme"),
+            webhook_body(&hook.url),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "active");
+    assert_eq!(a.body["verification"], json!({"state": "active"}));
+    assert_eq!(a.body["version"], 2, "written pending (1), then active (2)");
+    let id = a.body["id"].as_str().unwrap();
+    assert_eq!(
+        h.state.subs.get(id).unwrap().verification_state,
+        VerificationState::Active
+    );
+
+    let requests = hook.requests();
+    assert_eq!(requests.len(), 1, "one probe");
+    let (headers, body) = &requests[0];
+    let probe: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(probe["type"], "streaming_hub.verification");
+    assert_eq!(headers["x-lerian-event-type"], "streaming_hub.verification");
+    // Signed with the secret the create response showed.
+    let secret = Secret::new(a.body["signing_secret"].as_str().unwrap());
+    let (msg_id, ts) = (
+        headers["webhook-id"].to_str().unwrap(),
+        headers["webhook-timestamp"].to_str().unwrap(),
+    );
+    let expected = sign(&secret, msg_id, ts.parse().unwrap(), body.as_bytes()).unwrap();
+    assert_eq!(headers["webhook-signature"].to_str().unwrap(), expected);
+}
+
+#[tokio::test]
+async fn webhook_that_does_not_echo_the_challenge_stays_pending_and_the_answer_says_why() {
+    let h = Harness::new();
+    let hook = Hook::start(false).await;
+    let a = h
+        .post(
+            "/v1/subscriptions",
+            &h.token("acme"),
+            webhook_body(&hook.url),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "pending");
+    assert_eq!(a.body["verification"]["state"], "pending");
+    assert_eq!(a.body["verification"]["error_code"], "challenge_missing");
+    assert_eq!(a.body["version"], 1);
+    assert!(
+        a.body["signing_secret"]
+            .as_str()
+            .unwrap()
+            .starts_with("whsec_"),
+        "the secret is still shown once"
+    );
+    assert_eq!(hook.requests().len(), 1);
+}
+
+#[tokio::test]
+async fn unreachable_webhook_stays_pending_with_connect_failed() {
+    let h = Harness::new();
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", closed.local_addr().unwrap());
+    drop(closed);
+    let a = h
+        .post("/v1/subscriptions", &h.token("acme"), webhook_body(&url))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(
+        (
+            a.body["verification"]["state"].as_str(),
+            a.body["verification"]["error_code"].as_str()
+        ),
+        (Some("pending"), Some("connect_failed"))
+    );
+}
+
+#[tokio::test]
+async fn verify_failure_is_422_with_the_probe_code_and_marks_the_subscription_failed() {
+    let h = Harness::new();
+    let hook = Hook::start(false).await;
+    let token = h.token("acme");
+    let id = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let a = h
+        .call(
+            Method::POST,
+            &format!("/v1/subscriptions/{id}/verify"),
+            Some(&token),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.text);
+    assert_eq!(a.body["error"]["code"], "challenge_missing");
+    assert_eq!(a.body["error"]["field"], "destination.url");
+    let stored = h.state.subs.get(&id).unwrap();
+    assert_eq!(
+        (stored.verification_state, stored.version),
+        (VerificationState::Failed, 2)
+    );
+    assert_eq!(hook.requests().len(), 2, "create probe, verify probe");
+}
+
+#[tokio::test]
+async fn verify_success_reactivates_and_reenables_an_auto_disabled_subscription() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let id = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // What auto-disable writes: enabled = false with a reason, verification untouched.
+    let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
+    (
+        rec.enabled,
+        rec.disabled_reason,
+        rec.disabled_at,
+        rec.version,
+    ) = (false, Some("failing for 120h".into()), Some(START_MS), 3);
+    h.state.subs.put(rec).await.unwrap();
+
+    hook.echo.store(false, std::sync::atomic::Ordering::SeqCst);
+    let uri = format!("/v1/subscriptions/{id}/verify");
+    let failed = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(failed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let stored = h.state.subs.get(&id).unwrap();
+    assert!(!stored.enabled, "a failed probe does not re-enable");
+    assert_eq!(stored.verification_state, VerificationState::Failed);
+
+    hook.echo.store(true, std::sync::atomic::Ordering::SeqCst);
+    let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(a.body["verification"]["state"], "active");
+    assert_eq!(
+        (
+            a.body["enabled"].as_bool(),
+            a.body["verification_state"].as_str()
+        ),
+        (Some(true), Some("active"))
+    );
+    assert_eq!(
+        (
+            a.body["disabled_reason"].clone(),
+            a.body["disabled_at"].clone()
+        ),
+        (json!(null), json!(null))
+    );
+    let stored = h.state.subs.get(&id).unwrap();
+    assert!(stored.enabled && stored.disabled_reason.is_none() && stored.disabled_at.is_none());
+    assert_eq!(stored.verification_state, VerificationState::Active);
+}
+
+#[tokio::test]
+async fn url_change_resets_verification_to_pending_and_probes_the_new_url() {
+    let h = Harness::new();
+    let good = Hook::start(true).await;
+    let silent = Hook::start(false).await;
+    let token = h.token("acme");
+    let id = h
+        .post("/v1/subscriptions", &token, webhook_body(&good.url))
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let uri = format!("/v1/subscriptions/{id}");
+    let to_silent = json!({"destination": {"type": "webhook", "url": silent.url}});
+    let a = h
+        .call(Method::PATCH, &uri, Some(&token), Some(to_silent), &[])
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "pending");
+    assert_eq!(a.body["verification"]["error_code"], "challenge_missing");
+    assert_eq!(silent.requests().len(), 1, "the new URL was probed");
+    let back = json!({"destination": {"type": "webhook", "url": good.url}});
+    let a = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(back),
+            &[("if-match", "3")],
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(
+        (
+            a.body["verification_state"].as_str(),
+            a.body["version"].as_u64()
+        ),
+        (Some("active"), Some(5))
+    );
+    let same = json!({"destination": {"type": "webhook", "url": good.url}});
+    let a = h
+        .call(Method::PATCH, &uri, Some(&token), Some(same), &[])
+        .await;
+    assert!(
+        a.body.get("verification").is_none(),
+        "an unchanged URL is not probed again"
+    );
+    assert_eq!(good.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn verify_of_a_pull_subscription_passes_without_a_probe() {
+    let h = Harness::new();
+    let id = h.create_pull("acme").await;
+    let a = h
+        .call(
+            Method::POST,
+            &format!("/v1/subscriptions/{id}/verify"),
+            Some(&h.token("acme")),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.body["verification"]["state"].as_str()),
+        (StatusCode::OK, Some("active"))
+    );
+}

@@ -1,0 +1,144 @@
+//! The verification handshake as the API runs it: on create, on a URL change and on
+//! `POST /v1/subscriptions/{id}/verify` (the probe itself is [`crate::delivery::verify::probe`]).
+//!
+//! State changes, one place ([`probe_and_record`]):
+//! - create / URL change ([`Probe::OnChange`]): the subscription was written `pending`; a pass
+//!   writes `active`, a failure leaves it `pending` (the answer says why);
+//! - `/verify` ([`Probe::Requested`]): a pass writes `active` AND `enabled = true` and clears
+//!   `disabled_reason`/`disabled_at` (how an auto-disabled subscription comes back); a failure
+//!   writes `failed` and the answer is `422` with the probe's code.
+//!
+//! The probe runs without the write lock. Its result is written onto the subscription as it is
+//! after the probe, and only if the destination is still the one probed; a result about a URL
+//! that has been replaced (or a deleted subscription) is reported, never written.
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+
+use super::ApiState;
+use super::auth::Caller;
+use super::errors::{ApiError, ErrorBody};
+use super::extract::SubscriptionQuery;
+use super::responses::{CheckedSubscription, VerificationOutcome};
+use super::secrets::{open_secrets, open_sensitive};
+use super::subscriptions::{load, view_of};
+use crate::delivery::verify::{VerifyError, probe};
+use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
+
+/// Why a probe runs, which decides what a result changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    OnChange,
+    Requested,
+}
+
+/// Sends the probe to `rec`'s destination (pull destinations pass without one).
+async fn run(
+    state: &ApiState,
+    rec: &SubscriptionRecord,
+) -> Result<Result<(), VerifyError>, ApiError> {
+    if rec.destination.kind == DestinationType::Pull {
+        return Ok(Ok(()));
+    }
+    let secrets = open_secrets(state, rec, state.clock.now_ms())?;
+    let mut headers = rec.destination.headers.clone();
+    headers.extend(open_sensitive(state, rec)?);
+    let url = rec.destination.url.as_deref().unwrap_or_default();
+    let sinks = state.sinks;
+    Ok(probe(
+        &state.http,
+        url,
+        &headers,
+        &secrets,
+        sinks.allow_private,
+        sinks.allow_insecure,
+    )
+    .await)
+}
+
+/// Probes `rec` and records the outcome (see the module doc). Returns the subscription as it now
+/// is and the outcome; the probe's error, if any, is in the outcome.
+pub async fn probe_and_record(
+    state: &ApiState,
+    rec: SubscriptionRecord,
+    why: Probe,
+) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
+    let result = run(state, &rec).await?;
+    if let Err(e) = &result {
+        tracing::info!(subscription_id = %rec.id, code = e.code(), error = %e, "verification probe failed");
+    }
+    let _guard = state.writes.lock().await;
+    let latest = match state.subs.get(&rec.id) {
+        Some(latest) if latest.destination == rec.destination => latest,
+        other => {
+            let now = other.map(|s| (*s).clone()).unwrap_or(rec);
+            return Ok((now.clone(), outcome(now.verification_state, &result)));
+        }
+    };
+    let mut next = (*latest).clone();
+    match (&result, why) {
+        (Ok(()), Probe::OnChange) => next.verification_state = VerificationState::Active,
+        (Ok(()), Probe::Requested) => {
+            next.verification_state = VerificationState::Active;
+            next.enabled = true;
+            next.disabled_reason = None;
+            next.disabled_at = None;
+        }
+        (Err(_), Probe::OnChange) => {}
+        (Err(_), Probe::Requested) => next.verification_state = VerificationState::Failed,
+    }
+    if next != *latest {
+        next.version = latest.version + 1;
+        next.updated_at = state.clock.now_ms();
+        state.subs.put(next.clone()).await?;
+    }
+    let state_now = next.verification_state;
+    Ok((next, outcome(state_now, &result)))
+}
+
+fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> VerificationOutcome {
+    match result {
+        Ok(()) => VerificationOutcome {
+            state: state.into(),
+            error_code: None,
+            message: None,
+        },
+        Err(e) => VerificationOutcome {
+            state: state.into(),
+            error_code: Some(e.code().to_string()),
+            message: Some(e.to_string()),
+        },
+    }
+}
+
+#[utoipa::path(post, path = "/v1/subscriptions/{id}/verify", tag = "subscriptions",
+    params(("id" = String, Path, description = "Subscription id"), SubscriptionQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Probe passed: `active` and `enabled` (re-enables an auto-disabled subscription)",
+            body = CheckedSubscription),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
+            `timeout`, `redirect`, …); the subscription is now `failed`", body = ErrorBody)))]
+pub async fn verify(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<SubscriptionQuery>,
+) -> Result<Json<CheckedSubscription>, ApiError> {
+    let current = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
+    let (rec, outcome) = probe_and_record(&state, (*current).clone(), Probe::Requested).await?;
+    if let Some(code) = &outcome.error_code {
+        let message = outcome.message.clone().unwrap_or_default();
+        return Err(
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+                .with_field("destination.url"),
+        );
+    }
+    tracing::info!(subscription_id = %rec.id, "subscription verified");
+    Ok(Json(CheckedSubscription {
+        subscription: view_of(&state, &rec),
+        verification: Some(outcome),
+    }))
+}

@@ -1,0 +1,164 @@
+//! The outgoing HTTP client shared by every delivery attempt and verification probe.
+//!
+//! One [`reqwest::Client`] per process (it is a handle over a connection pool; clone it freely).
+//! Its settings are the delivery contract of DESIGN.md §4 and issue 6 item 4:
+//! - DNS through [`GuardedResolver`], which drops private, loopback and link-local addresses unless
+//!   `allow_private_sinks` (the connect-time SSRF check); IP-literal hosts skip any resolver, so
+//!   requests are started only through [`post`], which runs [`check_url`] first;
+//! - redirects never followed (a 3xx comes back as the response and counts as a failure);
+//! - system proxy variables ignored (`no_proxy`);
+//! - `http_timeout` covers the whole exchange, connect to the last body byte;
+//! - HTTP/1.1 only, keep-alive connections pooled per host ([`POOL_MAX_IDLE_PER_HOST`] idle, closed
+//!   after [`POOL_IDLE_TIMEOUT`]);
+//! - `User-Agent: streaming-hub/<version>`.
+//!
+//! Response bodies are read with [`read_capped`], never whole. Transport errors are classified by
+//! [`classify`] into [`TransportError`]; its messages never carry the URL (a query may hold a token).
+use std::error::Error as _;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use reqwest::redirect::Policy;
+
+use super::ssrf::{GuardedResolver, ResolveError, UrlError, check_url};
+use crate::config::Config;
+
+pub const USER_AGENT: &str = concat!("streaming-hub/", env!("CARGO_PKG_VERSION"));
+/// Idle keep-alive connections kept per destination host.
+pub const POOL_MAX_IDLE_PER_HOST: usize = 32;
+/// How long an idle pooled connection is kept.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// TCP keep-alive probes on pooled connections, so dead peers are noticed.
+pub const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+/// The usual cap on a response body kept for an attempt record or a probe.
+pub const DEFAULT_BODY_CAP: usize = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("building the HTTP client failed: {0}")]
+    Build(String),
+}
+
+/// Why a request got no HTTP response (or lost its body half-way).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// The SSRF guard left no address to connect to.
+    #[error("the destination resolves only to private, loopback or link-local addresses")]
+    Forbidden,
+    #[error("the destination did not answer within the timeout")]
+    Timeout,
+    #[error("could not reach the destination: {0}")]
+    Connect(String),
+}
+
+/// The process's outgoing client, configured as described in the module doc.
+pub fn build_client(config: &Config) -> Result<reqwest::Client, ClientError> {
+    if config.allow_private_sinks {
+        tracing::warn!(
+            "STREAMING_HUB_ALLOW_PRIVATE_SINKS=true: webhooks may reach private, loopback and \
+             link-local addresses (SSRF guard off)"
+        );
+    }
+    if config.allow_insecure_sinks {
+        tracing::warn!("STREAMING_HUB_ALLOW_INSECURE_SINKS=true: webhooks may use plain http://");
+    }
+    reqwest::Client::builder()
+        .dns_resolver(GuardedResolver::new(config.allow_private_sinks))
+        .redirect(Policy::none())
+        .no_proxy()
+        .timeout(config.http_timeout)
+        .connect_timeout(config.http_timeout)
+        .http1_only()
+        .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .tcp_keepalive(TCP_KEEPALIVE)
+        .user_agent(USER_AGENT)
+        .build()
+        .map_err(|e| ClientError::Build(describe(&e.without_url())))
+}
+
+/// A POST to a checked URL: the only way delivery code starts a request, so IP literals (which
+/// the resolver never sees) are checked too.
+pub fn post(
+    client: &reqwest::Client,
+    url: &str,
+    allow_private: bool,
+    allow_insecure: bool,
+) -> Result<reqwest::RequestBuilder, UrlError> {
+    let url = check_url(url, allow_private, allow_insecure)?;
+    Ok(client.post(url))
+}
+
+/// Reads at most `cap` bytes of a response body; `true` when the body was longer (the rest is
+/// not read and the connection is dropped rather than drained).
+///
+/// Returns an error when the body fails before the cap or its end (for example the timeout).
+pub async fn read_capped(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> Result<(Bytes, bool), TransportError> {
+    let hint = resp.content_length().unwrap_or(0).min(cap as u64) as usize;
+    let mut buf = BytesMut::with_capacity(hint);
+    while let Some(chunk) = resp.chunk().await.map_err(classify)? {
+        let room = cap - buf.len();
+        if chunk.len() > room {
+            buf.extend_from_slice(&chunk[..room]);
+            return Ok((buf.freeze(), true));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok((buf.freeze(), false))
+}
+
+/// Sorts a reqwest error into what the caller acts on. The SSRF refusal is found by type in the
+/// error's source chain, never by message text.
+pub fn classify(err: reqwest::Error) -> TransportError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
+    while let Some(e) = source {
+        if let Some(ResolveError::Forbidden { .. }) = e.downcast_ref::<ResolveError>() {
+            return TransportError::Forbidden;
+        }
+        source = e.source();
+    }
+    if err.is_timeout() {
+        return TransportError::Timeout;
+    }
+    TransportError::Connect(describe(&err.without_url()))
+}
+
+/// An error and its causes, `: `-separated (reqwest's own message says only "error sending
+/// request").
+fn describe(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        let part = e.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_builds_from_the_default_config() {
+        let config = Config::from_vars(Vec::<(String, String)>::new()).unwrap();
+        build_client(&config).unwrap();
+        assert!(USER_AGENT.starts_with("streaming-hub/"));
+    }
+
+    #[test]
+    fn post_refuses_a_private_literal_before_any_request() {
+        let config = Config::from_vars(Vec::<(String, String)>::new()).unwrap();
+        let client = build_client(&config).unwrap();
+        let e = post(&client, "https://10.1.2.3/hook", false, false).unwrap_err();
+        assert_eq!(e, UrlError::PrivateAddress("10.1.2.3".into()));
+        assert!(post(&client, "https://10.1.2.3/hook", true, false).is_ok());
+    }
+}

@@ -1,0 +1,86 @@
+//! The hub task's hand-off to subscriptions: each accepted event is matched against the
+//! subscription table (catalog-free, see `subscriptions::table`) inside the batch transaction.
+//!
+//! Matching reads only headers ingest already validated (`ce-source`, `ce-resourcetype`,
+//! `ce-eventtype`, `ce-schemaversion`); the payload is never parsed. What happens to a match —
+//! a delivery job or a pull record — is the dispatch stage's; until it lands, matches are counted.
+use rdkafka::message::{Headers, Message};
+
+use crate::hub::task::{EventHandler, HubError, Outputs, SequencedEvent};
+use crate::ingest::classify::schema_major;
+use crate::runtime::telemetry::Matched;
+use crate::subscriptions::table::{EventRef, SharedTable, Sub};
+
+pub struct MatchHandler {
+    table: SharedTable,
+}
+
+impl MatchHandler {
+    pub fn new(table: SharedTable) -> MatchHandler {
+        MatchHandler { table }
+    }
+}
+
+/// The matching attributes of an inbox record.
+pub struct Attributes<'a> {
+    pub source: &'a str,
+    pub resource: &'a str,
+    pub event: &'a str,
+    pub schema_major: u32,
+}
+
+pub fn attributes<'a>(record: &'a rdkafka::message::BorrowedMessage<'a>) -> Option<Attributes<'a>> {
+    let headers = record.headers()?;
+    let (mut source, mut resource, mut event, mut major) = (None, None, None, None);
+    for h in headers.iter() {
+        let value = || h.value.and_then(|v| std::str::from_utf8(v).ok());
+        match h.key {
+            "ce-source" => source = value(),
+            "ce-resourcetype" => resource = value(),
+            "ce-eventtype" => event = value(),
+            "ce-schemaversion" => major = value().and_then(schema_major),
+            _ => {}
+        }
+    }
+    Some(Attributes {
+        source: source?,
+        resource: resource?,
+        event: event?,
+        schema_major: major?,
+    })
+}
+
+/// The subscriptions an inbox record goes to.
+pub fn matches_for(
+    table: &SharedTable,
+    tenant: &str,
+    record: &rdkafka::message::BorrowedMessage<'_>,
+) -> Vec<Sub> {
+    let Some(a) = attributes(record) else {
+        return Vec::new();
+    };
+    table.read().matches(&EventRef {
+        tenant,
+        source: a.source,
+        resource: a.resource,
+        event: a.event,
+        schema_major: a.schema_major,
+    })
+}
+
+impl EventHandler for MatchHandler {
+    fn on_event(
+        &mut self,
+        event: &SequencedEvent<'_>,
+        _out: &mut Outputs<'_>,
+    ) -> Result<(), HubError> {
+        let subs = matches_for(&self.table, event.tenant, event.record);
+        Matched {
+            ce_id: event.ce_id,
+            tenant: event.tenant,
+            subscriptions: subs.len(),
+        }
+        .emit();
+        Ok(())
+    }
+}

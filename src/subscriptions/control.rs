@@ -1,0 +1,264 @@
+//! The control topic `<prefix>.subscriptions` (compacted; key = subscription id, value = Avro
+//! subscription record, tombstone = deleted) and the two things done with it:
+//!
+//! - [`follow`]: every instance reads it whole at start-up into its [`SharedTable`] (the table is
+//!   "caught up" only then) and keeps following it live. A record that does not decode is logged
+//!   and skipped; it never stops the reader.
+//! - [`Subscriptions`]: the API's and CLI's handle. A write produces to the topic and returns once
+//!   this instance's table shows it (read-your-writes). Any other producer may write the topic too.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::Config;
+use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::records::SubscriptionRecord;
+use crate::subscriptions::table::{SharedTable, Sub};
+
+/// How long a write waits to see itself in the table before it reports a timeout.
+const READ_YOUR_WRITES: Duration = Duration::from_secs(15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RepoError {
+    #[error("writing the control topic failed: {0}")]
+    Write(String),
+    #[error("the write was not seen back within {0:?}")]
+    NotSeen(Duration),
+    #[error("encoding: {0}")]
+    Codec(String),
+}
+
+impl RepoError {
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, RepoError::Codec(_))
+    }
+}
+
+pub fn topic(config: &Config) -> String {
+    format!("{}.subscriptions", config.topic_prefix)
+}
+
+/// Reads the control topic into `table` until `stop`; blocking (run it on its own thread).
+pub fn follow(
+    config: &Config,
+    codec: Arc<Codec>,
+    table: SharedTable,
+    stop: Arc<AtomicBool>,
+) -> Result<(), KafkaError> {
+    let topic = topic(config);
+    let consumer: BaseConsumer = kafka::base(config)
+        .set("group.id", format!("{}.control", config.group_id))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "false")
+        .set("fetch.wait.max.ms", "50")
+        .create()
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
+    let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(30))?;
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for p in md
+        .topics()
+        .first()
+        .map(|t| t.partitions())
+        .unwrap_or_default()
+    {
+        tpl.add_partition_offset(&topic, p.id(), Offset::Beginning)?;
+        let (_, high) = consumer.fetch_watermarks(&topic, p.id(), Duration::from_secs(30))?;
+        ends.push((p.id(), high));
+    }
+    consumer.assign(&tpl)?;
+    let mut caught_up = false;
+    let mut idle = 0u32;
+    while !stop.load(Ordering::Relaxed) {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                idle = 0;
+                let Some(id) = m.key().and_then(|k| std::str::from_utf8(k).ok()) else {
+                    tracing::warn!(
+                        offset = m.offset(),
+                        "control record without a valid key skipped"
+                    );
+                    continue;
+                };
+                match m.payload() {
+                    None => {
+                        table.apply(|t| {
+                            t.remove(id);
+                        });
+                        tracing::info!(subscription_id = id, "subscription deleted");
+                    }
+                    Some(bytes) => {
+                        match codec.decode::<SubscriptionRecord>(RecordKind::Subscription, bytes) {
+                            Ok(rec) if rec.id == id => {
+                                tracing::debug!(
+                                    subscription_id = id,
+                                    version = rec.version,
+                                    "subscription updated"
+                                );
+                                table.apply(|t| t.upsert(rec));
+                            }
+                            Ok(_) => tracing::warn!(
+                                subscription_id = id,
+                                offset = m.offset(),
+                                "control record whose key and id differ skipped"
+                            ),
+                            Err(e) => {
+                                tracing::warn!(subscription_id = id, offset = m.offset(), error = %e, "undecodable control record skipped")
+                            }
+                        }
+                    }
+                }
+            }
+            Some(Err(e)) => tracing::warn!(error = %e, "control topic read error"),
+            None => idle += 1,
+        }
+        if !caught_up {
+            let pos = consumer.position()?;
+            let done = ends.iter().all(|(p, high)| {
+                *high == 0
+                    || matches!(pos.find_partition(&topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *high)
+            });
+            // Markers of aborted or committed transactions may leave the position short of the
+            // end; an idle second there means nothing committed is left.
+            if done || idle >= 10 {
+                caught_up = true;
+                table.set_caught_up();
+                tracing::info!(
+                    subscriptions = table.read().len(),
+                    "subscription table caught up"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The subscriptions as the API and CLI see them.
+#[derive(Clone)]
+pub struct Subscriptions {
+    table: SharedTable,
+    codec: Arc<Codec>,
+    writer: Writer,
+}
+
+#[derive(Clone)]
+enum Writer {
+    /// Writes go straight to the table (router tests; no broker).
+    Memory,
+    Kafka {
+        producer: FutureProducer,
+        topic: String,
+    },
+}
+
+impl Subscriptions {
+    pub fn kafka(
+        config: &Config,
+        codec: Arc<Codec>,
+        table: SharedTable,
+    ) -> Result<Subscriptions, KafkaError> {
+        let producer: FutureProducer = kafka::base(config)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "0")
+            .create()
+            .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        Ok(Subscriptions {
+            table,
+            codec,
+            writer: Writer::Kafka {
+                producer,
+                topic: topic(config),
+            },
+        })
+    }
+
+    /// A table without a broker behind it: for the API's router tests.
+    pub fn in_memory(codec: Arc<Codec>) -> Subscriptions {
+        let table = SharedTable::default();
+        table.set_caught_up();
+        Subscriptions {
+            table,
+            codec,
+            writer: Writer::Memory,
+        }
+    }
+
+    pub fn table(&self) -> &SharedTable {
+        &self.table
+    }
+
+    pub fn get(&self, id: &str) -> Option<Sub> {
+        self.table.read().get(id)
+    }
+
+    pub fn list(&self, tenant: &str) -> Vec<Sub> {
+        self.table.read().list(tenant)
+    }
+
+    /// Writes a subscription (create or update) and returns once the table shows this version.
+    pub async fn put(&self, rec: SubscriptionRecord) -> Result<(), RepoError> {
+        let bytes = self
+            .codec
+            .encode(RecordKind::Subscription, &rec)
+            .map_err(|e| RepoError::Codec(e.to_string()))?;
+        let (id, version) = (rec.id.clone(), rec.version);
+        match &self.writer {
+            Writer::Memory => self.table.apply(|t| t.upsert(rec)),
+            Writer::Kafka { producer, topic } => {
+                producer
+                    .send(
+                        FutureRecord::to(topic).key(&id).payload(&bytes),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
+            }
+        }
+        let seen = self
+            .table
+            .wait_for(READ_YOUR_WRITES, |t| {
+                t.get(&id).is_some_and(|s| s.version >= version)
+            })
+            .await;
+        if seen {
+            Ok(())
+        } else {
+            Err(RepoError::NotSeen(READ_YOUR_WRITES))
+        }
+    }
+
+    /// Deletes a subscription (a tombstone) and returns once the table no longer has it.
+    pub async fn delete(&self, id: &str) -> Result<(), RepoError> {
+        match &self.writer {
+            Writer::Memory => self.table.apply(|t| {
+                t.remove(id);
+            }),
+            Writer::Kafka { producer, topic } => {
+                producer
+                    .send(
+                        FutureRecord::<str, [u8]>::to(topic).key(id),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
+            }
+        }
+        if self
+            .table
+            .wait_for(READ_YOUR_WRITES, |t| t.get(id).is_none())
+            .await
+        {
+            Ok(())
+        } else {
+            Err(RepoError::NotSeen(READ_YOUR_WRITES))
+        }
+    }
+}

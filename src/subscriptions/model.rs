@@ -1,0 +1,713 @@
+//! The API's JSON shapes of a subscription and the rules an input must pass before it becomes a
+//! [`SubscriptionRecord`].
+//!
+//! Requests ([`CreateSubscription`], [`PatchSubscription`]) are snake_case and refuse unknown
+//! fields. The response shape ([`SubscriptionView`]) is the record minus its secrets: signing
+//! secrets never appear, sensitive headers only by name, times as RFC 3339 UTC, the retry schedule
+//! as humantime strings (`"5s"`, `"10m"`). Every rule failure is a [`FieldError`] naming the input
+//! by path (`destination.url`, `event_types[1]`, `destination.headers.x-api-key`); header names
+//! are stored lower case. A webhook URL is checked by [`crate::delivery::ssrf::check_url`] and,
+//! when it names a host, that host is resolved: a name whose every address is private is refused
+//! here already (the delivery client re-checks each address at connect time anyway).
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use utoipa::ToSchema;
+
+use crate::delivery::ssrf::{GuardedResolver, ResolveError, check_url};
+use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
+
+const MAX_EVENT_TYPES: usize = 100;
+const MAX_KEY_BYTES: usize = 255;
+const MAX_RETRY_STEPS: usize = 12;
+const MAX_RETRY_STEP: Duration = Duration::from_secs(10 * 3600);
+const MAX_HEADERS: usize = 32;
+const MAX_HEADER_VALUE_BYTES: usize = 4096;
+const MAX_URL_BYTES: usize = 2048;
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Headers the hub sets itself or that belong to the connection, never a subscriber's.
+const RESERVED_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "content-type",
+    "traceparent",
+    "tracestate",
+];
+const RESERVED_PREFIXES: &[&str] = &["webhook-", "x-lerian-", "ce-"];
+
+/// One input that breaks a rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: String,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(
+        field: impl Into<String>,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> FieldError {
+        FieldError {
+            field: field.into(),
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// What the deployment allows as a webhook URL (`STREAMING_HUB_ALLOW_*_SINKS`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SinkPolicy {
+    pub allow_private: bool,
+    pub allow_insecure: bool,
+}
+
+/// `POST /v1/subscriptions`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSubscription {
+    /// Admin tokens only: the tenant the subscription belongs to.
+    #[serde(default)]
+    pub tenant_id: Option<String>,
+    /// Pin to one producer (`ce-source`), e.g. `ledger`.
+    #[serde(default)]
+    pub origin: Option<String>,
+    /// `<resource>.<event>`, `<resource>.*` or `*`; 1 to 100 keys.
+    #[schema(example = json!(["transaction.created", "account.*"]))]
+    pub event_types: Vec<String>,
+    /// Only events whose `ce-schemaversion` has this major.
+    #[serde(default)]
+    pub schema_major: Option<u32>,
+    pub destination: DestinationSpec,
+    /// Delays before attempt 2, 3, …: at most 12, each at most 10h. Default: the hub's curve.
+    #[serde(default)]
+    #[schema(example = json!(["5s", "5m", "30m"]))]
+    pub retry_schedule: Option<Vec<String>>,
+    /// Default `true`.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+}
+
+/// Where deliveries go.
+#[derive(Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DestinationSpec {
+    /// Signed HTTPS POSTs to `url`.
+    Webhook {
+        url: String,
+        /// Extra request headers, stored and shown as they are.
+        #[serde(default)]
+        headers: BTreeMap<String, String>,
+        /// Extra request headers holding credentials: stored encrypted, shown by name only.
+        #[serde(default)]
+        sensitive_headers: BTreeMap<String, String>,
+    },
+    /// Events are kept in the pull queue and read over HTTP.
+    Pull {},
+}
+
+impl std::fmt::Debug for DestinationSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DestinationSpec::Webhook {
+                url,
+                headers,
+                sensitive_headers,
+            } => f
+                .debug_struct("Webhook")
+                .field("url", url)
+                .field("headers", headers)
+                .field(
+                    "sensitive_headers",
+                    &sensitive_headers.keys().collect::<Vec<_>>(),
+                )
+                .finish(),
+            DestinationSpec::Pull {} => f.write_str("Pull"),
+        }
+    }
+}
+
+/// `PATCH /v1/subscriptions/{id}`: absent fields stay; `null` clears `origin`, `schema_major` and
+/// `retry_schedule`. The destination type cannot change; within a webhook, absent `url`,
+/// `headers` or `sensitive_headers` stay and a given map replaces the stored one whole.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PatchSubscription {
+    #[serde(default, deserialize_with = "nullable")]
+    #[schema(value_type = Option<String>, nullable)]
+    pub origin: Option<Option<String>>,
+    #[serde(default)]
+    pub event_types: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "nullable")]
+    #[schema(value_type = Option<u32>, nullable)]
+    pub schema_major: Option<Option<u32>>,
+    #[serde(default)]
+    pub destination: Option<DestinationPatch>,
+    #[serde(default, deserialize_with = "nullable")]
+    #[schema(value_type = Option<Vec<String>>, nullable)]
+    pub retry_schedule: Option<Option<Vec<String>>>,
+    #[serde(default)]
+    pub enabled: Option<bool>,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DestinationPatch {
+    Webhook {
+        #[serde(default)]
+        url: Option<String>,
+        #[serde(default)]
+        headers: Option<BTreeMap<String, String>>,
+        #[serde(default)]
+        sensitive_headers: Option<BTreeMap<String, String>>,
+    },
+    Pull {},
+}
+
+impl std::fmt::Debug for DestinationPatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DestinationPatch::Webhook {
+                url,
+                headers,
+                sensitive_headers,
+            } => f
+                .debug_struct("Webhook")
+                .field("url", url)
+                .field("headers", headers)
+                .field(
+                    "sensitive_headers",
+                    &sensitive_headers
+                        .as_ref()
+                        .map(|h| h.keys().collect::<Vec<_>>()),
+                )
+                .finish(),
+            DestinationPatch::Pull {} => f.write_str("Pull"),
+        }
+    }
+}
+
+/// `Some(None)` for an explicit `null`, `None` (via `default`) for an absent field.
+fn nullable<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// A subscription as the API shows it: the record without its secrets.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct SubscriptionView {
+    /// UUIDv7, assigned by the hub.
+    pub id: String,
+    pub tenant_id: String,
+    pub origin: Option<String>,
+    pub event_types: Vec<String>,
+    pub schema_major: Option<u32>,
+    pub destination: DestinationView,
+    /// `false` after auto-disable or by request; deliveries stop.
+    pub enabled: bool,
+    pub verification_state: VerificationStateView,
+    pub retry_schedule: Option<Vec<String>>,
+    pub disabled_reason: Option<String>,
+    /// RFC 3339.
+    pub disabled_at: Option<String>,
+    pub created_at: String,
+    pub updated_at: String,
+    /// Increments on every change; send it as `If-Match` to update safely.
+    pub version: u64,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum DestinationView {
+    Webhook {
+        url: String,
+        headers: BTreeMap<String, String>,
+        sensitive_header_names: Vec<String>,
+    },
+    Pull {},
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VerificationStateView {
+    Pending,
+    Active,
+    Failed,
+}
+
+impl From<VerificationState> for VerificationStateView {
+    fn from(s: VerificationState) -> Self {
+        match s {
+            VerificationState::Pending => VerificationStateView::Pending,
+            VerificationState::Active => VerificationStateView::Active,
+            VerificationState::Failed => VerificationStateView::Failed,
+        }
+    }
+}
+
+/// Milliseconds since the epoch as RFC 3339 UTC with milliseconds.
+pub fn rfc3339(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+impl SubscriptionView {
+    /// The view of `rec`; `sensitive_header_names` come from opening its sealed headers.
+    pub fn of(rec: &SubscriptionRecord, sensitive_header_names: Vec<String>) -> SubscriptionView {
+        let destination = match rec.destination.kind {
+            DestinationType::Webhook => DestinationView::Webhook {
+                url: rec.destination.url.clone().unwrap_or_default(),
+                headers: rec.destination.headers.clone(),
+                sensitive_header_names,
+            },
+            DestinationType::Pull => DestinationView::Pull {},
+        };
+        SubscriptionView {
+            id: rec.id.clone(),
+            tenant_id: rec.tenant_id.clone(),
+            origin: rec.origin.clone(),
+            event_types: rec.event_types.clone(),
+            schema_major: rec.schema_major,
+            destination,
+            enabled: rec.enabled,
+            verification_state: rec.verification_state.into(),
+            retry_schedule: rec.retry_schedule.as_ref().map(|steps| {
+                steps
+                    .iter()
+                    .map(|ms| humantime::format_duration(Duration::from_millis(*ms)).to_string())
+                    .collect()
+            }),
+            disabled_reason: rec.disabled_reason.clone(),
+            disabled_at: rec.disabled_at.map(rfc3339),
+            created_at: rfc3339(rec.created_at),
+            updated_at: rfc3339(rec.updated_at),
+            version: rec.version,
+        }
+    }
+}
+
+fn is_segment(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// `ce-source` syntax: `^[a-z0-9][a-z0-9_-]*$`.
+pub fn validate_origin(origin: &str) -> Result<(), FieldError> {
+    let ok = origin.len() <= MAX_KEY_BYTES
+        && origin
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && is_segment(origin);
+    if ok {
+        Ok(())
+    } else {
+        Err(FieldError::new(
+            "origin",
+            "invalid",
+            "origin must match ^[a-z0-9][a-z0-9_-]*$",
+        ))
+    }
+}
+
+/// 1 to 100 keys, each `<resource>.<event>`, `<resource>.*` or `*`; repeated keys are dropped.
+pub fn validate_event_types(keys: &[String]) -> Result<Vec<String>, FieldError> {
+    if keys.is_empty() {
+        return Err(FieldError::new(
+            "event_types",
+            "required",
+            "at least one event type is required",
+        ));
+    }
+    if keys.len() > MAX_EVENT_TYPES {
+        return Err(FieldError::new(
+            "event_types",
+            "too_many",
+            "at most 100 event types",
+        ));
+    }
+    let mut out: Vec<String> = Vec::with_capacity(keys.len());
+    for (i, key) in keys.iter().enumerate() {
+        let ok = key.len() <= MAX_KEY_BYTES
+            && (key == "*"
+                || key
+                    .split_once('.')
+                    .is_some_and(|(r, e)| is_segment(r) && (e == "*" || is_segment(e))));
+        if !ok {
+            return Err(FieldError::new(
+                format!("event_types[{i}]"),
+                "invalid",
+                "expected <resource>.<event>, <resource>.* or * (segments of a-z, 0-9, _ and -)",
+            ));
+        }
+        if !out.contains(key) {
+            out.push(key.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// At most 12 humantime durations, each at most 10h, as milliseconds.
+pub fn parse_retry_schedule(steps: &[String]) -> Result<Vec<u64>, FieldError> {
+    if steps.len() > MAX_RETRY_STEPS {
+        return Err(FieldError::new(
+            "retry_schedule",
+            "too_many",
+            "at most 12 retry steps",
+        ));
+    }
+    let mut out = Vec::with_capacity(steps.len());
+    for (i, step) in steps.iter().enumerate() {
+        let field = format!("retry_schedule[{i}]");
+        let d = humantime::parse_duration(step.trim()).map_err(|_| {
+            FieldError::new(
+                &field,
+                "invalid",
+                "expected a duration such as 5s, 10m or 2h",
+            )
+        })?;
+        if d > MAX_RETRY_STEP {
+            return Err(FieldError::new(
+                field,
+                "too_long",
+                "a retry step is at most 10h",
+            ));
+        }
+        out.push(d.as_millis() as u64);
+    }
+    Ok(out)
+}
+
+fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Checks one header map (`which` is `headers` or `sensitive_headers`); names come back lower case.
+pub fn validate_header_map(
+    which: &str,
+    map: &BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>, FieldError> {
+    let mut out = BTreeMap::new();
+    for (name, value) in map {
+        let lower = name.to_ascii_lowercase();
+        let field = format!("destination.{which}.{name}");
+        if !is_token(name) {
+            return Err(FieldError::new(
+                field,
+                "invalid",
+                "a header name is an HTTP token of at most 128 bytes",
+            ));
+        }
+        if RESERVED_HEADERS.contains(&lower.as_str())
+            || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
+        {
+            return Err(FieldError::new(
+                field,
+                "reserved",
+                "this header is set by the hub or the connection",
+            ));
+        }
+        if value.contains(['\r', '\n'])
+            || value.len() > MAX_HEADER_VALUE_BYTES
+            || axum::http::HeaderValue::from_str(value).is_err()
+        {
+            return Err(FieldError::new(
+                field,
+                "invalid",
+                "a header value is printable, at most 4096 bytes, without CR or LF",
+            ));
+        }
+        if out.insert(lower, value.clone()).is_some() {
+            return Err(FieldError::new(
+                field,
+                "duplicate",
+                "header names are case-insensitive; this one is repeated",
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// The final header sets of a webhook: not too many, no name in both.
+pub fn validate_header_sets(
+    plain: &BTreeMap<String, String>,
+    sensitive: &BTreeMap<String, String>,
+) -> Result<(), FieldError> {
+    if plain.len() + sensitive.len() > MAX_HEADERS {
+        return Err(FieldError::new(
+            "destination.headers",
+            "too_many",
+            "at most 32 custom headers",
+        ));
+    }
+    match sensitive.keys().find(|k| plain.contains_key(*k)) {
+        Some(k) => Err(FieldError::new(
+            format!("destination.sensitive_headers.{k}"),
+            "duplicate",
+            "also in headers",
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks a webhook URL against the policy and resolves its host; returns the normalised URL.
+pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, FieldError> {
+    let field = "destination.url";
+    if url.len() > MAX_URL_BYTES {
+        return Err(FieldError::new(
+            field,
+            "too_long",
+            "a URL is at most 2048 bytes",
+        ));
+    }
+    let parsed = check_url(url, policy.allow_private, policy.allow_insecure)
+        .map_err(|e| FieldError::new(field, e.code(), e.to_string()))?;
+    if let Some(host) = parsed.domain() {
+        let resolver = GuardedResolver::new(policy.allow_private);
+        match tokio::time::timeout(RESOLVE_TIMEOUT, resolver.lookup(host)).await {
+            Ok(Err(e @ ResolveError::Forbidden { .. })) => {
+                return Err(FieldError::new(field, "url_private_address", e.to_string()));
+            }
+            // A name that does not resolve now may later; the verification probe reports it.
+            Ok(Err(ResolveError::Lookup { .. })) | Err(_) | Ok(Ok(_)) => {}
+        }
+    }
+    Ok(parsed.to_string())
+}
+
+/// A webhook or pull destination that passed every rule.
+#[derive(Clone, PartialEq, Eq)]
+pub enum ValidDestination {
+    Webhook {
+        url: String,
+        headers: BTreeMap<String, String>,
+        sensitive_headers: BTreeMap<String, String>,
+    },
+    Pull,
+}
+
+/// A [`CreateSubscription`] that passed every rule (the tenant is the handler's to resolve).
+pub struct ValidCreate {
+    pub tenant_id: Option<String>,
+    pub origin: Option<String>,
+    pub event_types: Vec<String>,
+    pub schema_major: Option<u32>,
+    pub destination: ValidDestination,
+    pub retry_schedule: Option<Vec<u64>>,
+    pub enabled: bool,
+}
+
+impl CreateSubscription {
+    pub async fn validate(self, policy: SinkPolicy) -> Result<ValidCreate, FieldError> {
+        if let Some(o) = &self.origin {
+            validate_origin(o)?;
+        }
+        let event_types = validate_event_types(&self.event_types)?;
+        let retry_schedule = self
+            .retry_schedule
+            .as_deref()
+            .map(parse_retry_schedule)
+            .transpose()?;
+        let destination = match self.destination {
+            DestinationSpec::Pull {} => ValidDestination::Pull,
+            DestinationSpec::Webhook {
+                url,
+                headers,
+                sensitive_headers,
+            } => {
+                let headers = validate_header_map("headers", &headers)?;
+                let sensitive_headers =
+                    validate_header_map("sensitive_headers", &sensitive_headers)?;
+                validate_header_sets(&headers, &sensitive_headers)?;
+                ValidDestination::Webhook {
+                    url: check_webhook_url(&url, policy).await?,
+                    headers,
+                    sensitive_headers,
+                }
+            }
+        };
+        Ok(ValidCreate {
+            tenant_id: self.tenant_id,
+            origin: self.origin,
+            event_types,
+            schema_major: self.schema_major,
+            destination,
+            retry_schedule,
+            enabled: self.enabled.unwrap_or(true),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn event_type_keys_accept_exact_resource_wildcard_and_catch_all() {
+        let ok = validate_event_types(&strings(&[
+            "loan_application.approved",
+            "account.*",
+            "*",
+            "a-b.c_d",
+            "*",
+        ]))
+        .unwrap();
+        assert_eq!(
+            ok,
+            strings(&["loan_application.approved", "account.*", "*", "a-b.c_d"]),
+            "repeats dropped"
+        );
+        for (bad, i) in [
+            ("Account.created", 1),
+            ("a.b.c", 1),
+            ("*.created", 1),
+            ("a.", 1),
+            ("a", 1),
+            ("a.b ", 1),
+        ] {
+            let e = validate_event_types(&strings(&["x.y", bad])).unwrap_err();
+            assert_eq!(e.field, format!("event_types[{i}]"), "{bad}");
+        }
+        assert_eq!(validate_event_types(&[]).unwrap_err().code, "required");
+        assert_eq!(
+            validate_event_types(&vec!["a.b".to_string(); 101])
+                .unwrap_err()
+                .code,
+            "too_many"
+        );
+    }
+
+    #[test]
+    fn origin_follows_ce_source_syntax() {
+        assert!(validate_origin("ledger").is_ok());
+        assert!(validate_origin("0x_a-b").is_ok());
+        for bad in ["", "-ledger", "Ledger", "led.ger", "_x"] {
+            assert_eq!(validate_origin(bad).unwrap_err().field, "origin", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn retry_schedule_is_at_most_twelve_steps_of_at_most_ten_hours() {
+        assert_eq!(
+            parse_retry_schedule(&strings(&["5s", "10m", "10h"])).unwrap(),
+            [5_000, 600_000, 36_000_000]
+        );
+        assert_eq!(
+            parse_retry_schedule(&strings(&["5s", "10h 1s"]))
+                .unwrap_err()
+                .field,
+            "retry_schedule[1]"
+        );
+        assert_eq!(
+            parse_retry_schedule(&strings(&["soon"])).unwrap_err().code,
+            "invalid"
+        );
+        assert_eq!(
+            parse_retry_schedule(&vec!["1s".to_string(); 13])
+                .unwrap_err()
+                .field,
+            "retry_schedule"
+        );
+    }
+
+    #[test]
+    fn custom_headers_refuse_reserved_names_bad_tokens_and_line_breaks() {
+        let map = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        assert_eq!(
+            validate_header_map("headers", &map("X-Team", "a")).unwrap(),
+            map("x-team", "a")
+        );
+        for name in [
+            "Connection",
+            "transfer-encoding",
+            "Webhook-Signature",
+            "x-lerian-attempt",
+            "Content-Type",
+            "ce-type",
+        ] {
+            let e = validate_header_map("headers", &map(name, "v")).unwrap_err();
+            assert_eq!(
+                (e.field.as_str(), e.code),
+                (format!("destination.headers.{name}").as_str(), "reserved")
+            );
+        }
+        assert_eq!(
+            validate_header_map("headers", &map("bad name", "v"))
+                .unwrap_err()
+                .code,
+            "invalid"
+        );
+        let e = validate_header_map("sensitive_headers", &map("x-key", "a\r\nInjected: 1"))
+            .unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.code),
+            ("destination.sensitive_headers.x-key", "invalid")
+        );
+        let both = validate_header_sets(&map("x-key", "a"), &map("x-key", "b")).unwrap_err();
+        assert_eq!(both.field, "destination.sensitive_headers.x-key");
+    }
+
+    #[tokio::test]
+    async fn webhook_url_must_be_https_and_public_unless_allowed() {
+        let strict = SinkPolicy::default();
+        assert!(
+            check_webhook_url("https://93.184.215.14/hook", strict)
+                .await
+                .is_ok()
+        );
+        assert_eq!(
+            check_webhook_url("http://93.184.215.14/hook", strict)
+                .await
+                .unwrap_err()
+                .code,
+            "url_insecure"
+        );
+        let private = check_webhook_url("https://10.1.2.3/hook", strict)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (private.field.as_str(), private.code),
+            ("destination.url", "url_private_address")
+        );
+        assert_eq!(
+            check_webhook_url("https://localhost/x", strict)
+                .await
+                .unwrap_err()
+                .code,
+            "url_private_address"
+        );
+        let open = SinkPolicy {
+            allow_private: true,
+            allow_insecure: true,
+        };
+        assert!(
+            check_webhook_url("http://127.0.0.1:9/hook", open)
+                .await
+                .is_ok()
+        );
+    }
+}

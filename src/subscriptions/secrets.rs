@@ -1,0 +1,283 @@
+//! Signing secrets and destination credentials at rest: AES-256-GCM under a key-encryption key
+//! (KEK) from the environment, the subscription id as associated data (a ciphertext copied onto
+//! another subscription does not open), and the KEK's id stored with each ciphertext so the KEK can
+//! be rotated: new writes use `STREAMING_HUB_KEK`, old records open with `STREAMING_HUB_KEK_PREVIOUS`.
+//!
+//! Plaintext exists only in memory, as [`Secret`]: in the create and rotate responses, and in a
+//! delivery worker while it signs. It never reaches a topic, a log or an error.
+use std::collections::HashMap;
+
+use aes_gcm::aead::{Aead, KeyInit, Payload};
+use aes_gcm::{Aes256Gcm, Nonce};
+use base64::Engine;
+use rand::RngCore;
+
+use crate::config::Config;
+use crate::runtime::records::{EncryptedBlob, EncryptedSecret, TimestampMillis};
+use crate::runtime::secret::Secret;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SecretError {
+    #[error("a key-encryption key must be base64 of exactly 32 bytes")]
+    BadKek,
+    #[error("malformed key list entry {0} (expected <id>:<base64>)")]
+    BadKekList(usize),
+    #[error("no key-encryption key with id {0:?} is configured")]
+    UnknownKeyId(String),
+    #[error("ciphertext does not open (wrong key, wrong subscription or tampered)")]
+    Open,
+}
+
+/// The key-encryption keys: one current, any number of retired ones (read only).
+pub struct Kek {
+    current_id: String,
+    keys: HashMap<String, Aes256Gcm>,
+}
+
+impl std::fmt::Debug for Kek {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut ids: Vec<&String> = self.keys.keys().collect();
+        ids.sort();
+        write!(
+            f,
+            "Kek {{ current: {:?}, ids: {ids:?}, keys: [redacted] }}",
+            self.current_id
+        )
+    }
+}
+
+fn decode_key(b64: &str) -> Result<Aes256Gcm, SecretError> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64.trim())
+        .map_err(|_| SecretError::BadKek)?;
+    if bytes.len() != 32 {
+        return Err(SecretError::BadKek);
+    }
+    Aes256Gcm::new_from_slice(&bytes).map_err(|_| SecretError::BadKek)
+}
+
+impl Kek {
+    pub fn from_config(config: &Config) -> Result<Kek, SecretError> {
+        let mut kek = Kek::new(&config.kek_id, config.kek.expose())?;
+        for (i, entry) in config
+            .kek_previous
+            .expose()
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .enumerate()
+        {
+            let (id, key) = entry
+                .split_once(':')
+                .ok_or(SecretError::BadKekList(i + 1))?;
+            kek.keys.insert(id.to_string(), decode_key(key)?);
+        }
+        Ok(kek)
+    }
+
+    /// A KEK from its id and base64 key.
+    pub fn new(id: &str, base64_key: &str) -> Result<Kek, SecretError> {
+        let mut keys = HashMap::new();
+        keys.insert(id.to_string(), decode_key(base64_key)?);
+        Ok(Kek {
+            current_id: id.to_string(),
+            keys,
+        })
+    }
+
+    pub fn current_id(&self) -> &str {
+        &self.current_id
+    }
+
+    /// Encrypts under the current key, bound to `subscription_id`.
+    pub fn seal(&self, plaintext: &[u8], subscription_id: &str) -> EncryptedBlob {
+        let cipher = &self.keys[&self.current_id];
+        let mut nonce = [0u8; 12];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        let ciphertext = cipher
+            .encrypt(
+                Nonce::from_slice(&nonce),
+                Payload {
+                    msg: plaintext,
+                    aad: subscription_id.as_bytes(),
+                },
+            )
+            .expect("AES-GCM encryption of an in-memory buffer cannot fail");
+        EncryptedBlob {
+            key_id: self.current_id.clone(),
+            nonce: nonce.to_vec(),
+            ciphertext,
+        }
+    }
+
+    pub fn open(
+        &self,
+        blob: &EncryptedBlob,
+        subscription_id: &str,
+    ) -> Result<Vec<u8>, SecretError> {
+        self.open_parts(&blob.key_id, &blob.nonce, &blob.ciphertext, subscription_id)
+    }
+
+    fn open_parts(
+        &self,
+        key_id: &str,
+        nonce: &[u8],
+        ciphertext: &[u8],
+        aad: &str,
+    ) -> Result<Vec<u8>, SecretError> {
+        let cipher = self
+            .keys
+            .get(key_id)
+            .ok_or_else(|| SecretError::UnknownKeyId(key_id.to_string()))?;
+        if nonce.len() != 12 {
+            return Err(SecretError::Open);
+        }
+        cipher
+            .decrypt(
+                Nonce::from_slice(nonce),
+                Payload {
+                    msg: ciphertext,
+                    aad: aad.as_bytes(),
+                },
+            )
+            .map_err(|_| SecretError::Open)
+    }
+
+    /// Seals a signing secret; `expires_at` is set for a rotated-out secret.
+    pub fn seal_secret(
+        &self,
+        secret: &Secret,
+        subscription_id: &str,
+        expires_at: Option<TimestampMillis>,
+    ) -> EncryptedSecret {
+        let b = self.seal(secret.expose().as_bytes(), subscription_id);
+        EncryptedSecret {
+            key_id: b.key_id,
+            nonce: b.nonce,
+            ciphertext: b.ciphertext,
+            expires_at,
+        }
+    }
+
+    pub fn open_secret(
+        &self,
+        s: &EncryptedSecret,
+        subscription_id: &str,
+    ) -> Result<Secret, SecretError> {
+        let plain = self.open_parts(&s.key_id, &s.nonce, &s.ciphertext, subscription_id)?;
+        String::from_utf8(plain)
+            .map(Secret::new)
+            .map_err(|_| SecretError::Open)
+    }
+
+    /// Re-encrypts a secret under the current key (KEK rotation); a no-op for current ones.
+    pub fn reseal_secret(
+        &self,
+        s: &EncryptedSecret,
+        subscription_id: &str,
+    ) -> Result<EncryptedSecret, SecretError> {
+        if s.key_id == self.current_id {
+            return Ok(s.clone());
+        }
+        let plain = self.open_secret(s, subscription_id)?;
+        Ok(self.seal_secret(&plain, subscription_id, s.expires_at))
+    }
+}
+
+/// A new Standard Webhooks signing secret: `whsec_` + base64 of 32 random bytes.
+pub fn generate_signing_secret() -> Secret {
+    let mut key = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut key);
+    Secret::new(format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode(key)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(byte: u8) -> String {
+        base64::engine::general_purpose::STANDARD.encode([byte; 32])
+    }
+
+    #[test]
+    fn sealed_secret_opens_only_for_its_subscription() {
+        let kek = Kek::new("k1", &key(7)).unwrap();
+        let secret = generate_signing_secret();
+        let sealed = kek.seal_secret(&secret, "sub-a", None);
+        assert_eq!(sealed.key_id, "k1");
+        assert!(
+            !sealed.ciphertext.windows(10).any(|w| secret
+                .expose()
+                .as_bytes()
+                .windows(10)
+                .any(|s| s == w))
+        );
+        assert_eq!(kek.open_secret(&sealed, "sub-a").unwrap(), secret);
+        assert_eq!(
+            kek.open_secret(&sealed, "sub-b").unwrap_err(),
+            SecretError::Open
+        );
+        let mut tampered = sealed.clone();
+        tampered.ciphertext[0] ^= 1;
+        assert_eq!(
+            kek.open_secret(&tampered, "sub-a").unwrap_err(),
+            SecretError::Open
+        );
+    }
+
+    #[test]
+    fn rotated_kek_reads_old_records_and_reseals_under_the_new_key() {
+        let old = Kek::new("k1", &key(1)).unwrap();
+        let sealed = old.seal_secret(&Secret::new("whsec_x"), "sub", None);
+        let vars = [
+            ("STREAMING_HUB_KEK".to_string(), key(2)),
+            ("STREAMING_HUB_KEK_ID".to_string(), "k2".to_string()),
+            (
+                "STREAMING_HUB_KEK_PREVIOUS".to_string(),
+                format!("k1:{}", key(1)),
+            ),
+        ];
+        let config = Config::from_vars(vars).unwrap();
+        let new = Kek::from_config(&config).unwrap();
+        assert_eq!(new.open_secret(&sealed, "sub").unwrap().expose(), "whsec_x");
+        let resealed = new.reseal_secret(&sealed, "sub").unwrap();
+        assert_eq!(resealed.key_id, "k2");
+        assert_eq!(
+            Kek::new("k2", &key(2))
+                .unwrap()
+                .open_secret(&resealed, "sub")
+                .unwrap()
+                .expose(),
+            "whsec_x"
+        );
+        assert!(matches!(
+            Kek::new("k2", &key(2)).unwrap().open_secret(&sealed, "sub"),
+            Err(SecretError::UnknownKeyId(_))
+        ));
+    }
+
+    #[test]
+    fn malformed_kek_is_rejected_and_debug_hides_keys() {
+        assert_eq!(Kek::new("k1", "c2hvcnQ=").unwrap_err(), SecretError::BadKek);
+        let e =
+            Config::from_vars([("STREAMING_HUB_KEK".to_string(), "nope".to_string())]).unwrap_err();
+        assert!(e.to_string().contains("STREAMING_HUB_KEK"));
+        let kek = Kek::new("k1", &key(9)).unwrap();
+        assert!(!format!("{kek:?}").contains(&key(9)));
+    }
+
+    #[test]
+    fn generated_secrets_are_whsec_of_32_random_bytes() {
+        let a = generate_signing_secret();
+        let b = generate_signing_secret();
+        assert_ne!(a, b);
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(&a.expose()[6..])
+            .unwrap();
+        assert!(a.expose().starts_with("whsec_"));
+        assert_eq!(raw.len(), 32);
+    }
+}

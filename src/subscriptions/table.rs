@@ -1,0 +1,315 @@
+//! The subscription table every instance holds in memory, built from the control topic, and the
+//! catalog-free matcher over it.
+//!
+//! Index: tenant → pattern → subscriptions, where a pattern is an event key `<resource>.<event>`,
+//! `<resource>.*` or `*`. Matching an event looks up at most three patterns of its own tenant and
+//! checks origin, schema major and the gates (`enabled` and `verification_state = active`) on the
+//! hits, so its cost does not grow with other tenants' or other event types' subscriptions.
+//! Lookups borrow the event's strings: no allocation per event beyond the result.
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::runtime::records::{SubscriptionRecord, VerificationState};
+
+pub type Sub = Arc<SubscriptionRecord>;
+
+#[derive(Default)]
+pub struct Table {
+    by_id: HashMap<String, Sub>,
+    index: HashMap<String, HashMap<String, Vec<Sub>>>,
+}
+
+/// What an event offers to matching.
+#[derive(Debug, Clone, Copy)]
+pub struct EventRef<'a> {
+    pub tenant: &'a str,
+    pub source: &'a str,
+    pub resource: &'a str,
+    pub event: &'a str,
+    pub schema_major: u32,
+}
+
+impl Table {
+    /// Inserts or replaces a subscription (an older version never replaces a newer one).
+    pub fn upsert(&mut self, sub: SubscriptionRecord) {
+        if let Some(old) = self.by_id.get(&sub.id) {
+            if old.version > sub.version {
+                return;
+            }
+        }
+        self.remove(&sub.id.clone());
+        let sub = Arc::new(sub);
+        let patterns = self.index.entry(sub.tenant_id.clone()).or_default();
+        for p in &sub.event_types {
+            patterns.entry(p.clone()).or_default().push(sub.clone());
+        }
+        self.by_id.insert(sub.id.clone(), sub);
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<Sub> {
+        let old = self.by_id.remove(id)?;
+        if let Some(patterns) = self.index.get_mut(&old.tenant_id) {
+            for p in &old.event_types {
+                if let Some(v) = patterns.get_mut(p) {
+                    v.retain(|s| s.id != id);
+                    if v.is_empty() {
+                        patterns.remove(p);
+                    }
+                }
+            }
+            if patterns.is_empty() {
+                self.index.remove(&old.tenant_id);
+            }
+        }
+        Some(old)
+    }
+
+    pub fn get(&self, id: &str) -> Option<Sub> {
+        self.by_id.get(id).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The tenant's subscriptions, ordered by id (UUIDv7: creation order).
+    pub fn list(&self, tenant: &str) -> Vec<Sub> {
+        let mut out: Vec<Sub> = self
+            .by_id
+            .values()
+            .filter(|s| s.tenant_id == tenant)
+            .cloned()
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// The subscriptions an event goes to: its tenant's, by event key or wildcard, with origin and
+    /// schema major checked, enabled and active only. Each subscription at most once.
+    pub fn matches(&self, e: &EventRef<'_>) -> Vec<Sub> {
+        let mut out: Vec<Sub> = Vec::new();
+        let Some(patterns) = self.index.get(e.tenant) else {
+            return out;
+        };
+        let mut key = String::with_capacity(e.resource.len() + e.event.len() + 2);
+        key.push_str(e.resource);
+        key.push('.');
+        key.push_str(e.event);
+        let exact = patterns.get(key.as_str());
+        key.truncate(e.resource.len() + 1);
+        key.push('*');
+        let resource_wild = patterns.get(key.as_str());
+        let all = patterns.get("*");
+        for list in [exact, resource_wild, all].into_iter().flatten() {
+            for s in list {
+                if admitted(s, e) && !out.iter().any(|o| o.id == s.id) {
+                    out.push(s.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+fn admitted(s: &SubscriptionRecord, e: &EventRef<'_>) -> bool {
+    s.enabled
+        && s.verification_state == VerificationState::Active
+        && s.origin.as_deref().is_none_or(|o| o == e.source)
+        && s.schema_major.is_none_or(|m| m == e.schema_major)
+}
+
+/// The table shared by the control-topic reader (writer side), the hub tasks and the API.
+#[derive(Clone, Default)]
+pub struct SharedTable {
+    inner: Arc<RwLock<Table>>,
+    changed: Arc<tokio::sync::Notify>,
+    caught_up: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SharedTable {
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Table> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn apply(&self, f: impl FnOnce(&mut Table)) {
+        f(&mut self.inner.write().unwrap_or_else(|p| p.into_inner()));
+        self.changed.notify_waiters();
+    }
+
+    pub fn set_caught_up(&self) {
+        self.caught_up
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    /// True once the whole control topic has been read at start-up.
+    pub fn is_caught_up(&self) -> bool {
+        self.caught_up.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until `cond` holds on the table (read-your-writes for the API), or the timeout.
+    pub async fn wait_for(&self, timeout: Duration, cond: impl Fn(&Table) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            if cond(&self.read()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return cond(&self.read());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::records::{DestinationRecord, DestinationType};
+
+    fn sub(id: &str, tenant: &str, types: &[&str]) -> SubscriptionRecord {
+        SubscriptionRecord {
+            id: id.into(),
+            tenant_id: tenant.into(),
+            origin: None,
+            event_types: types.iter().map(|t| t.to_string()).collect(),
+            schema_major: None,
+            destination: DestinationRecord {
+                kind: DestinationType::Pull,
+                url: None,
+                headers: Default::default(),
+                sensitive_headers: None,
+            },
+            enabled: true,
+            verification_state: VerificationState::Active,
+            retry_schedule: None,
+            disabled_reason: None,
+            disabled_at: None,
+            created_at: 0,
+            updated_at: 0,
+            version: 1,
+            signing_secrets: vec![],
+        }
+    }
+
+    fn ev<'a>(
+        tenant: &'a str,
+        source: &'a str,
+        resource: &'a str,
+        event: &'a str,
+        major: u32,
+    ) -> EventRef<'a> {
+        EventRef {
+            tenant,
+            source,
+            resource,
+            event,
+            schema_major: major,
+        }
+    }
+
+    fn ids(v: Vec<Sub>) -> Vec<String> {
+        let mut v: Vec<String> = v.iter().map(|s| s.id.clone()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn exact_resource_wildcard_and_catch_all_each_match_once() {
+        let mut t = Table::default();
+        t.upsert(sub("a", "t1", &["transaction.created"]));
+        t.upsert(sub("b", "t1", &["transaction.*"]));
+        t.upsert(sub("c", "t1", &["*"]));
+        t.upsert(sub("d", "t1", &["account.created"]));
+        t.upsert(sub(
+            "e",
+            "t1",
+            &["transaction.created", "transaction.*", "*"],
+        ));
+        assert_eq!(
+            ids(t.matches(&ev("t1", "ledger", "transaction", "created", 1))),
+            ["a", "b", "c", "e"]
+        );
+        assert_eq!(
+            ids(t.matches(&ev("t1", "ledger", "transaction", "posted", 1))),
+            ["b", "c", "e"]
+        );
+        assert_eq!(
+            ids(t.matches(&ev("t1", "ledger", "balance", "config-changed", 1))),
+            ["c", "e"]
+        );
+    }
+
+    #[test]
+    fn another_tenant_never_matches() {
+        let mut t = Table::default();
+        t.upsert(sub("a", "t1", &["*"]));
+        assert!(
+            t.matches(&ev("t2", "ledger", "transaction", "created", 1))
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn origin_pin_tells_two_producers_identical_keys_apart() {
+        let mut t = Table::default();
+        let mut s = sub("a", "t1", &["rule.activated"]);
+        s.origin = Some("tracer".into());
+        t.upsert(s);
+        assert_eq!(
+            ids(t.matches(&ev("t1", "tracer", "rule", "activated", 1))),
+            ["a"]
+        );
+        assert!(
+            t.matches(&ev("t1", "ledger", "rule", "activated", 1))
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn schema_major_pin_matches_only_that_major() {
+        let mut t = Table::default();
+        let mut s = sub("a", "t1", &["*"]);
+        s.schema_major = Some(2);
+        t.upsert(s);
+        assert!(t.matches(&ev("t1", "ledger", "x", "y", 1)).is_empty());
+        assert_eq!(ids(t.matches(&ev("t1", "ledger", "x", "y", 2))), ["a"]);
+    }
+
+    #[test]
+    fn disabled_or_not_active_subscriptions_are_not_admitted() {
+        let mut t = Table::default();
+        let mut off = sub("off", "t1", &["*"]);
+        off.enabled = false;
+        let mut pending = sub("pending", "t1", &["*"]);
+        pending.verification_state = VerificationState::Pending;
+        let mut failed = sub("failed", "t1", &["*"]);
+        failed.verification_state = VerificationState::Failed;
+        t.upsert(off);
+        t.upsert(pending);
+        t.upsert(failed);
+        t.upsert(sub("ok", "t1", &["*"]));
+        assert_eq!(ids(t.matches(&ev("t1", "ledger", "x", "y", 1))), ["ok"]);
+    }
+
+    #[test]
+    fn update_moves_the_index_and_remove_clears_it_and_old_versions_lose() {
+        let mut t = Table::default();
+        t.upsert(sub("a", "t1", &["x.y"]));
+        let mut v2 = sub("a", "t1", &["x.z"]);
+        v2.version = 2;
+        t.upsert(v2);
+        assert!(t.matches(&ev("t1", "s", "x", "y", 1)).is_empty());
+        assert_eq!(ids(t.matches(&ev("t1", "s", "x", "z", 1))), ["a"]);
+        t.upsert(sub("a", "t1", &["x.y"])); // version 1 arrives late: ignored
+        assert_eq!(ids(t.matches(&ev("t1", "s", "x", "z", 1))), ["a"]);
+        t.remove("a");
+        assert!(t.matches(&ev("t1", "s", "x", "z", 1)).is_empty());
+        assert!(t.index.is_empty(), "no empty buckets left behind");
+    }
+}

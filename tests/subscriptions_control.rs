@@ -1,0 +1,190 @@
+//! The control topic against the real broker: a subscription written by a plain producer shows up
+//! in the table and in matching, a tombstone removes it, a garbage record is skipped without
+//! stopping the reader, and a write through `Subscriptions` is readable as soon as it returns — with
+//! its signing secret encrypted in the topic's bytes.
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use streaming_hub::config::Config;
+use streaming_hub::runtime::avro::{Codec, RecordKind};
+use streaming_hub::runtime::records::{
+    DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
+};
+use streaming_hub::runtime::topology::Topology;
+use streaming_hub::subscriptions::control::{self, Subscriptions};
+use streaming_hub::subscriptions::secrets::{Kek, generate_signing_secret};
+use streaming_hub::subscriptions::table::{EventRef, SharedTable};
+
+fn record(id: &str, tenant: &str, types: &[&str], version: u64) -> SubscriptionRecord {
+    SubscriptionRecord {
+        id: id.into(),
+        tenant_id: tenant.into(),
+        origin: Some("ledger".into()),
+        event_types: types.iter().map(|t| t.to_string()).collect(),
+        schema_major: None,
+        destination: DestinationRecord {
+            kind: DestinationType::Pull,
+            url: None,
+            headers: Default::default(),
+            sensitive_headers: None,
+        },
+        enabled: true,
+        verification_state: VerificationState::Active,
+        retry_schedule: None,
+        disabled_reason: None,
+        disabled_at: None,
+        created_at: 1,
+        updated_at: 1,
+        version,
+        signing_secrets: vec![],
+    }
+}
+
+fn matches(table: &SharedTable, tenant: &str) -> Vec<String> {
+    table
+        .read()
+        .matches(&EventRef {
+            tenant,
+            source: "ledger",
+            resource: "transaction",
+            event: "created",
+            schema_major: 1,
+        })
+        .iter()
+        .map(|s| s.id.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn control_topic_drives_the_table_and_skips_garbage() {
+    require_broker();
+    let prefix = unique("ctl");
+    let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
+    Topology::load(&config.topology_file, &config)
+        .unwrap()
+        .apply(&config, false)
+        .await
+        .unwrap();
+    let codec = Arc::new(Codec::new().unwrap());
+    let topic = control::topic(&config);
+
+    // One subscription exists before the reader starts: read at start-up.
+    let p = producer();
+    let first = record(
+        &uuid::Uuid::now_v7().to_string(),
+        "t1",
+        &["transaction.*"],
+        1,
+    );
+    let bytes = codec.encode(RecordKind::Subscription, &first).unwrap();
+    produce(
+        &p,
+        &topic,
+        &[Rec {
+            key: Some(first.id.clone().into_bytes()),
+            value: Some(bytes),
+            ..Default::default()
+        }],
+    );
+
+    let table = SharedTable::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (config, codec, table, stop) =
+            (config.clone(), codec.clone(), table.clone(), stop.clone());
+        std::thread::spawn(move || control::follow(&config, codec, table, stop))
+    };
+    assert!(table.wait_for(Duration::from_secs(30), |_| true).await);
+    wait_until(Duration::from_secs(30), "table caught up", || {
+        table.is_caught_up().then_some(())
+    });
+    assert_eq!(matches(&table, "t1"), std::slice::from_ref(&first.id));
+    assert!(matches(&table, "t2").is_empty());
+
+    // Garbage, then a valid record: the garbage is skipped and the reader goes on.
+    let second = record(&uuid::Uuid::now_v7().to_string(), "t2", &["*"], 1);
+    produce(
+        &p,
+        &topic,
+        &[
+            Rec {
+                key: Some(b"junk".to_vec()),
+                value: Some(b"\xc3\x01not avro at all".to_vec()),
+                ..Default::default()
+            },
+            // (A record without a key cannot exist here: the broker refuses it on a compacted topic.)
+            Rec {
+                key: Some(second.id.clone().into_bytes()),
+                value: Some(codec.encode(RecordKind::Subscription, &second).unwrap()),
+                ..Default::default()
+            },
+        ],
+    );
+    assert!(
+        table
+            .wait_for(Duration::from_secs(30), |t| t.get(&second.id).is_some())
+            .await
+    );
+    assert_eq!(matches(&table, "t2"), std::slice::from_ref(&second.id));
+    assert!(table.read().get("junk").is_none());
+
+    // A tombstone removes it.
+    let tombstone = Rec {
+        key: Some(first.id.clone().into_bytes()),
+        value: None,
+        ..Default::default()
+    };
+    produce(&p, &topic, std::slice::from_ref(&tombstone));
+    assert!(
+        table
+            .wait_for(Duration::from_secs(30), |t| t.get(&first.id).is_none())
+            .await
+    );
+    assert!(matches(&table, "t1").is_empty());
+
+    // Read-your-writes through the handle; the secret is sealed in the topic's bytes.
+    let subs = Subscriptions::kafka(&config, codec.clone(), table.clone()).unwrap();
+    let kek = Kek::new("k1", "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=").unwrap();
+    let secret = generate_signing_secret();
+    let mut third = record(
+        &uuid::Uuid::now_v7().to_string(),
+        "t3",
+        &["transaction.created"],
+        1,
+    );
+    third.signing_secrets = vec![kek.seal_secret(&secret, &third.id, None)];
+    subs.put(third.clone()).await.unwrap();
+    assert_eq!(
+        subs.get(&third.id).unwrap().version,
+        1,
+        "visible as soon as put returns"
+    );
+    third.version = 2;
+    third.enabled = false;
+    subs.put(third.clone()).await.unwrap();
+    assert!(matches(&table, "t3").is_empty(), "disabled at version 2");
+    subs.delete(&third.id).await.unwrap();
+    assert!(subs.get(&third.id).is_none());
+
+    stop.store(true, Ordering::SeqCst);
+    reader.join().unwrap().unwrap();
+    let raw = read_all(&[&topic], Duration::from_secs(30));
+    assert!(raw.len() >= 6);
+    let plain = secret.expose().as_bytes();
+    let b64 = &secret.expose()[6..];
+    for g in raw {
+        let v = g.rec.value.unwrap_or_default();
+        assert!(
+            !v.windows(plain.len()).any(|w| w == plain),
+            "plaintext secret in the control topic"
+        );
+        assert!(
+            !v.windows(b64.len()).any(|w| w == b64.as_bytes()),
+            "secret key material in the control topic"
+        );
+    }
+}
