@@ -20,8 +20,15 @@ state="$(mktemp -d)"
 export STREAMING_HUB_STATE_DIR="$state/state"
 export STREAMING_HUB_HTTP_LISTEN_ADDR="${STREAMING_HUB_HTTP_LISTEN_ADDR:-127.0.0.1:8080}"
 export STREAMING_HUB_INSTANCE_ID="demo"
+# The demo's own producer topics only (the default follows every lerian.streaming.<source>).
+export STREAMING_HUB_FOLLOW_PATTERN="${STREAMING_HUB_FOLLOW_PATTERN:-^lerian\.streaming\.ledger\$}"
 export STREAMING_HUB_LOG="${STREAMING_HUB_LOG:-warn,streaming_hub=info}"
-echo "demo: development settings only (local broker, no TLS); hub log: $state/hub.log" >&2
+# Development-only secrets, generated fresh for this run; never use these settings in production.
+export STREAMING_HUB_KEK="${STREAMING_HUB_KEK:-$(head -c 32 /dev/urandom | base64)}"
+export STREAMING_HUB_JWT_SECRET="${STREAMING_HUB_JWT_SECRET:-$(head -c 32 /dev/urandom | base64)}"
+export STREAMING_HUB_ALLOW_PRIVATE_SINKS=true STREAMING_HUB_ALLOW_INSECURE_SINKS=true
+echo "demo: DEVELOPMENT SETTINGS ONLY (generated KEK and JWT secret, private and http sinks allowed)" >&2
+echo "demo: hub log: $state/hub.log" >&2
 "$bin" run >"$state/hub.log" 2>&1 &
 hub_pid=$!
 trap 'kill $hub_pid 2>/dev/null; wait $hub_pid 2>/dev/null; rm -rf "$state"' EXIT INT TERM

@@ -36,8 +36,40 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
         .timeout(Duration::from_secs(2))
         .build()
         .map_err(|e| e.to_string())?;
-    let started = Instant::now();
     let tenants = ["acme-bank", "globex-pay", "initech-credit"];
+    if !config.jwt_secret.is_empty() {
+        let receiver = start_receiver().await?;
+        for tenant in &tenants[..2] {
+            let token = crate::api::mint(
+                &config.jwt_secret,
+                Some(tenant),
+                false,
+                Duration::from_secs(3600),
+            );
+            let body = serde_json::json!({
+                "event_types": ["transaction.*"],
+                "origin": "ledger",
+                "destination": {"type": "webhook", "url": receiver},
+            });
+            let resp = http
+                .post(format!("{}/v1/subscriptions", opts.hub_url))
+                .bearer_auth(token)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .map_err(|e| format!("creating a subscription: {e}"))?;
+            let status = resp.status();
+            let text = resp.text().await.unwrap_or_default();
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            println!(
+                "subscription for {tenant}: HTTP {status}, id {}, verification {}",
+                v["id"].as_str().unwrap_or("?"),
+                v["verification_state"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    let started = Instant::now();
     let mut sent = 0u64;
     let mut last_id = String::new();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / opts.rate.max(1) as f64));
@@ -84,13 +116,14 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
             last_print = Instant::now();
             let m = scrape(&http, &opts.hub_url).await;
             println!(
-                "[{:>4}s] produced {sent:>6} | accepted {:>6} dropped {:>4} quarantined {:>4} | hub: new {:>6} duplicates {:>4}",
+                "[{:>4}s] produced {sent:>6} | accepted {:>6} dropped {:>4} quarantined {:>4} | hub: new {:>6} duplicates {:>4} | matched {:>6}",
                 started.elapsed().as_secs(),
                 m.get("accept").copied().unwrap_or(0),
                 m.get("drop").copied().unwrap_or(0),
                 m.get("quarantine").copied().unwrap_or(0),
                 m.get("new").copied().unwrap_or(0),
                 m.get("duplicate").copied().unwrap_or(0),
+                m.get("matched").copied().unwrap_or(0),
             );
         }
     }
@@ -179,6 +212,8 @@ async fn scrape(http: &reqwest::Client, base: &str) -> HashMap<String, u64> {
             line.split("verdict=\"")
                 .nth(1)
                 .and_then(|r| r.split('"').next())
+        } else if line.starts_with("streaming_hub_matches_total") {
+            Some("matched")
         } else if line.starts_with("streaming_hub_hub_events_total{") {
             line.split("outcome=\"")
                 .nth(1)
@@ -194,4 +229,20 @@ async fn scrape(http: &reqwest::Client, base: &str) -> HashMap<String, u64> {
         }
     }
     out
+}
+
+/// A local receiver: answers the verification challenge (it echoes the body, which carries it).
+async fn start_receiver() -> Result<String, String> {
+    let app = axum::Router::new().route(
+        "/webhook",
+        axum::routing::post(|body: String| async move { body }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(format!("http://{addr}/webhook"))
 }

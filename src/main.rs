@@ -28,6 +28,18 @@ enum Command {
     },
     /// Print every STREAMING_HUB_* variable, its default and meaning (Markdown).
     Config,
+    /// Mint an API token (HS256 under STREAMING_HUB_JWT_SECRET).
+    Token {
+        /// The tenant the token acts for.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// An admin token (must then name the tenant in each request).
+        #[arg(long)]
+        admin: bool,
+        /// Lifetime, e.g. 1h.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+    },
     /// Measure one stage against the real broker (see BENCHMARKS.md).
     Bench {
         /// `ingest` or `hub`.
@@ -83,6 +95,21 @@ fn main() -> ExitCode {
         }
     };
     app::init_tracing(&config);
+    if let Some(Command::Token { tenant, admin, ttl }) = &cli.command {
+        if config.jwt_secret.is_empty() {
+            eprintln!("streaming-hub token: STREAMING_HUB_JWT_SECRET is not set");
+            return ExitCode::from(2);
+        }
+        if tenant.is_none() && !admin {
+            eprintln!("streaming-hub token: give --tenant, or --admin");
+            return ExitCode::from(2);
+        }
+        println!(
+            "{}",
+            streaming_hub::api::mint(&config.jwt_secret, tenant.as_deref(), *admin, *ttl)
+        );
+        return ExitCode::SUCCESS;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -148,7 +175,7 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Config => unreachable!("handled before the configuration is read"),
+            Command::Config | Command::Token { .. } => unreachable!("handled before the runtime starts"),
         }
     })
 }

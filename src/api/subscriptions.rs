@@ -5,9 +5,13 @@
 //! that tenant and answers `404` for another tenant's id exactly as for an unknown one.
 //!
 //! Writes go through [`Subscriptions::put`]/[`Subscriptions::delete`], which return once this
-//! instance's table has the write. A read-modify-write runs under [`ApiState::writes`] so two
+//! instance's table has the write. A read-modify-write runs under `ApiState::writes` so two
 //! requests of this instance cannot both write version N+1 (writers elsewhere still race; the
-//! control topic keeps the last). The lock is never held across a verification probe.
+//! control topic keeps the last). The lock is never held across a verification probe; it is held
+//! across the write itself, which is fine off the hot path (API writes are rare).
+//!
+//! [`Subscriptions::put`]: crate::subscriptions::control::Subscriptions::put
+//! [`Subscriptions::delete`]: crate::subscriptions::control::Subscriptions::delete
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};

@@ -19,6 +19,8 @@ fn with(field: &str, value: Value) -> Value {
     body
 }
 
+/// A public address literal: it passes the URL rules. Only tests that fail validation before any
+/// request use it — tests never send traffic off this machine.
 const PUBLIC_URL: &str = "https://93.184.215.14/hook";
 
 #[tokio::test]
@@ -269,19 +271,4 @@ async fn malformed_json_is_400_and_a_non_json_body_is_415() {
             Some("unsupported_media_type")
         )
     );
-}
-
-#[tokio::test]
-async fn strict_sinks_accept_a_public_https_url_and_leave_it_pending_when_unreachable() {
-    let h = Harness::strict();
-    let a = h
-        .post(
-            "/v1/subscriptions",
-            &h.token("acme"),
-            webhook(PUBLIC_URL, json!({})),
-        )
-        .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
-    assert_eq!(a.body["verification_state"], "pending");
-    assert!(a.body["verification"]["error_code"].is_string());
 }
