@@ -2,7 +2,8 @@
 //!
 //! Start: apply the topology (create what is missing, warn about differences), start ingest on its
 //! own thread (role `all` or `ingest`), start the hub stage on its own thread (role `all` or
-//! `delivery`), follow the control topic into the subscription table, serve HTTP (`/healthz`, `/readyz`, `/metrics`). Stop on
+//! `delivery`), follow the control topic into the subscription table, serve HTTP (`/healthz`, `/readyz`, `/metrics`),
+//! and with the API (KEK set) the task that retries pending verifications. Stop on
 //! SIGTERM or Ctrl-C: readiness goes false, ingest commits its open batch and leaves, then exit.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,13 +16,16 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::api::{self, ApiState};
 use crate::config::{Config, LogFormat, Role};
-use crate::hub::matching::MatchHandler;
-use crate::hub::task::HubStage;
+use crate::dispatch::DispatchJobs;
+use crate::dispatch::worker::Workers;
+use crate::hub::task::{Dispatch, HubStage};
 use crate::ingest::pipeline::Ingest;
 use crate::runtime::avro::Codec;
 use crate::runtime::clock::{SharedClock, SystemClock};
 use crate::runtime::topology::Topology;
 use crate::subscriptions::control::{self, Subscriptions};
+use crate::subscriptions::pending::{PendingRetrier, Prober};
+use crate::subscriptions::secrets::Kek;
 use crate::subscriptions::table::SharedTable;
 
 #[derive(Debug, thiserror::Error)]
@@ -95,17 +99,45 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             (config.clone(), codec.clone(), table.clone(), stop.clone());
         std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || control::follow(&config, codec, table, stop))
+            .spawn(move || {
+                let result = control::follow(&config, codec, table, stop);
+                if let Err(e) = &result {
+                    tracing::error!(error = %e, "control topic reader stopped: the subscription table no longer follows");
+                }
+                result
+            })
             .map_err(|e| AppError::Http(e.to_string()))?
     };
     let mut hub_thread = None;
     if matches!(config.role, Role::All | Role::Delivery) {
-        let mut hub = HubStage::new(
+        let kek = if config.kek.is_empty() {
+            None
+        } else {
+            Some(Arc::new(
+                Kek::from_config(&config).map_err(|e| AppError::Http(e.to_string()))?,
+            ))
+        };
+        let workers = Workers {
+            http: crate::delivery::client::build_client(&config)
+                .map_err(|e| AppError::Http(e.to_string()))?,
+            kek,
+            clock: clock.clone(),
+            allow_private: config.allow_private_sinks,
+            allow_insecure: config.allow_insecure_sinks,
+            permits: Arc::new(tokio::sync::Semaphore::new(config.dispatch_workers)),
+        };
+        let handler = DispatchJobs {
+            table: table.clone(),
+            pull_topic: format!("{}.pull", config.topic_prefix),
+        };
+        let dispatch = Dispatch::new(
+            table.clone(),
+            workers,
+            tokio::runtime::Handle::current(),
             &config,
-            codec.clone(),
-            clock.clone(),
-            Box::new(MatchHandler::new(table.clone())),
         );
+        let mut hub = HubStage::new(&config, codec.clone(), clock.clone(), Box::new(handler))
+            .with_dispatch(dispatch);
         let stop = stop.clone();
         hub_thread = Some(
             std::thread::Builder::new()
@@ -137,6 +169,14 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             .map_err(|e| AppError::Http(e.to_string()))?;
         let state = ApiState::from_config(&config, subs, clock.clone())
             .map_err(|e| AppError::Http(e.to_string()))?;
+        let prober = Prober::new(
+            state.kek.clone(),
+            state.http.clone(),
+            state.sinks,
+            clock.clone(),
+        );
+        let retrier = PendingRetrier::new(state.subs.clone(), prober, clock.clone());
+        tokio::spawn(retrier.run(stop.clone()));
         router = router.merge(api::router(state));
     }
     if config.allow_private_sinks {

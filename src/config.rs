@@ -279,6 +279,12 @@ macro_rules! upper {
     (http_timeout) => {
         "HTTP_TIMEOUT"
     };
+    (dispatch_workers) => {
+        "DISPATCH_WORKERS"
+    };
+    (poison_threshold) => {
+        "POISON_THRESHOLD"
+    };
     (log) => {
         "LOG"
     };
@@ -359,6 +365,10 @@ settings! {
     allow_insecure_sinks: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
+    /// Concurrent delivery attempts per instance (claims run ahead up to 4x this).
+    dispatch_workers: usize = "8";
+    /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
+    poison_threshold: u32 = "5";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.
     http_timeout: std::time::Duration = "15s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
@@ -435,6 +445,18 @@ impl Config {
             return Err(invalid(
                 "STREAMING_HUB_FOLLOW_PATTERN",
                 "must start with '^' (Kafka treats other names as literal topics)",
+            ));
+        }
+        if self.dispatch_workers == 0 {
+            return Err(invalid(
+                "STREAMING_HUB_DISPATCH_WORKERS",
+                "must be at least 1",
+            ));
+        }
+        if self.poison_threshold == 0 {
+            return Err(invalid(
+                "STREAMING_HUB_POISON_THRESHOLD",
+                "must be at least 1",
             ));
         }
         if self.ingest_batch_max == 0 {

@@ -9,6 +9,7 @@ pub mod bench;
 pub mod config;
 pub mod delivery;
 pub mod demo;
+pub mod dispatch;
 pub mod hub;
 pub mod ingest;
 pub mod runtime;

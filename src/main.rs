@@ -26,6 +26,11 @@ enum Command {
         #[command(subcommand)]
         action: TopologyAction,
     },
+    /// Subscriptions as code.
+    Subscriptions {
+        #[command(subcommand)]
+        action: SubscriptionsAction,
+    },
     /// Print every STREAMING_HUB_* variable, its default and meaning (Markdown).
     Config,
     /// Mint an API token (HS256 under STREAMING_HUB_JWT_SECRET).
@@ -78,6 +83,17 @@ enum TopologyAction {
         /// Only report; create nothing.
         #[arg(long)]
         dry_run: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum SubscriptionsAction {
+    /// Create or update the subscriptions of a JSON file (GitOps); prints new signing secrets
+    /// once. Exit 0 applied, 1 some webhook failed verification, 2 invalid input, 3 broker error.
+    Apply {
+        /// The JSON array of subscription definitions.
+        #[arg(short = 'f', long = "file")]
+        file: std::path::PathBuf,
     },
 }
 
@@ -154,6 +170,9 @@ fn main() -> ExitCode {
                         ExitCode::FAILURE
                     }
                 }
+            }
+            Command::Subscriptions { action: SubscriptionsAction::Apply { file } } => {
+                ExitCode::from(streaming_hub::subscriptions::apply::command(&config, &file).await)
             }
             Command::Bench { stage, records, size, broker_pid_file } => {
                 let opts = streaming_hub::bench::BenchOptions { stage, records, size, broker_pid_file };

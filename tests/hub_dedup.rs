@@ -12,7 +12,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use streaming_hub::config::Config;
-use streaming_hub::hub::task::{EventHandler, HubError, HubStage, Outputs, SequencedEvent};
+use streaming_hub::hub::task::{EventHandler, HubError, HubStage, SequencedEvent, TaskCtx};
 use streaming_hub::runtime::avro::Codec;
 use streaming_hub::runtime::clock::ManualClock;
 use streaming_hub::runtime::topology::Topology;
@@ -24,7 +24,11 @@ type Seen = (String, String, u64, i64, bool);
 struct Recorder(Arc<Mutex<Vec<Seen>>>);
 
 impl EventHandler for Recorder {
-    fn on_event(&mut self, e: &SequencedEvent<'_>, _: &mut Outputs<'_>) -> Result<(), HubError> {
+    fn on_event(
+        &mut self,
+        e: &SequencedEvent<'_>,
+        _: &mut TaskCtx<'_, '_>,
+    ) -> Result<(), HubError> {
         self.0.lock().unwrap().push((
             e.tenant.to_string(),
             e.ce_id.to_string(),

@@ -6,7 +6,7 @@
 //! a delivery job or a pull record — is the dispatch stage's; until it lands, matches are counted.
 use rdkafka::message::{Headers, Message};
 
-use crate::hub::task::{EventHandler, HubError, Outputs, SequencedEvent};
+use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
 use crate::ingest::classify::schema_major;
 use crate::runtime::telemetry::Matched;
 use crate::subscriptions::table::{EventRef, SharedTable, Sub};
@@ -72,7 +72,7 @@ impl EventHandler for MatchHandler {
     fn on_event(
         &mut self,
         event: &SequencedEvent<'_>,
-        _out: &mut Outputs<'_>,
+        _out: &mut TaskCtx<'_, '_>,
     ) -> Result<(), HubError> {
         let subs = matches_for(&self.table, event.tenant, event.record);
         Matched {

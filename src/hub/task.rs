@@ -18,23 +18,28 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError as RdKafkaError;
-use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
+use crate::dispatch::jobs::{self, ChangelogWrites, DUE, JOBS, JobStore, TenantRing};
+use crate::dispatch::worker::{Attempt, Outcome, Workers};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
 use crate::runtime::records::{DedupEntry, SequenceRecord};
 use crate::runtime::store::{Staged, Store};
 use crate::runtime::telemetry::{self, HubEvent, Restored};
+use crate::subscriptions::table::SharedTable;
 
 /// The stores backed by a changelog (`dedup_expiry` is a local index rebuilt on restore).
-const CHANGELOGGED: [&str; 2] = [DEDUP, SEQUENCE];
+const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
+const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
@@ -51,6 +56,11 @@ pub enum HubError {
     Restore { partition: i32, why: String },
     #[error("fenced by a newer instance: {0}")]
     Fenced(String),
+    /// Nothing to do this round (no transaction was opened).
+    #[error("idle")]
+    Idle,
+    #[error("jobs: {0}")]
+    Jobs(#[from] crate::dispatch::jobs::JobError),
 }
 
 /// An accepted, deduplicated, sequenced event, as the next stage receives it.
@@ -70,7 +80,7 @@ pub trait EventHandler: Send {
     fn on_event(
         &mut self,
         event: &SequencedEvent<'_>,
-        out: &mut Outputs<'_>,
+        out: &mut TaskCtx<'_, '_>,
     ) -> Result<(), HubError>;
 }
 
@@ -78,7 +88,11 @@ pub trait EventHandler: Send {
 pub struct NoHandler;
 
 impl EventHandler for NoHandler {
-    fn on_event(&mut self, _: &SequencedEvent<'_>, _: &mut Outputs<'_>) -> Result<(), HubError> {
+    fn on_event(
+        &mut self,
+        _: &SequencedEvent<'_>,
+        _: &mut TaskCtx<'_, '_>,
+    ) -> Result<(), HubError> {
         Ok(())
     }
 }
@@ -105,11 +119,58 @@ impl Outputs<'_> {
         }
         send(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
     }
+
+    /// Sends a record with headers into the open transaction.
+    pub fn send_with_headers(
+        &mut self,
+        topic: &str,
+        partition: Option<i32>,
+        key: &[u8],
+        value: Option<&[u8]>,
+        headers: &[(&str, Option<&[u8]>)],
+    ) -> Result<(), HubError> {
+        let mut h = OwnedHeaders::new_with_capacity(headers.len());
+        for (k, v) in headers {
+            h = h.insert(Header { key: k, value: *v });
+        }
+        let mut r = BaseRecord::<[u8], [u8]>::to(topic).key(key).headers(h);
+        if let Some(v) = value {
+            r = r.payload(v);
+        }
+        if let Some(p) = partition {
+            r = r.partition(p);
+        }
+        send(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
+    }
 }
 
-/// A task: the stores of one inbox partition.
+/// What a handler sees of its task inside the transaction.
+pub struct TaskCtx<'a, 'p> {
+    pub out: &'a mut Outputs<'p>,
+    pub store: &'a Store,
+    pub staged: &'a mut Staged,
+    pub ring: &'a mut TenantRing,
+    pub codec: &'a Codec,
+    pub jobs_changelog: &'a mut ChangelogWrites,
+    pub now: i64,
+}
+
+impl TaskCtx<'_, '_> {
+    /// The task's job store, writing into this transaction.
+    pub fn jobs(&mut self) -> JobStore<'_> {
+        JobStore {
+            store: self.store,
+            staged: self.staged,
+            codec: self.codec,
+            changelog: self.jobs_changelog,
+        }
+    }
+}
+
+/// A task: the stores of one inbox partition, and the tenants with timers in them.
 struct Task {
     store: Store,
+    ring: TenantRing,
 }
 
 /// Names and settings every task shares.
@@ -120,14 +181,17 @@ struct Env {
     inbox: String,
     dedup_changelog: String,
     sequence_changelog: String,
+    jobs_changelog: String,
+    attempts: String,
+    dlq: String,
 }
 
 impl Env {
     fn changelog_of(&self, family: &str) -> &str {
-        if family == DEDUP {
-            &self.dedup_changelog
-        } else {
-            &self.sequence_changelog
+        match family {
+            DEDUP => &self.dedup_changelog,
+            JOBS => &self.jobs_changelog,
+            _ => &self.sequence_changelog,
         }
     }
 }
@@ -208,7 +272,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             partition,
             why: e.to_string(),
         })?;
-        let store = Store::open(&path, &[DEDUP, DEDUP_EXPIRY, SEQUENCE])?;
+        let store = Store::open(&path, &FAMILIES)?;
         for family in CHANGELOGGED {
             specs.push((
                 tasks.len(),
@@ -220,15 +284,25 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
                 },
             ));
         }
-        tasks.push((partition, Task { store }));
+        tasks.push((
+            partition,
+            Task {
+                store,
+                ring: TenantRing::default(),
+            },
+        ));
     }
+    let mut tenants: Vec<std::collections::BTreeSet<String>> =
+        vec![Default::default(); tasks.len()];
     let plain: Vec<changelog::RestoreSpec> = specs.iter().map(|s| s.2.clone()).collect();
     let stats = changelog::restore(&env.config, &plain, |i, records| {
         let (task_index, family, _) = &specs[i];
         let store = &tasks[*task_index].1.store;
         let mut staged = Staged::default();
         for (key, value, _) in records {
-            restore_one(store, &env.codec, &mut staged, family, key, *value)?;
+            if let Some(t) = restore_one(store, &env.codec, &mut staged, family, key, *value)? {
+                tenants[*task_index].insert(t);
+            }
         }
         let last = records.last().map(|r| r.2).unwrap_or_default();
         store
@@ -245,6 +319,15 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
         took: stats.took,
     }
     .emit();
+    for (i, (_, task)) in tasks.iter_mut().enumerate() {
+        // Tenants with timers: from the restored tail, and from the store for the part before it.
+        for t in &tenants[i] {
+            task.ring.add(t);
+        }
+        for t in jobs::tenants_with_timers(&task.store)? {
+            task.ring.add(&t);
+        }
+    }
     Ok((tasks, stats.records))
 }
 
@@ -272,7 +355,28 @@ fn restore_one(
     family: &'static str,
     key: &[u8],
     value: Option<&[u8]>,
-) -> Result<(), String> {
+) -> Result<Option<String>, String> {
+    let mut tenant = None;
+    if family == JOBS && key.starts_with(b"j/") {
+        if let Some(old) = staged.read(store, JOBS, key).map_err(|e| e.to_string())? {
+            if let Ok(old) =
+                codec.decode::<crate::runtime::records::JobRecord>(RecordKind::Job, &old)
+            {
+                staged.delete(DUE, jobs::due_key(&old.tenant_id, old.due_at, key));
+            }
+        }
+        if let Some(v) = value {
+            let job: crate::runtime::records::JobRecord = codec
+                .decode(RecordKind::Job, v)
+                .map_err(|e| e.to_string())?;
+            staged.put(
+                DUE,
+                jobs::due_key(&job.tenant_id, job.due_at, key),
+                Vec::new(),
+            );
+            tenant = Some(job.tenant_id);
+        }
+    }
     if family == DEDUP {
         if let Some(old) = staged.read(store, DEDUP, key).map_err(|e| e.to_string())? {
             if let Ok(old) = codec.decode::<DedupEntry>(RecordKind::DedupEntry, &old) {
@@ -294,13 +398,60 @@ fn restore_one(
         Some(v) => staged.put(family, key.to_vec(), v.to_vec()),
         None => staged.delete(family, key.to_vec()),
     }
-    Ok(())
+    Ok(tenant)
 }
 
 pub struct HubStage {
     env: Env,
     clock: SharedClock,
     handler: Box<dyn EventHandler>,
+    dispatch: Option<Dispatch>,
+}
+
+/// The delivery side of the hub loop: claims due jobs, hands them to the workers after the claim
+/// committed, and records their outcomes in the next transaction.
+pub struct Dispatch {
+    pub table: SharedTable,
+    pub workers: Workers,
+    pub runtime: tokio::runtime::Handle,
+    pub max_in_flight: usize,
+    pub lease_ms: i64,
+    pub poison_threshold: u32,
+    done_tx: std::sync::mpsc::Sender<Outcome>,
+    done_rx: std::sync::mpsc::Receiver<Outcome>,
+    in_flight: usize,
+    /// Outcomes taken from the workers but not yet committed (kept across an abort).
+    pending: Vec<Outcome>,
+}
+
+impl Dispatch {
+    pub fn new(
+        table: SharedTable,
+        workers: Workers,
+        runtime: tokio::runtime::Handle,
+        config: &Config,
+    ) -> Dispatch {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        Dispatch {
+            table,
+            workers,
+            runtime,
+            max_in_flight: config.dispatch_workers * 4,
+            lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
+            poison_threshold: config.poison_threshold,
+            done_tx,
+            done_rx,
+            in_flight: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(o) = self.done_rx.try_recv() {
+            self.in_flight = self.in_flight.saturating_sub(1);
+            self.pending.push(o);
+        }
+    }
 }
 
 impl HubStage {
@@ -318,19 +469,29 @@ impl HubStage {
                 inbox: format!("{p}.inbox"),
                 dedup_changelog: format!("{p}.hub.dedup.changelog"),
                 sequence_changelog: format!("{p}.hub.sequence.changelog"),
+                jobs_changelog: format!("{p}.hub.jobs.changelog"),
+                attempts: format!("{p}.attempts"),
+                dlq: format!("{p}.dlq"),
             },
             clock,
             handler,
+            dispatch: None,
         }
+    }
+
+    /// Turns on delivery: due jobs are claimed and attempted by `dispatch`'s workers.
+    pub fn with_dispatch(mut self, dispatch: Dispatch) -> HubStage {
+        self.dispatch = Some(dispatch);
+        self
     }
 
     /// Runs until `stop` is set or a fatal error; blocking (run it on its own thread).
     pub fn run(&mut self, stop: Arc<AtomicBool>) -> Result<(), HubError> {
-        let config = &self.env.config;
+        let config = self.env.config.clone();
         let instance = config.instance();
         let shared = Arc::new(Mutex::new(Shared::default()));
         let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(
-            config,
+            &config,
             &format!("{}.hub.{instance}", config.topic_prefix),
         )
         .set("message.max.bytes", "4194304")
@@ -340,7 +501,7 @@ impl HubStage {
             .init_transactions(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
         let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(
-            config,
+            &config,
             &config.hub_group_id(),
             &format!("hub-{instance}"),
         )
@@ -352,10 +513,20 @@ impl HubStage {
         consumer
             .subscribe(&[self.env.inbox.as_str()])
             .map_err(KafkaError::from)?;
-        tracing::info!(group = %config.hub_group_id(), "hub stage started");
+        tracing::info!(group = %config.hub_group_id(), dispatch = self.dispatch.is_some(), "hub stage started");
 
         while !stop.load(Ordering::Relaxed) {
-            let mut batch = self.fill_batch(&consumer, &stop);
+            let busy = self
+                .dispatch
+                .as_ref()
+                .is_some_and(|d| d.in_flight > 0 || !d.pending.is_empty())
+                || shared
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .tasks
+                    .values()
+                    .any(|t| !t.ring.is_empty());
+            let mut batch = self.fill_batch(&consumer, &stop, busy);
             if let Some(e) = shared
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -365,22 +536,38 @@ impl HubStage {
                 return Err(e);
             }
             self.drop_revoked(&consumer, &shared, &mut batch);
-            if batch.is_empty() {
+            if let Some(d) = &mut self.dispatch {
+                d.drain();
+            }
+            let has_dispatch_work = self
+                .dispatch
+                .as_ref()
+                .is_some_and(|d| !d.pending.is_empty() || d.in_flight < d.max_in_flight);
+            if batch.is_empty() && !has_dispatch_work {
                 continue;
             }
             let started = Instant::now();
             let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-            let result = self.process_batch(&producer, &consumer, &mut guard.tasks, &batch);
-            match result {
-                Ok(n) => telemetry::HubCommit {
-                    records: n,
-                    took: started.elapsed(),
-                }
-                .emit(),
-                Err(e) => {
-                    if let HubError::Fenced(_) = e {
-                        return Err(e);
+            match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
+                Ok((n, attempts)) => {
+                    if n > 0 || !attempts.is_empty() {
+                        telemetry::HubCommit {
+                            records: n,
+                            took: started.elapsed(),
+                        }
+                        .emit();
                     }
+                    if let Some(d) = &mut self.dispatch {
+                        d.pending.clear();
+                        d.in_flight += attempts.len();
+                        for a in attempts {
+                            d.workers.spawn(&d.runtime, a, d.done_tx.clone());
+                        }
+                    }
+                }
+                Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
+                Err(HubError::Idle) => {}
+                Err(e) => {
                     tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
                     if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
                         return Err(fatal_or_kafka(abort));
@@ -400,14 +587,20 @@ impl HubStage {
         &self,
         consumer: &'c BaseConsumer<HubContext>,
         stop: &AtomicBool,
+        busy: bool,
     ) -> Vec<BorrowedMessage<'c>> {
         let config = &self.env.config;
         let mut batch = Vec::new();
         let mut deadline: Option<Instant> = None;
         let mut last: HashMap<i32, i64> = HashMap::new();
+        let idle_wait = if busy {
+            Duration::from_millis(10)
+        } else {
+            Duration::from_millis(100)
+        };
         while batch.len() < config.ingest_batch_max {
             let wait = match deadline {
-                None => Duration::from_millis(100),
+                None => idle_wait,
                 Some(d) => d.saturating_duration_since(Instant::now()),
             };
             if deadline.is_some() && wait.is_zero() {
@@ -415,7 +608,7 @@ impl HubStage {
             }
             match consumer.poll(wait) {
                 None => {
-                    if deadline.is_none() && stop.load(Ordering::Relaxed) {
+                    if deadline.is_none() && (busy || stop.load(Ordering::Relaxed)) {
                         break;
                     }
                 }
@@ -471,26 +664,38 @@ impl HubStage {
         }
     }
 
+    /// One transaction: the inbox records, then the workers' outcomes, then new claims.
+    /// Returns the records processed and the claimed attempts to start once committed.
     fn process_batch(
         &mut self,
         producer: &BaseProducer<TrackingContext>,
         consumer: &BaseConsumer<HubContext>,
         tasks: &mut HashMap<i32, Task>,
         batch: &[BorrowedMessage<'_>],
-    ) -> Result<usize, HubError> {
+    ) -> Result<(usize, Vec<Attempt>), HubError> {
         let env = &self.env;
         let now = self.clock.now_ms();
         let ttl = env.config.idempotency_ttl.as_millis() as i64;
+        // Due work is looked for before the transaction opens, so an idle loop opens none.
+        let claimable = match &self.dispatch {
+            Some(d) if d.in_flight < d.max_in_flight => tasks.values().any(|t| !t.ring.is_empty()),
+            _ => false,
+        };
+        let outcomes = self.dispatch.as_ref().map_or(0, |d| d.pending.len());
+        if batch.is_empty() && outcomes == 0 && !claimable {
+            return Err(HubError::Idle);
+        }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
         let _ = producer.context().take();
         let mut staged: HashMap<i32, Staged> = HashMap::new();
+        let mut jobs_changelog: HashMap<i32, ChangelogWrites> = HashMap::new();
         let mut sequences: HashMap<(i32, String), u64> = HashMap::new();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
         let mut outputs = Outputs { producer };
         for m in batch {
             let p = m.partition();
             offsets.insert(p, m.offset() + 1);
-            let Some(task) = tasks.get(&p) else {
+            let Some(task) = tasks.get_mut(&p) else {
                 continue; // unreachable: revoked partitions were dropped from the batch
             };
             let st = staged.entry(p).or_default();
@@ -572,7 +777,17 @@ impl HubStage {
                 replay,
                 record: m,
             };
-            self.handler.on_event(&event, &mut outputs)?;
+            let jc = jobs_changelog.entry(p).or_default();
+            let mut ctx = TaskCtx {
+                out: &mut outputs,
+                store: &task.store,
+                staged: st,
+                ring: &mut task.ring,
+                codec: &env.codec,
+                jobs_changelog: jc,
+                now,
+            };
+            self.handler.on_event(&event, &mut ctx)?;
         }
         for ((p, tenant), next) in sequences {
             let rec = SequenceRecord {
@@ -598,17 +813,37 @@ impl HubStage {
             let st = staged.entry(*p).or_default();
             purge_expired(env, &task.store, st, &mut outputs, *p, now)?;
         }
-        let mut tpl = TopicPartitionList::new();
-        for (p, next) in &offsets {
-            tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
-                .map_err(KafkaError::from)?;
+        let mut attempts = Vec::new();
+        if let Some(d) = &self.dispatch {
+            self::dispatch_work(
+                env,
+                d,
+                tasks,
+                &mut staged,
+                &mut jobs_changelog,
+                &mut outputs,
+                now,
+                &mut attempts,
+            )?;
         }
-        let metadata = consumer
-            .group_metadata()
-            .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
-        producer
-            .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
-            .map_err(fatal_or_kafka)?;
+        for (p, records) in jobs_changelog {
+            for (k, v) in records {
+                outputs.send(&env.jobs_changelog, Some(p), &k, v.as_deref())?;
+            }
+        }
+        if !offsets.is_empty() {
+            let mut tpl = TopicPartitionList::new();
+            for (p, next) in &offsets {
+                tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
+                    .map_err(KafkaError::from)?;
+            }
+            let metadata = consumer
+                .group_metadata()
+                .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
+            producer
+                .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
+                .map_err(fatal_or_kafka)?;
+        }
         producer.flush(TXN_TIMEOUT).map_err(fatal_or_kafka)?; // serves delivery reports: offsets
         let (delivered, failed) = producer.context().take();
         if let Some(why) = failed {
@@ -618,10 +853,13 @@ impl HubStage {
             .commit_transaction(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
         // Committed: now the local stores may move, each with its changelog offsets.
+        for task in tasks.values_mut() {
+            task.ring.committed();
+        }
         for (p, st) in staged {
             let Some(task) = tasks.get(&p) else { continue };
             let mut marks: Vec<(&str, i64)> = Vec::new();
-            for family in [DEDUP, SEQUENCE] {
+            for family in CHANGELOGGED {
                 if let Some(o) = delivered
                     .get(env.changelog_of(family))
                     .and_then(|m| m.get(&p))
@@ -631,8 +869,162 @@ impl HubStage {
             }
             task.store.apply(st, &marks)?;
         }
-        Ok(batch.len())
+        Ok((batch.len(), attempts))
     }
+}
+
+/// Inside the transaction: records the workers' outcomes, then claims due jobs (fair across
+/// tenants) up to the free worker capacity. Claimed attempts start only after the commit.
+#[allow(clippy::too_many_arguments)]
+fn dispatch_work(
+    env: &Env,
+    d: &Dispatch,
+    tasks: &mut HashMap<i32, Task>,
+    staged: &mut HashMap<i32, Staged>,
+    jobs_changelog: &mut HashMap<i32, ChangelogWrites>,
+    out: &mut Outputs<'_>,
+    now: i64,
+    attempts: &mut Vec<Attempt>,
+) -> Result<(), HubError> {
+    let mut rng = rand::thread_rng();
+    for o in &d.pending {
+        let Some(task) = tasks.get(&o.partition) else {
+            continue;
+        };
+        let st = staged.entry(o.partition).or_default();
+        let jc = jobs_changelog.entry(o.partition).or_default();
+        let mut js = JobStore {
+            store: &task.store,
+            staged: st,
+            codec: &env.codec,
+            changelog: jc,
+        };
+        let schedule = js
+            .get_job(&o.job_key)?
+            .and_then(|j| d.table.read().get(&j.subscription_id))
+            .and_then(|s| s.retry_schedule.clone());
+        let Some(records) = jobs::apply_outcome(
+            &mut js,
+            o,
+            schedule.as_deref(),
+            now,
+            d.poison_threshold,
+            &mut rng,
+        )?
+        else {
+            continue;
+        };
+        telemetry::AttemptDone {
+            outcome: &records.attempt,
+        }
+        .emit();
+        let key = records.attempt.event_id.clone();
+        let bytes = env
+            .codec
+            .encode(RecordKind::Attempt, &records.attempt)
+            .map_err(|e| HubError::Codec(e.to_string()))?;
+        out.send(&env.attempts, None, key.as_bytes(), Some(&bytes))?;
+        if let Some(dl) = records.dead_letter {
+            emit_dead_letter(env, out, &dl)?;
+        }
+    }
+    let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
+    for (p, task) in tasks.iter_mut() {
+        if capacity == 0 {
+            break;
+        }
+        if task.ring.is_empty() {
+            continue;
+        }
+        let st = staged.entry(*p).or_default();
+        let jc = jobs_changelog.entry(*p).or_default();
+        let mut js = JobStore {
+            store: &task.store,
+            staged: st,
+            codec: &env.codec,
+            changelog: jc,
+        };
+        let due = js.due_jobs(&mut task.ring, now, capacity)?;
+        for (key, mut job) in due {
+            let old_due = job.due_at;
+            let sub = d.table.read().get(&job.subscription_id);
+            let Some(sub) = sub else {
+                // The subscription was deleted: its pending deliveries go with it.
+                js.finish_job(&key, &job)?;
+                continue;
+            };
+            if !sub.enabled {
+                let dl = jobs::dead_letter_without_attempt(
+                    &mut js,
+                    &key,
+                    job,
+                    DeadLetterReason::SubscriptionDisabled,
+                    now,
+                )?;
+                emit_dead_letter(env, out, &dl)?;
+                continue;
+            }
+            if job.state == JobState::Leased {
+                // Its lease ran out with no outcome (the process died mid-attempt): reclaim.
+                job.reclaims += 1;
+                if job.reclaims >= d.poison_threshold {
+                    let dl = jobs::dead_letter_without_attempt(
+                        &mut js,
+                        &key,
+                        job,
+                        DeadLetterReason::Poison,
+                        now,
+                    )?;
+                    emit_dead_letter(env, out, &dl)?;
+                    continue;
+                }
+            }
+            let Some(payload_key) = jobs::payload_key_of(&key) else {
+                continue;
+            };
+            let Some(payload) = js.get_payload(&payload_key)? else {
+                js.finish_job(&key, &job)?;
+                continue;
+            };
+            job.state = JobState::Leased;
+            job.lease_until = Some(now + d.lease_ms);
+            job.due_at = now + d.lease_ms;
+            js.put_job(&key, &job, Some(old_due))?;
+            let ce_headers = payload
+                .headers
+                .iter()
+                .filter(|h| h.key.starts_with("ce-"))
+                .filter_map(|h| Some((h.key.clone(), String::from_utf8(h.value.clone()?).ok()?)))
+                .collect();
+            attempts.push(Attempt {
+                partition: *p,
+                job_key: key.clone(),
+                attempt: job.attempt,
+                lease_until: job.due_at,
+                event_id: job.event_key.clone(),
+                tenant: job.tenant_id.clone(),
+                event_type: crate::dispatch::event_type_of(&payload.headers),
+                subscription: sub,
+                ce_headers,
+                body: bytes::Bytes::from(payload.value),
+            });
+            capacity -= 1;
+        }
+    }
+    Ok(())
+}
+
+fn emit_dead_letter(
+    env: &Env,
+    out: &mut Outputs<'_>,
+    dl: &DeadLetterRecord,
+) -> Result<(), HubError> {
+    telemetry::DeadLettered { record: dl }.emit();
+    let bytes = env
+        .codec
+        .encode(RecordKind::DeadLetter, dl)
+        .map_err(|e| HubError::Codec(e.to_string()))?;
+    out.send(&env.dlq, None, dl.event_id.as_bytes(), Some(&bytes))
 }
 
 fn read_sequence(codec: &Codec, st: &Staged, store: &Store, tenant: &str) -> Result<u64, HubError> {

@@ -207,3 +207,57 @@ impl Matched<'_> {
         );
     }
 }
+
+pub const ATTEMPTS: &str = "streaming_hub_attempts_total";
+pub const ATTEMPT_SECONDS: &str = "streaming_hub_attempt_seconds";
+pub const DEAD_LETTERS: &str = "streaming_hub_dead_letters_total";
+
+/// One delivery attempt finished (recorded in the hub's transaction).
+pub struct AttemptDone<'a> {
+    pub outcome: &'a crate::runtime::records::AttemptRecord,
+}
+
+impl AttemptDone<'_> {
+    pub fn emit(&self) {
+        let a = self.outcome;
+        let outcome = match a.outcome {
+            crate::runtime::records::AttemptOutcome::Delivered => "delivered",
+            crate::runtime::records::AttemptOutcome::RetryScheduled => "retry_scheduled",
+            crate::runtime::records::AttemptOutcome::DeadLettered => "dead_lettered",
+        };
+        let class = match a.status {
+            Some(s) => ["1xx", "2xx", "3xx", "4xx", "5xx"]
+                .get((s / 100).saturating_sub(1) as usize)
+                .copied()
+                .unwrap_or("other"),
+            None => "none",
+        };
+        counter!(ATTEMPTS, "outcome" => outcome, "status_class" => class).increment(1);
+        histogram!(ATTEMPT_SECONDS).record(a.latency_ms as f64 / 1000.0);
+        tracing::info!(
+            ce_id = %a.event_id, subscription_id = %a.subscription_id, tenant = %a.tenant_id, attempt = a.attempt,
+            delivery_id = %a.delivery_id, status = a.status, error = a.error_kind.as_deref().unwrap_or(""), outcome,
+            "delivery attempt"
+        );
+    }
+}
+
+/// A delivery was dead-lettered.
+pub struct DeadLettered<'a> {
+    pub record: &'a crate::runtime::records::DeadLetterRecord,
+}
+
+impl DeadLettered<'_> {
+    pub fn emit(&self) {
+        let r = self.record;
+        let reason = match r.reason {
+            crate::runtime::records::DeadLetterReason::Exhausted => "exhausted",
+            crate::runtime::records::DeadLetterReason::Poison => "poison",
+            crate::runtime::records::DeadLetterReason::SubscriptionDisabled => {
+                "subscription_disabled"
+            }
+        };
+        counter!(DEAD_LETTERS, "reason" => reason).increment(1);
+        tracing::warn!(ce_id = %r.event_id, subscription_id = %r.subscription_id, tenant = %r.tenant_id, attempts = r.attempts, reason, "delivery dead-lettered");
+    }
+}

@@ -60,19 +60,19 @@ pub fn follow(
         .set("fetch.wait.max.ms", "50")
         .create()
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
-    let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(30))?;
-    let mut tpl = TopicPartitionList::new();
-    let mut ends = Vec::new();
-    for p in md
-        .topics()
-        .first()
-        .map(|t| t.partitions())
-        .unwrap_or_default()
-    {
-        tpl.add_partition_offset(&topic, p.id(), Offset::Beginning)?;
-        let (_, high) = consumer.fetch_watermarks(&topic, p.id(), Duration::from_secs(30))?;
-        ends.push((p.id(), high));
-    }
+    // The topic may have been created a moment ago: wait until its partitions and ends are known.
+    let (tpl, ends) = loop {
+        match start_positions(&consumer, &topic) {
+            Ok(found) => break found,
+            Err(e) => {
+                tracing::warn!(topic = %topic, error = %e, "control topic not readable yet; retrying");
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    };
     consumer.assign(&tpl)?;
     let mut caught_up = false;
     let mut idle = 0u32;
@@ -120,7 +120,9 @@ pub fn follow(
             None => idle += 1,
         }
         if !caught_up {
-            let pos = consumer.position()?;
+            let Ok(pos) = consumer.position() else {
+                continue;
+            };
             let done = ends.iter().all(|(p, high)| {
                 *high == 0
                     || matches!(pos.find_partition(&topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *high)
@@ -138,6 +140,32 @@ pub fn follow(
         }
     }
     Ok(())
+}
+
+/// Every partition of the control topic from the beginning, and each one's current end.
+fn start_positions(
+    consumer: &BaseConsumer,
+    topic: &str,
+) -> Result<(TopicPartitionList, Vec<(i32, i64)>), KafkaError> {
+    let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let parts = md
+        .topics()
+        .first()
+        .map(|t| t.partitions())
+        .unwrap_or_default();
+    if parts.is_empty() {
+        return Err(KafkaError::Setup(format!(
+            "{topic} has no partitions (yet)"
+        )));
+    }
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for p in parts {
+        tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
+        let (_, high) = consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
+        ends.push((p.id(), high));
+    }
+    Ok((tpl, ends))
 }
 
 /// The subscriptions as the API and CLI see them.

@@ -4,8 +4,13 @@
 //! - `control`: the compacted control topic that is the table's truth, followed by every instance,
 //!   and the read-your-writes handle the API and CLI write through;
 //! - `secrets`: signing secrets and credentials encrypted at rest under the KEK;
-//! - `model`: the API's JSON shapes and their validation.
+//! - `model`: the API's JSON shapes and their validation;
+//! - `apply`: `streaming-hub subscriptions apply -f file.json`, subscriptions as code (GitOps);
+//! - `pending`: the verification probe of a stored subscription and the task that retries pending
+//!   ones until `active` or `failed`.
+pub mod apply;
 pub mod control;
 pub mod model;
+pub mod pending;
 pub mod secrets;
 pub mod table;

@@ -69,6 +69,11 @@ impl Table {
         self.by_id.get(id).cloned()
     }
 
+    /// Every subscription, in no particular order (background scans, such as the pending retrier).
+    pub fn iter(&self) -> impl Iterator<Item = &Sub> {
+        self.by_id.values()
+    }
+
     pub fn len(&self) -> usize {
         self.by_id.len()
     }

@@ -1,0 +1,469 @@
+//! Jobs, payloads and timers, in the hub task's store; claims and outcomes, in its transaction.
+//!
+//! Layout (family `jobs`, changelogged to `<prefix>.hub.jobs.changelog`; keys are the changelog
+//! keys): `j/<tenant>\0<ce-id>\0<subscription id>` → Avro job (attempt, due time, lease, reclaims,
+//! last outcome); `p/<tenant>\0<ce-id>` → Avro payload (headers and value, stored once per event,
+//! with the number of jobs still holding it). Family `due` (local, rebuilt on restore):
+//! `<tenant>\0<due_at big-endian>\0<job key>` → empty: each tenant's jobs in due order, so the
+//! scheduler takes the next due job of each tenant in turn (round robin) without scanning all jobs,
+//! and a backlog of millions stays on disk.
+//!
+//! A job's life: created `pending`, due now → claimed (`leased`, due again at `lease_until`, in a
+//! committed transaction, *then* sent) → outcome: success deletes it; failure reschedules it on the
+//! curve or dead-letters it when the curve is exhausted; a lease that expires with no outcome is
+//! reclaimed, and after `STREAMING_HUB_POISON_THRESHOLD` reclaims the job is dead-lettered as poison.
+use std::collections::{HashSet, VecDeque};
+
+use rand::Rng;
+
+use crate::dispatch::curve;
+use crate::dispatch::worker::Outcome;
+use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::records::{
+    AttemptOutcome, AttemptRecord, DeadLetterReason, DeadLetterRecord, EventPayloadRecord,
+    JobRecord, JobState,
+};
+use crate::runtime::store::{Staged, Store, StoreError};
+
+/// Changelog records to send: key, and value or tombstone.
+pub type ChangelogWrites = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+pub const JOBS: &str = "jobs";
+pub const DUE: &str = "due";
+
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("codec: {0}")]
+    Codec(String),
+}
+
+pub fn job_key(tenant: &str, ce_id: &str, subscription: &str) -> Vec<u8> {
+    [
+        b"j/",
+        tenant.as_bytes(),
+        b"\0",
+        ce_id.as_bytes(),
+        b"\0",
+        subscription.as_bytes(),
+    ]
+    .concat()
+}
+
+pub fn payload_key(tenant: &str, ce_id: &str) -> Vec<u8> {
+    [b"p/", tenant.as_bytes(), b"\0", ce_id.as_bytes()].concat()
+}
+
+/// The payload key of a job key.
+pub fn payload_key_of(job_key: &[u8]) -> Option<Vec<u8>> {
+    let body = job_key.strip_prefix(b"j/")?;
+    let end = body.iter().rposition(|&b| b == 0)?;
+    Some([b"p/", &body[..end]].concat())
+}
+
+pub fn due_key(tenant: &str, due_at: i64, job_key: &[u8]) -> Vec<u8> {
+    [
+        tenant.as_bytes(),
+        b"\0",
+        &(due_at.max(0) as u64).to_be_bytes(),
+        b"\0",
+        job_key,
+    ]
+    .concat()
+}
+
+fn split_due_key(key: &[u8], tenant: &str) -> Option<(i64, Vec<u8>)> {
+    let rest = key.strip_prefix(tenant.as_bytes())?.strip_prefix(b"\0")?;
+    let (t, rest) = rest.split_at_checked(8)?;
+    let due = u64::from_be_bytes(t.try_into().ok()?) as i64;
+    Some((due, rest.strip_prefix(b"\0")?.to_vec()))
+}
+
+/// Every tenant with at least one timer in the store (a seek per tenant, not a scan of jobs).
+pub fn tenants_with_timers(store: &Store) -> Result<Vec<String>, StoreError> {
+    let mut out = Vec::new();
+    let mut from: Vec<u8> = Vec::new();
+    while let Some((k, _)) = store.scan_from(DUE, &from, 1)?.into_iter().next() {
+        let Some(end) = k.iter().position(|&b| b == 0) else {
+            break;
+        };
+        let tenant = String::from_utf8_lossy(&k[..end]).into_owned();
+        from = [&k[..end], b"\x01".as_slice()].concat();
+        out.push(tenant);
+    }
+    Ok(out)
+}
+
+/// The tenants of a task that may have jobs, visited in turn.
+#[derive(Default)]
+pub struct TenantRing {
+    order: VecDeque<String>,
+    members: HashSet<String>,
+    /// Tenants given a job in the open transaction: their timers are not in the store yet, so
+    /// an empty scan must not drop them.
+    fresh: HashSet<String>,
+}
+
+impl TenantRing {
+    pub fn add(&mut self, tenant: &str) {
+        self.fresh.insert(tenant.to_string());
+        if self.members.insert(tenant.to_string()) {
+            self.order.push_back(tenant.to_string());
+        }
+    }
+
+    /// The transaction committed: its new timers are in the store now.
+    pub fn committed(&mut self) {
+        self.fresh.clear();
+    }
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+/// The store operations on jobs for one task inside one transaction. Changelog records to send
+/// are collected in `changelog` (key, value or tombstone).
+pub struct JobStore<'a> {
+    pub store: &'a Store,
+    pub staged: &'a mut Staged,
+    pub codec: &'a Codec,
+    pub changelog: &'a mut ChangelogWrites,
+}
+
+impl JobStore<'_> {
+    pub fn get_job(&self, key: &[u8]) -> Result<Option<JobRecord>, JobError> {
+        match self.staged.read(self.store, JOBS, key)? {
+            Some(b) => Ok(Some(
+                self.codec
+                    .decode(RecordKind::Job, &b)
+                    .map_err(|e| JobError::Codec(e.to_string()))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    pub fn get_payload(&self, key: &[u8]) -> Result<Option<EventPayloadRecord>, JobError> {
+        match self.staged.read(self.store, JOBS, key)? {
+            Some(b) => Ok(Some(
+                self.codec
+                    .decode(RecordKind::EventPayload, &b)
+                    .map_err(|e| JobError::Codec(e.to_string()))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.changelog.push((key.clone(), Some(value.clone())));
+        self.staged.put(JOBS, key, value);
+    }
+
+    fn delete(&mut self, key: Vec<u8>) {
+        self.changelog.push((key.clone(), None));
+        self.staged.delete(JOBS, key);
+    }
+
+    /// Writes a job and moves its timer from `old_due` (if any) to its `due_at`.
+    pub fn put_job(
+        &mut self,
+        key: &[u8],
+        job: &JobRecord,
+        old_due: Option<i64>,
+    ) -> Result<(), JobError> {
+        if let Some(old) = old_due {
+            self.staged.delete(DUE, due_key(&job.tenant_id, old, key));
+        }
+        self.staged
+            .put(DUE, due_key(&job.tenant_id, job.due_at, key), Vec::new());
+        let bytes = self
+            .codec
+            .encode(RecordKind::Job, job)
+            .map_err(|e| JobError::Codec(e.to_string()))?;
+        self.put(key.to_vec(), bytes);
+        Ok(())
+    }
+
+    /// Deletes a job, its timer, and its payload when no other job holds it.
+    pub fn finish_job(&mut self, key: &[u8], job: &JobRecord) -> Result<(), JobError> {
+        self.staged
+            .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+        self.delete(key.to_vec());
+        if let Some(pk) = payload_key_of(key) {
+            if let Some(mut p) = self.get_payload(&pk)? {
+                if p.refcount <= 1 {
+                    self.delete(pk);
+                } else {
+                    p.refcount -= 1;
+                    let bytes = self
+                        .codec
+                        .encode(RecordKind::EventPayload, &p)
+                        .map_err(|e| JobError::Codec(e.to_string()))?;
+                    self.put(pk, bytes);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores the event's payload once (or adds `jobs` holders to the stored one).
+    pub fn hold_payload(
+        &mut self,
+        key: Vec<u8>,
+        make: impl FnOnce() -> EventPayloadRecord,
+        jobs: u32,
+    ) -> Result<(), JobError> {
+        let mut p = match self.get_payload(&key)? {
+            Some(p) => p,
+            None => EventPayloadRecord {
+                refcount: 0,
+                ..make()
+            },
+        };
+        p.refcount += jobs;
+        let bytes = self
+            .codec
+            .encode(RecordKind::EventPayload, &p)
+            .map_err(|e| JobError::Codec(e.to_string()))?;
+        self.put(key, bytes);
+        Ok(())
+    }
+
+    /// Up to `limit` due jobs, one per tenant in turn: (job key, job). Jobs created in this
+    /// transaction are not seen (they are claimed by the next one).
+    pub fn due_jobs(
+        &self,
+        ring: &mut TenantRing,
+        now: i64,
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, JobRecord)>, JobError> {
+        let mut out = Vec::new();
+        let mut taken: HashSet<Vec<u8>> = HashSet::new();
+        let mut idle_pass = 0usize;
+        while out.len() < limit && !ring.order.is_empty() && idle_pass < ring.order.len() {
+            let tenant = ring.order.pop_front().expect("non-empty");
+            let prefix = [tenant.as_bytes(), b"\0"].concat();
+            // The first few of this tenant's timers, skipping the ones already taken this round.
+            let candidates = self
+                .store
+                .scan_from(DUE, &prefix, 1 + taken.len().min(64))?;
+            let mut found = None;
+            let mut any = false;
+            for (k, _) in candidates {
+                let Some((due, job)) = split_due_key(&k, &tenant) else {
+                    break;
+                };
+                any = true;
+                if due > now {
+                    break;
+                }
+                if !taken.contains(&job) && self.staged.get(DUE, &k).is_none() {
+                    found = Some(job);
+                    break;
+                }
+            }
+            match found {
+                Some(job_key) => {
+                    idle_pass = 0;
+                    if let Some(job) = self.get_job(&job_key)? {
+                        taken.insert(job_key.clone());
+                        out.push((job_key, job));
+                    }
+                    ring.order.push_back(tenant);
+                }
+                None if any => {
+                    idle_pass += 1;
+                    ring.order.push_back(tenant);
+                }
+                None if ring.fresh.contains(&tenant) => {
+                    idle_pass += 1;
+                    ring.order.push_back(tenant);
+                }
+                None => {
+                    // No timers left for this tenant; a new job adds it back.
+                    ring.members.remove(&tenant);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What the hub writes for one outcome besides the job itself.
+pub struct OutcomeRecords {
+    pub attempt: AttemptRecord,
+    pub dead_letter: Option<DeadLetterRecord>,
+}
+
+/// Applies an attempt's outcome to its job: done, rescheduled on the curve, or dead-lettered.
+/// Returns None when the outcome is stale (the job moved on: reclaimed, deleted).
+pub fn apply_outcome(
+    js: &mut JobStore<'_>,
+    o: &Outcome,
+    retry_schedule: Option<&[u64]>,
+    now: i64,
+    poison_threshold: u32,
+    rng: &mut impl Rng,
+) -> Result<Option<OutcomeRecords>, JobError> {
+    let Some(mut job) = js.get_job(&o.job_key)? else {
+        return Ok(None);
+    };
+    if job.state != JobState::Leased || job.attempt != o.attempt || job.due_at != o.lease_until {
+        return Ok(None);
+    }
+    let event_id = event_id_of(&o.job_key);
+    let mut attempt = AttemptRecord {
+        delivery_id: o.delivery_id.clone(),
+        event_id: event_id.clone(),
+        subscription_id: job.subscription_id.clone(),
+        tenant_id: job.tenant_id.clone(),
+        attempt: o.attempt,
+        started_at: o.started_at,
+        latency_ms: o.latency_ms,
+        status: o.status,
+        outcome: AttemptOutcome::Delivered,
+        error_kind: o.error_kind.clone(),
+        response_body_truncated: o.response_body.clone(),
+    };
+    if o.success() {
+        js.finish_job(&o.job_key, &job)?;
+        return Ok(Some(OutcomeRecords {
+            attempt,
+            dead_letter: None,
+        }));
+    }
+    let old_due = job.due_at;
+    job.last_status = o.status;
+    job.last_error = o.error_kind.clone();
+    if o.error_kind.as_deref() == Some("panic") {
+        // Counts as a reclaim: same attempt again, unless it keeps happening.
+        job.reclaims += 1;
+        if job.reclaims >= poison_threshold {
+            return dead_letter(
+                js,
+                &o.job_key,
+                job,
+                event_id,
+                attempt,
+                DeadLetterReason::Poison,
+                now,
+            );
+        }
+        job.state = JobState::Pending;
+        job.lease_until = None;
+        job.due_at = now;
+        js.put_job(&o.job_key, &job, Some(old_due))?;
+        attempt.outcome = AttemptOutcome::RetryScheduled;
+        return Ok(Some(OutcomeRecords {
+            attempt,
+            dead_letter: None,
+        }));
+    }
+    match curve::next_delay(retry_schedule, o.attempt + 1, o.retry_after_ms, rng) {
+        Some(delay) => {
+            job.attempt += 1;
+            job.state = JobState::Pending;
+            job.lease_until = None;
+            job.due_at = now + delay as i64;
+            js.put_job(&o.job_key, &job, Some(old_due))?;
+            attempt.outcome = AttemptOutcome::RetryScheduled;
+            Ok(Some(OutcomeRecords {
+                attempt,
+                dead_letter: None,
+            }))
+        }
+        None => dead_letter(
+            js,
+            &o.job_key,
+            job,
+            event_id,
+            attempt,
+            DeadLetterReason::Exhausted,
+            now,
+        ),
+    }
+}
+
+fn dead_letter(
+    js: &mut JobStore<'_>,
+    key: &[u8],
+    job: JobRecord,
+    event_id: String,
+    mut attempt: AttemptRecord,
+    reason: DeadLetterReason,
+    now: i64,
+) -> Result<Option<OutcomeRecords>, JobError> {
+    js.finish_job(key, &job)?;
+    attempt.outcome = AttemptOutcome::DeadLettered;
+    let dl = DeadLetterRecord {
+        event_id,
+        subscription_id: job.subscription_id.clone(),
+        tenant_id: job.tenant_id.clone(),
+        attempts: job.attempt,
+        last_status: job.last_status,
+        last_error: job.last_error.clone(),
+        reason,
+        dead_at: now,
+    };
+    Ok(Some(OutcomeRecords {
+        attempt,
+        dead_letter: Some(dl),
+    }))
+}
+
+/// Dead-letters a job without an attempt (poison after reclaims, disabled subscription).
+pub fn dead_letter_without_attempt(
+    js: &mut JobStore<'_>,
+    key: &[u8],
+    job: JobRecord,
+    reason: DeadLetterReason,
+    now: i64,
+) -> Result<DeadLetterRecord, JobError> {
+    js.finish_job(key, &job)?;
+    Ok(DeadLetterRecord {
+        event_id: event_id_of(key),
+        subscription_id: job.subscription_id.clone(),
+        tenant_id: job.tenant_id.clone(),
+        attempts: job.attempt.saturating_sub(1),
+        last_status: job.last_status,
+        last_error: job.last_error.clone(),
+        reason,
+        dead_at: now,
+    })
+}
+
+/// The `ce-id` inside a job key.
+pub fn event_id_of(job_key: &[u8]) -> String {
+    let mut parts = job_key
+        .strip_prefix(b"j/")
+        .unwrap_or(job_key)
+        .split(|&b| b == 0);
+    parts.next();
+    parts
+        .next()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_their_parts() {
+        let k = job_key("t1", "id-1", "sub-9");
+        assert_eq!(payload_key_of(&k).unwrap(), payload_key("t1", "id-1"));
+        assert_eq!(event_id_of(&k), "id-1");
+        let d = due_key("t1", 1234, &k);
+        assert_eq!(split_due_key(&d, "t1"), Some((1234, k.clone())));
+        assert_eq!(
+            split_due_key(&d, "t"),
+            None,
+            "a tenant prefix of another never matches"
+        );
+        assert!(
+            due_key("t1", 5, &k) < due_key("t1", 6, &k),
+            "timers sort by due time"
+        );
+    }
+}

@@ -1,0 +1,131 @@
+//! Dispatch: from a matched event to a delivery, at least once.
+//!
+//! - `jobs`: one job per (event, webhook subscription) and the event's payload stored once, in the
+//!   hub task's store, with per-tenant timers; claims and outcomes change them inside the hub
+//!   task's transaction;
+//! - `curve`: when a failed delivery is tried again;
+//! - `worker`: one HTTP attempt per claim, on the async runtime, bounded by
+//!   `STREAMING_HUB_DISPATCH_WORKERS`.
+//!
+//! [`DispatchJobs`] is the hub task's event handler: matched pull subscriptions get the event on
+//! `<prefix>.pull` (key = subscription id), matched webhook subscriptions get a job.
+pub mod curve;
+pub mod jobs;
+pub mod worker;
+
+use rdkafka::message::{Headers, Message};
+
+use crate::hub::matching::matches_for;
+use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
+use crate::runtime::records::{
+    DestinationType, EventPayloadRecord, HeaderRecord, JobRecord, JobState,
+};
+use crate::runtime::telemetry::Matched;
+use crate::subscriptions::table::SharedTable;
+
+/// Header added to records on `<prefix>.pull`: the tenant's arrival sequence of the event.
+pub const H_SEQUENCE: &str = "x-streaming-hub-sequence";
+
+/// Creates jobs (webhooks) and pull records (pull destinations) for matched events.
+pub struct DispatchJobs {
+    pub table: SharedTable,
+    pub pull_topic: String,
+}
+
+impl EventHandler for DispatchJobs {
+    fn on_event(
+        &mut self,
+        event: &SequencedEvent<'_>,
+        ctx: &mut TaskCtx<'_, '_>,
+    ) -> Result<(), HubError> {
+        let subs = matches_for(&self.table, event.tenant, event.record);
+        Matched {
+            ce_id: event.ce_id,
+            tenant: event.tenant,
+            subscriptions: subs.len(),
+        }
+        .emit();
+        if subs.is_empty() {
+            return Ok(());
+        }
+        let record = event.record;
+        let mut created = 0u32;
+        for sub in &subs {
+            match sub.destination.kind {
+                DestinationType::Pull => {
+                    let seq = event.sequence.to_string();
+                    let mut headers: Vec<(&str, Option<&[u8]>)> = record
+                        .headers()
+                        .map(|h| h.iter().map(|x| (x.key, x.value)).collect())
+                        .unwrap_or_default();
+                    headers.push((H_SEQUENCE, Some(seq.as_bytes())));
+                    ctx.out.send_with_headers(
+                        &self.pull_topic,
+                        None,
+                        sub.id.as_bytes(),
+                        record.payload(),
+                        &headers,
+                    )?;
+                }
+                DestinationType::Webhook => {
+                    let key = jobs::job_key(event.tenant, event.ce_id, &sub.id);
+                    let now = ctx.now;
+                    let mut js = ctx.jobs();
+                    if js.get_job(&key).map_err(HubError::from)?.is_some() {
+                        continue; // a replay while the first delivery is still pending
+                    }
+                    let job = JobRecord {
+                        event_key: event.ce_id.to_string(),
+                        subscription_id: sub.id.clone(),
+                        tenant_id: event.tenant.to_string(),
+                        attempt: 1,
+                        due_at: now,
+                        lease_until: None,
+                        reclaims: 0,
+                        last_status: None,
+                        last_error: None,
+                        state: JobState::Pending,
+                    };
+                    js.put_job(&key, &job, None).map_err(HubError::from)?;
+                    created += 1;
+                }
+            }
+        }
+        if created > 0 {
+            let make = || EventPayloadRecord {
+                headers: record
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|x| HeaderRecord {
+                                key: x.key.to_string(),
+                                value: x.value.map(<[u8]>::to_vec),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                value: record.payload().unwrap_or_default().to_vec(),
+                refcount: 0,
+            };
+            ctx.jobs()
+                .hold_payload(jobs::payload_key(event.tenant, event.ce_id), make, created)
+                .map_err(HubError::from)?;
+            ctx.ring.add(event.tenant);
+        }
+        Ok(())
+    }
+}
+
+/// `<resource>.<event>` of a stored payload's headers.
+pub fn event_type_of(headers: &[HeaderRecord]) -> String {
+    let get = |k: &str| {
+        headers
+            .iter()
+            .find(|h| h.key == k)
+            .and_then(|h| h.value.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    format!("{}.{}", get("ce-resourcetype"), get("ce-eventtype"))
+}

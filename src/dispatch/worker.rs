@@ -1,0 +1,236 @@
+//! Workers: each claimed job becomes exactly one HTTP request (DESIGN.md §4), run on the async
+//! runtime, at most `STREAMING_HUB_DISPATCH_WORKERS` at a time; its [`Outcome`] goes back to the
+//! hub thread, which records it in its next transaction.
+//!
+//! The request: POST, body = the event's payload bytes unchanged, `Content-Type` =
+//! `ce-datacontenttype`, every `ce-*` attribute as a header (CloudEvents HTTP binary mode),
+//! `X-Lerian-Event-Id` (= `ce-id`), `X-Lerian-Delivery-Id` (a new UUIDv7 per attempt),
+//! `X-Lerian-Event-Type` (`<resource>.<event>`), `X-Lerian-Attempt`, the destination's custom
+//! headers (sensitive ones decrypted in memory only), and the Standard Webhooks headers:
+//! `webhook-id` (= `ce-id`, stable across retries), `webhook-timestamp`, `webhook-signature` with
+//! every secret still valid (two during a rotation). 2xx = success; anything else, a timeout, a
+//! redirect or a refused connection = failure. A panic inside an attempt is caught and reported
+//! as such (the job is reclaimed, never the process killed).
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use tokio::sync::Semaphore;
+
+use crate::delivery::{client, signing};
+use crate::runtime::clock::SharedClock;
+use crate::runtime::secret::Secret;
+use crate::subscriptions::secrets::Kek;
+use crate::subscriptions::table::Sub;
+
+/// Response bytes kept in the attempt record.
+pub const BODY_CAP: usize = 64 * 1024;
+const KEPT_IN_RECORD: usize = 1024;
+
+/// One claimed job, ready to send.
+pub struct Attempt {
+    pub partition: i32,
+    pub job_key: Vec<u8>,
+    pub attempt: u32,
+    pub lease_until: i64,
+    pub event_id: String,
+    pub tenant: String,
+    pub event_type: String,
+    pub subscription: Sub,
+    /// `ce-*` headers of the event, in order.
+    pub ce_headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+/// What happened to one attempt.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub partition: i32,
+    pub job_key: Vec<u8>,
+    pub attempt: u32,
+    pub lease_until: i64,
+    pub delivery_id: String,
+    pub started_at: i64,
+    pub latency_ms: u64,
+    pub status: Option<u16>,
+    /// None on success.
+    pub error_kind: Option<String>,
+    pub retry_after_ms: Option<u64>,
+    pub response_body: Option<Vec<u8>>,
+}
+
+impl Outcome {
+    pub fn success(&self) -> bool {
+        self.error_kind.is_none()
+    }
+}
+
+/// Everything a worker needs besides the attempt.
+#[derive(Clone)]
+pub struct Workers {
+    pub http: reqwest::Client,
+    pub kek: Option<Arc<Kek>>,
+    pub clock: SharedClock,
+    pub allow_private: bool,
+    pub allow_insecure: bool,
+    pub permits: Arc<Semaphore>,
+}
+
+impl Workers {
+    /// Starts an attempt on the runtime; its outcome is sent to `done`.
+    pub fn spawn(&self, handle: &tokio::runtime::Handle, a: Attempt, done: Sender<Outcome>) {
+        let w = self.clone();
+        handle.spawn(async move {
+            let _permit = w.permits.clone().acquire_owned().await;
+            let started_at = w.clock.now_ms();
+            let base = Outcome {
+                partition: a.partition,
+                job_key: a.job_key.clone(),
+                attempt: a.attempt,
+                lease_until: a.lease_until,
+                delivery_id: uuid::Uuid::now_v7().to_string(),
+                started_at,
+                latency_ms: 0,
+                status: None,
+                error_kind: None,
+                retry_after_ms: None,
+                response_body: None,
+            };
+            let t0 = Instant::now();
+            let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))
+                .catch_unwind()
+                .await;
+            let mut outcome = result.unwrap_or_else(|_| Outcome {
+                error_kind: Some("panic".into()),
+                ..base
+            });
+            outcome.latency_ms = t0.elapsed().as_millis() as u64;
+            let _ = done.send(outcome);
+        });
+    }
+
+    async fn send(&self, a: &Attempt, mut out: Outcome) -> Outcome {
+        let sub = &a.subscription;
+        let Some(url) = sub.destination.url.as_deref() else {
+            out.error_kind = Some("no_url".into());
+            return out;
+        };
+        let secrets = match self.secrets(sub) {
+            Ok(s) => s,
+            Err(kind) => {
+                out.error_kind = Some(kind.into());
+                return out;
+            }
+        };
+        let timestamp = self.clock.now_ms() / 1000;
+        let signature = match signing::signature_header(&secrets, &a.event_id, timestamp, &a.body) {
+            Ok(s) => s,
+            Err(_) => {
+                out.error_kind = Some("signing_failed".into());
+                return out;
+            }
+        };
+        let mut req = match client::post(&self.http, url, self.allow_private, self.allow_insecure) {
+            Ok(r) => r,
+            Err(e) => {
+                out.error_kind = Some(e.code().into());
+                return out;
+            }
+        };
+        let mut content_type = "application/json".to_string();
+        for (k, v) in &sub.destination.headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        if let (Some(blob), Some(kek)) = (&sub.destination.sensitive_headers, &self.kek) {
+            if let Ok(plain) = kek.open(blob, &sub.id) {
+                if let Ok(map) =
+                    serde_json::from_slice::<std::collections::BTreeMap<String, String>>(&plain)
+                {
+                    for (k, v) in map {
+                        req = req.header(k, v);
+                    }
+                }
+            }
+        }
+        for (k, v) in &a.ce_headers {
+            if k == "ce-datacontenttype" {
+                content_type = v.clone();
+            } else {
+                req = req.header(k.as_str(), v.as_str());
+            }
+        }
+        let req = req
+            .header("content-type", content_type)
+            .header("x-lerian-event-id", &a.event_id)
+            .header("x-lerian-delivery-id", &out.delivery_id)
+            .header("x-lerian-event-type", &a.event_type)
+            .header("x-lerian-attempt", a.attempt.to_string())
+            .header("webhook-id", &a.event_id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(a.body.clone());
+        match req.send().await {
+            Ok(resp) => {
+                let status = resp.status();
+                out.status = Some(status.as_u16());
+                out.retry_after_ms = retry_after(&resp);
+                let (body, _) = client::read_capped(resp, BODY_CAP)
+                    .await
+                    .unwrap_or_default();
+                out.response_body = Some(body[..body.len().min(KEPT_IN_RECORD)].to_vec());
+                if !status.is_success() {
+                    out.error_kind = Some(
+                        if status.is_redirection() {
+                            "redirect"
+                        } else {
+                            "bad_status"
+                        }
+                        .into(),
+                    );
+                }
+            }
+            Err(e) => {
+                out.error_kind = Some(
+                    match client::classify(e) {
+                        client::TransportError::Forbidden => "forbidden_address",
+                        client::TransportError::Timeout => "timeout",
+                        client::TransportError::Connect(_) => "connect_failed",
+                    }
+                    .into(),
+                );
+            }
+        }
+        out
+    }
+
+    /// The secrets to sign with: every one not yet expired, newest first.
+    fn secrets(&self, sub: &Sub) -> Result<Vec<Secret>, &'static str> {
+        let kek = self.kek.as_ref().ok_or("no_kek")?;
+        let now = self.clock.now_ms();
+        let mut out = Vec::new();
+        for s in &sub.signing_secrets {
+            if s.expires_at.is_some_and(|t| t <= now) {
+                continue;
+            }
+            out.push(
+                kek.open_secret(s, &sub.id)
+                    .map_err(|_| "secret_unreadable")?,
+            );
+        }
+        if out.is_empty() {
+            return Err("no_signing_secret");
+        }
+        Ok(out)
+    }
+}
+
+/// `Retry-After` in seconds (the HTTP-date form is not honoured), for 429 and 503 only.
+fn retry_after(resp: &reqwest::Response) -> Option<u64> {
+    if !matches!(resp.status().as_u16(), 429 | 503) {
+        return None;
+    }
+    let v = resp.headers().get("retry-after")?.to_str().ok()?;
+    v.trim().parse::<u64>().ok().map(|s| s.saturating_mul(1000))
+}

@@ -1,0 +1,994 @@
+//! `streaming-hub subscriptions apply -f file.json`: subscriptions as code (GitOps).
+//!
+//! The file is a JSON array; each entry is the desired state of one subscription: a stable `id`
+//! (a UUID the author picks, so the next apply finds the subscription again), its `tenant_id`, and
+//! the fields of `POST /v1/subscriptions` (`origin`, `event_types`, `schema_major`, `destination`,
+//! `retry_schedule`, `enabled`). Unknown fields are refused, as in the API.
+//!
+//! ```json
+//! [{"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1c", "tenant_id": "acme",
+//!   "event_types": ["transaction.*"],
+//!   "destination": {"type": "webhook", "url": "https://hooks.acme.example/ledger"}}]
+//! ```
+//!
+//! Steps:
+//! 1. every entry passes the API's rules ([`CreateSubscription::validate`] under the deployment's
+//!    sink policy, the API's tenant id rule); on any error each bad entry is reported by its index
+//!    (from 0) and field, and nothing is written;
+//! 2. the control topic is read to its end into a table ([`control::follow`], which keeps
+//!    following, so each write below is read back before the next: read-your-writes);
+//! 3. each entry is compared with the table ([`plan`]):
+//!    - an unknown id is created at version 1; a webhook gets a new signing secret, sealed under
+//!      the KEK and printed once on stdout as `{"id":…,"signing_secret":"whsec_…"}`;
+//!    - a known id gets the entry's fields, keeps its secrets and goes to version + 1, unless
+//!      nothing changes (`unchanged <id>`, no write). Its tenant and destination type cannot
+//!      change (an error, as in the API's PATCH). An absent `enabled` leaves `enabled` as it is
+//!      (an auto-disabled subscription stays disabled); `true` re-enables and clears
+//!      `disabled_reason`/`disabled_at`;
+//! 4. a new webhook, or a webhook whose URL changes, is probed ([`Prober`]) before its write and
+//!    written `active` when the probe passes, `pending` otherwise (the hub's
+//!    [`PendingRetrier`](super::pending::PendingRetrier) keeps trying). Writes go through
+//!    [`Subscriptions::put`], in file order.
+//!
+//! Stdout, one line per entry (plus a webhook's secret line before its `created` line):
+//! `created <id> v1 active|pending[ <code>: <why>]`, `updated <id> v<N> <state>[ <code>: <why>]`,
+//! `unchanged <id>`. A summary and any error go to stderr. Exit codes are in [`exit`].
+//!
+//! Concurrency: like the API, apply reads version N and writes N + 1; another writer of the same
+//! subscription at the same time (the API of any instance) races it, and the control topic keeps
+//! the last write. Apply itself is idempotent: a second run of the same file writes nothing.
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use serde_json::Value;
+
+use super::control::{self, RepoError, Subscriptions};
+use super::model::{CreateSubscription, FieldError, SinkPolicy, ValidCreate, ValidDestination};
+use super::pending::{ProbeError, Prober, open_sensitive_headers, seal_sensitive_headers};
+use super::secrets::{Kek, SecretError, generate_signing_secret};
+use super::table::{SharedTable, Table};
+use crate::config::Config;
+use crate::runtime::avro::Codec;
+use crate::runtime::clock::{SharedClock, SystemClock};
+use crate::runtime::kafka;
+use crate::runtime::records::{
+    DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
+};
+use crate::runtime::secret::Secret;
+
+/// The command's exit codes.
+pub mod exit {
+    /// Every entry applied (created, updated or unchanged) and every probed webhook is active.
+    pub const APPLIED: u8 = 0;
+    /// Every entry applied, but some webhook failed its verification probe (left `pending`).
+    pub const UNVERIFIED: u8 = 1;
+    /// The file or the configuration is invalid; nothing was written.
+    pub const INVALID: u8 = 2;
+    /// The control topic could not be read or written; the lines printed were written, the rest
+    /// not. Running again is safe.
+    pub const UNAVAILABLE: u8 = 3;
+}
+
+/// Longest tenant id, as the API's tokens allow ([`crate::api::Caller::tenant_for`]).
+const MAX_TENANT_BYTES: usize = 256;
+/// How long reading the control topic to its end may take.
+const CATCH_UP: Duration = Duration::from_secs(60);
+/// Verification probes in flight at once.
+const PROBES_AT_ONCE: usize = 8;
+
+/// One entry at fault: its index in the file (from 0) and the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryError {
+    pub index: usize,
+    pub error: FieldError,
+}
+
+impl std::fmt::Display for EntryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = &self.error;
+        if e.field.is_empty() {
+            write!(f, "entry {}: {} ({})", self.index, e.message, e.code)
+        } else {
+            write!(
+                f,
+                "entry {}, field {}: {} ({})",
+                self.index, e.field, e.message, e.code
+            )
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("{0}")]
+    File(String),
+    #[error("{} invalid entries; nothing was written", .0.len())]
+    Invalid(Vec<EntryError>),
+    #[error("STREAMING_HUB_KEK: {0}")]
+    Kek(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(
+        "subscription {id}: its stored credentials do not open ({error}); check STREAMING_HUB_KEK and STREAMING_HUB_KEK_PREVIOUS"
+    )]
+    Sealed { id: String, error: SecretError },
+    #[error("subscription {id}: {error}")]
+    Write { id: String, error: RepoError },
+}
+
+impl ApplyError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            ApplyError::File(_) | ApplyError::Invalid(_) | ApplyError::Kek(_) => exit::INVALID,
+            ApplyError::Unavailable(_) | ApplyError::Sealed { .. } | ApplyError::Write { .. } => {
+                exit::UNAVAILABLE
+            }
+        }
+    }
+}
+
+/// An entry that passed every rule: the desired state of one subscription.
+pub struct Desired {
+    pub index: usize,
+    /// Canonical form (lower-case, hyphenated).
+    pub id: String,
+    pub tenant_id: String,
+    /// As written: `None` when absent.
+    pub enabled: Option<bool>,
+    pub spec: ValidCreate,
+}
+
+/// Parses the file and checks every entry (step 1 of the module doc).
+pub async fn read_entries(text: &str, policy: SinkPolicy) -> Result<Vec<Desired>, ApplyError> {
+    let values: Vec<Value> = serde_json::from_str(text).map_err(|e| {
+        ApplyError::File(format!(
+            "expected a JSON array of subscription definitions: {e}"
+        ))
+    })?;
+    let mut errors = Vec::new();
+    let mut out = Vec::new();
+    let mut ids = HashSet::new();
+    for (index, value) in values.into_iter().enumerate() {
+        match entry(index, value, policy).await {
+            Ok(d) if !ids.insert(d.id.clone()) => errors.push(EntryError {
+                index,
+                error: FieldError::new("id", "duplicate", "an earlier entry has this id"),
+            }),
+            Ok(d) => out.push(d),
+            Err(error) => errors.push(EntryError { index, error }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(ApplyError::Invalid(errors))
+    }
+}
+
+async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired, FieldError> {
+    let Value::Object(mut map) = value else {
+        return Err(FieldError::new("", "invalid", "an entry is a JSON object"));
+    };
+    let id = match map.remove("id") {
+        None => Err(FieldError::new(
+            "id",
+            "required",
+            "each entry has a stable id (a UUID)",
+        )),
+        Some(Value::String(s)) => uuid::Uuid::parse_str(&s)
+            .ok()
+            .filter(|u| !u.is_nil())
+            .map(|u| u.to_string())
+            .ok_or_else(|| {
+                FieldError::new(
+                    "id",
+                    "invalid",
+                    "expected a UUID such as 0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1c",
+                )
+            }),
+        Some(_) => Err(FieldError::new("id", "invalid", "id is a string (a UUID)")),
+    }?;
+    let body: CreateSubscription = serde_path_to_error::deserialize(Value::Object(map))
+        .map_err(|e| serde_field_error(&e.path().to_string(), e.inner()))?;
+    let tenant_id = body
+        .tenant_id
+        .clone()
+        .ok_or_else(|| FieldError::new("tenant_id", "required", "each entry names its tenant"))?;
+    if tenant_id.is_empty()
+        || tenant_id.len() > MAX_TENANT_BYTES
+        || tenant_id.chars().any(char::is_control)
+    {
+        return Err(FieldError::new(
+            "tenant_id",
+            "invalid",
+            "tenant_id must be 1-256 bytes without control characters",
+        ));
+    }
+    let enabled = body.enabled;
+    let spec = body.validate(policy).await?;
+    Ok(Desired {
+        index,
+        id,
+        tenant_id,
+        enabled,
+        spec,
+    })
+}
+
+/// Names the field of a serde error the way the API's body parser does: the path to it, plus the
+/// field serde names for an unknown or missing one (serde puts that in the message).
+fn serde_field_error(path: &str, inner: &serde_json::Error) -> FieldError {
+    let message = inner.to_string();
+    let named = |prefix: &str| {
+        let rest = message.strip_prefix(prefix)?;
+        let name = rest.strip_prefix('`')?.split('`').next()?;
+        Some(name.to_string())
+    };
+    let join = |name: String| {
+        if path == name || path.ends_with(&format!(".{name}")) {
+            path.to_string()
+        } else if path.is_empty() || path == "." {
+            name
+        } else {
+            format!("{path}.{name}")
+        }
+    };
+    let path = if path == "." { "" } else { path };
+    match (named("unknown field "), named("missing field ")) {
+        (Some(name), _) => FieldError::new(join(name), "unknown_field", message),
+        (None, Some(name)) => FieldError::new(join(name), "required", message),
+        (None, None) => FieldError::new(path, "invalid", message),
+    }
+}
+
+/// What apply does with one entry.
+pub enum Step {
+    /// `secret` is the plaintext of a new webhook's signing secret (printed once, after the write).
+    Create {
+        rec: SubscriptionRecord,
+        secret: Option<Secret>,
+    },
+    Update {
+        rec: SubscriptionRecord,
+        url_changed: bool,
+    },
+    Unchanged {
+        id: String,
+    },
+}
+
+impl Step {
+    /// The record to probe before the write, if any: a new webhook or a new URL.
+    fn to_probe(&self) -> Option<&SubscriptionRecord> {
+        match self {
+            Step::Create { rec, .. } if rec.destination.kind == DestinationType::Webhook => {
+                Some(rec)
+            }
+            Step::Update {
+                rec,
+                url_changed: true,
+            } => Some(rec),
+            _ => None,
+        }
+    }
+}
+
+/// Compares each desired subscription with the table (step 3 of the module doc). Entries that
+/// would change a tenant or a destination type are refused all together, as invalid input.
+pub fn plan(
+    desired: Vec<Desired>,
+    table: &Table,
+    kek: &Kek,
+    now: i64,
+) -> Result<Vec<Step>, ApplyError> {
+    let mut steps = Vec::with_capacity(desired.len());
+    let mut errors = Vec::new();
+    for d in desired {
+        let index = d.index;
+        let step = match table.get(&d.id) {
+            None => Ok(create(d, kek, now)),
+            Some(current) => update(d, &current, kek, now),
+        };
+        match step {
+            Ok(s) => steps.push(s),
+            Err(Planned::Invalid(error)) => errors.push(EntryError { index, error }),
+            Err(Planned::Sealed(id, error)) => return Err(ApplyError::Sealed { id, error }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(steps)
+    } else {
+        Err(ApplyError::Invalid(errors))
+    }
+}
+
+enum Planned {
+    Invalid(FieldError),
+    Sealed(String, SecretError),
+}
+
+fn create(d: Desired, kek: &Kek, now: i64) -> Step {
+    let (destination, secret) = match d.spec.destination {
+        ValidDestination::Webhook {
+            url,
+            headers,
+            sensitive_headers,
+        } => {
+            let destination = DestinationRecord {
+                kind: DestinationType::Webhook,
+                url: Some(url),
+                headers,
+                sensitive_headers: seal_sensitive_headers(kek, &d.id, &sensitive_headers),
+            };
+            (destination, Some(generate_signing_secret()))
+        }
+        ValidDestination::Pull => {
+            let destination = DestinationRecord {
+                kind: DestinationType::Pull,
+                url: None,
+                headers: Default::default(),
+                sensitive_headers: None,
+            };
+            (destination, None)
+        }
+    };
+    let rec = SubscriptionRecord {
+        signing_secrets: secret
+            .iter()
+            .map(|s| kek.seal_secret(s, &d.id, None))
+            .collect(),
+        verification_state: if secret.is_some() {
+            VerificationState::Pending
+        } else {
+            VerificationState::Active
+        },
+        id: d.id,
+        tenant_id: d.tenant_id,
+        origin: d.spec.origin,
+        event_types: d.spec.event_types,
+        schema_major: d.spec.schema_major,
+        destination,
+        enabled: d.spec.enabled,
+        retry_schedule: d.spec.retry_schedule,
+        disabled_reason: None,
+        disabled_at: None,
+        created_at: now,
+        updated_at: now,
+        version: 1,
+    };
+    Step::Create { rec, secret }
+}
+
+fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Result<Step, Planned> {
+    if current.tenant_id != d.tenant_id {
+        return Err(Planned::Invalid(FieldError::new(
+            "tenant_id",
+            "immutable",
+            "a subscription with this id belongs to another tenant; pick a new id",
+        )));
+    }
+    let mut next = current.clone();
+    next.origin = d.spec.origin;
+    next.event_types = d.spec.event_types;
+    next.schema_major = d.spec.schema_major;
+    next.retry_schedule = d.spec.retry_schedule;
+    if let Some(enabled) = d.enabled {
+        if enabled && !next.enabled {
+            next.disabled_reason = None;
+            next.disabled_at = None;
+        }
+        next.enabled = enabled;
+    }
+    let mut url_changed = false;
+    match (d.spec.destination, current.destination.kind) {
+        (ValidDestination::Pull, DestinationType::Pull) => {}
+        (
+            ValidDestination::Webhook {
+                url,
+                headers,
+                sensitive_headers,
+            },
+            DestinationType::Webhook,
+        ) => {
+            next.destination.headers = headers;
+            let stored = open_sensitive_headers(kek, current)
+                .map_err(|e| Planned::Sealed(current.id.clone(), e))?;
+            if stored != sensitive_headers {
+                next.destination.sensitive_headers =
+                    seal_sensitive_headers(kek, &current.id, &sensitive_headers);
+            }
+            if current.destination.url.as_deref() != Some(url.as_str()) {
+                next.destination.url = Some(url);
+                next.verification_state = VerificationState::Pending;
+                url_changed = true;
+            }
+        }
+        _ => {
+            return Err(Planned::Invalid(FieldError::new(
+                "destination.type",
+                "immutable",
+                "the destination type cannot change; delete the subscription or use a new id",
+            )));
+        }
+    }
+    if next == *current {
+        return Ok(Step::Unchanged {
+            id: current.id.clone(),
+        });
+    }
+    next.version = current.version + 1;
+    next.updated_at = now;
+    Ok(Step::Update {
+        rec: next,
+        url_changed,
+    })
+}
+
+/// What a run did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub created: usize,
+    pub updated: usize,
+    pub unchanged: usize,
+    /// Webhooks whose probe failed (left `pending`), with the probe's code.
+    pub unverified: Vec<(String, String)>,
+}
+
+impl Summary {
+    pub fn exit_code(&self) -> u8 {
+        if self.unverified.is_empty() {
+            exit::APPLIED
+        } else {
+            exit::UNVERIFIED
+        }
+    }
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} created, {} updated, {} unchanged",
+            self.created, self.updated, self.unchanged
+        )?;
+        if !self.unverified.is_empty() {
+            write!(
+                f,
+                "; {} webhook(s) failed verification and stay pending:",
+                self.unverified.len()
+            )?;
+            for (id, code) in &self.unverified {
+                write!(f, " {id} ({code})")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn emit(out: &mut (dyn Write + Send), line: &str) -> Result<(), ApplyError> {
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|e| ApplyError::Unavailable(format!("writing to stdout: {e}")))
+}
+
+/// Probes what needs it, then writes the steps in order, printing one line per entry (step 4).
+pub async fn execute(
+    steps: Vec<Step>,
+    subs: &Subscriptions,
+    prober: &Prober,
+    out: &mut (dyn Write + Send),
+) -> Result<Summary, ApplyError> {
+    let probes: Vec<Option<Result<(), ProbeError>>> = futures::stream::iter(&steps)
+        .map(|step| async move {
+            match step.to_probe() {
+                Some(rec) => Some(prober.probe(rec).await),
+                None => None,
+            }
+        })
+        .buffered(PROBES_AT_ONCE)
+        .collect()
+        .await;
+    let mut summary = Summary::default();
+    for (step, probe) in steps.into_iter().zip(probes) {
+        let (mut rec, secret, verb) = match step {
+            Step::Unchanged { id } => {
+                emit(out, &format!("unchanged {id}"))?;
+                summary.unchanged += 1;
+                continue;
+            }
+            Step::Create { rec, secret } => (rec, secret, "created"),
+            Step::Update { rec, .. } => (rec, None, "updated"),
+        };
+        let mut why = String::new();
+        match &probe {
+            Some(Ok(())) => rec.verification_state = VerificationState::Active,
+            Some(Err(e)) => {
+                rec.verification_state = VerificationState::Pending;
+                why = format!(" {}: {e}", e.code());
+                summary
+                    .unverified
+                    .push((rec.id.clone(), e.code().to_string()));
+            }
+            None => {}
+        }
+        let (id, version, state) = (rec.id.clone(), rec.version, rec.verification_state);
+        let written = subs.put(rec).await;
+        // NotSeen: the broker has the record, so its secret must be shown anyway.
+        if let (Some(secret), Ok(()) | Err(RepoError::NotSeen(_))) = (&secret, &written) {
+            let line = serde_json::json!({"id": id, "signing_secret": secret.expose()});
+            emit(out, &line.to_string())?;
+        }
+        written.map_err(|error| ApplyError::Write {
+            id: id.clone(),
+            error,
+        })?;
+        let state = match state {
+            VerificationState::Pending => "pending",
+            VerificationState::Active => "active",
+            VerificationState::Failed => "failed",
+        };
+        emit(out, &format!("{verb} {id} v{version} {state}{why}"))?;
+        if verb == "created" {
+            summary.created += 1;
+        } else {
+            summary.updated += 1;
+        }
+    }
+    Ok(summary)
+}
+
+/// Everything apply writes through and with.
+pub struct Target {
+    pub subs: Subscriptions,
+    pub kek: Arc<Kek>,
+    pub prober: Prober,
+    pub sinks: SinkPolicy,
+    pub clock: SharedClock,
+}
+
+/// Applies the text of a file to `target` (whose table must be caught up).
+pub async fn apply(
+    text: &str,
+    target: &Target,
+    out: &mut (dyn Write + Send),
+) -> Result<Summary, ApplyError> {
+    let desired = read_entries(text, target.sinks).await?;
+    let steps = {
+        let table = target.subs.table().read();
+        plan(desired, &table, &target.kek, target.clock.now_ms())?
+    };
+    execute(steps, &target.subs, &target.prober, out).await
+}
+
+/// The control topic read on a thread of its own until dropped or stopped.
+struct ControlReader {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<(), kafka::KafkaError>>>,
+}
+
+impl ControlReader {
+    fn start(config: &Config, codec: Arc<Codec>, table: SharedTable) -> Result<Self, ApplyError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (config, flag) = (config.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || control::follow(&config, codec, table, flag))
+            .map_err(|e| ApplyError::Unavailable(format!("starting the reader: {e}")))?;
+        Ok(ControlReader {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    async fn caught_up(&mut self, table: &SharedTable) -> Result<(), ApplyError> {
+        let deadline = tokio::time::Instant::now() + CATCH_UP;
+        while !table.is_caught_up() {
+            if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                let why = match self.thread.take().map(|t| t.join()) {
+                    Some(Ok(Err(e))) => e.to_string(),
+                    _ => "the reader stopped".to_string(),
+                };
+                return Err(ApplyError::Unavailable(format!(
+                    "reading the control topic failed: {why}"
+                )));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ApplyError::Unavailable(format!(
+                    "the control topic was not read to its end within {CATCH_UP:?}"
+                )));
+            }
+            table
+                .wait_for(Duration::from_millis(200), |_| table.is_caught_up())
+                .await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ControlReader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join(); // the reader checks `stop` every 100 ms
+        }
+    }
+}
+
+/// Fails unless the control topic exists (apply never creates topics: `topology apply` does).
+async fn require_control_topic(config: &Config) -> Result<(), ApplyError> {
+    let topic = control::topic(config);
+    let client = kafka::base(config);
+    let check = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client.create().map_err(|e| e.to_string())?;
+        let md = consumer
+            .fetch_metadata(Some(&topic), Duration::from_secs(15))
+            .map_err(|e| e.to_string())?;
+        match md.topics().first() {
+            Some(t) if t.error().is_none() && !t.partitions().is_empty() => Ok(()),
+            _ => Err(format!(
+                "the control topic {topic} does not exist; run `streaming-hub topology apply` first"
+            )),
+        }
+    });
+    match check.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(ApplyError::Unavailable(why)),
+        Err(e) => Err(ApplyError::Unavailable(e.to_string())),
+    }
+}
+
+/// Reads `path`, checks it, reads the control topic and applies the file (the whole command but
+/// for its exit code).
+pub async fn apply_file(
+    config: &Config,
+    path: &Path,
+    out: &mut (dyn Write + Send),
+) -> Result<Summary, ApplyError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ApplyError::File(format!("{}: {e}", path.display())))?;
+    if config.kek.is_empty() {
+        return Err(ApplyError::Kek(
+            "not set; it is needed to seal signing secrets".into(),
+        ));
+    }
+    let kek = Arc::new(Kek::from_config(config).map_err(|e| ApplyError::Kek(e.to_string()))?);
+    let sinks = SinkPolicy {
+        allow_private: config.allow_private_sinks,
+        allow_insecure: config.allow_insecure_sinks,
+    };
+    // Refuse a bad file before touching the broker; `apply` checks it again (cheap).
+    read_entries(&text, sinks).await?;
+    let http = crate::delivery::client::build_client(config)
+        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    let codec = Arc::new(Codec::new().map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+    require_control_topic(config).await?;
+    let table = SharedTable::default();
+    let mut reader = ControlReader::start(config, codec.clone(), table.clone())?;
+    reader.caught_up(&table).await?;
+    let subs = Subscriptions::kafka(config, codec, table)
+        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    let clock: SharedClock = Arc::new(SystemClock);
+    let target = Target {
+        prober: Prober::new(kek.clone(), http, sinks, clock.clone()),
+        subs,
+        kek,
+        sinks,
+        clock,
+    };
+    let result = apply(&text, &target, out).await;
+    tokio::task::spawn_blocking(move || drop(reader)).await.ok();
+    result
+}
+
+/// `streaming-hub subscriptions apply -f <path>`: applies, reports on stderr, returns the exit code.
+pub async fn command(config: &Config, path: &Path) -> u8 {
+    let mut out = std::io::stdout();
+    let who = "streaming-hub subscriptions apply";
+    match apply_file(config, path, &mut out).await {
+        Ok(summary) => {
+            eprintln!("{who}: {summary}");
+            summary.exit_code()
+        }
+        Err(ApplyError::Invalid(errors)) => {
+            for e in &errors {
+                eprintln!("{who}: invalid {e}");
+            }
+            eprintln!(
+                "{who}: {} invalid entries; nothing was written",
+                errors.len()
+            );
+            exit::INVALID
+        }
+        Err(e) => {
+            eprintln!("{who}: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use axum::Router;
+    use axum::routing::post;
+    use base64::Engine;
+    use serde_json::json;
+
+    use super::*;
+    use crate::runtime::clock::ManualClock;
+
+    async fn echo() -> (String, Arc<AtomicUsize>) {
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        let app = Router::new().route(
+            "/hook",
+            post(move |body: String| {
+                h.fetch_add(1, Ordering::SeqCst);
+                async move { body }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (format!("http://{addr}/hook"), hits)
+    }
+
+    fn target() -> Target {
+        let b64 = base64::engine::general_purpose::STANDARD.encode([3u8; 32]);
+        let vars = [
+            ("STREAMING_HUB_KEK", b64),
+            ("STREAMING_HUB_ALLOW_PRIVATE_SINKS", "true".to_string()),
+            ("STREAMING_HUB_ALLOW_INSECURE_SINKS", "true".to_string()),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "3s".to_string()),
+        ];
+        let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
+        let kek = Arc::new(Kek::from_config(&config).unwrap());
+        let clock: SharedClock = Arc::new(ManualClock::new(1_750_000_000_000));
+        let sinks = SinkPolicy {
+            allow_private: true,
+            allow_insecure: true,
+        };
+        let http = crate::delivery::client::build_client(&config).unwrap();
+        Target {
+            subs: Subscriptions::in_memory(Arc::new(Codec::new().unwrap())),
+            prober: Prober::new(kek.clone(), http, sinks, clock.clone()),
+            kek,
+            sinks,
+            clock,
+        }
+    }
+
+    async fn run(t: &Target, file: &Value) -> (Result<Summary, ApplyError>, String) {
+        let mut out = Vec::new();
+        let r = apply(&file.to_string(), t, &mut out).await;
+        (r, String::from_utf8(out).unwrap())
+    }
+
+    const A: &str = "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1c";
+    const B: &str = "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1d";
+
+    fn invalid(r: Result<Summary, ApplyError>) -> Vec<(usize, String, &'static str)> {
+        match r {
+            Err(ApplyError::Invalid(errors)) => errors
+                .into_iter()
+                .map(|e| (e.index, e.error.field, e.error.code))
+                .collect(),
+            Err(e) => panic!("expected invalid entries, got {e}"),
+            Ok(s) => panic!("expected invalid entries, got {s}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn every_bad_entry_is_named_by_index_and_field_and_nothing_is_written() {
+        let t = target();
+        let pull = json!({"type": "pull"});
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["A.b"], "destination": pull},
+            {"id": "not-a-uuid", "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": B.to_uppercase(), "tenant_id": "t1", "event_types": ["a.b"], "destination": pull, "colour": 1},
+            {"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1e", "event_types": ["a.b"], "destination": pull},
+            {"tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1f", "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": "ftp://x.example/h"}},
+            {"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b20", "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": "http://127.0.0.1/h", "bogus": true}},
+            {"id": A.to_uppercase(), "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            7,
+        ]);
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(
+            invalid(r),
+            [
+                (1, "event_types[0]".to_string(), "invalid"),
+                (2, "id".into(), "invalid"),
+                (3, "colour".into(), "unknown_field"),
+                (4, "tenant_id".into(), "required"),
+                (5, "id".into(), "required"),
+                (6, "destination.url".into(), "url_scheme"),
+                (7, "destination.bogus".into(), "unknown_field"),
+                (8, "id".into(), "duplicate"),
+                (9, "".into(), "invalid"),
+            ]
+        );
+        assert!(out.is_empty());
+        assert!(t.subs.table().read().is_empty(), "nothing written");
+        let e = EntryError {
+            index: 1,
+            error: FieldError::new("event_types[0]", "invalid", "bad"),
+        };
+        assert_eq!(
+            e.to_string(),
+            "entry 1, field event_types[0]: bad (invalid)"
+        );
+    }
+
+    #[tokio::test]
+    async fn apply_creates_then_a_second_apply_of_the_same_file_writes_nothing() {
+        let t = target();
+        let (url, hits) = echo().await;
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.*"], "destination": {"type": "pull"}},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"], "retry_schedule": ["5s"],
+             "destination": {"type": "webhook", "url": url, "headers": {"X-Team": "x"},
+                             "sensitive_headers": {"x-api-key": "k1"}}},
+        ]);
+        let (r, out) = run(&t, &file).await;
+        let summary = r.unwrap();
+        assert_eq!((summary.created, summary.exit_code()), (2, exit::APPLIED));
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], format!("created {A} v1 active"));
+        let secret: Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(secret["id"], B);
+        let secret = secret["signing_secret"].as_str().unwrap().to_string();
+        assert!(secret.starts_with("whsec_"));
+        assert_eq!(lines[2], format!("created {B} v1 active"));
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "one probe");
+        let b = t.subs.get(B).unwrap();
+        assert_eq!(
+            t.kek
+                .open_secret(&b.signing_secrets[0], B)
+                .unwrap()
+                .expose(),
+            secret
+        );
+        assert_eq!(b.destination.headers["x-team"], "x");
+
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(r.unwrap().unchanged, 2);
+        assert_eq!(out, format!("unchanged {A}\nunchanged {B}\n"));
+        assert_eq!(t.subs.get(B).unwrap().version, 1);
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "no probe when nothing changes"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_update_keeps_secrets_bumps_the_version_and_probes_only_a_new_url() {
+        let t = target();
+        let (url, hits) = echo().await;
+        let (url2, hits2) = echo().await;
+        let entry = |url: &str, types: Value| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": types,
+                    "destination": {"type": "webhook", "url": url,
+                                    "sensitive_headers": {"x-api-key": "k1"}}}])
+        };
+        run(&t, &entry(&url, json!(["a.b"]))).await.0.unwrap();
+        let v1 = t.subs.get(B).unwrap();
+
+        let (r, out) = run(&t, &entry(&url, json!(["a.b", "c.d"]))).await;
+        r.unwrap();
+        assert_eq!(out, format!("updated {B} v2 active\n"));
+        let v2 = t.subs.get(B).unwrap();
+        assert_eq!(v2.event_types, ["a.b", "c.d"]);
+        assert_eq!(v2.signing_secrets, v1.signing_secrets, "secrets kept");
+        assert_eq!(
+            v2.destination.sensitive_headers, v1.destination.sensitive_headers,
+            "unchanged credentials are not re-sealed"
+        );
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "no probe without a new URL");
+
+        let (r, out) = run(&t, &entry(&url2, json!(["a.b", "c.d"]))).await;
+        r.unwrap();
+        assert_eq!(out, format!("updated {B} v3 active\n"));
+        assert_eq!(hits2.load(Ordering::SeqCst), 1, "the new URL was probed");
+        let v3 = t.subs.get(B).unwrap();
+        assert_eq!(v3.destination.url.as_deref(), Some(url2.as_str()));
+        assert_eq!(v3.signing_secrets, v1.signing_secrets);
+    }
+
+    #[tokio::test]
+    async fn a_webhook_that_fails_its_probe_is_written_pending_and_exits_1() {
+        let t = target();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        drop(listener); // nothing listens: connect_failed
+        let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                           "destination": {"type": "webhook", "url": url}}]);
+        let (r, out) = run(&t, &file).await;
+        let summary = r.unwrap();
+        assert_eq!(summary.exit_code(), exit::UNVERIFIED);
+        assert_eq!(
+            summary.unverified,
+            [(B.to_string(), "connect_failed".to_string())]
+        );
+        assert!(out.contains("signing_secret"), "the secret is shown anyway");
+        assert!(
+            out.contains(&format!("created {B} v1 pending connect_failed: ")),
+            "{out}"
+        );
+        assert_eq!(
+            t.subs.get(B).unwrap().verification_state,
+            VerificationState::Pending
+        );
+    }
+
+    #[tokio::test]
+    async fn tenant_and_destination_type_cannot_change() {
+        let t = target();
+        let pull = json!({"type": "pull"});
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+        ]);
+        run(&t, &file).await.0.unwrap();
+        let file = json!([
+            {"id": A, "tenant_id": "t2", "event_types": ["a.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": "http://127.0.0.1:9/h"}},
+        ]);
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(
+            invalid(r),
+            [
+                (0, "tenant_id".to_string(), "immutable"),
+                (1, "destination.type".into(), "immutable"),
+            ]
+        );
+        assert!(out.is_empty());
+        assert_eq!(t.subs.get(A).unwrap().version, 1);
+    }
+
+    #[tokio::test]
+    async fn absent_enabled_leaves_an_auto_disabled_subscription_alone() {
+        let t = target();
+        let entry = |enabled: Option<bool>| {
+            let mut e = json!({"id": A, "tenant_id": "t1", "event_types": ["a.b"],
+                               "destination": {"type": "pull"}});
+            if let Some(v) = enabled {
+                e["enabled"] = json!(v);
+            }
+            json!([e])
+        };
+        run(&t, &entry(None)).await.0.unwrap();
+        let mut off = (*t.subs.get(A).unwrap()).clone();
+        off.enabled = false;
+        off.disabled_reason = Some("auto_disabled".into());
+        off.disabled_at = Some(5);
+        off.version = 2;
+        t.subs.put(off).await.unwrap();
+
+        let (r, _) = run(&t, &entry(None)).await;
+        assert_eq!(r.unwrap().unchanged, 1);
+        assert!(!t.subs.get(A).unwrap().enabled);
+
+        let (r, out) = run(&t, &entry(Some(true))).await;
+        r.unwrap();
+        assert_eq!(out, format!("updated {A} v3 active\n"));
+        let now = t.subs.get(A).unwrap();
+        assert!(now.enabled);
+        assert_eq!(
+            (now.disabled_reason.as_deref(), now.disabled_at),
+            (None, None)
+        );
+    }
+}

@@ -1,0 +1,565 @@
+//! Pending verifications, retried (issue 5 item 6: "pending subscriptions are retried a few times,
+//! then `failed`"), and the [`Prober`] that sends the verification probe to a stored subscription
+//! (used here and by `streaming-hub subscriptions apply`).
+//!
+//! A webhook subscription is `pending` when its last probe (on create or on a URL change) did not
+//! pass. Every [`PASS_INTERVAL`] the [`PendingRetrier`] scans the table for pending webhooks and
+//! probes those that are due:
+//! - a subscription is noticed on one pass and first probed on the next: the API writes `pending`
+//!   before its own create-time probe, so a subscription created a moment ago is not probed twice
+//!   at once;
+//! - after the k-th failed probe the next one waits 2^k passes (see [`spacing`]): with 30 s passes
+//!   the attempts come 30 s, 1.5 min, 3.5 min, 7.5 min and 15.5 min after the subscription was
+//!   noticed;
+//! - a passing probe writes `active`; the [`MAX_ATTEMPTS`]-th failure, or a failure that waiting
+//!   cannot change ([`ProbeError::is_retryable`]: a refused URL, a secret that does not open),
+//!   writes `failed`. `failed` stays until `POST /v1/subscriptions/{id}/verify` or a new URL.
+//!
+//! A verdict is written only onto the version that was probed (as version + 1), and only while that
+//! version is still the latest and still `pending`; anything else means someone changed the
+//! subscription meanwhile, and the new version is judged on its own.
+//!
+//! Attempt counts live in memory, keyed by (id, version): a new version of the subscription (an
+//! update, a new URL) starts over, and so does a restart of the process, so a restart may give an
+//! endpoint up to [`MAX_ATTEMPTS`] more probes before `failed`.
+//!
+//! Trade-off: every instance with the API on runs its own retrier; there is no leader. An endpoint
+//! may thus get up to [`MAX_ATTEMPTS`] probes per instance, and two instances (or this instance's
+//! API) may both write version N + 1 of one subscription. The control topic keeps both in order,
+//! every instance's table keeps the later one (equal versions replace), so all instances agree on
+//! the outcome; the earlier write is lost. Both carry a verdict about the same endpoint, so the
+//! usual loss is nothing; the rare bad case (one instance's fifth failure landing after another's
+//! pass) leaves a `failed` subscription that `/verify` recovers.
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use crate::delivery::verify::{VerifyError, probe};
+use crate::runtime::clock::SharedClock;
+use crate::runtime::records::{
+    DestinationType, EncryptedBlob, SubscriptionRecord, VerificationState,
+};
+use crate::runtime::secret::Secret;
+use crate::subscriptions::control::{RepoError, Subscriptions};
+use crate::subscriptions::model::SinkPolicy;
+use crate::subscriptions::secrets::{Kek, SecretError};
+use crate::subscriptions::table::Sub;
+
+/// How often the retrier scans for pending subscriptions. The spacing of attempts is counted in
+/// passes, so this is the unit of the whole retry curve (about 15 minutes from first notice to
+/// `failed`). A constant, not a setting; tests call [`PendingRetrier::run_pass`] directly.
+pub const PASS_INTERVAL: Duration = Duration::from_secs(30);
+/// Probes of one subscription version before it is `failed`.
+pub const MAX_ATTEMPTS: u32 = 5;
+/// Probes in flight at once during a pass.
+const PROBES_AT_ONCE: usize = 16;
+
+/// Why a probe of a stored subscription did not pass.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error(transparent)]
+    Verify(#[from] VerifyError),
+    /// A signing secret or the sealed headers do not open under the configured KEKs.
+    #[error("a stored secret or credential does not open: {0}")]
+    Sealed(#[from] SecretError),
+}
+
+impl ProbeError {
+    /// A stable code (the probe's codes, plus `sealed_secret`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProbeError::Verify(e) => e.code(),
+            ProbeError::Sealed(_) => "sealed_secret",
+        }
+    }
+
+    /// Whether a later probe can pass without the subscription or the configuration changing.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ProbeError::Verify(e) => e.is_retryable(),
+            ProbeError::Sealed(_) => false,
+        }
+    }
+}
+
+/// Sends the verification probe ([`crate::delivery::verify::probe`]) to a stored subscription's
+/// destination, signed with its live secrets and carrying its custom headers, sealed ones opened.
+#[derive(Clone)]
+pub struct Prober {
+    kek: Arc<Kek>,
+    http: reqwest::Client,
+    sinks: SinkPolicy,
+    clock: SharedClock,
+}
+
+impl Prober {
+    /// `http` is the delivery client (SSRF-guarded, no redirects).
+    pub fn new(
+        kek: Arc<Kek>,
+        http: reqwest::Client,
+        sinks: SinkPolicy,
+        clock: SharedClock,
+    ) -> Self {
+        Prober {
+            kek,
+            http,
+            sinks,
+            clock,
+        }
+    }
+
+    /// Probes `rec`; a pull destination passes without a probe.
+    pub async fn probe(&self, rec: &SubscriptionRecord) -> Result<(), ProbeError> {
+        if rec.destination.kind == DestinationType::Pull {
+            return Ok(());
+        }
+        let now = self.clock.now_ms();
+        let secrets = rec
+            .signing_secrets
+            .iter()
+            .filter(|s| s.expires_at.is_none_or(|t| t > now))
+            .map(|s| self.kek.open_secret(s, &rec.id))
+            .collect::<Result<Vec<Secret>, _>>()?;
+        let mut headers = rec.destination.headers.clone();
+        headers.extend(open_sensitive_headers(&self.kek, rec)?);
+        let url = rec.destination.url.as_deref().unwrap_or_default();
+        probe(
+            &self.http,
+            url,
+            &headers,
+            &secrets,
+            self.sinks.allow_private,
+            self.sinks.allow_insecure,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Seals a webhook's sensitive headers for subscription `id` as the API does (one JSON object);
+/// none → `None`.
+pub fn seal_sensitive_headers(
+    kek: &Kek,
+    id: &str,
+    headers: &BTreeMap<String, String>,
+) -> Option<EncryptedBlob> {
+    if headers.is_empty() {
+        return None;
+    }
+    let json = serde_json::to_vec(headers).expect("a map of strings always serializes");
+    Some(kek.seal(&json, id))
+}
+
+/// Opens a subscription's sensitive headers (empty when it has none).
+pub fn open_sensitive_headers(
+    kek: &Kek,
+    rec: &SubscriptionRecord,
+) -> Result<BTreeMap<String, String>, SecretError> {
+    let Some(blob) = &rec.destination.sensitive_headers else {
+        return Ok(BTreeMap::new());
+    };
+    let plain = kek.open(blob, &rec.id)?;
+    serde_json::from_slice(&plain).map_err(|_| SecretError::Open)
+}
+
+/// Passes to wait after the `tries`-th failed probe before the next one: 2, 4, 8, 16.
+pub fn spacing(tries: u32) -> u64 {
+    1u64 << tries.min(16)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Attempts {
+    tries: u32,
+    next_pass: u64,
+}
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PassReport {
+    /// Pending webhooks in the table.
+    pub pending: usize,
+    pub probed: usize,
+    /// Verdicts written.
+    pub activated: usize,
+    pub failed: usize,
+}
+
+/// The background task that re-probes pending webhooks (see the module doc).
+pub struct PendingRetrier {
+    subs: Subscriptions,
+    prober: Prober,
+    clock: SharedClock,
+    pass: u64,
+    attempts: HashMap<(String, u64), Attempts>,
+}
+
+impl PendingRetrier {
+    pub fn new(subs: Subscriptions, prober: Prober, clock: SharedClock) -> PendingRetrier {
+        PendingRetrier {
+            subs,
+            prober,
+            clock,
+            pass: 0,
+            attempts: HashMap::new(),
+        }
+    }
+
+    /// Runs a pass every [`PASS_INTERVAL`] (once the table has caught up) until `stop`.
+    pub async fn run(self, stop: Arc<AtomicBool>) {
+        self.run_every(PASS_INTERVAL, stop).await
+    }
+
+    /// [`PendingRetrier::run`] with another interval (tests).
+    #[doc(hidden)]
+    pub async fn run_every(mut self, every: Duration, stop: Arc<AtomicBool>) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await; // the first tick is immediate; start one interval in
+        loop {
+            tick.tick().await;
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            if !self.subs.table().is_caught_up() {
+                continue;
+            }
+            let report = self.run_pass().await;
+            if report.probed > 0 {
+                tracing::info!(
+                    pending = report.pending,
+                    probed = report.probed,
+                    activated = report.activated,
+                    failed = report.failed,
+                    "pending verifications retried"
+                );
+            }
+        }
+    }
+
+    /// One pass: notice pending webhooks, probe the due ones, write the verdicts.
+    pub async fn run_pass(&mut self) -> PassReport {
+        self.pass += 1;
+        let pass = self.pass;
+        let pending: Vec<Sub> = self
+            .subs
+            .table()
+            .read()
+            .iter()
+            .filter(|s| {
+                s.destination.kind == DestinationType::Webhook
+                    && s.verification_state == VerificationState::Pending
+            })
+            .cloned()
+            .collect();
+        self.attempts
+            .retain(|(id, v), _| pending.iter().any(|s| s.id == *id && s.version == *v));
+        let mut due = Vec::new();
+        for s in &pending {
+            let a = self
+                .attempts
+                .entry((s.id.clone(), s.version))
+                .or_insert(Attempts {
+                    tries: 0,
+                    next_pass: pass + 1,
+                });
+            if a.next_pass <= pass {
+                due.push(s.clone());
+            }
+        }
+        let prober = &self.prober;
+        let results: Vec<(Sub, Result<(), ProbeError>)> = futures::stream::iter(due)
+            .map(|s| async move {
+                let r = prober.probe(&s).await;
+                (s, r)
+            })
+            .buffer_unordered(PROBES_AT_ONCE)
+            .collect()
+            .await;
+        let mut report = PassReport {
+            pending: pending.len(),
+            probed: results.len(),
+            ..PassReport::default()
+        };
+        for (sub, result) in results {
+            let key = (sub.id.clone(), sub.version);
+            let Some(a) = self.attempts.get_mut(&key) else {
+                continue;
+            };
+            a.tries += 1;
+            let tries = a.tries;
+            let verdict = match &result {
+                Ok(()) => Some(VerificationState::Active),
+                Err(e) if !e.is_retryable() || tries >= MAX_ATTEMPTS => {
+                    Some(VerificationState::Failed)
+                }
+                Err(_) => {
+                    a.next_pass = pass + spacing(tries);
+                    None
+                }
+            };
+            RetryAttempt {
+                sub: &sub,
+                tries,
+                result: &result,
+                verdict,
+            }
+            .emit();
+            let Some(state) = verdict else { continue };
+            match self.record(&sub, state).await {
+                Ok(true) if state == VerificationState::Active => report.activated += 1,
+                Ok(true) => report.failed += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    // Not recorded: judge it again next pass.
+                    tracing::warn!(subscription_id = %sub.id, error = %e, "verification verdict not written");
+                    if let Some(a) = self.attempts.get_mut(&key) {
+                        a.next_pass = pass + 1;
+                    }
+                }
+            }
+        }
+        report
+    }
+
+    /// Writes `state` onto `probed` if that version is still the latest and still pending.
+    async fn record(
+        &self,
+        probed: &SubscriptionRecord,
+        state: VerificationState,
+    ) -> Result<bool, RepoError> {
+        let Some(latest) = self.subs.get(&probed.id) else {
+            return Ok(false);
+        };
+        if latest.version != probed.version
+            || latest.verification_state != VerificationState::Pending
+        {
+            return Ok(false);
+        }
+        let mut next = (*latest).clone();
+        next.verification_state = state;
+        next.version += 1;
+        next.updated_at = self.clock.now_ms();
+        self.subs.put(next).await?;
+        Ok(true)
+    }
+}
+
+/// One retried probe: logged with its outcome (never the URL or a header).
+struct RetryAttempt<'a> {
+    sub: &'a SubscriptionRecord,
+    tries: u32,
+    result: &'a Result<(), ProbeError>,
+    verdict: Option<VerificationState>,
+}
+
+impl RetryAttempt<'_> {
+    fn emit(&self) {
+        let (id, version, tries) = (&self.sub.id, self.sub.version, self.tries);
+        match (self.result, self.verdict) {
+            (Ok(()), _) => {
+                tracing::info!(subscription_id = %id, version, tries, "pending subscription passed verification")
+            }
+            (Err(e), Some(_)) => {
+                tracing::warn!(subscription_id = %id, version, tries, code = e.code(), error = %e, "pending subscription failed verification for good")
+            }
+            (Err(e), None) => {
+                tracing::info!(subscription_id = %id, version, tries, code = e.code(), error = %e, "pending subscription probe failed; will retry")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use axum::Router;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use base64::Engine;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::runtime::avro::Codec;
+    use crate::runtime::clock::ManualClock;
+    use crate::runtime::records::DestinationRecord;
+    use crate::subscriptions::secrets::generate_signing_secret;
+
+    /// A local endpoint that answers 500 to its first `fail_first` probes and echoes after.
+    async fn endpoint(fail_first: usize) -> (String, Arc<AtomicUsize>) {
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        let app = Router::new().route(
+            "/hook",
+            post(move |body: String| {
+                let h = h.clone();
+                async move {
+                    if h.fetch_add(1, Ordering::SeqCst) < fail_first {
+                        (StatusCode::INTERNAL_SERVER_ERROR, String::new())
+                    } else {
+                        (StatusCode::OK, body)
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (format!("http://{addr}/hook"), hits)
+    }
+
+    fn retrier(open: bool) -> (PendingRetrier, Subscriptions, Arc<Kek>) {
+        let kek = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        let vars = [
+            ("STREAMING_HUB_KEK", kek),
+            ("STREAMING_HUB_ALLOW_PRIVATE_SINKS", open.to_string()),
+            ("STREAMING_HUB_ALLOW_INSECURE_SINKS", open.to_string()),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "3s".to_string()),
+        ];
+        let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
+        let kek = Arc::new(Kek::from_config(&config).unwrap());
+        let clock: SharedClock = Arc::new(ManualClock::new(1_750_000_000_000));
+        let http = crate::delivery::client::build_client(&config).unwrap();
+        let sinks = SinkPolicy {
+            allow_private: open,
+            allow_insecure: open,
+        };
+        let subs = Subscriptions::in_memory(Arc::new(Codec::new().unwrap()));
+        let prober = Prober::new(kek.clone(), http, sinks, clock.clone());
+        (PendingRetrier::new(subs.clone(), prober, clock), subs, kek)
+    }
+
+    fn pending_webhook(kek: &Kek, url: &str) -> SubscriptionRecord {
+        let id = uuid::Uuid::now_v7().to_string();
+        let sensitive = BTreeMap::from([("x-api-key".to_string(), "k".to_string())]);
+        SubscriptionRecord {
+            signing_secrets: vec![kek.seal_secret(&generate_signing_secret(), &id, None)],
+            destination: DestinationRecord {
+                kind: DestinationType::Webhook,
+                url: Some(url.to_string()),
+                headers: Default::default(),
+                sensitive_headers: seal_sensitive_headers(kek, &id, &sensitive),
+            },
+            id,
+            tenant_id: "t1".into(),
+            origin: None,
+            event_types: vec!["*".into()],
+            schema_major: None,
+            enabled: true,
+            verification_state: VerificationState::Pending,
+            retry_schedule: None,
+            disabled_reason: None,
+            disabled_at: None,
+            created_at: 0,
+            updated_at: 0,
+            version: 1,
+        }
+    }
+
+    /// Runs passes until `done`, returning the passes on which the endpoint was probed.
+    async fn passes_until(
+        r: &mut PendingRetrier,
+        hits: &AtomicUsize,
+        done: impl Fn(&PassReport) -> bool,
+    ) -> Vec<u64> {
+        let mut probed_on = Vec::new();
+        for _ in 0..64 {
+            let before = hits.load(Ordering::SeqCst);
+            let report = r.run_pass().await;
+            if hits.load(Ordering::SeqCst) > before {
+                probed_on.push(r.pass);
+            }
+            if done(&report) {
+                return probed_on;
+            }
+        }
+        panic!("not done within 64 passes; probed on {probed_on:?}");
+    }
+
+    #[test]
+    fn spacing_doubles_after_each_failure() {
+        assert_eq!((1..=4).map(spacing).collect::<Vec<_>>(), [2, 4, 8, 16]);
+    }
+
+    #[tokio::test]
+    async fn pending_webhook_fails_after_five_probes_with_growing_spacing() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(usize::MAX).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.put(sub.clone()).await.unwrap();
+        let probed_on = passes_until(&mut r, &hits, |rep| rep.failed == 1).await;
+        assert_eq!(probed_on, [2, 4, 8, 16, 32], "noticed on pass 1");
+        let now = subs.get(&sub.id).unwrap();
+        assert_eq!(now.verification_state, VerificationState::Failed);
+        assert_eq!(now.version, 2);
+        assert_eq!(now.signing_secrets, sub.signing_secrets, "secrets kept");
+        let before = hits.load(Ordering::SeqCst);
+        for _ in 0..40 {
+            r.run_pass().await;
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), before, "failed is not retried");
+    }
+
+    #[tokio::test]
+    async fn pending_webhook_whose_endpoint_comes_up_becomes_active() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(2).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.put(sub.clone()).await.unwrap();
+        let probed_on = passes_until(&mut r, &hits, |rep| rep.activated == 1).await;
+        assert_eq!(probed_on, [2, 4, 8]);
+        let now = subs.get(&sub.id).unwrap();
+        assert_eq!(now.verification_state, VerificationState::Active);
+        assert_eq!(now.version, 2);
+    }
+
+    #[tokio::test]
+    async fn a_new_version_starts_the_count_over() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(usize::MAX).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.put(sub.clone()).await.unwrap();
+        passes_until(&mut r, &hits, |_| hits.load(Ordering::SeqCst) == 4).await;
+        let mut v2 = (*subs.get(&sub.id).unwrap()).clone();
+        v2.version = 2;
+        v2.event_types = vec!["a.b".into()];
+        subs.put(v2).await.unwrap();
+        let probed_on = passes_until(&mut r, &hits, |rep| rep.failed == 1).await;
+        assert_eq!(probed_on.len(), MAX_ATTEMPTS as usize, "{probed_on:?}");
+        assert_eq!(hits.load(Ordering::SeqCst), 4 + MAX_ATTEMPTS as usize);
+        assert_eq!(subs.get(&sub.id).unwrap().version, 3);
+    }
+
+    #[tokio::test]
+    async fn a_refused_url_fails_at_once() {
+        let (mut r, subs, kek) = retrier(false); // http://127.0.0.1 is refused by the policy
+        let sub = pending_webhook(&kek, "http://127.0.0.1:9/hook");
+        subs.put(sub.clone()).await.unwrap();
+        assert_eq!(r.run_pass().await.probed, 0, "noticed, not yet due");
+        let report = r.run_pass().await;
+        assert_eq!((report.probed, report.failed), (1, 1));
+        assert_eq!(
+            subs.get(&sub.id).unwrap().verification_state,
+            VerificationState::Failed
+        );
+    }
+
+    #[tokio::test]
+    async fn active_pull_and_disabled_states_are_left_alone() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(0).await;
+        let mut active = pending_webhook(&kek, &url);
+        active.verification_state = VerificationState::Active;
+        let mut failed = pending_webhook(&kek, &url);
+        failed.verification_state = VerificationState::Failed;
+        subs.put(active).await.unwrap();
+        subs.put(failed).await.unwrap();
+        for _ in 0..8 {
+            assert_eq!(r.run_pass().await, PassReport::default());
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), 0);
+    }
+}

@@ -1,0 +1,286 @@
+//! Deliveries end to end: real binary, real broker, real HTTP sinks on 127.0.0.1. A delivery
+//! carries the contract's headers and a Standard Webhooks signature that verifies with the secret
+//! the API returned; a sink that fails twice gets the event on the third attempt (same event id,
+//! new delivery id each time); a sink that always fails gets exactly 1 + len(retry_schedule)
+//! attempts and then one dead letter.
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use common::*;
+use serde_json::{Value, json};
+use streaming_hub::delivery::signing;
+use streaming_hub::runtime::avro::{Codec, RecordKind};
+use streaming_hub::runtime::records::{AttemptRecord, DeadLetterReason, DeadLetterRecord};
+use streaming_hub::runtime::secret::Secret;
+
+const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
+
+#[derive(Clone, Debug)]
+struct Received {
+    headers: BTreeMap<String, String>,
+    body: Vec<u8>,
+}
+
+#[derive(Clone)]
+struct Sink {
+    got: Arc<Mutex<Vec<Received>>>,
+    /// Status for the n-th delivery (verification probes are answered apart); the last repeats.
+    script: Arc<Vec<u16>>,
+}
+
+async fn sink_handler(
+    State(s): State<Sink>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
+    let h: BTreeMap<String, String> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    if h.get("x-lerian-event-type").map(String::as_str) == Some("streaming_hub.verification") {
+        return (StatusCode::OK, body); // echo the challenge
+    }
+    let mut got = s.got.lock().unwrap();
+    let n = got.len();
+    got.push(Received {
+        headers: h,
+        body: body.to_vec(),
+    });
+    let status = *s.script.get(n).or(s.script.last()).unwrap();
+    (
+        StatusCode::from_u16(status).unwrap(),
+        Bytes::from_static(b"sink says hi"),
+    )
+}
+
+async fn start_sink(script: Vec<u16>) -> (String, Sink) {
+    let sink = Sink {
+        got: Arc::default(),
+        script: Arc::new(script),
+    };
+    let app = Router::new()
+        .route("/hook", post(sink_handler))
+        .with_state(sink.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/hook"), sink)
+}
+
+struct Setup {
+    prefix: String,
+    topic: String,
+    hub: Hub,
+    http: reqwest::Client,
+}
+
+async fn setup(tag: &str) -> Setup {
+    require_broker();
+    let prefix = unique(tag);
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let mut env = hub_env(&prefix, &format!("^{}$", topic.replace('.', r"\.")));
+    env.insert("STREAMING_HUB_KEK".into(), KEK.into());
+    env.insert("STREAMING_HUB_JWT_SECRET".into(), JWT.into());
+    env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
+    env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
+    env.insert("STREAMING_HUB_HTTP_TIMEOUT".into(), "5s".into());
+    env.insert(
+        "STREAMING_HUB_LOG".into(),
+        "info,streaming_hub=debug".into(),
+    );
+    let hub = Hub::start(&env);
+    Setup {
+        prefix,
+        topic,
+        hub,
+        http: reqwest::Client::builder().no_proxy().build().unwrap(),
+    }
+}
+
+impl Setup {
+    async fn subscribe(
+        &self,
+        tenant: &str,
+        url: &str,
+        retry: Option<Vec<&str>>,
+    ) -> (String, String) {
+        let token = streaming_hub::api::mint(
+            &Secret::new(JWT),
+            Some(tenant),
+            false,
+            Duration::from_secs(600),
+        );
+        let mut body = json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}});
+        if let Some(r) = retry {
+            body["retry_schedule"] = json!(r);
+        }
+        let r = self
+            .http
+            .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+        assert_eq!(v["verification_state"], "active", "{v}");
+        (
+            v["id"].as_str().unwrap().to_string(),
+            v["signing_secret"].as_str().unwrap().to_string(),
+        )
+    }
+}
+
+fn wait_for_deliveries(sink: &Sink, n: usize, timeout: Duration) -> Vec<Received> {
+    wait_until(timeout, &format!("{n} deliveries at the sink"), || {
+        let got = sink.got.lock().unwrap();
+        (got.len() >= n).then(|| got.clone())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
+    let s = setup("dlv").await;
+    let (url, sink) = start_sink(vec![200]).await;
+    let (sub_id, secret) = s.subscribe("tenant-a", &url, None).await;
+    let ev =
+        event("tenant-a", "ledger", "transaction", "created").set("ce-subject", Some(b"acc-7"));
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&sink, 1, Duration::from_secs(60));
+    let d = &got[0];
+    let h = &d.headers;
+    assert_eq!(
+        d.body,
+        ev.value.clone().unwrap(),
+        "body = payload bytes unchanged"
+    );
+    assert_eq!(h["content-type"], "application/json");
+    assert_eq!(h["x-lerian-event-id"], ev.id());
+    assert_eq!(h["x-lerian-event-type"], "transaction.created");
+    assert_eq!(h["x-lerian-attempt"], "1");
+    assert_eq!(h["ce-id"], ev.id());
+    assert_eq!(h["ce-type"], "studio.lerian.ledger.transaction.created");
+    assert_eq!(h["ce-subject"], "acc-7");
+    assert_eq!(h["ce-tenantid"], "tenant-a");
+    assert!(uuid::Uuid::parse_str(&h["x-lerian-delivery-id"]).is_ok());
+    assert_eq!(h["webhook-id"], ev.id());
+    let ts: i64 = h["webhook-timestamp"].parse().unwrap();
+    let want = signing::sign(&Secret::new(secret.clone()), &h["webhook-id"], ts, &d.body).unwrap();
+    assert_eq!(
+        h["webhook-signature"], want,
+        "signature verifies with the secret from the API"
+    );
+    assert!(
+        !h.contains_key("x-streaming-hub-source-topic"),
+        "internal headers stay inside"
+    );
+
+    // The attempt is recorded, delivered, with the sink's status.
+    let codec = Codec::new().unwrap();
+    let attempts = read_until(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+        |r| !r.is_empty(),
+    );
+    let a: AttemptRecord = codec
+        .decode(RecordKind::Attempt, attempts[0].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(
+        (a.event_id.as_str(), a.subscription_id.as_str(), a.status),
+        (ev.id().as_str(), sub_id.as_str(), Some(200))
+    );
+    assert!(
+        !s.hub.log_text().contains(&secret[6..]),
+        "secret in the log"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
+    let s = setup("retry").await;
+    let (url, sink) = start_sink(vec![500, 503, 200]).await;
+    s.subscribe("tenant-r", &url, Some(vec!["1s", "1s", "1s"]))
+        .await;
+    let ev = event("tenant-r", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&sink, 3, Duration::from_secs(60));
+    let attempts: Vec<&str> = got
+        .iter()
+        .map(|d| d.headers["x-lerian-attempt"].as_str())
+        .collect();
+    assert_eq!(attempts, ["1", "2", "3"]);
+    assert!(
+        got.iter()
+            .all(|d| d.headers["x-lerian-event-id"] == ev.id()),
+        "event id stable"
+    );
+    let ids: std::collections::HashSet<&str> = got
+        .iter()
+        .map(|d| d.headers["x-lerian-delivery-id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), 3, "a new delivery id per attempt");
+    // Delivered: nothing more comes, and no dead letter is written.
+    let codec = Codec::new().unwrap();
+    let attempts = read_until(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+        |r| r.len() >= 3,
+    );
+    let last: AttemptRecord = codec
+        .decode(RecordKind::Attempt, attempts[2].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(last.status, Some(200));
+    assert_eq!(
+        read_all(&[&format!("{}.dlq", s.prefix)], Duration::from_secs(30)).len(),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_sink_gets_one_plus_schedule_attempts_then_one_dead_letter() {
+    let s = setup("dead").await;
+    let (url, sink) = start_sink(vec![500]).await;
+    let (sub_id, _) = s
+        .subscribe("tenant-d", &url, Some(vec!["1s", "1s", "1s"]))
+        .await;
+    let ev = event("tenant-d", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let codec = Codec::new().unwrap();
+    let dlq = read_until(
+        &[&format!("{}.dlq", s.prefix)],
+        Duration::from_secs(60),
+        |r| !r.is_empty(),
+    );
+    let dl: DeadLetterRecord = codec
+        .decode(RecordKind::DeadLetter, dlq[0].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(dl.reason, DeadLetterReason::Exhausted);
+    assert_eq!(
+        (dl.event_id.as_str(), dl.subscription_id.as_str()),
+        (ev.id().as_str(), sub_id.as_str())
+    );
+    assert_eq!(dl.attempts, 4);
+    assert_eq!(dl.last_status, Some(500));
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        4,
+        "exactly 1 + 3 attempts reached the sink"
+    );
+    let attempts = read_all(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+    );
+    assert_eq!(attempts.len(), 4);
+}
