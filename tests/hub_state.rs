@@ -167,7 +167,7 @@ fn check_stores_match_changelog(
                 .trim_start_matches("hub-")
                 .parse()
                 .unwrap();
-            let store = Store::open(&path, &[DEDUP, "dedup_expiry", "sequence"]).unwrap();
+            let store = Store::open(&path, &streaming_hub::hub::task::FAMILIES).unwrap();
             let Some(upto) = store.changelog_offset(DEDUP).unwrap() else {
                 continue;
             };

@@ -39,7 +39,8 @@ use crate::subscriptions::table::SharedTable;
 
 /// The stores backed by a changelog (`dedup_expiry` is a local index rebuilt on restore).
 const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
-const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
+/// Every store family of a hub task (open a task's RocksDB with all of them).
+pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
