@@ -342,9 +342,10 @@ settings! {
     /// Producer signing keys, `<kid>@<source>:<base64 secret>`, comma separated (secret).
     signature_keys: Secret = "";
     /// Most records one stage (ingest, hub) puts in one transaction.
-    ingest_batch_max: usize = "5000";
-    /// Longest a batch stays open before it commits (bounds latency under light load).
-    commit_interval: std::time::Duration = "50ms";
+    ingest_batch_max: usize = "20000";
+    /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
+    /// record, so light load commits at once and a steady stream gets large batches.
+    commit_interval: std::time::Duration = "100ms";
     /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time.
     idempotency_ttl: std::time::Duration = "24h";
     /// Consumer group session timeout (how fast a dead instance's partitions move).

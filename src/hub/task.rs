@@ -42,6 +42,8 @@ const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
 /// Every store family of a hub task (open a task's RocksDB with all of them).
 pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// A batch with records closes after this long without a new one.
+const QUIET_GAP: Duration = Duration::from_millis(5);
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
 
@@ -602,14 +604,16 @@ impl HubStage {
         while batch.len() < config.ingest_batch_max {
             let wait = match deadline {
                 None => idle_wait,
-                Some(d) => d.saturating_duration_since(Instant::now()),
+                // Once a batch is open, a short quiet gap closes it early: light load commits at
+                // once (low latency), a steady stream fills it up to its size or interval.
+                Some(d) => d.saturating_duration_since(Instant::now()).min(QUIET_GAP),
             };
             if deadline.is_some() && wait.is_zero() {
                 break;
             }
             match consumer.poll(wait) {
                 None => {
-                    if deadline.is_none() && (busy || stop.load(Ordering::Relaxed)) {
+                    if deadline.is_some() || busy || stop.load(Ordering::Relaxed) {
                         break;
                     }
                 }

@@ -46,6 +46,8 @@ const MAX_HEADERS: usize = 256;
 /// Largest total size of a record's headers we copy to an output record.
 const MAX_HEADER_BYTES: usize = 64 * 1024;
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// A batch with records closes after this long without a new one.
+const QUIET_GAP: Duration = Duration::from_millis(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
@@ -197,14 +199,16 @@ impl Ingest {
         while batch.len() < self.config.ingest_batch_max {
             let wait = match deadline {
                 None => Duration::from_millis(100),
-                Some(d) => d.saturating_duration_since(Instant::now()),
+                // Once a batch is open, a short quiet gap closes it early: light load commits at
+                // once (low latency), a steady stream fills it up to its size or interval.
+                Some(d) => d.saturating_duration_since(Instant::now()).min(QUIET_GAP),
             };
             if deadline.is_some() && wait.is_zero() {
                 break;
             }
             match consumer.poll(wait) {
                 None => {
-                    if deadline.is_none() && stop.load(Ordering::Relaxed) {
+                    if deadline.is_some() || stop.load(Ordering::Relaxed) {
                         break;
                     }
                 }
