@@ -21,7 +21,7 @@ use crate::dispatch::worker::Workers;
 use crate::hub::task::{Dispatch, HubStage};
 use crate::ingest::pipeline::Ingest;
 use crate::runtime::avro::Codec;
-use crate::runtime::clock::{SharedClock, SystemClock};
+use crate::runtime::clock::{Clock, ManualClock, SharedClock, SystemClock};
 use crate::runtime::topology::Topology;
 use crate::subscriptions::control::{self, Subscriptions};
 use crate::subscriptions::pending::{PendingRetrier, Prober};
@@ -67,7 +67,14 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .map_err(|e| AppError::Http(e.to_string()))?;
-    let clock: SharedClock = Arc::new(SystemClock);
+    let test_clock = config.dangerous_test_clock.then(|| {
+        tracing::warn!("STREAMING_HUB_DANGEROUS_TEST_CLOCK is on: time moves only through POST /admin/clock/advance. NEVER in production.");
+        ManualClock::new(SystemClock.now_ms())
+    });
+    let clock: SharedClock = match &test_clock {
+        Some(c) => Arc::new(c.clone()),
+        None => Arc::new(SystemClock),
+    };
 
     let topology = Topology::load(&config.topology_file, &config)?;
     for finding in topology.apply(&config, false).await? {
@@ -167,8 +174,9 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     } else {
         let subs = Subscriptions::kafka(&config, codec.clone(), table.clone())
             .map_err(|e| AppError::Http(e.to_string()))?;
-        let state = ApiState::from_config(&config, subs, clock.clone())
+        let mut state = ApiState::from_config(&config, subs, clock.clone())
             .map_err(|e| AppError::Http(e.to_string()))?;
+        state.test_clock = test_clock.clone();
         let prober = Prober::new(
             state.kek.clone(),
             state.http.clone(),

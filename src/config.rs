@@ -285,6 +285,9 @@ macro_rules! upper {
     (poison_threshold) => {
         "POISON_THRESHOLD"
     };
+    (dangerous_test_clock) => {
+        "DANGEROUS_TEST_CLOCK"
+    };
     (log) => {
         "LOG"
     };
@@ -370,6 +373,8 @@ settings! {
     dispatch_workers: usize = "8";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
+    /// DANGEROUS, tests only: run on a virtual clock that `POST /admin/clock/advance` moves.
+    dangerous_test_clock: bool = "false";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.
     http_timeout: std::time::Duration = "15s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.

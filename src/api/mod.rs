@@ -29,6 +29,7 @@ use crate::subscriptions::control::Subscriptions;
 use crate::subscriptions::model::SinkPolicy;
 use crate::subscriptions::secrets::{Kek, SecretError};
 
+pub mod admin;
 pub mod auth;
 pub mod errors;
 pub mod extract;
@@ -58,6 +59,8 @@ pub struct ApiState {
     pub sinks: SinkPolicy,
     /// Default grace of a rotated-out signing secret.
     pub rotation_grace: Duration,
+    /// The virtual clock, when `STREAMING_HUB_DANGEROUS_TEST_CLOCK` is on (`/admin/clock/advance`).
+    pub test_clock: Option<crate::runtime::clock::ManualClock>,
     /// Serializes this instance's read-modify-writes (see [`subscriptions`]).
     writes: Arc<tokio::sync::Mutex<()>>,
 }
@@ -93,6 +96,7 @@ impl ApiState {
                 allow_insecure: config.allow_insecure_sinks,
             },
             rotation_grace: config.secret_rotation_grace,
+            test_clock: None,
             writes: Arc::default(),
         }
     }
@@ -128,6 +132,7 @@ pub fn router(state: ApiState) -> Router {
             post(secrets::rotate),
         )
         .route("/openapi.json", get(openapi::serve))
+        .route("/admin/clock/advance", post(admin::advance_clock))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

@@ -24,6 +24,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
+use crate::dispatch::breaker;
 use crate::dispatch::jobs::{self, ChangelogWrites, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
@@ -423,6 +424,7 @@ pub struct Dispatch {
     done_tx: std::sync::mpsc::Sender<Outcome>,
     done_rx: std::sync::mpsc::Receiver<Outcome>,
     in_flight: usize,
+    breakers: breaker::Breakers,
     /// Outcomes taken from the workers but not yet committed (kept across an abort).
     pending: Vec<Outcome>,
 }
@@ -445,6 +447,7 @@ impl Dispatch {
             done_tx,
             done_rx,
             in_flight: 0,
+            breakers: breaker::Breakers::default(),
             pending: Vec::new(),
         }
     }
@@ -819,7 +822,7 @@ impl HubStage {
             purge_expired(env, &task.store, st, &mut outputs, *p, now)?;
         }
         let mut attempts = Vec::new();
-        if let Some(d) = &self.dispatch {
+        if let Some(d) = self.dispatch.as_mut() {
             self::dispatch_work(
                 env,
                 d,
@@ -883,7 +886,7 @@ impl HubStage {
 #[allow(clippy::too_many_arguments)]
 fn dispatch_work(
     env: &Env,
-    d: &Dispatch,
+    d: &mut Dispatch,
     tasks: &mut HashMap<i32, Task>,
     staged: &mut HashMap<i32, Staged>,
     jobs_changelog: &mut HashMap<i32, ChangelogWrites>,
@@ -904,10 +907,21 @@ fn dispatch_work(
             codec: &env.codec,
             changelog: jc,
         };
-        let schedule = js
+        let sub = js
             .get_job(&o.job_key)?
-            .and_then(|j| d.table.read().get(&j.subscription_id))
-            .and_then(|s| s.retry_schedule.clone());
+            .and_then(|j| d.table.read().get(&j.subscription_id));
+        let schedule = sub.as_ref().and_then(|s| s.retry_schedule.clone());
+        if let Some(sub) = &sub {
+            let origin = breaker::origin_of(sub.destination.url.as_deref().unwrap_or(""));
+            if let Some(t) = d.breakers.record(&sub.tenant_id, &origin, o.success(), now) {
+                telemetry::BreakerChanged {
+                    tenant: &sub.tenant_id,
+                    origin: &origin,
+                    opened: t == breaker::Transition::Opened,
+                }
+                .emit();
+            }
+        }
         let Some(records) = jobs::apply_outcome(
             &mut js,
             o,
@@ -967,6 +981,19 @@ fn dispatch_work(
                     now,
                 )?;
                 emit_dead_letter(env, out, &dl)?;
+                continue;
+            }
+            let origin = breaker::origin_of(sub.destination.url.as_deref().unwrap_or(""));
+            if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
+                // The destination's breaker is open: reschedule without an attempt.
+                job.due_at = until;
+                job.state = JobState::Pending;
+                job.lease_until = None;
+                js.put_job(&key, &job, Some(old_due))?;
+                telemetry::Shed {
+                    tenant: &job.tenant_id,
+                }
+                .emit();
                 continue;
             }
             if job.state == JobState::Leased {

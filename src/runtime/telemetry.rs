@@ -261,3 +261,38 @@ impl DeadLettered<'_> {
         tracing::warn!(ce_id = %r.event_id, subscription_id = %r.subscription_id, tenant = %r.tenant_id, attempts = r.attempts, reason, "delivery dead-lettered");
     }
 }
+
+pub const BREAKER_TRANSITIONS: &str = "streaming_hub_breaker_transitions_total";
+pub const BREAKER_SHED: &str = "streaming_hub_breaker_shed_total";
+
+/// A destination's circuit breaker opened or closed.
+pub struct BreakerChanged<'a> {
+    pub tenant: &'a str,
+    pub origin: &'a str,
+    pub opened: bool,
+}
+
+impl BreakerChanged<'_> {
+    pub fn emit(&self) {
+        let state = if self.opened { "opened" } else { "closed" };
+        counter!(BREAKER_TRANSITIONS, "state" => state).increment(1);
+        tracing::warn!(
+            tenant = self.tenant,
+            destination = self.origin,
+            state,
+            "circuit breaker"
+        );
+    }
+}
+
+/// A due job was shed (rescheduled without an attempt) by an open breaker.
+pub struct Shed<'a> {
+    pub tenant: &'a str,
+}
+
+impl Shed<'_> {
+    pub fn emit(&self) {
+        counter!(BREAKER_SHED).increment(1);
+        tracing::debug!(tenant = self.tenant, "due job shed by an open breaker");
+    }
+}

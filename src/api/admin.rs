@@ -1,0 +1,41 @@
+//! Admin endpoints. `POST /admin/clock/advance {"by":"5h"}` moves the hub's virtual clock; it
+//! exists only when the process runs with `STREAMING_HUB_DANGEROUS_TEST_CLOCK=true` (404
+//! otherwise), and only an admin token may call it. It lets tests drive the 28-hour retry curve
+//! and the auto-disable windows in seconds against the real binary.
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Deserialize;
+
+use crate::api::ApiState;
+use crate::api::auth::Caller;
+use crate::api::errors::ApiError;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Advance {
+    /// A duration such as `5s`, `30m`, `5h`.
+    pub by: String,
+}
+
+pub async fn advance_clock(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Json(body): Json<Advance>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Some(clock) = &state.test_clock else {
+        return Err(ApiError::not_found());
+    };
+    if !caller.admin {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin_only",
+            "an admin token is required",
+        ));
+    }
+    let by = humantime::parse_duration(&body.by)
+        .map_err(|e| ApiError::bad_request("invalid", e.to_string()).with_field("by"))?;
+    clock.advance(by);
+    use crate::runtime::clock::Clock;
+    Ok(Json(serde_json::json!({ "now_ms": clock.now_ms() })))
+}

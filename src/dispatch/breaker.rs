@@ -1,0 +1,192 @@
+//! Circuit breakers, one per (tenant, destination origin): a destination that keeps failing stops
+//! receiving requests for a while, and its due jobs are shed — rescheduled without an attempt,
+//! which costs them nothing on their retry curve.
+//!
+//! Closed → open after `OPEN_AFTER` consecutive failures; open for `COOL_DOWN` (on the injected
+//! clock); then half-open: exactly one job goes through as a probe while the others keep being
+//! shed; its success closes the breaker, its failure opens it again. State is in memory per
+//! instance (a restart starts closed; the retry curve still spaces attempts).
+use std::collections::HashMap;
+
+/// Consecutive failures that open a breaker.
+pub const OPEN_AFTER: u32 = 5;
+/// How long an open breaker sheds before it lets one probe through (ms).
+pub const COOL_DOWN_MS: i64 = 30_000;
+/// How long a job shed while a probe is in flight waits before it is looked at again (ms).
+const PROBE_WAIT_MS: i64 = 1_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Send it (closed, or the half-open probe).
+    Go,
+    /// Do not send; look at it again at this time.
+    Shed { until: i64 },
+}
+
+/// A state change worth logging and counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    Opened,
+    Closed,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    consecutive: u32,
+    open_until: Option<i64>,
+    probing: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Breakers {
+    states: HashMap<(String, String), State>,
+}
+
+impl Breakers {
+    /// May a due job to this destination be attempted now?
+    pub fn admit(&mut self, tenant: &str, origin: &str, now: i64) -> Admit {
+        let Some(s) = self
+            .states
+            .get_mut(&(tenant.to_string(), origin.to_string()))
+        else {
+            return Admit::Go;
+        };
+        match s.open_until {
+            None => Admit::Go,
+            Some(t) if now < t => Admit::Shed { until: t },
+            Some(_) if s.probing => Admit::Shed {
+                until: now + PROBE_WAIT_MS,
+            },
+            Some(_) => {
+                s.probing = true;
+                Admit::Go
+            }
+        }
+    }
+
+    /// Records an attempt's result; returns a transition when the breaker opened or closed.
+    pub fn record(
+        &mut self,
+        tenant: &str,
+        origin: &str,
+        success: bool,
+        now: i64,
+    ) -> Option<Transition> {
+        let s = self
+            .states
+            .entry((tenant.to_string(), origin.to_string()))
+            .or_default();
+        if success {
+            let was_open = s.open_until.is_some();
+            *s = State::default();
+            return was_open.then_some(Transition::Closed);
+        }
+        s.consecutive += 1;
+        if s.probing || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
+            let opened = s.open_until.is_none();
+            s.open_until = Some(now + COOL_DOWN_MS);
+            s.probing = false;
+            return opened.then_some(Transition::Opened);
+        }
+        None
+    }
+
+    pub fn is_open(&self, tenant: &str, origin: &str) -> bool {
+        self.states
+            .get(&(tenant.to_string(), origin.to_string()))
+            .is_some_and(|s| s.open_until.is_some())
+    }
+}
+
+/// `scheme://host:port` of a URL, the breaker's unit of destination.
+pub fn origin_of(url: &str) -> String {
+    reqwest::Url::parse(url)
+        .map(|u| u.origin().ascii_serialization())
+        .unwrap_or_else(|_| url.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_five_consecutive_failures_and_sheds_until_cool_down() {
+        let mut b = Breakers::default();
+        for i in 0..4 {
+            assert_eq!(b.record("t", "https://a", false, i), None);
+            assert_eq!(b.admit("t", "https://a", i), Admit::Go);
+        }
+        assert_eq!(
+            b.record("t", "https://a", false, 10),
+            Some(Transition::Opened)
+        );
+        assert_eq!(
+            b.admit("t", "https://a", 11),
+            Admit::Shed {
+                until: 10 + COOL_DOWN_MS
+            }
+        );
+        assert_eq!(
+            b.admit("t", "https://b", 11),
+            Admit::Go,
+            "other destinations are unaffected"
+        );
+        assert_eq!(
+            b.admit("u", "https://a", 11),
+            Admit::Go,
+            "other tenants are unaffected"
+        );
+    }
+
+    #[test]
+    fn a_success_in_between_resets_the_count() {
+        let mut b = Breakers::default();
+        for i in 0..4 {
+            b.record("t", "o", false, i);
+        }
+        b.record("t", "o", true, 5);
+        for i in 0..4 {
+            assert_eq!(b.record("t", "o", false, 10 + i), None);
+        }
+        assert!(!b.is_open("t", "o"));
+    }
+
+    #[test]
+    fn half_open_lets_one_probe_through_and_its_result_decides() {
+        let mut b = Breakers::default();
+        for i in 0..5 {
+            b.record("t", "o", false, i);
+        }
+        let after = 4 + COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "o", after), Admit::Go, "the probe");
+        assert_eq!(
+            b.admit("t", "o", after),
+            Admit::Shed {
+                until: after + PROBE_WAIT_MS
+            },
+            "only one probe"
+        );
+        assert_eq!(
+            b.record("t", "o", false, after + 1),
+            None,
+            "probe failed: open again"
+        );
+        assert!(matches!(b.admit("t", "o", after + 2), Admit::Shed { .. }));
+        let later = after + 1 + COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "o", later), Admit::Go);
+        assert_eq!(b.record("t", "o", true, later), Some(Transition::Closed));
+        assert_eq!(b.admit("t", "o", later), Admit::Go);
+    }
+
+    #[test]
+    fn origin_is_scheme_host_and_port() {
+        assert_eq!(
+            origin_of("https://hooks.example.com/a/b?x=1"),
+            "https://hooks.example.com"
+        );
+        assert_eq!(
+            origin_of("http://127.0.0.1:8080/hook"),
+            "http://127.0.0.1:8080"
+        );
+    }
+}

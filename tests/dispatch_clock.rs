@@ -1,0 +1,296 @@
+//! The retry curve and the circuit breaker, driven through the real binary on its dangerous test
+//! clock (`POST /admin/clock/advance`): an always-failing sink gets exactly 8 attempts on the
+//! default curve, each only after the clock has moved past its step, then one dead letter; a
+//! breaker opened by 5 failures sheds further deliveries (no request reaches the sink) and closes
+//! when a half-open probe succeeds.
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use common::*;
+use serde_json::json;
+use streaming_hub::runtime::avro::{Codec, RecordKind};
+use streaming_hub::runtime::records::{DeadLetterReason, DeadLetterRecord};
+use streaming_hub::runtime::secret::Secret;
+
+const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
+
+#[derive(Clone)]
+struct Sink {
+    /// (event id, status answered) per delivery, in arrival order.
+    got: Arc<Mutex<Vec<(String, u16)>>>,
+    status: Arc<AtomicU16>,
+}
+
+async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
+    if headers
+        .get("x-lerian-event-type")
+        .and_then(|v| v.to_str().ok())
+        == Some("streaming_hub.verification")
+    {
+        return (StatusCode::OK, body);
+    }
+    let status = s.status.load(Ordering::SeqCst);
+    let id = headers
+        .get("x-lerian-event-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    s.got.lock().unwrap().push((id, status));
+    (StatusCode::from_u16(status).unwrap(), Bytes::new())
+}
+
+async fn start_sink(status: u16) -> (String, Sink) {
+    let sink = Sink {
+        got: Arc::default(),
+        status: Arc::new(AtomicU16::new(status)),
+    };
+    let app = Router::new()
+        .route("/hook", post(handler))
+        .with_state(sink.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/hook"), sink)
+}
+
+struct Setup {
+    prefix: String,
+    topic: String,
+    hub: Hub,
+    http: reqwest::Client,
+}
+
+impl Setup {
+    async fn new(tag: &str) -> Setup {
+        require_broker();
+        let prefix = unique(tag);
+        let topic = format!("lerian.streaming.{prefix}");
+        create_topic(&topic, 1).await;
+        let mut env = hub_env(&prefix, &format!("^{}$", topic.replace('.', r"\.")));
+        env.insert("STREAMING_HUB_KEK".into(), KEK.into());
+        env.insert("STREAMING_HUB_JWT_SECRET".into(), JWT.into());
+        env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
+        env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
+        env.insert("STREAMING_HUB_DANGEROUS_TEST_CLOCK".into(), "true".into());
+        let hub = Hub::start(&env);
+        Setup {
+            prefix,
+            topic,
+            hub,
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+        }
+    }
+
+    async fn subscribe(&self, tenant: &str, url: &str) {
+        let token = streaming_hub::api::mint(
+            &Secret::new(JWT),
+            Some(tenant),
+            false,
+            Duration::from_secs(600),
+        );
+        let body = json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
+        let r = self
+            .http
+            .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+
+    async fn advance(&self, by: &str) {
+        // The hub checks token expiry on its (virtual) clock: give the token room for the whole curve.
+        let admin = streaming_hub::api::mint(
+            &Secret::new(JWT),
+            None,
+            true,
+            Duration::from_secs(7 * 86_400),
+        );
+        let r = self
+            .http
+            .post(format!("http://{}/admin/clock/advance", self.hub.addr()))
+            .bearer_auth(admin)
+            .header("content-type", "application/json")
+            .body(json!({ "by": by }).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+
+    async fn metric(&self, name: &str) -> u64 {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.hub.addr()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+}
+
+async fn wait_for(sink: &Sink, n: usize) {
+    for _ in 0..600 {
+        if sink.got.lock().unwrap().len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "sink never got {n} deliveries (has {})",
+        sink.got.lock().unwrap().len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_failing_sink_gets_eight_attempts_on_the_default_curve_then_a_dead_letter() {
+    let s = Setup::new("curve").await;
+    let (url, sink) = start_sink(500).await;
+    s.subscribe("tenant-c", &url).await;
+    let ev = event("tenant-c", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    wait_for(&sink, 1).await;
+    // Each retry is due only once the virtual clock has passed its step (full jitter: anywhere in
+    // [0, step]); moving the clock by the whole step makes it due.
+    for (n, step) in ["5s", "5m", "30m", "2h", "5h", "10h", "10h"]
+        .iter()
+        .enumerate()
+    {
+        // (A jitter draw of exactly 0 ms would make a retry due at once: a 1-in-5001 chance at
+        // the first step, far less after it.)
+        assert_eq!(
+            sink.got.lock().unwrap().len(),
+            n + 1,
+            "no attempt before the clock moves"
+        );
+        // The hub must have recorded the outcome (and scheduled the retry) before time moves.
+        for _ in 0..600 {
+            if s.metric("streaming_hub_attempts_total").await > n as u64 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        s.advance(step).await;
+        wait_for(&sink, n + 2).await;
+    }
+    let codec = Codec::new().unwrap();
+    let dlq = read_until(
+        &[&format!("{}.dlq", s.prefix)],
+        Duration::from_secs(60),
+        |r| !r.is_empty(),
+    );
+    let dl: DeadLetterRecord = codec
+        .decode(RecordKind::DeadLetter, dlq[0].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(
+        (dl.reason, dl.attempts, dl.event_id.as_str()),
+        (DeadLetterReason::Exhausted, 8, ev.id().as_str())
+    );
+    s.advance("10h").await;
+    let attempts = read_all(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+    );
+    assert_eq!(attempts.len(), 8);
+    assert_eq!(sink.got.lock().unwrap().len(), 8, "exactly 8 attempts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
+    let s = Setup::new("brk").await;
+    let (url, sink) = start_sink(500).await;
+    s.subscribe("tenant-b", &url).await;
+    let p = producer();
+    let first: Vec<Rec> = (0..5)
+        .map(|_| event("tenant-b", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&p, &s.topic, &first);
+    wait_for(&sink, 5).await;
+    for _ in 0..600 {
+        if s.metric("streaming_hub_breaker_transitions_total").await >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        s.metric("streaming_hub_breaker_transitions_total").await,
+        1,
+        "opened once"
+    );
+
+    // While open, new events are shed: the hub handles them (shed counter) and sends nothing.
+    let second: Vec<Rec> = (0..5)
+        .map(|_| event("tenant-b", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&p, &s.topic, &second);
+    for _ in 0..600 {
+        if s.metric("streaming_hub_breaker_shed_total").await >= 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(s.metric("streaming_hub_breaker_shed_total").await >= 5);
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        5,
+        "no request reaches the sink while the breaker is open"
+    );
+
+    // The sink recovers; after the cool-down one probe goes through, succeeds, closes the breaker,
+    // and every event is delivered.
+    sink.status.store(200, Ordering::SeqCst);
+    s.advance("31s").await;
+    let all: BTreeSet<String> = first.iter().chain(&second).map(Rec::id).collect();
+    for _ in 0..600 {
+        let delivered: BTreeSet<String> = sink
+            .got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, st)| *st == 200)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if delivered == all {
+            break;
+        }
+        // The first five were rescheduled on their curve (5 s step): move time along.
+        s.advance("10s").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let delivered: BTreeSet<String> = sink
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, st)| *st == 200)
+        .map(|(id, _)| id.clone())
+        .collect();
+    assert_eq!(
+        delivered, all,
+        "every event delivered once the breaker closed"
+    );
+    assert_eq!(
+        s.metric("streaming_hub_breaker_transitions_total").await,
+        2,
+        "opened, then closed"
+    );
+}
