@@ -288,6 +288,15 @@ macro_rules! upper {
     (dangerous_test_clock) => {
         "DANGEROUS_TEST_CLOCK"
     };
+    (autodisable_enabled) => {
+        "AUTODISABLE_ENABLED"
+    };
+    (autodisable_failure_window) => {
+        "AUTODISABLE_FAILURE_WINDOW"
+    };
+    (autodisable_failure_spread) => {
+        "AUTODISABLE_FAILURE_SPREAD"
+    };
     (log) => {
         "LOG"
     };
@@ -373,6 +382,12 @@ settings! {
     dispatch_workers: usize = "8";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
+    /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
+    autodisable_enabled: bool = "true";
+    /// Auto-disable gate 1: a subscription's failure span (no success since) has been open this long.
+    autodisable_failure_window: std::time::Duration = "120h";
+    /// Auto-disable gate 2: its first and last failure are at least this far apart.
+    autodisable_failure_spread: std::time::Duration = "12h";
     /// DANGEROUS, tests only: run on a virtual clock that `POST /admin/clock/advance` moves.
     dangerous_test_clock: bool = "false";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.

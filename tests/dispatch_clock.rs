@@ -72,6 +72,10 @@ struct Setup {
 
 impl Setup {
     async fn new(tag: &str) -> Setup {
+        Setup::with(tag, &[]).await
+    }
+
+    async fn with(tag: &str, extra: &[(&str, &str)]) -> Setup {
         require_broker();
         let prefix = unique(tag);
         let topic = format!("lerian.streaming.{prefix}");
@@ -82,6 +86,9 @@ impl Setup {
         env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
         env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
         env.insert("STREAMING_HUB_DANGEROUS_TEST_CLOCK".into(), "true".into());
+        for (k, v) in extra {
+            env.insert(k.to_string(), v.to_string());
+        }
         let hub = Hub::start(&env);
         Setup {
             prefix,
@@ -91,14 +98,26 @@ impl Setup {
         }
     }
 
-    async fn subscribe(&self, tenant: &str, url: &str) {
-        let token = streaming_hub::api::mint(
+    fn token(&self, tenant: &str) -> String {
+        streaming_hub::api::mint(
             &Secret::new(JWT),
             Some(tenant),
             false,
-            Duration::from_secs(600),
-        );
-        let body = json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
+            Duration::from_secs(30 * 86_400),
+        )
+    }
+
+    async fn subscribe(&self, tenant: &str, url: &str) -> String {
+        self.subscribe_with(tenant, url, json!({})).await
+    }
+
+    async fn subscribe_with(&self, tenant: &str, url: &str, extra: serde_json::Value) -> String {
+        let token = self.token(tenant);
+        let mut body =
+            json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
         let r = self
             .http
             .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
@@ -109,6 +128,57 @@ impl Setup {
             .await
             .unwrap();
         assert_eq!(r.status(), 201);
+        let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    async fn get(&self, tenant: &str, id: &str) -> serde_json::Value {
+        let r = self
+            .http
+            .get(format!("http://{}/v1/subscriptions/{id}", self.hub.addr()))
+            .bearer_auth(self.token(tenant))
+            .send()
+            .await
+            .unwrap();
+        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap()
+    }
+
+    async fn wait_metric(&self, name: &str, at_least: u64) {
+        for _ in 0..600 {
+            if self.metric(name).await >= at_least {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "{name} never reached {at_least} (is {})",
+            self.metric(name).await
+        );
+    }
+
+    /// A failure now, then `steps` more rounds of 11 virtual hours, each with a new event and at
+    /// least one more failed attempt (the breaker lets one probe through per round once open).
+    async fn fail_every_11h(&self, tenant: &str, steps: u64) {
+        let p = producer();
+        let before = self.metric("streaming_hub_attempts_total").await;
+        produce(
+            &p,
+            &self.topic,
+            &[event(tenant, "ledger", "transaction", "posted")],
+        );
+        self.wait_metric("streaming_hub_attempts_total", before + 1)
+            .await;
+        for _ in 0..steps {
+            let before = self.metric("streaming_hub_attempts_total").await;
+            produce(
+                &p,
+                &self.topic,
+                &[event(tenant, "ledger", "transaction", "posted")],
+            );
+            self.advance("11h").await;
+            self.wait_metric("streaming_hub_attempts_total", before + 1)
+                .await;
+        }
     }
 
     async fn advance(&self, by: &str) {
@@ -293,4 +363,95 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
         2,
         "opened, then closed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables() {
+    let s = Setup::new("adis").await;
+    let (url, _sink) = start_sink(500).await;
+    let id = s
+        .subscribe_with("tenant-x", &url, json!({"retry_schedule": ["1s"]}))
+        .await;
+    // 11 rounds = 121h of failures: the 11th round's retry is the failure that crosses 120h.
+    s.fail_every_11h("tenant-x", 11).await;
+    s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
+    let mut v = s.get("tenant-x", &id).await;
+    for _ in 0..300 {
+        if v["enabled"] == false {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        v = s.get("tenant-x", &id).await;
+    }
+    assert_eq!(v["enabled"], false, "{v}");
+    assert!(
+        v["disabled_reason"]
+            .as_str()
+            .unwrap()
+            .contains("auto-disabled"),
+        "{v}"
+    );
+    assert!(v["disabled_at"].is_string(), "{v}");
+    assert_eq!(
+        v["verification_state"], "active",
+        "auto-disable never touches verification_state"
+    );
+
+    // /verify re-probes (the sink answers the challenge) and re-enables in place.
+    let r = s
+        .http
+        .post(format!(
+            "http://{}/v1/subscriptions/{id}/verify",
+            s.hub.addr()
+        ))
+        .bearer_auth(s.token("tenant-x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v = s.get("tenant-x", &id).await;
+    assert_eq!(
+        (v["enabled"].clone(), v["disabled_reason"].clone()),
+        (json!(true), json!(null)),
+        "{v}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_switch_keeps_a_failing_subscription_enabled() {
+    let s = Setup::with("akill", &[("STREAMING_HUB_AUTODISABLE_ENABLED", "false")]).await;
+    let (url, _sink) = start_sink(500).await;
+    let id = s
+        .subscribe_with("tenant-k", &url, json!({"retry_schedule": ["1s"]}))
+        .await;
+    s.fail_every_11h("tenant-k", 13).await; // 143h of failures
+    assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
+    assert_eq!(s.get("tenant-k", &id).await["enabled"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_success_in_between_resets_the_failure_span() {
+    let s = Setup::new("areset").await;
+    let (url, sink) = start_sink(500).await;
+    let id = s
+        .subscribe_with("tenant-s", &url, json!({"retry_schedule": ["1s"]}))
+        .await;
+    s.fail_every_11h("tenant-s", 6).await; // 66h failing
+    sink.status.store(200, Ordering::SeqCst);
+    produce(
+        &producer(),
+        &s.topic,
+        &[event("tenant-s", "ledger", "transaction", "posted")],
+    );
+    s.advance("31s").await; // past the breaker's cool-down: the probe goes through and succeeds
+    s.wait_metric("streaming_hub_attempts_total{outcome=\"delivered\"", 1)
+        .await; // the span closes
+    sink.status.store(500, Ordering::SeqCst);
+    s.fail_every_11h("tenant-s", 7).await; // 77h more: 143h since the first failure
+    assert_eq!(
+        s.metric("streaming_hub_auto_disabled_total").await,
+        0,
+        "the span restarted at the success"
+    );
+    assert_eq!(s.get("tenant-s", &id).await["enabled"], true);
 }

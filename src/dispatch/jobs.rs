@@ -154,6 +154,40 @@ impl JobStore<'_> {
         }
     }
 
+    /// Reads any Avro record of this store (health records, for instance).
+    pub fn get_record<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &[u8],
+        kind: RecordKind,
+    ) -> Result<Option<T>, JobError> {
+        match self.staged.read(self.store, JOBS, key)? {
+            Some(b) => Ok(Some(
+                self.codec
+                    .decode(kind, &b)
+                    .map_err(|e| JobError::Codec(e.to_string()))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    pub fn put_record<T: serde::Serialize>(
+        &mut self,
+        key: Vec<u8>,
+        kind: RecordKind,
+        value: &T,
+    ) -> Result<(), JobError> {
+        let bytes = self
+            .codec
+            .encode(kind, value)
+            .map_err(|e| JobError::Codec(e.to_string()))?;
+        self.put(key, bytes);
+        Ok(())
+    }
+
+    pub fn delete_record(&mut self, key: Vec<u8>) {
+        self.delete(key);
+    }
+
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
         self.changelog.push((key.clone(), Some(value.clone())));
         self.staged.put(JOBS, key, value);

@@ -4,6 +4,7 @@
 //!   hub task's store, with per-tenant timers; claims and outcomes change them inside the hub
 //!   task's transaction;
 //! - `curve`: when a failed delivery is tried again;
+//! - `health`: failure spans per subscription and auto-disable;
 //! - `breaker`: per (tenant, destination) circuit breakers that shed due jobs of a failing sink;
 //! - `worker`: one HTTP attempt per claim, on the async runtime, bounded by
 //!   `STREAMING_HUB_DISPATCH_WORKERS`.
@@ -12,6 +13,7 @@
 //! `<prefix>.pull` (key = subscription id), matched webhook subscriptions get a job.
 pub mod breaker;
 pub mod curve;
+pub mod health;
 pub mod jobs;
 pub mod worker;
 

@@ -24,9 +24,9 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
-use crate::dispatch::breaker;
 use crate::dispatch::jobs::{self, ChangelogWrites, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
+use crate::dispatch::{breaker, health};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
@@ -188,6 +188,7 @@ struct Env {
     jobs_changelog: String,
     attempts: String,
     dlq: String,
+    control: String,
 }
 
 impl Env {
@@ -478,6 +479,7 @@ impl HubStage {
                 jobs_changelog: format!("{p}.hub.jobs.changelog"),
                 attempts: format!("{p}.attempts"),
                 dlq: format!("{p}.dlq"),
+                control: format!("{p}.subscriptions"),
             },
             clock,
             handler,
@@ -920,6 +922,36 @@ fn dispatch_work(
                     opened: t == breaker::Transition::Opened,
                 }
                 .emit();
+            }
+        }
+        if let Some(sub) = &sub {
+            let gates = health::Gates {
+                enabled: env.config.autodisable_enabled,
+                window_ms: env.config.autodisable_failure_window.as_millis() as i64,
+                spread_ms: env.config.autodisable_failure_spread.as_millis() as i64,
+            };
+            if let health::Verdict::Disable { reason } =
+                health::record(&mut js, &sub.id, o.success(), now, &gates)?
+            {
+                if sub.enabled {
+                    let mut disabled = (**sub).clone();
+                    disabled.enabled = false;
+                    disabled.disabled_reason = Some(reason.clone());
+                    disabled.disabled_at = Some(now);
+                    disabled.updated_at = now;
+                    disabled.version += 1;
+                    let bytes = env
+                        .codec
+                        .encode(RecordKind::Subscription, &disabled)
+                        .map_err(|e| HubError::Codec(e.to_string()))?;
+                    out.send(&env.control, None, disabled.id.as_bytes(), Some(&bytes))?;
+                    telemetry::AutoDisabled {
+                        subscription_id: &sub.id,
+                        tenant: &sub.tenant_id,
+                        reason: &reason,
+                    }
+                    .emit();
+                }
             }
         }
         let Some(records) = jobs::apply_outcome(

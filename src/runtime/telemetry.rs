@@ -296,3 +296,24 @@ impl Shed<'_> {
         tracing::debug!(tenant = self.tenant, "due job shed by an open breaker");
     }
 }
+
+pub const AUTO_DISABLED: &str = "streaming_hub_auto_disabled_total";
+
+/// A subscription was auto-disabled.
+pub struct AutoDisabled<'a> {
+    pub subscription_id: &'a str,
+    pub tenant: &'a str,
+    pub reason: &'a str,
+}
+
+impl AutoDisabled<'_> {
+    pub fn emit(&self) {
+        counter!(AUTO_DISABLED).increment(1);
+        tracing::warn!(
+            subscription_id = self.subscription_id,
+            tenant = self.tenant,
+            reason = self.reason,
+            "subscription auto-disabled"
+        );
+    }
+}

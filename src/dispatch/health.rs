@@ -1,0 +1,118 @@
+//! Destination health and auto-disable (DESIGN.md §2.3).
+//!
+//! Each webhook subscription with an open failure span has a health record in its tenant's hub
+//! task store (`h/<subscription id>` in the `jobs` family, so it is changelogged and survives
+//! restarts and rebalances): when the span opened (first failure), the last failure, how many in a
+//! row. One success clears it. A subscription is disabled when both gates hold:
+//! span open ≥ `STREAMING_HUB_AUTODISABLE_FAILURE_WINDOW` (120h) AND first-to-last failure ≥
+//! `STREAMING_HUB_AUTODISABLE_FAILURE_SPREAD` (12h), unless `STREAMING_HUB_AUTODISABLE_ENABLED` is
+//! false. Disabling writes the subscription with `enabled = false`, `disabled_reason` and
+//! `disabled_at` (never `verification_state`) to the control topic inside the hub transaction;
+//! its remaining jobs are then dead-lettered as `subscription_disabled` when they come due, and
+//! `POST /v1/subscriptions/{id}/verify` re-enables it in place.
+use crate::dispatch::jobs::{JobError, JobStore};
+use crate::runtime::records::{BreakerState, HealthRecord};
+
+/// The two gates and the kill switch.
+#[derive(Debug, Clone, Copy)]
+pub struct Gates {
+    pub enabled: bool,
+    pub window_ms: i64,
+    pub spread_ms: i64,
+}
+
+/// Both gates hold for a span that opened at `first`, last failed at `last`, seen at `now`.
+pub fn should_disable(g: &Gates, first: i64, last: i64, now: i64) -> bool {
+    g.enabled && now - first >= g.window_ms && last - first >= g.spread_ms
+}
+
+pub fn health_key(subscription_id: &str) -> Vec<u8> {
+    [b"h/", subscription_id.as_bytes()].concat()
+}
+
+/// What to do after recording an outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Keep,
+    Disable { reason: String },
+}
+
+/// Updates the subscription's failure span with one attempt's result.
+pub fn record(
+    js: &mut JobStore<'_>,
+    subscription_id: &str,
+    success: bool,
+    now: i64,
+    gates: &Gates,
+) -> Result<Verdict, JobError> {
+    let key = health_key(subscription_id);
+    let existing: Option<HealthRecord> =
+        js.get_record(&key, crate::runtime::avro::RecordKind::Health)?;
+    if success {
+        if existing.is_some() {
+            js.delete_record(key);
+        }
+        return Ok(Verdict::Keep);
+    }
+    let mut h = existing.unwrap_or(HealthRecord {
+        subscription_id: subscription_id.to_string(),
+        first_failure_at: Some(now),
+        last_failure_at: None,
+        consecutive_failures: 0,
+        breaker_state: BreakerState::Closed,
+        breaker_opened_at: None,
+    });
+    let first = h.first_failure_at.unwrap_or(now);
+    h.first_failure_at = Some(first);
+    h.last_failure_at = Some(now);
+    h.consecutive_failures += 1;
+    if should_disable(gates, first, now, now) {
+        js.delete_record(key);
+        let hours = |ms: i64| ms / 3_600_000;
+        return Ok(Verdict::Disable {
+            reason: format!(
+                "auto-disabled: failing for {}h ({} failed attempts in a row, none succeeded)",
+                hours(now - first),
+                h.consecutive_failures
+            ),
+        });
+    }
+    js.put_record(key, crate::runtime::avro::RecordKind::Health, &h)?;
+    Ok(Verdict::Keep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: i64 = 3_600_000;
+    const GATES: Gates = Gates {
+        enabled: true,
+        window_ms: 120 * H,
+        spread_ms: 12 * H,
+    };
+
+    #[test]
+    fn both_gates_must_hold() {
+        assert!(should_disable(&GATES, 0, 120 * H, 120 * H));
+        assert!(
+            !should_disable(&GATES, 0, 119 * H, 119 * H),
+            "window not reached"
+        );
+        // A span opened 130h ago whose failures all fell within 11h (then nothing was tried):
+        assert!(
+            !should_disable(&GATES, 0, 11 * H, 130 * H),
+            "spread not reached"
+        );
+        assert!(should_disable(&GATES, 0, 12 * H, 130 * H));
+    }
+
+    #[test]
+    fn kill_switch_prevents_disabling() {
+        let off = Gates {
+            enabled: false,
+            ..GATES
+        };
+        assert!(!should_disable(&off, 0, 500 * H, 500 * H));
+    }
+}
