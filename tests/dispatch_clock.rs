@@ -455,3 +455,65 @@ async fn one_success_in_between_resets_the_failure_span() {
     );
     assert_eq!(s.get("tenant-s", &id).await["enabled"], true);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison() {
+    // A sink that never answers; the hub is SIGKILLed while each attempt hangs. After a restart the
+    // lease has to run out (the test clock is moved past it) before the job is reclaimed.
+    let mut s = Setup::new("poison").await;
+    let hang = Router::new().route(
+        "/hook",
+        post(|headers: HeaderMap, body: Bytes| async move {
+            if headers
+                .get("x-lerian-event-type")
+                .and_then(|v| v.to_str().ok())
+                == Some("streaming_hub.verification")
+            {
+                return (StatusCode::OK, body);
+            }
+            HUNG.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            (StatusCode::OK, body)
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, hang).await.unwrap() });
+    s.subscribe("tenant-p", &url).await;
+    let ev = event("tenant-p", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    for k in 1..=5u32 {
+        for _ in 0..600 {
+            if HUNG.load(Ordering::SeqCst) >= k {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            HUNG.load(Ordering::SeqCst),
+            k,
+            "attempt {k} is hanging at the sink"
+        );
+        let env = s.hub.env.clone();
+        s.hub.kill();
+        s.hub = Hub::start(&env);
+        // The virtual clock restarts at wall time: move it past every lease taken so far.
+        s.advance(&format!("{}m", 10 * k)).await;
+    }
+    let codec = Codec::new().unwrap();
+    let dlq = read_until(
+        &[&format!("{}.dlq", s.prefix)],
+        Duration::from_secs(60),
+        |r| !r.is_empty(),
+    );
+    let dl: DeadLetterRecord = codec
+        .decode(RecordKind::DeadLetter, dlq[0].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(
+        (dl.reason, dl.event_id.as_str()),
+        (DeadLetterReason::Poison, ev.id().as_str())
+    );
+    assert_eq!(HUNG.load(Ordering::SeqCst), 5, "no sixth attempt");
+}
+
+static HUNG: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);

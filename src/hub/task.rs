@@ -43,6 +43,8 @@ const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
 /// Every store family of a hub task (open a task's RocksDB with all of them).
 pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a loop that found no due job waits before it looks again (claims only).
+const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
@@ -329,7 +331,13 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
         for t in &tenants[i] {
             task.ring.add(t);
         }
-        for t in jobs::tenants_with_timers(&task.store)? {
+        let with_timers = jobs::tenants_with_timers(&task.store)?;
+        tracing::debug!(
+            tenants = with_timers.len(),
+            restored = tenants[i].len(),
+            "tenants with timers"
+        );
+        for t in with_timers {
             task.ring.add(&t);
         }
     }
@@ -426,6 +434,11 @@ pub struct Dispatch {
     done_rx: std::sync::mpsc::Receiver<Outcome>,
     in_flight: usize,
     breakers: breaker::Breakers,
+    /// Claim rounds so far (rotates which task claims first).
+    round: usize,
+    /// After a round that found nothing due, the next claim-only round waits until then (timers
+    /// in the future must not cost a transaction every few milliseconds).
+    quiet_until: Option<Instant>,
     /// Outcomes taken from the workers but not yet committed (kept across an abort).
     pending: Vec<Outcome>,
 }
@@ -449,6 +462,8 @@ impl Dispatch {
             done_rx,
             in_flight: 0,
             breakers: breaker::Breakers::default(),
+            round: 0,
+            quiet_until: None,
             pending: Vec::new(),
         }
     }
@@ -566,6 +581,8 @@ impl HubStage {
                         .emit();
                     }
                     if let Some(d) = &mut self.dispatch {
+                        d.quiet_until = (n == 0 && attempts.is_empty() && d.pending.is_empty())
+                            .then(|| Instant::now() + QUIET_CLAIMS);
                         d.pending.clear();
                         d.in_flight += attempts.len();
                         for a in attempts {
@@ -617,11 +634,9 @@ impl HubStage {
                 break;
             }
             match consumer.poll(wait) {
-                None => {
-                    if deadline.is_some() || busy || stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                }
+                // Nothing within the wait: hand back to the loop, which also serves due timers
+                // and worker outcomes (and notices `stop`).
+                None => break,
                 Some(Ok(m)) => {
                     if last.get(&m.partition()).is_some_and(|&o| m.offset() <= o) {
                         continue;
@@ -688,7 +703,12 @@ impl HubStage {
         let ttl = env.config.idempotency_ttl.as_millis() as i64;
         // Due work is looked for before the transaction opens, so an idle loop opens none.
         let claimable = match &self.dispatch {
-            Some(d) if d.in_flight < d.max_in_flight => tasks.values().any(|t| !t.ring.is_empty()),
+            Some(d)
+                if d.in_flight < d.max_in_flight
+                    && d.quiet_until.is_none_or(|t| Instant::now() >= t) =>
+            {
+                tasks.values().any(|t| !t.ring.is_empty())
+            }
             _ => false,
         };
         let outcomes = self.dispatch.as_ref().map_or(0, |d| d.pending.len());
@@ -980,13 +1000,29 @@ fn dispatch_work(
         }
     }
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
-    for (p, task) in tasks.iter_mut() {
+    // Fair across tasks too: each task with timers gets an equal share of this round's capacity
+    // (and the order rotates), so one partition's backlog cannot starve another's tenants.
+    let mut order: Vec<i32> = tasks
+        .iter()
+        .filter(|(_, t)| !t.ring.is_empty())
+        .map(|(p, _)| *p)
+        .collect();
+    order.sort_unstable();
+    if !order.is_empty() {
+        let shift = d.round % order.len();
+        order.rotate_left(shift);
+    }
+    d.round = d.round.wrapping_add(1);
+    let share = capacity.div_ceil(order.len().max(1));
+    for p in order {
+        let Some(task) = tasks.get_mut(&p) else {
+            continue;
+        };
+        let p = &p;
         if capacity == 0 {
             break;
         }
-        if task.ring.is_empty() {
-            continue;
-        }
+        let capacity_here = share.min(capacity);
         let st = staged.entry(*p).or_default();
         let jc = jobs_changelog.entry(*p).or_default();
         let mut js = JobStore {
@@ -995,7 +1031,7 @@ fn dispatch_work(
             codec: &env.codec,
             changelog: jc,
         };
-        let due = js.due_jobs(&mut task.ring, now, capacity)?;
+        let due = js.due_jobs(&mut task.ring, now, capacity_here)?;
         for (key, mut job) in due {
             let old_due = job.due_at;
             let sub = d.table.read().get(&job.subscription_id);
