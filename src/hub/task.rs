@@ -549,7 +549,7 @@ impl HubStage {
                     .tasks
                     .values()
                     .any(|t| !t.ring.is_empty());
-            let mut batch = self.fill_batch(&consumer, &stop, busy);
+            let mut batch = self.fill_batch(&consumer, busy);
             if let Some(e) = shared
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -611,7 +611,6 @@ impl HubStage {
     fn fill_batch<'c>(
         &self,
         consumer: &'c BaseConsumer<HubContext>,
-        stop: &AtomicBool,
         busy: bool,
     ) -> Vec<BorrowedMessage<'c>> {
         let config = &self.env.config;
