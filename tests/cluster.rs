@@ -58,7 +58,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
             .inner()
             .fetch_metadata(Some(&topic), Duration::from_secs(5))
             .ok()?;
-        let p = &md.topics()[0].partitions()[0];
+        let p = md.topics().first()?.partitions().first()?;
         (p.leader() >= 0 && p.isr().len() == 3).then_some(p.leader())
     });
     let producer: BaseProducer = ClientConfig::new()
@@ -91,7 +91,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
             .inner()
             .fetch_metadata(Some(&topic), Duration::from_secs(5))
             .ok()?;
-        let p = &md.topics()[0].partitions()[0];
+        let p = md.topics().first()?.partitions().first()?;
         (p.leader() >= 0 && p.leader() != leader).then_some(p.leader())
     });
     assert_ne!(new_leader, leader);
@@ -105,7 +105,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
                 .inner()
                 .fetch_metadata(Some(&topic), Duration::from_secs(5))
                 .ok()?;
-            (md.topics()[0].partitions()[0].isr().len() == 3).then_some(())
+            (md.topics().first()?.partitions().first()?.isr().len() == 3).then_some(())
         },
     );
 
