@@ -69,9 +69,82 @@ pub fn split_expiry_key(key: &[u8]) -> Option<(i64, &[u8])> {
     Some((u64::from_be_bytes(t.try_into().ok()?) as i64, rest))
 }
 
+/// Reads `expires_at` straight from an encoded dedup entry, without a full Avro decode (restore
+/// calls this for every changelog record). Only records written with the current schema (its
+/// fingerprint) are read this way; None for anything else, and the caller decodes normally.
+/// Layout after the 10-byte single-object header: tenant_id and ce_id (length + bytes),
+/// inbox_partition, first_offset, sequence, expires_at (zigzag varints), nothing after.
+pub fn expires_at_fast(codec: &crate::runtime::avro::Codec, bytes: &[u8]) -> Option<i64> {
+    if bytes.len() < 10
+        || bytes[..2] != [0xC3, 0x01]
+        || bytes[2..10] != codec.fingerprint(crate::runtime::avro::RecordKind::DedupEntry)
+    {
+        return None;
+    }
+    let mut r = &bytes[10..];
+    for _ in 0..2 {
+        let len = usize::try_from(varint(&mut r)?).ok()?;
+        r = r.get(len..)?;
+    }
+    for _ in 0..3 {
+        varint(&mut r)?;
+    }
+    let expires_at = varint(&mut r)?;
+    r.is_empty().then_some(expires_at)
+}
+
+/// One Avro zigzag varint (int or long).
+fn varint(r: &mut &[u8]) -> Option<i64> {
+    let mut n: u64 = 0;
+    for shift in (0..64).step_by(7) {
+        let (&b, rest) = r.split_first()?;
+        *r = rest;
+        n |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some((n >> 1) as i64 ^ -((n & 1) as i64));
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_expiry_read_agrees_with_the_full_decode() {
+        let codec = crate::runtime::avro::Codec::new().unwrap();
+        for (tenant, id, offset, seq, exp) in [
+            ("t", "id", 0i64, 0u64, 0i64),
+            (
+                "tenant-with-a-longer-name",
+                "0190a8e2-0000-7000-8000-000000000001",
+                9_000_000_001,
+                41,
+                1_796_025_075_554,
+            ),
+            ("x", "", 1, 1, -5),
+        ] {
+            let e = DedupEntry {
+                tenant_id: tenant.into(),
+                ce_id: id.into(),
+                inbox_partition: 3,
+                first_offset: offset,
+                sequence: seq,
+                expires_at: exp,
+            };
+            let bytes = codec
+                .encode(crate::runtime::avro::RecordKind::DedupEntry, &e)
+                .unwrap();
+            assert_eq!(expires_at_fast(&codec, &bytes), Some(exp));
+            assert_eq!(
+                expires_at_fast(&codec, &bytes[..bytes.len() - 1]),
+                None,
+                "truncated"
+            );
+        }
+        assert_eq!(expires_at_fast(&codec, b"\xc3\x01garbage!!"), None);
+    }
 
     fn entry(offset: i64, sequence: u64, expires_at: i64) -> DedupEntry {
         DedupEntry {

@@ -391,20 +391,20 @@ fn restore_one(
         }
     }
     if family == DEDUP {
-        if let Some(old) = staged.read(store, DEDUP, key).map_err(|e| e.to_string())? {
-            if let Ok(old) = codec.decode::<DedupEntry>(RecordKind::DedupEntry, &old) {
-                staged.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, key));
-            }
-        }
+        // The previous entry's index key is not looked up: a stale expiry key is harmless (the
+        // purge checks the entry's current expiry before deleting) and skipping the read keeps
+        // restore fast.
         if let Some(v) = value {
-            let entry: DedupEntry = codec
-                .decode(RecordKind::DedupEntry, v)
-                .map_err(|e| e.to_string())?;
-            staged.put(
-                DEDUP_EXPIRY,
-                dedup::expiry_key(entry.expires_at, key),
-                Vec::new(),
-            );
+            let expires_at = match dedup::expires_at_fast(codec, v) {
+                Some(t) => t,
+                None => {
+                    codec
+                        .decode::<DedupEntry>(RecordKind::DedupEntry, v)
+                        .map_err(|e| e.to_string())?
+                        .expires_at
+                }
+            };
+            staged.put(DEDUP_EXPIRY, dedup::expiry_key(expires_at, key), Vec::new());
         }
     }
     match value {

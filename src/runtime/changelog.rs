@@ -99,7 +99,6 @@ pub fn restore(
     let mut tpl = TopicPartitionList::new();
     // (spec index, end offset) of the partitions that have something to read.
     let mut pending: Vec<(usize, i64)> = Vec::new();
-    let mut index: HashMap<(String, i32), usize> = HashMap::new();
     for (i, s) in specs.iter().enumerate() {
         let (low, high) =
             consumer.fetch_watermarks(&s.topic, s.partition, Duration::from_secs(30))?;
@@ -110,7 +109,6 @@ pub fn restore(
         if start < high {
             tpl.add_partition_offset(&s.topic, s.partition, Offset::Offset(start))?;
             pending.push((i, high));
-            index.insert((s.topic.clone(), s.partition), i);
         }
     }
     if pending.is_empty() {
@@ -134,7 +132,10 @@ pub fn restore(
             // Hand records over per partition, in order.
             let mut by_spec: HashMap<usize, Vec<ChangelogRecord<'_>>> = HashMap::new();
             for m in &chunk {
-                if let Some(&i) = index.get(&(m.topic().to_string(), m.partition())) {
+                let found = specs
+                    .iter()
+                    .position(|s| s.partition == m.partition() && s.topic == m.topic());
+                if let Some(i) = found {
                     by_spec.entry(i).or_default().push((
                         m.key().unwrap_or_default(),
                         m.payload(),
