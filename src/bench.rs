@@ -290,9 +290,7 @@ fn cpu_seconds(pid: &str) -> f64 {
 /// Matching cost: 100,000 subscriptions over 1,000 tenants (100 each, over 100 event types, a
 /// tenth of them wildcards on other resources), events that match exactly one subscription.
 fn bench_match(events: usize) -> String {
-    use crate::runtime::records::{
-        DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
-    };
+    use crate::runtime::records::SubscriptionRecord;
     use crate::subscriptions::table::{EventRef, Table};
     let mut table = Table::default();
     for t in 0..1000 {
@@ -302,28 +300,12 @@ fn bench_match(events: usize) -> String {
             } else {
                 vec![format!("res{k}.created")]
             };
-            table.upsert(SubscriptionRecord {
-                id: format!("sub-{t}-{k}"),
-                tenant_id: format!("tenant-{t}"),
-                origin: Some("ledger".into()),
-                event_types: types,
-                schema_major: Some(1),
-                destination: DestinationRecord {
-                    kind: DestinationType::Pull,
-                    url: None,
-                    headers: Default::default(),
-                    sensitive_headers: None,
-                },
-                enabled: true,
-                verification_state: VerificationState::Active,
-                retry_schedule: None,
-                disabled_reason: None,
-                disabled_at: None,
-                created_at: 0,
-                updated_at: 0,
-                version: 1,
-                signing_secrets: vec![],
-            });
+            let mut sub =
+                SubscriptionRecord::pull(&format!("sub-{t}-{k}"), &format!("tenant-{t}"), &[]);
+            sub.origin = Some("ledger".into());
+            sub.event_types = types;
+            sub.schema_major = Some(1);
+            table.upsert(sub);
         }
     }
     let tenants: Vec<String> = (0..1000).map(|t| format!("tenant-{t}")).collect();

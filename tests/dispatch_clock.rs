@@ -21,9 +21,6 @@ use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::{DeadLetterReason, DeadLetterRecord};
 use streaming_hub::runtime::secret::Secret;
 
-const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
-const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
-
 #[derive(Clone)]
 struct Sink {
     /// (event id, status answered) per delivery, in arrival order.
@@ -57,9 +54,7 @@ async fn start_sink(status: u16) -> (String, Sink) {
     let app = Router::new()
         .route("/hook", post(handler))
         .with_state(sink.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = serve(app).await;
     (format!("http://{addr}/hook"), sink)
 }
 
@@ -80,11 +75,7 @@ impl Setup {
         let prefix = unique(tag);
         let topic = format!("lerian.streaming.{prefix}");
         create_topic(&topic, 1).await;
-        let mut env = hub_env(&prefix, &format!("^{}$", topic.replace('.', r"\.")));
-        env.insert("STREAMING_HUB_KEK".into(), KEK.into());
-        env.insert("STREAMING_HUB_JWT_SECRET".into(), JWT.into());
-        env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
-        env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
+        let mut env = api_hub_env(&prefix, &topic);
         env.insert("STREAMING_HUB_DANGEROUS_TEST_CLOCK".into(), "true".into());
         for (k, v) in extra {
             env.insert(k.to_string(), v.to_string());

@@ -13,13 +13,8 @@ use axum::routing::post;
 use common::*;
 use serde_json::{Value, json};
 use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::{
-    DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
-};
+use streaming_hub::runtime::records::SubscriptionRecord;
 use streaming_hub::runtime::secret::Secret;
-
-const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
-const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
 
 /// A receiver that answers the verification challenge and counts other requests.
 async fn echo_server() -> (String, Arc<AtomicUsize>) {
@@ -35,9 +30,7 @@ async fn echo_server() -> (String, Arc<AtomicUsize>) {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = serve(app).await;
     (format!("http://{addr}/hook"), hits)
 }
 
@@ -54,11 +47,7 @@ async fn subscription_created_through_the_api_is_verified_matched_and_never_leak
     let prefix = unique("api");
     let topic = format!("lerian.streaming.{prefix}");
     create_topic(&topic, 1).await;
-    let mut env = hub_env(&prefix, &format!("^{}$", topic.replace('.', r"\.")));
-    env.insert("STREAMING_HUB_KEK".into(), KEK.into());
-    env.insert("STREAMING_HUB_JWT_SECRET".into(), JWT.into());
-    env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
-    env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
+    let mut env = api_hub_env(&prefix, &topic);
     env.insert("STREAMING_HUB_LOG".into(), "debug".into());
     let hub = Hub::start(&env);
     let base = format!("http://{}", hub.addr());
@@ -136,28 +125,7 @@ async fn subscription_created_through_the_api_is_verified_matched_and_never_leak
 
     // A subscription written straight to the control topic by a plain producer shows in the API.
     let codec = Codec::new().unwrap();
-    let direct = SubscriptionRecord {
-        id: uuid::Uuid::now_v7().to_string(),
-        tenant_id: "tenant-a".into(),
-        origin: None,
-        event_types: vec!["*".into()],
-        schema_major: None,
-        destination: DestinationRecord {
-            kind: DestinationType::Pull,
-            url: None,
-            headers: Default::default(),
-            sensitive_headers: None,
-        },
-        enabled: true,
-        verification_state: VerificationState::Active,
-        retry_schedule: None,
-        disabled_reason: None,
-        disabled_at: None,
-        created_at: 1,
-        updated_at: 1,
-        version: 1,
-        signing_secrets: vec![],
-    };
+    let direct = SubscriptionRecord::pull(&uuid::Uuid::now_v7().to_string(), "tenant-a", &["*"]);
     let control = format!("{prefix}.subscriptions");
     let rec = Rec {
         key: Some(direct.id.clone().into_bytes()),

@@ -27,9 +27,6 @@ use streaming_hub::subscriptions::pending::{PendingRetrier, Prober};
 use streaming_hub::subscriptions::secrets::Kek;
 use streaming_hub::subscriptions::table::SharedTable;
 
-const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
-const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
-
 /// The hub's environment with the API on and local `http://` sinks allowed; apply runs with it too.
 fn env_for(prefix: &str) -> BTreeMap<String, String> {
     let mut env = hub_env(prefix, &format!(r"^lerian\.streaming\.{prefix}$"));
@@ -64,9 +61,7 @@ async fn endpoint(fail_first: usize) -> (String, Arc<AtomicUsize>, Seen) {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = serve(app).await;
     (format!("http://{addr}/hook"), hits, seen)
 }
 

@@ -11,37 +11,17 @@ use std::time::Duration;
 use common::*;
 use streaming_hub::config::Config;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::{
-    DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
-};
+use streaming_hub::runtime::records::SubscriptionRecord;
 use streaming_hub::runtime::topology::Topology;
 use streaming_hub::subscriptions::control::{self, Subscriptions};
 use streaming_hub::subscriptions::secrets::{Kek, generate_signing_secret};
 use streaming_hub::subscriptions::table::{EventRef, SharedTable};
 
 fn record(id: &str, tenant: &str, types: &[&str], version: u64) -> SubscriptionRecord {
-    SubscriptionRecord {
-        id: id.into(),
-        tenant_id: tenant.into(),
-        origin: Some("ledger".into()),
-        event_types: types.iter().map(|t| t.to_string()).collect(),
-        schema_major: None,
-        destination: DestinationRecord {
-            kind: DestinationType::Pull,
-            url: None,
-            headers: Default::default(),
-            sensitive_headers: None,
-        },
-        enabled: true,
-        verification_state: VerificationState::Active,
-        retry_schedule: None,
-        disabled_reason: None,
-        disabled_at: None,
-        created_at: 1,
-        updated_at: 1,
-        version,
-        signing_secrets: vec![],
-    }
+    let mut r = SubscriptionRecord::pull(id, tenant, types);
+    r.origin = Some("ledger".into());
+    r.version = version;
+    r
 }
 
 fn matches(table: &SharedTable, tenant: &str) -> Vec<String> {

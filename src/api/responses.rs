@@ -129,30 +129,6 @@ mod tests {
 
     fn sample_view() -> SubscriptionView {
         use crate::runtime::records::*;
-        SubscriptionView::of(
-            &SubscriptionRecord {
-                id: "s1".into(),
-                tenant_id: "t".into(),
-                origin: None,
-                event_types: vec!["*".into()],
-                schema_major: None,
-                destination: DestinationRecord {
-                    kind: DestinationType::Pull,
-                    url: None,
-                    headers: Default::default(),
-                    sensitive_headers: None,
-                },
-                enabled: true,
-                verification_state: VerificationState::Active,
-                retry_schedule: None,
-                disabled_reason: None,
-                disabled_at: None,
-                created_at: 0,
-                updated_at: 0,
-                version: 1,
-                signing_secrets: vec![],
-            },
-            vec![],
-        )
+        SubscriptionView::of(&SubscriptionRecord::pull("s1", "t", &["*"]), vec![])
     }
 }

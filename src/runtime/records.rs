@@ -54,6 +54,35 @@ pub struct SubscriptionRecord {
     pub signing_secrets: Vec<EncryptedSecret>,
 }
 
+impl SubscriptionRecord {
+    /// An enabled, active pull subscription at version 1 (tools, tests and benchmarks start from
+    /// it and change what they need).
+    pub fn pull(id: &str, tenant: &str, event_types: &[&str]) -> SubscriptionRecord {
+        SubscriptionRecord {
+            id: id.into(),
+            tenant_id: tenant.into(),
+            origin: None,
+            event_types: event_types.iter().map(|t| t.to_string()).collect(),
+            schema_major: None,
+            destination: DestinationRecord {
+                kind: DestinationType::Pull,
+                url: None,
+                headers: BTreeMap::new(),
+                sensitive_headers: None,
+            },
+            enabled: true,
+            verification_state: VerificationState::Active,
+            retry_schedule: None,
+            disabled_reason: None,
+            disabled_at: None,
+            created_at: 0,
+            updated_at: 0,
+            version: 1,
+            signing_secrets: vec![],
+        }
+    }
+}
+
 /// `Destination`: a webhook or the pull queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DestinationRecord {

@@ -175,31 +175,9 @@ impl SharedTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::records::{DestinationRecord, DestinationType};
 
     fn sub(id: &str, tenant: &str, types: &[&str]) -> SubscriptionRecord {
-        SubscriptionRecord {
-            id: id.into(),
-            tenant_id: tenant.into(),
-            origin: None,
-            event_types: types.iter().map(|t| t.to_string()).collect(),
-            schema_major: None,
-            destination: DestinationRecord {
-                kind: DestinationType::Pull,
-                url: None,
-                headers: Default::default(),
-                sensitive_headers: None,
-            },
-            enabled: true,
-            verification_state: VerificationState::Active,
-            retry_schedule: None,
-            disabled_reason: None,
-            disabled_at: None,
-            created_at: 0,
-            updated_at: 0,
-            version: 1,
-            signing_secrets: vec![],
-        }
+        SubscriptionRecord::pull(id, tenant, types)
     }
 
     fn ev<'a>(

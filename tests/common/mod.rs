@@ -243,30 +243,34 @@ pub fn read_until(topics: &[&str], timeout: Duration, done: impl Fn(&[Got]) -> b
             out.len()
         );
         while let Some(m) = consumer.poll(Duration::from_millis(100)) {
-            let m = m.expect("consume");
-            let headers = m
-                .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
-                        .collect()
-                })
-                .unwrap_or_default();
-            out.push(Got {
-                rec: Rec {
-                    key: m.key().map(<[u8]>::to_vec),
-                    headers,
-                    value: m.payload().map(<[u8]>::to_vec),
-                    partition: Some(m.partition()),
-                },
-                topic: m.topic().to_string(),
-                partition: m.partition(),
-                offset: m.offset(),
-            });
+            out.push(got(&m.expect("consume")));
             if out.len() % 10_000 == 0 {
                 break;
             }
         }
+    }
+}
+
+/// A consumed record, owned.
+fn got(m: &rdkafka::message::BorrowedMessage<'_>) -> Got {
+    let headers = m
+        .headers()
+        .map(|h| {
+            h.iter()
+                .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
+                .collect()
+        })
+        .unwrap_or_default();
+    Got {
+        rec: Rec {
+            key: m.key().map(<[u8]>::to_vec),
+            headers,
+            value: m.payload().map(<[u8]>::to_vec),
+            partition: Some(m.partition()),
+        },
+        topic: m.topic().to_string(),
+        partition: m.partition(),
+        offset: m.offset(),
     }
 }
 
@@ -315,6 +319,28 @@ pub fn hub_env(prefix: &str, follow: &str) -> BTreeMap<String, String> {
     env.insert("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL".into(), "2s".into());
     env.insert("STREAMING_HUB_LOG".into(), "info,streaming_hub=info".into());
     env
+}
+
+/// Test-only key-encryption key (32 bytes 0x00..0x1f) and JWT secret.
+pub const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+pub const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
+
+/// A hub with its API on: KEK and JWT secret set, local http sinks allowed, following `topic`.
+pub fn api_hub_env(prefix: &str, topic: &str) -> BTreeMap<String, String> {
+    let mut env = hub_env(prefix, &format!("^{}$", topic.replace('.', r"\.")));
+    env.insert("STREAMING_HUB_KEK".into(), KEK.into());
+    env.insert("STREAMING_HUB_JWT_SECRET".into(), JWT.into());
+    env.insert("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into());
+    env.insert("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into());
+    env
+}
+
+/// Serves `app` on 127.0.0.1 (a free port) for the rest of the test; returns its address.
+pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
 }
 
 pub fn free_port() -> u16 {
@@ -429,26 +455,7 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
     let deadline = Instant::now() + timeout;
     loop {
         while let Some(m) = consumer.poll(Duration::from_millis(200)) {
-            let m = m.expect("consume");
-            let headers = m
-                .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
-                        .collect()
-                })
-                .unwrap_or_default();
-            out.push(Got {
-                rec: Rec {
-                    key: m.key().map(<[u8]>::to_vec),
-                    headers,
-                    value: m.payload().map(<[u8]>::to_vec),
-                    partition: Some(m.partition()),
-                },
-                topic: m.topic().to_string(),
-                partition: m.partition(),
-                offset: m.offset(),
-            });
+            out.push(got(&m.expect("consume")));
         }
         let pos = consumer.position().unwrap();
         let done = ends.iter().all(|(t, p, high)| {
