@@ -19,9 +19,14 @@ bin="$CARGO_TARGET_DIR/debug/streaming-hub"
 state="$(mktemp -d)"
 export STREAMING_HUB_STATE_DIR="$state/state"
 export STREAMING_HUB_HTTP_LISTEN_ADDR="${STREAMING_HUB_HTTP_LISTEN_ADDR:-127.0.0.1:8080}"
-export STREAMING_HUB_INSTANCE_ID="demo"
-# The demo's own producer topics only (the default follows every lerian.streaming.<source>).
-export STREAMING_HUB_FOLLOW_PATTERN="${STREAMING_HUB_FOLLOW_PATTERN:-^lerian\.streaming\.ledger\$}"
+# Each run is self-contained: its own producer topic, topic prefix and consumer groups, so
+# subscriptions and receivers of earlier runs do not linger in this one.
+run="demo$(date +%s)"
+topic="lerian.streaming.ledger-$run"
+export STREAMING_HUB_INSTANCE_ID="$run"
+export STREAMING_HUB_TOPIC_PREFIX="${STREAMING_HUB_TOPIC_PREFIX:-streaming-hub-$run}"
+export STREAMING_HUB_GROUP_ID="${STREAMING_HUB_GROUP_ID:-$run}"
+export STREAMING_HUB_FOLLOW_PATTERN="${STREAMING_HUB_FOLLOW_PATTERN:-^lerian\.streaming\.ledger-$run\$}"
 export STREAMING_HUB_LOG="${STREAMING_HUB_LOG:-warn,streaming_hub=info}"
 # Development-only secrets, generated fresh for this run; never use these settings in production.
 export STREAMING_HUB_KEK="${STREAMING_HUB_KEK:-$(head -c 32 /dev/urandom | base64)}"
@@ -37,4 +42,4 @@ for _ in $(seq 1 300); do
   kill -0 $hub_pid 2>/dev/null || { cat "$state/hub.log" >&2; echo "demo: the hub exited" >&2; exit 1; }
   sleep 0.2
 done
-"$bin" demo --hub-url "http://$STREAMING_HUB_HTTP_LISTEN_ADDR" "${duration[@]}"
+"$bin" demo --topic "$topic" --hub-url "http://$STREAMING_HUB_HTTP_LISTEN_ADDR" "${duration[@]}"

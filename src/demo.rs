@@ -71,7 +71,8 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
     }
     let started = Instant::now();
     let mut sent = 0u64;
-    let mut last_id = String::new();
+    // The last ledger event (tenant, ce-id): a producer retry re-sends it with the same ce-id.
+    let mut last: Option<(&str, String)> = None;
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / opts.rate.max(1) as f64));
     let mut last_print = Instant::now();
     println!(
@@ -86,16 +87,20 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
             _ = tick.tick() => {}
             _ = tokio::signal::ctrl_c() => break,
         }
-        let tenant = tenants[(sent % 3) as usize];
+        let mut tenant = tenants[(sent % 3) as usize];
         let kind = match sent % 50 {
             17 => Sample::System,
             33 => Sample::Malformed,
-            41 if !last_id.is_empty() => Sample::Retry(last_id.clone()),
+            41 if last.is_some() => {
+                let (t, id) = last.clone().expect("checked");
+                tenant = t;
+                Sample::Retry(id)
+            }
             _ => Sample::Ledger,
         };
         let (key, headers, value, id) = sample(tenant, &kind, sent);
         if matches!(kind, Sample::Ledger) {
-            last_id = id;
+            last = Some((tenant, id));
         }
         let mut hs = OwnedHeaders::new();
         for (k, v) in &headers {
@@ -116,7 +121,7 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
             last_print = Instant::now();
             let m = scrape(&http, &opts.hub_url).await;
             println!(
-                "[{:>4}s] produced {sent:>6} | accepted {:>6} dropped {:>4} quarantined {:>4} | hub: new {:>6} duplicates {:>4} | matched {:>6}",
+                "[{:>4}s] produced {sent:>6} | accepted {:>6} dropped {:>4} quarantined {:>4} | hub: new {:>6} duplicates {:>4} | matched {:>6} delivered {:>6}",
                 started.elapsed().as_secs(),
                 m.get("accept").copied().unwrap_or(0),
                 m.get("drop").copied().unwrap_or(0),
@@ -124,17 +129,19 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
                 m.get("new").copied().unwrap_or(0),
                 m.get("duplicate").copied().unwrap_or(0),
                 m.get("matched").copied().unwrap_or(0),
+                m.get("delivered").copied().unwrap_or(0),
             );
         }
     }
     let m = scrape(&http, &opts.hub_url).await;
     println!(
-        "demo done: produced {sent}, accepted {}, dropped {}, quarantined {}, processed {} ({} duplicates dropped)",
+        "demo done: produced {sent}, accepted {}, dropped {}, quarantined {}, processed {} ({} duplicates dropped), delivered {}",
         m.get("accept").copied().unwrap_or(0),
         m.get("drop").copied().unwrap_or(0),
         m.get("quarantine").copied().unwrap_or(0),
         m.get("new").copied().unwrap_or(0),
         m.get("duplicate").copied().unwrap_or(0),
+        m.get("delivered").copied().unwrap_or(0),
     );
     Ok(())
 }
@@ -214,6 +221,8 @@ async fn scrape(http: &reqwest::Client, base: &str) -> HashMap<String, u64> {
                 .and_then(|r| r.split('"').next())
         } else if line.starts_with("streaming_hub_matches_total") {
             Some("matched")
+        } else if line.starts_with("streaming_hub_attempts_total{outcome=\"delivered\"") {
+            Some("delivered")
         } else if line.starts_with("streaming_hub_hub_events_total{") {
             line.split("outcome=\"")
                 .nth(1)
