@@ -52,7 +52,12 @@ pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
     let out = match opts.stage.as_str() {
         "ingest" => bench_ingest(&config, &opts).await?,
         "hub" => bench_hub(&config, &opts).await?,
-        other => return Err(format!("unknown stage {other:?}: ingest, hub or match")),
+        "jobs" => bench_pending_jobs(&config, &opts).await?,
+        other => {
+            return Err(format!(
+                "unknown stage {other:?}: ingest, hub, jobs or match"
+            ));
+        }
     };
     let _ = std::fs::remove_dir_all(&config.state_dir);
     println!("{out}");
@@ -105,6 +110,85 @@ async fn bench_hub(config: &Config, opts: &BenchOptions) -> Result<String, Strin
         r#"{{"bench":"hub","record_bytes":{},{m},"restore_records":{restored},"restore_seconds":{secs:.3},"restore_records_per_s":{:.0}}}"#,
         opts.size,
         restored as f64 / secs
+    ))
+}
+
+/// Pending jobs held on disk: N events for 100 tenants, each tenant with a webhook subscription
+/// whose destination refuses connections (127.0.0.1:9), so every job stays pending (the breakers
+/// open and shed them). Reports the process's resident memory once all N jobs exist.
+async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<String, String> {
+    use crate::dispatch::DispatchJobs;
+    use crate::dispatch::worker::Workers;
+    use crate::hub::task::Dispatch;
+    use crate::runtime::records::{DestinationType, SubscriptionRecord};
+    use crate::subscriptions::secrets::{Kek, generate_signing_secret};
+    use crate::subscriptions::table::SharedTable;
+    use base64::Engine;
+
+    let mut config = config.clone();
+    config.allow_private_sinks = true;
+    config.allow_insecure_sinks = true;
+    let inbox = format!("{}.inbox", config.topic_prefix);
+    produce(&config, &inbox, opts.records, opts.size, true)?;
+    let kek = Arc::new(
+        Kek::new(
+            "bench",
+            &base64::engine::general_purpose::STANDARD.encode([7u8; 32]),
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    let table = SharedTable::default();
+    table.apply(|t| {
+        for i in 0..100 {
+            let id = format!("sub-{i}");
+            let mut sub = SubscriptionRecord::pull(&id, &format!("tenant-{i}"), &["*"]);
+            sub.destination.kind = DestinationType::Webhook;
+            sub.destination.url = Some("http://127.0.0.1:9/refused".into());
+            sub.signing_secrets = vec![kek.seal_secret(&generate_signing_secret(), &id, None)];
+            t.upsert(sub);
+        }
+    });
+    table.set_caught_up();
+    let codec = Arc::new(Codec::new().map_err(|e| e.to_string())?);
+    let clock: crate::runtime::clock::SharedClock = Arc::new(SystemClock);
+    let workers = Workers {
+        http: crate::delivery::client::build_client(&config).map_err(|e| e.to_string())?,
+        kek: Some(kek),
+        clock: clock.clone(),
+        allow_private: true,
+        allow_insecure: true,
+        permits: Arc::new(tokio::sync::Semaphore::new(config.dispatch_workers)),
+    };
+    let dispatch = Dispatch::new(
+        table.clone(),
+        workers,
+        tokio::runtime::Handle::current(),
+        &config,
+    );
+    let handler = DispatchJobs {
+        table,
+        pull_topic: format!("{}.pull", config.topic_prefix),
+    };
+    let mut stage = HubStage::new(&config, codec, clock, Box::new(handler)).with_dispatch(dispatch);
+    // The peak should be the stage's, not the producer's that wrote the input: reset it.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let m = measure(&config, opts, &inbox, &config.hub_group_id(), move |stop| {
+        stage.run(stop).map_err(|e| e.to_string())
+    })?;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(format!(
+        r#"{{"bench":"pending_jobs","record_bytes":{},{m},"rss_mib_after":{},"peak_rss_mib":{}}}"#,
+        opts.size,
+        kb("VmRSS:") / 1024,
+        kb("VmHWM:") / 1024
     ))
 }
 

@@ -12,7 +12,33 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use rocksdb::{ColumnFamilyDescriptor, DB, Options, WriteBatch};
+use std::sync::LazyLock;
+
+use rocksdb::{Cache, ColumnFamilyDescriptor, DB, Options, WriteBatch, WriteBufferManager};
+
+/// Memory every store of the process shares: memtables are bounded together (a backlog of
+/// millions of jobs lives on disk, not in RAM), and one block cache serves all reads.
+const MEMTABLE_BUDGET: usize = 64 << 20;
+const BLOCK_CACHE: usize = 32 << 20;
+static SHARED_CACHE: LazyLock<Cache> = LazyLock::new(|| Cache::new_lru_cache(BLOCK_CACHE));
+static SHARED_MEMTABLES: LazyLock<WriteBufferManager> = LazyLock::new(|| {
+    WriteBufferManager::new_write_buffer_manager_with_cache(
+        MEMTABLE_BUDGET,
+        false,
+        SHARED_CACHE.clone(),
+    )
+});
+
+fn family_options() -> Options {
+    let mut o = Options::default();
+    o.set_write_buffer_size(8 << 20);
+    o.set_max_write_buffer_number(2);
+    o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+    let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_block_cache(&SHARED_CACHE);
+    o.set_block_based_table_factory(&table);
+    o
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -40,12 +66,13 @@ impl Store {
         opts.create_missing_column_families(true);
         opts.set_max_background_jobs(2);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        opts.set_write_buffer_size(16 << 20);
+        opts.set_write_buffer_size(8 << 20);
+        opts.set_write_buffer_manager(&SHARED_MEMTABLES);
         let mut cfs: Vec<ColumnFamilyDescriptor> = families
             .iter()
-            .map(|f| ColumnFamilyDescriptor::new(*f, Options::default()))
+            .map(|f| ColumnFamilyDescriptor::new(*f, family_options()))
             .collect();
-        cfs.push(ColumnFamilyDescriptor::new(META, Options::default()));
+        cfs.push(ColumnFamilyDescriptor::new(META, family_options()));
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
         Ok(Store {
             db,
