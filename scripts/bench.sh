@@ -3,6 +3,7 @@
 # each (see BENCHMARKS.md for the figures and what limits them).
 #
 #   scripts/bench.sh                 # ingest, hub (dedup + sequence + restore), match
+#   scripts/bench.sh jobs            # 1,000,000 pending jobs: peak memory
 #   RECORDS=500000 scripts/bench.sh ingest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ stages=("$@")
 for stage in "${stages[@]}"; do
   case "$stage" in
     match) "$bin" bench match --records 2000000 ;;
+    jobs) "$bin" bench jobs --records 1000000 --size 256 ;;
     *) "$bin" bench "$stage" --records "$records" --size 1024 --broker-pid-file "$pidfile" ;;
   esac
 done
