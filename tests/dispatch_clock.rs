@@ -508,3 +508,80 @@ async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison()
 }
 
 static HUNG: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_subscription_gets_each_matched_event_on_the_pull_topic_with_its_sequence() {
+    let s = Setup::new("pull").await;
+    // `extra` replaces the whole destination: a pull subscription (no URL, active at once).
+    let id = s
+        .subscribe_with(
+            "tenant-q",
+            "unused",
+            json!({"destination": {"type": "pull"}}),
+        )
+        .await;
+    let events: Vec<Rec> = (0..3)
+        .map(|_| event("tenant-q", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    let got = read_until(
+        &[&format!("{}.pull", s.prefix)],
+        Duration::from_secs(60),
+        |r| r.len() >= 3,
+    );
+    assert_eq!(got.len(), 3);
+    for (i, (g, e)) in got.iter().zip(&events).enumerate() {
+        assert_eq!(
+            g.rec.key.as_deref(),
+            Some(id.as_bytes()),
+            "keyed by subscription id"
+        );
+        assert_eq!(g.rec.value, e.value, "payload unchanged");
+        assert_eq!(g.rec.header("ce-id"), Some(e.id().as_str()));
+        assert_eq!(
+            g.rec.header("x-streaming-hub-sequence"),
+            Some(i.to_string().as_str())
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_jobs_of_a_disabled_subscription_are_dead_lettered_when_due() {
+    let s = Setup::new("disab").await;
+    let (url, sink) = start_sink(500).await;
+    let id = s
+        .subscribe_with("tenant-d", &url, json!({"retry_schedule": ["1h"]}))
+        .await;
+    let ev = event("tenant-d", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    s.wait_metric("streaming_hub_attempts_total", 1).await; // attempt 1 failed; retry in ≤ 1h
+    let r = s
+        .http
+        .patch(format!("http://{}/v1/subscriptions/{id}", s.hub.addr()))
+        .bearer_auth(s.token("tenant-d"))
+        .header("content-type", "application/json")
+        .body(json!({"enabled": false}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    s.advance("2h").await;
+    let codec = Codec::new().unwrap();
+    let dlq = read_until(
+        &[&format!("{}.dlq", s.prefix)],
+        Duration::from_secs(60),
+        |r| !r.is_empty(),
+    );
+    let dl: DeadLetterRecord = codec
+        .decode(RecordKind::DeadLetter, dlq[0].rec.value.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(
+        (dl.reason, dl.event_id.as_str()),
+        (DeadLetterReason::SubscriptionDisabled, ev.id().as_str())
+    );
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        1,
+        "no attempt after the subscription was disabled"
+    );
+}
