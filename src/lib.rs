@@ -12,5 +12,6 @@ pub mod demo;
 pub mod dispatch;
 pub mod hub;
 pub mod ingest;
+pub mod replay;
 pub mod runtime;
 pub mod subscriptions;

@@ -33,6 +33,19 @@ enum Command {
     },
     /// Print every STREAMING_HUB_* variable, its default and meaning (Markdown).
     Config,
+    /// Replay: move the hub group's offsets on the inbox back (the hub must be stopped).
+    Replay {
+        /// Every event since this time (RFC 3339) is matched and delivered again.
+        #[arg(
+            long,
+            conflicts_with = "to_offset",
+            required_unless_present = "to_offset"
+        )]
+        to_datetime: Option<String>,
+        /// This offset in every inbox partition, or `earliest`.
+        #[arg(long)]
+        to_offset: Option<String>,
+    },
     /// Mint an API token (HS256 under STREAMING_HUB_JWT_SECRET).
     Token {
         /// The tenant the token acts for.
@@ -190,6 +203,37 @@ fn main() -> ExitCode {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
                         eprintln!("streaming-hub demo: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Command::Replay { to_datetime, to_offset } => {
+                let target = match (to_datetime, to_offset) {
+                    (Some(t), _) => streaming_hub::replay::parse_time(&t),
+                    (None, Some(o)) => streaming_hub::replay::parse_offset(&o),
+                    (None, None) => Err("give --to-datetime or --to-offset".to_string()),
+                };
+                let target = match target {
+                    Ok(t) => t,
+                    Err(e) => {
+                        eprintln!("streaming-hub replay: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+                match tokio::task::spawn_blocking(move || streaming_hub::replay::run(&config, &target)).await {
+                    Ok(Ok(moved)) => {
+                        for (p, old, new) in moved {
+                            let old = old.map_or("none".to_string(), |o| o.to_string());
+                            println!("inbox partition {p}: {old} -> {new}");
+                        }
+                        ExitCode::SUCCESS
+                    }
+                    Ok(Err(e)) => {
+                        eprintln!("streaming-hub replay: {e}");
+                        ExitCode::from(1)
+                    }
+                    Err(e) => {
+                        eprintln!("streaming-hub replay: {e}");
                         ExitCode::FAILURE
                     }
                 }

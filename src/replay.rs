@@ -1,0 +1,152 @@
+//! `streaming-hub replay`: whole-hub replay by offset reset (DESIGN.md §3). It moves the hub
+//! group's (`<group>.hub`) committed offsets on `<prefix>.inbox` back to a time or an offset;
+//! when the hub starts again every event from there is matched and delivered again (the dedup
+//! store recognises each as a replay of its own first offset, so it keeps its sequence number,
+//! and copies of it at other offsets are still dropped).
+//!
+//! The group must be stopped: Kafka accepts an outside offset commit only for an empty group, so
+//! a running (or not yet timed-out) instance makes the command fail with a clear message and
+//! changes nothing.
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::Config;
+use crate::runtime::kafka;
+
+/// Where to move the group.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// The first offset at or after this time (ms since the epoch) in every partition.
+    Time(i64),
+    /// This offset in every partition (clamped to what the log still holds).
+    Offset(i64),
+    Earliest,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(
+        "the hub group {group} is still active (or its members have not timed out yet): stop every hub instance, wait for the session timeout, and run replay again"
+    )]
+    GroupActive { group: String },
+    #[error("kafka: {0}")]
+    Kafka(String),
+}
+
+/// Moves the hub group's offsets; returns (partition, old committed, new) per partition.
+pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i64)>, ReplayError> {
+    let kafka_err = |e: rdkafka::error::KafkaError| ReplayError::Kafka(e.to_string());
+    let group = config.hub_group_id();
+    let inbox = format!("{}.inbox", config.topic_prefix);
+    let consumer: BaseConsumer = kafka::base(config)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(kafka_err)?;
+    let timeout = Duration::from_secs(30);
+    let md = consumer
+        .fetch_metadata(Some(&inbox), timeout)
+        .map_err(kafka_err)?;
+    let partitions: Vec<i32> = md
+        .topics()
+        .first()
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    if partitions.is_empty() {
+        return Err(ReplayError::Kafka(format!(
+            "{inbox} has no partitions (is the topology applied?)"
+        )));
+    }
+    let mut current = TopicPartitionList::new();
+    for p in &partitions {
+        current.add_partition(&inbox, *p);
+    }
+    let committed = consumer
+        .committed_offsets(current, timeout)
+        .map_err(kafka_err)?;
+    let mut wanted = TopicPartitionList::new();
+    let mut out = Vec::new();
+    let by_time = match target {
+        Target::Time(ms) => {
+            let mut q = TopicPartitionList::new();
+            for p in &partitions {
+                q.add_partition_offset(&inbox, *p, Offset::Offset(*ms))
+                    .map_err(kafka_err)?;
+            }
+            Some(consumer.offsets_for_times(q, timeout).map_err(kafka_err)?)
+        }
+        _ => None,
+    };
+    for p in &partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(&inbox, *p, timeout)
+            .map_err(kafka_err)?;
+        let new = match target {
+            Target::Earliest => low,
+            Target::Offset(o) => (*o).clamp(low, high),
+            Target::Time(_) => match by_time
+                .as_ref()
+                .and_then(|t| t.find_partition(&inbox, *p))
+                .map(|e| e.offset())
+            {
+                Some(Offset::Offset(o)) => o,
+                _ => high, // nothing at or after that time
+            },
+        };
+        let old = match committed.find_partition(&inbox, *p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        };
+        wanted
+            .add_partition_offset(&inbox, *p, Offset::Offset(new))
+            .map_err(kafka_err)?;
+        out.push((*p, old, new));
+    }
+    match consumer.commit(&wanted, CommitMode::Sync) {
+        Ok(()) => Ok(out),
+        Err(e) => match e.rdkafka_error_code() {
+            Some(
+                RDKafkaErrorCode::UnknownMemberId
+                | RDKafkaErrorCode::RebalanceInProgress
+                | RDKafkaErrorCode::IllegalGeneration,
+            ) => Err(ReplayError::GroupActive { group }),
+            _ => Err(kafka_err(e)),
+        },
+    }
+}
+
+/// Parses `--to-offset` (a number or `earliest`).
+pub fn parse_offset(text: &str) -> Result<Target, String> {
+    if text == "earliest" {
+        return Ok(Target::Earliest);
+    }
+    text.parse::<i64>()
+        .map(Target::Offset)
+        .map_err(|_| format!("expected an offset or `earliest`, got {text:?}"))
+}
+
+/// Parses `--to-datetime` (RFC 3339).
+pub fn parse_time(text: &str) -> Result<Target, String> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| Target::Time(t.timestamp_millis()))
+        .map_err(|e| format!("expected an RFC 3339 time such as 2026-11-30T08:00:00Z ({e})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse_and_bad_input_is_named() {
+        assert!(matches!(parse_offset("earliest"), Ok(Target::Earliest)));
+        assert!(matches!(parse_offset("42"), Ok(Target::Offset(42))));
+        assert!(parse_offset("soon").unwrap_err().contains("soon"));
+        assert!(
+            matches!(parse_time("2026-11-30T08:00:00Z"), Ok(Target::Time(t)) if t == 1_796_025_600_000)
+        );
+        assert!(parse_time("yesterday").is_err());
+    }
+}
