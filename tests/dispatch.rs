@@ -15,7 +15,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use common::*;
-use serde_json::{Value, json};
+use serde_json::json;
 use streaming_hub::delivery::signing;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::{AttemptRecord, DeadLetterReason, DeadLetterRecord};
@@ -83,67 +83,36 @@ async fn start_slow_sink(script: Vec<u16>, delay: Duration) -> (String, Sink) {
     (format!("http://{addr}/hook"), sink)
 }
 
-struct Setup {
-    prefix: String,
-    topic: String,
-    hub: Hub,
-    http: reqwest::Client,
+/// A hub whose attempts time out after 5 s, logging at debug (the secret-in-log checks need it).
+async fn setup(tag: &str) -> ApiHub {
+    ApiHub::start(
+        tag,
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+            ("STREAMING_HUB_LOG", "info,streaming_hub=debug"),
+        ],
+    )
+    .await
 }
 
-async fn setup(tag: &str) -> Setup {
-    require_broker();
-    let prefix = unique(tag);
-    let topic = format!("lerian.streaming.{prefix}");
-    create_topic(&topic, 1).await;
-    let mut env = api_hub_env(&prefix, &topic);
-    env.insert("STREAMING_HUB_HTTP_TIMEOUT".into(), "5s".into());
-    env.insert(
-        "STREAMING_HUB_LOG".into(),
-        "info,streaming_hub=debug".into(),
-    );
-    let hub = Hub::start(&env);
-    Setup {
-        prefix,
-        topic,
-        hub,
-        http: reqwest::Client::builder().no_proxy().build().unwrap(),
+/// This file's subscriptions: `transaction.*` to a webhook, active at once; (id, signing secret).
+async fn subscribe(
+    s: &ApiHub,
+    tenant: &str,
+    url: &str,
+    retry: Option<Vec<&str>>,
+) -> (String, String) {
+    let mut body =
+        json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}});
+    if let Some(r) = retry {
+        body["retry_schedule"] = json!(r);
     }
-}
-
-impl Setup {
-    async fn subscribe(
-        &self,
-        tenant: &str,
-        url: &str,
-        retry: Option<Vec<&str>>,
-    ) -> (String, String) {
-        let token = streaming_hub::api::mint(
-            &Secret::new(JWT),
-            Some(tenant),
-            false,
-            Duration::from_secs(600),
-        );
-        let mut body = json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}});
-        if let Some(r) = retry {
-            body["retry_schedule"] = json!(r);
-        }
-        let r = self
-            .http
-            .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
-            .bearer_auth(token)
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 201);
-        let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
-        assert_eq!(v["verification_state"], "active", "{v}");
-        (
-            v["id"].as_str().unwrap().to_string(),
-            v["signing_secret"].as_str().unwrap().to_string(),
-        )
-    }
+    let v = s.create_subscription(tenant, body).await;
+    assert_eq!(v["verification_state"], "active", "{v}");
+    (
+        v["id"].as_str().unwrap().to_string(),
+        v["signing_secret"].as_str().unwrap().to_string(),
+    )
 }
 
 fn wait_for_deliveries(sink: &Sink, n: usize, timeout: Duration) -> Vec<Received> {
@@ -157,7 +126,7 @@ fn wait_for_deliveries(sink: &Sink, n: usize, timeout: Duration) -> Vec<Received
 async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
     let s = setup("dlv").await;
     let (url, sink) = start_sink(vec![200]).await;
-    let (sub_id, secret) = s.subscribe("tenant-a", &url, None).await;
+    let (sub_id, secret) = subscribe(&s, "tenant-a", &url, None).await;
     let ev =
         event("tenant-a", "ledger", "transaction", "created").set("ce-subject", Some(b"acc-7"));
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
@@ -214,8 +183,7 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
 async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
     let s = setup("retry").await;
     let (url, sink) = start_sink(vec![500, 503, 200]).await;
-    s.subscribe("tenant-r", &url, Some(vec!["1s", "1s", "1s"]))
-        .await;
+    subscribe(&s, "tenant-r", &url, Some(vec!["1s", "1s", "1s"])).await;
     let ev = event("tenant-r", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     let got = wait_for_deliveries(&sink, 3, Duration::from_secs(60));
@@ -255,9 +223,7 @@ async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
 async fn always_failing_sink_gets_one_plus_schedule_attempts_then_one_dead_letter() {
     let s = setup("dead").await;
     let (url, sink) = start_sink(vec![500]).await;
-    let (sub_id, _) = s
-        .subscribe("tenant-d", &url, Some(vec!["1s", "1s", "1s"]))
-        .await;
+    let (sub_id, _) = subscribe(&s, "tenant-d", &url, Some(vec!["1s", "1s", "1s"])).await;
     let ev = event("tenant-d", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     let codec = Codec::new().unwrap();
@@ -296,35 +262,15 @@ async fn one_tenants_backlog_does_not_delay_another_tenants_event_by_more_than_a
     let s = setup("fair").await;
     let (slow_url, slow) = start_slow_sink(vec![200], Duration::from_millis(20)).await;
     let (fast_url, fast) = start_sink(vec![200]).await;
-    s.subscribe("tenant-a", &slow_url, None).await;
-    s.subscribe("tenant-b", &fast_url, None).await;
+    subscribe(&s, "tenant-a", &slow_url, None).await;
+    subscribe(&s, "tenant-b", &fast_url, None).await;
     let p = producer();
     let backlog: Vec<Rec> = (0..3000)
         .map(|_| event("tenant-a", "ledger", "transaction", "posted"))
         .collect();
     produce(&p, &s.topic, &backlog);
-    let metrics = format!("http://{}/metrics", s.hub.addr());
-    let mut matched = 0;
-    for _ in 0..1200 {
-        let text = s
-            .http
-            .get(&metrics)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        matched = text
-            .lines()
-            .filter(|l| l.starts_with("streaming_hub_matches_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as usize;
-        if matched >= 3000 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    s.wait_metric("streaming_hub_matches_total", 3000).await;
+    let matched = s.metric("streaming_hub_matches_total").await;
     assert!(matched >= 3000, "all of tenant A's jobs exist ({matched})");
     wait_for_deliveries(&slow, 50, Duration::from_secs(60)); // A's backlog is being worked off
     let before = slow.got.lock().unwrap().len();
@@ -355,7 +301,7 @@ async fn one_tenants_backlog_does_not_delay_another_tenants_event_by_more_than_a
 async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     let mut s = setup("replay").await;
     let (url, sink) = start_sink(vec![200]).await;
-    s.subscribe("tenant-r", &url, None).await;
+    subscribe(&s, "tenant-r", &url, None).await;
     let events: Vec<Rec> = (0..2)
         .map(|_| event("tenant-r", "ledger", "transaction", "posted"))
         .collect();

@@ -19,7 +19,6 @@ use common::*;
 use serde_json::json;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::{DeadLetterReason, DeadLetterRecord};
-use streaming_hub::runtime::secret::Secret;
 
 #[derive(Clone)]
 struct Sink {
@@ -58,154 +57,51 @@ async fn start_sink(status: u16) -> (String, Sink) {
     (format!("http://{addr}/hook"), sink)
 }
 
-struct Setup {
-    prefix: String,
-    topic: String,
-    hub: Hub,
-    http: reqwest::Client,
+/// A hub on the dangerous test clock.
+async fn clock_hub(tag: &str, extra: &[(&str, &str)]) -> ApiHub {
+    let mut settings = vec![("STREAMING_HUB_DANGEROUS_TEST_CLOCK", "true")];
+    settings.extend_from_slice(extra);
+    ApiHub::start(tag, &settings).await
 }
 
-impl Setup {
-    async fn new(tag: &str) -> Setup {
-        Setup::with(tag, &[]).await
+/// This file's subscriptions: every event type, a webhook to `url`, plus `extra` fields.
+async fn subscribe_with(s: &ApiHub, tenant: &str, url: &str, extra: serde_json::Value) -> String {
+    let mut body = json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
     }
+    s.create_subscription(tenant, body).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
 
-    async fn with(tag: &str, extra: &[(&str, &str)]) -> Setup {
-        require_broker();
-        let prefix = unique(tag);
-        let topic = format!("lerian.streaming.{prefix}");
-        create_topic(&topic, 1).await;
-        let mut env = api_hub_env(&prefix, &topic);
-        env.insert("STREAMING_HUB_DANGEROUS_TEST_CLOCK".into(), "true".into());
-        for (k, v) in extra {
-            env.insert(k.to_string(), v.to_string());
-        }
-        let hub = Hub::start(&env);
-        Setup {
-            prefix,
-            topic,
-            hub,
-            http: reqwest::Client::builder().no_proxy().build().unwrap(),
-        }
-    }
+async fn subscribe(s: &ApiHub, tenant: &str, url: &str) -> String {
+    subscribe_with(s, tenant, url, json!({})).await
+}
 
-    fn token(&self, tenant: &str) -> String {
-        streaming_hub::api::mint(
-            &Secret::new(JWT),
-            Some(tenant),
-            false,
-            Duration::from_secs(30 * 86_400),
-        )
-    }
-
-    async fn subscribe(&self, tenant: &str, url: &str) -> String {
-        self.subscribe_with(tenant, url, json!({})).await
-    }
-
-    async fn subscribe_with(&self, tenant: &str, url: &str, extra: serde_json::Value) -> String {
-        let token = self.token(tenant);
-        let mut body =
-            json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let r = self
-            .http
-            .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
-            .bearer_auth(token)
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 201);
-        let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
-        v["id"].as_str().unwrap().to_string()
-    }
-
-    async fn get(&self, tenant: &str, id: &str) -> serde_json::Value {
-        let r = self
-            .http
-            .get(format!("http://{}/v1/subscriptions/{id}", self.hub.addr()))
-            .bearer_auth(self.token(tenant))
-            .send()
-            .await
-            .unwrap();
-        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap()
-    }
-
-    async fn wait_metric(&self, name: &str, at_least: u64) {
-        for _ in 0..600 {
-            if self.metric(name).await >= at_least {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!(
-            "{name} never reached {at_least} (is {})",
-            self.metric(name).await
-        );
-    }
-
-    /// A failure now, then `steps` more rounds of 11 virtual hours, each with a new event and at
-    /// least one more failed attempt (the breaker lets one probe through per round once open).
-    async fn fail_every_11h(&self, tenant: &str, steps: u64) {
-        let p = producer();
-        let before = self.metric("streaming_hub_attempts_total").await;
+/// A failure now, then `steps` more rounds of 11 virtual hours, each with a new event and at
+/// least one more failed attempt (the breaker lets one probe through per round once open).
+async fn fail_every_11h(s: &ApiHub, tenant: &str, steps: u64) {
+    let p = producer();
+    let before = s.metric("streaming_hub_attempts_total").await;
+    produce(
+        &p,
+        &s.topic,
+        &[event(tenant, "ledger", "transaction", "posted")],
+    );
+    s.wait_metric("streaming_hub_attempts_total", before + 1)
+        .await;
+    for _ in 0..steps {
+        let before = s.metric("streaming_hub_attempts_total").await;
         produce(
             &p,
-            &self.topic,
+            &s.topic,
             &[event(tenant, "ledger", "transaction", "posted")],
         );
-        self.wait_metric("streaming_hub_attempts_total", before + 1)
+        s.advance("11h").await;
+        s.wait_metric("streaming_hub_attempts_total", before + 1)
             .await;
-        for _ in 0..steps {
-            let before = self.metric("streaming_hub_attempts_total").await;
-            produce(
-                &p,
-                &self.topic,
-                &[event(tenant, "ledger", "transaction", "posted")],
-            );
-            self.advance("11h").await;
-            self.wait_metric("streaming_hub_attempts_total", before + 1)
-                .await;
-        }
-    }
-
-    async fn advance(&self, by: &str) {
-        // The hub checks token expiry on its (virtual) clock: give the token room for the whole curve.
-        let admin = streaming_hub::api::mint(
-            &Secret::new(JWT),
-            None,
-            true,
-            Duration::from_secs(7 * 86_400),
-        );
-        let r = self
-            .http
-            .post(format!("http://{}/admin/clock/advance", self.hub.addr()))
-            .bearer_auth(admin)
-            .header("content-type", "application/json")
-            .body(json!({ "by": by }).to_string())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "{:?}", r.text().await);
-    }
-
-    async fn metric(&self, name: &str) -> u64 {
-        let text = self
-            .http
-            .get(format!("http://{}/metrics", self.hub.addr()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
     }
 }
 
@@ -224,9 +120,9 @@ async fn wait_for(sink: &Sink, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn always_failing_sink_gets_eight_attempts_on_the_default_curve_then_a_dead_letter() {
-    let s = Setup::new("curve").await;
+    let s = clock_hub("curve", &[]).await;
     let (url, sink) = start_sink(500).await;
-    s.subscribe("tenant-c", &url).await;
+    subscribe(&s, "tenant-c", &url).await;
     let ev = event("tenant-c", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     wait_for(&sink, 1).await;
@@ -277,9 +173,9 @@ async fn always_failing_sink_gets_eight_attempts_on_the_default_curve_then_a_dea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
-    let s = Setup::new("brk").await;
+    let s = clock_hub("brk", &[]).await;
     let (url, sink) = start_sink(500).await;
-    s.subscribe("tenant-b", &url).await;
+    subscribe(&s, "tenant-b", &url).await;
     let p = producer();
     let first: Vec<Rec> = (0..5)
         .map(|_| event("tenant-b", "ledger", "transaction", "posted"))
@@ -358,21 +254,19 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables() {
-    let s = Setup::new("adis").await;
+    let s = clock_hub("adis", &[]).await;
     let (url, _sink) = start_sink(500).await;
-    let id = s
-        .subscribe_with("tenant-x", &url, json!({"retry_schedule": ["1s"]}))
-        .await;
+    let id = subscribe_with(&s, "tenant-x", &url, json!({"retry_schedule": ["1s"]})).await;
     // 11 rounds = 121h of failures: the 11th round's retry is the failure that crosses 120h.
-    s.fail_every_11h("tenant-x", 11).await;
+    fail_every_11h(&s, "tenant-x", 11).await;
     s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
-    let mut v = s.get("tenant-x", &id).await;
+    let mut v = s.get_subscription("tenant-x", &id).await;
     for _ in 0..300 {
         if v["enabled"] == false {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        v = s.get("tenant-x", &id).await;
+        v = s.get_subscription("tenant-x", &id).await;
     }
     assert_eq!(v["enabled"], false, "{v}");
     assert!(
@@ -400,7 +294,7 @@ async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables()
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let v = s.get("tenant-x", &id).await;
+    let v = s.get_subscription("tenant-x", &id).await;
     assert_eq!(
         (v["enabled"].clone(), v["disabled_reason"].clone()),
         (json!(true), json!(null)),
@@ -410,24 +304,20 @@ async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_switch_keeps_a_failing_subscription_enabled() {
-    let s = Setup::with("akill", &[("STREAMING_HUB_AUTODISABLE_ENABLED", "false")]).await;
+    let s = clock_hub("akill", &[("STREAMING_HUB_AUTODISABLE_ENABLED", "false")]).await;
     let (url, _sink) = start_sink(500).await;
-    let id = s
-        .subscribe_with("tenant-k", &url, json!({"retry_schedule": ["1s"]}))
-        .await;
-    s.fail_every_11h("tenant-k", 13).await; // 143h of failures
+    let id = subscribe_with(&s, "tenant-k", &url, json!({"retry_schedule": ["1s"]})).await;
+    fail_every_11h(&s, "tenant-k", 13).await; // 143h of failures
     assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
-    assert_eq!(s.get("tenant-k", &id).await["enabled"], true);
+    assert_eq!(s.get_subscription("tenant-k", &id).await["enabled"], true);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_success_in_between_resets_the_failure_span() {
-    let s = Setup::new("areset").await;
+    let s = clock_hub("areset", &[]).await;
     let (url, sink) = start_sink(500).await;
-    let id = s
-        .subscribe_with("tenant-s", &url, json!({"retry_schedule": ["1s"]}))
-        .await;
-    s.fail_every_11h("tenant-s", 6).await; // 66h failing
+    let id = subscribe_with(&s, "tenant-s", &url, json!({"retry_schedule": ["1s"]})).await;
+    fail_every_11h(&s, "tenant-s", 6).await; // 66h failing
     sink.status.store(200, Ordering::SeqCst);
     produce(
         &producer(),
@@ -438,20 +328,20 @@ async fn one_success_in_between_resets_the_failure_span() {
     s.wait_metric("streaming_hub_attempts_total{outcome=\"delivered\"", 1)
         .await; // the span closes
     sink.status.store(500, Ordering::SeqCst);
-    s.fail_every_11h("tenant-s", 7).await; // 77h more: 143h since the first failure
+    fail_every_11h(&s, "tenant-s", 7).await; // 77h more: 143h since the first failure
     assert_eq!(
         s.metric("streaming_hub_auto_disabled_total").await,
         0,
         "the span restarted at the success"
     );
-    assert_eq!(s.get("tenant-s", &id).await["enabled"], true);
+    assert_eq!(s.get_subscription("tenant-s", &id).await["enabled"], true);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison() {
     // A sink that never answers; the hub is SIGKILLed while each attempt hangs. After a restart the
     // lease has to run out (the test clock is moved past it) before the job is reclaimed.
-    let mut s = Setup::new("poison").await;
+    let mut s = clock_hub("poison", &[]).await;
     let hang = Router::new().route(
         "/hook",
         post(|headers: HeaderMap, body: Bytes| async move {
@@ -470,7 +360,7 @@ async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison()
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, hang).await.unwrap() });
-    s.subscribe("tenant-p", &url).await;
+    subscribe(&s, "tenant-p", &url).await;
     let ev = event("tenant-p", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     for k in 1..=5u32 {
@@ -511,15 +401,15 @@ static HUNG: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_subscription_gets_each_matched_event_on_the_pull_topic_with_its_sequence() {
-    let s = Setup::new("pull").await;
+    let s = clock_hub("pull", &[]).await;
     // `extra` replaces the whole destination: a pull subscription (no URL, active at once).
-    let id = s
-        .subscribe_with(
-            "tenant-q",
-            "unused",
-            json!({"destination": {"type": "pull"}}),
-        )
-        .await;
+    let id = subscribe_with(
+        &s,
+        "tenant-q",
+        "unused",
+        json!({"destination": {"type": "pull"}}),
+    )
+    .await;
     let events: Vec<Rec> = (0..3)
         .map(|_| event("tenant-q", "ledger", "transaction", "posted"))
         .collect();
@@ -547,11 +437,9 @@ async fn pull_subscription_gets_each_matched_event_on_the_pull_topic_with_its_se
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_jobs_of_a_disabled_subscription_are_dead_lettered_when_due() {
-    let s = Setup::new("disab").await;
+    let s = clock_hub("disab", &[]).await;
     let (url, sink) = start_sink(500).await;
-    let id = s
-        .subscribe_with("tenant-d", &url, json!({"retry_schedule": ["1h"]}))
-        .await;
+    let id = subscribe_with(&s, "tenant-d", &url, json!({"retry_schedule": ["1h"]})).await;
     let ev = event("tenant-d", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     s.wait_metric("streaming_hub_attempts_total", 1).await; // attempt 1 failed; retry in ≤ 1h

@@ -34,13 +34,6 @@ async fn echo_server() -> (String, Arc<AtomicUsize>) {
     (format!("http://{addr}/hook"), hits)
 }
 
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 #[tokio::test]
 async fn subscription_created_through_the_api_is_verified_matched_and_never_leaks_its_secret() {
     require_broker();
@@ -118,10 +111,13 @@ async fn subscription_created_through_the_api_is_verified_matched_and_never_leak
             .output()
             .ok()?;
         let text = String::from_utf8(text.stdout).ok()?;
-        (metric(&text, "streaming_hub_events_unmatched_total") >= 2).then_some(text)
+        (metric_sum(&text, "streaming_hub_events_unmatched_total") >= 2).then_some(text)
     });
-    assert_eq!(metric(&metrics, "streaming_hub_matches_total"), 2);
-    assert_eq!(metric(&metrics, "streaming_hub_events_unmatched_total"), 2);
+    assert_eq!(metric_sum(&metrics, "streaming_hub_matches_total"), 2);
+    assert_eq!(
+        metric_sum(&metrics, "streaming_hub_events_unmatched_total"),
+        2
+    );
 
     // A subscription written straight to the control topic by a plain producer shows in the API.
     let codec = Codec::new().unwrap();

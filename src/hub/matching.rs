@@ -1,25 +1,13 @@
-//! The hub task's hand-off to subscriptions: each accepted event is matched against the
-//! subscription table (catalog-free, see `subscriptions::table`) inside the batch transaction.
+//! Matching an inbox record against the subscription table (catalog-free, see
+//! `subscriptions::table`); `dispatch::DispatchJobs` calls it for each accepted event inside the
+//! hub task's transaction.
 //!
 //! Matching reads only headers ingest already validated (`ce-source`, `ce-resourcetype`,
-//! `ce-eventtype`, `ce-schemaversion`); the payload is never parsed. What happens to a match —
-//! a delivery job or a pull record — is the dispatch stage's; until it lands, matches are counted.
+//! `ce-eventtype`, `ce-schemaversion`); the payload is never parsed.
 use rdkafka::message::{Headers, Message};
 
-use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
 use crate::ingest::classify::schema_major;
-use crate::runtime::telemetry::Matched;
 use crate::subscriptions::table::{EventRef, SharedTable, Sub};
-
-pub struct MatchHandler {
-    table: SharedTable,
-}
-
-impl MatchHandler {
-    pub fn new(table: SharedTable) -> MatchHandler {
-        MatchHandler { table }
-    }
-}
 
 /// The matching attributes of an inbox record.
 pub struct Attributes<'a> {
@@ -66,21 +54,4 @@ pub fn matches_for(
         event: a.event,
         schema_major: a.schema_major,
     })
-}
-
-impl EventHandler for MatchHandler {
-    fn on_event(
-        &mut self,
-        event: &SequencedEvent<'_>,
-        _out: &mut TaskCtx<'_, '_>,
-    ) -> Result<(), HubError> {
-        let subs = matches_for(&self.table, event.tenant, event.record);
-        Matched {
-            ce_id: event.ce_id,
-            tenant: event.tenant,
-            subscriptions: subs.len(),
-        }
-        .emit();
-        Ok(())
-    }
 }

@@ -549,3 +549,128 @@ pub fn group_caught_up(group: &str, topic: &str) -> bool {
     }
     false
 }
+
+/// A running hub with its API on, its own producer topic, and an HTTP client to talk to it.
+pub struct ApiHub {
+    pub prefix: String,
+    pub topic: String,
+    pub hub: Hub,
+    pub http: reqwest::Client,
+}
+
+impl ApiHub {
+    /// Starts a hub following a fresh `lerian.streaming.<prefix>` topic, with `extra` settings.
+    pub async fn start(tag: &str, extra: &[(&str, &str)]) -> ApiHub {
+        require_broker();
+        let prefix = unique(tag);
+        let topic = format!("lerian.streaming.{prefix}");
+        create_topic(&topic, 1).await;
+        let mut env = api_hub_env(&prefix, &topic);
+        for (k, v) in extra {
+            env.insert(k.to_string(), v.to_string());
+        }
+        let hub = Hub::start(&env);
+        ApiHub {
+            prefix,
+            topic,
+            hub,
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+        }
+    }
+
+    /// A tenant token, long-lived (the hub checks expiry on its own, possibly virtual, clock).
+    pub fn token(&self, tenant: &str) -> String {
+        streaming_hub::api::mint(
+            &streaming_hub::runtime::secret::Secret::new(JWT),
+            Some(tenant),
+            false,
+            Duration::from_secs(30 * 86_400),
+        )
+    }
+
+    /// `POST /v1/subscriptions`; asserts 201 and returns the response body.
+    pub async fn create_subscription(
+        &self,
+        tenant: &str,
+        body: serde_json::Value,
+    ) -> serde_json::Value {
+        let r = self
+            .http
+            .post(format!("http://{}/v1/subscriptions", self.hub.addr()))
+            .bearer_auth(self.token(tenant))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap()
+    }
+
+    pub async fn get_subscription(&self, tenant: &str, id: &str) -> serde_json::Value {
+        let r = self
+            .http
+            .get(format!("http://{}/v1/subscriptions/{id}", self.hub.addr()))
+            .bearer_auth(self.token(tenant))
+            .send()
+            .await
+            .unwrap();
+        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap()
+    }
+
+    /// The sum of every series of a metric whose line starts with `name` (a label prefix may
+    /// follow the name, e.g. `streaming_hub_attempts_total{outcome="delivered"`).
+    pub async fn metric(&self, name: &str) -> u64 {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.hub.addr()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metric_sum(&text, name)
+    }
+
+    pub async fn wait_metric(&self, name: &str, at_least: u64) {
+        for _ in 0..600 {
+            if self.metric(name).await >= at_least {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "{name} never reached {at_least} (is {})",
+            self.metric(name).await
+        );
+    }
+
+    /// Moves the hub's dangerous test clock (`POST /admin/clock/advance`).
+    pub async fn advance(&self, by: &str) {
+        let admin = streaming_hub::api::mint(
+            &streaming_hub::runtime::secret::Secret::new(JWT),
+            None,
+            true,
+            Duration::from_secs(7 * 86_400),
+        );
+        let r = self
+            .http
+            .post(format!("http://{}/admin/clock/advance", self.hub.addr()))
+            .bearer_auth(admin)
+            .header("content-type", "application/json")
+            .body(serde_json::json!({ "by": by }).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+}
+
+/// Sums the values of Prometheus text lines that start with `name`.
+pub fn metric_sum(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
