@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/streaming-hub/target}"
 scripts/setup.sh
-scripts/kafka.sh start >/dev/null
+scripts/kafka.sh start --fresh >/dev/null
 cargo build --release --quiet
 bin="$CARGO_TARGET_DIR/release/streaming-hub"
 pidfile="$HOME/.cache/streaming-hub/kafka-data-${KAFKA_PORT:-9092}/node-1/kafka.pid"

@@ -12,7 +12,7 @@ duration=()
 if [[ "${1:-}" == "--ci" ]]; then duration=(--duration 60s); fi
 
 scripts/setup.sh
-scripts/kafka.sh start >/dev/null
+scripts/kafka.sh start --fresh >/dev/null
 cargo build --quiet
 bin="$CARGO_TARGET_DIR/debug/streaming-hub"
 

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # A real Apache Kafka broker (KRaft, no ZooKeeper, no Docker) for development and tests.
 #
-#   scripts/kafka.sh start [--brokers 1|3]   install on first use, format, start, wait until it answers
+#   scripts/kafka.sh start [--brokers 1|3] [--fresh]
+#                                            install on first use, format, start, wait until it answers;
+#                                            --fresh: when no broker runs, start from empty storage (the
+#                                            test command uses it: a data dir left by earlier runs holds
+#                                            thousands of test topics, and recovering them after an
+#                                            unclean stop takes minutes)
 #   scripts/kafka.sh stop                    stop every broker this script started
 #   scripts/kafka.sh status                  exit 0 when running (prints the bootstrap list)
 #   scripts/kafka.sh kill <node-id>          SIGKILL one broker of a cluster (failure tests)
@@ -167,18 +172,31 @@ sys.exit(0 if corr == 1 and nbrokers >= want else 1)
 EOF
 }
 
+# True when node $1's pid file names a live process that is this node's broker. A pid file left
+# behind by a machine that stopped without `stop` may name a pid reused by an unrelated process,
+# so the command line must mention this node's config file.
+node_alive() {
+  local dir pidf pid; dir="$(node_dir "$1")"; pidf="$dir/kafka.pid"
+  [[ -f "$pidf" ]] || return 1
+  pid="$(cat "$pidf")"
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  kill -0 "$pid" 2>/dev/null || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$dir/server.properties"
+}
+
 running_nodes() {
-  local n=0
-  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
-    [[ -f "$pidf" ]] || continue
-    if kill -0 "$(cat "$pidf")" 2>/dev/null; then n=$((n + 1)); fi
+  local n=0 d
+  for d in "$KAFKA_DATA_DIR"/node-*; do
+    [[ -d "$d" ]] || continue
+    if node_alive "${d##*/node-}"; then n=$((n + 1)); fi
   done
   echo "$n"
 }
 
 start_node() {
   local node="$1" dir; dir="$(node_dir "$node")"
-  if [[ -f "$dir/kafka.pid" ]] && kill -0 "$(cat "$dir/kafka.pid")" 2>/dev/null; then return 0; fi
+  if node_alive "$node"; then return 0; fi
+  rm -f "$dir/kafka.pid"
   nohup java -Xms128m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
     -Dkafka.logs.dir="$dir/logs" -Dlog4j2.configurationFile="$KAFKA_CACHE_DIR/log4j2.yaml" \
     -cp "$KAFKA_CACHE_DIR/libs/*" kafka.Kafka "$dir/server.properties" \
@@ -209,10 +227,11 @@ bootstrap_list() {
 }
 
 cmd_start() {
-  local brokers=1 i
+  local brokers=1 fresh=0 i
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --brokers) brokers="$2"; shift 2 ;;
+      --fresh) fresh=1; shift ;;
       *) die "unknown option $1" ;;
     esac
   done
@@ -225,6 +244,10 @@ cmd_start() {
     fi
   fi
   install_kafka
+  if [[ $fresh == 1 && "$(running_nodes)" -eq 0 && -d "$KAFKA_DATA_DIR" ]]; then
+    log "--fresh: removing the storage in $KAFKA_DATA_DIR"
+    rm -rf "$KAFKA_DATA_DIR"
+  fi
   if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(cat "$KAFKA_DATA_DIR/brokers")" != "$brokers" ]]; then
     rm -rf "$KAFKA_DATA_DIR" # a different cluster shape needs fresh storage
   fi
@@ -248,19 +271,19 @@ cmd_start() {
 }
 
 cmd_stop() {
-  local any=0
-  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
-    [[ -f "$pidf" ]] || continue
-    local pid; pid="$(cat "$pidf")"
-    if kill -0 "$pid" 2>/dev/null; then kill "$pid"; any=1; fi
+  local any=0 d node pids=()
+  for d in "$KAFKA_DATA_DIR"/node-*; do
+    [[ -d "$d" ]] || continue
+    node="${d##*/node-}"
+    if node_alive "$node"; then
+      pids+=("$(cat "$d/kafka.pid")"); kill "${pids[-1]}"; any=1
+    fi
+    rm -f "$d/kafka.pid"
   done
-  local deadline=$((SECONDS + 30))
-  for pidf in "$KAFKA_DATA_DIR"/node-*/kafka.pid; do
-    [[ -f "$pidf" ]] || continue
-    local pid; pid="$(cat "$pidf")"
+  local deadline=$((SECONDS + 30)) pid
+  for pid in "${pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-    rm -f "$pidf"
   done
   [[ $any == 1 ]] && log "stopped" || log "not running"
 }
@@ -276,7 +299,7 @@ cmd_status() {
 
 cmd_kill() {
   local pidf; pidf="$(node_dir "$1")/kafka.pid"
-  [[ -f "$pidf" ]] || die "node $1 is not running"
+  node_alive "$1" || die "node $1 is not running"
   kill -9 "$(cat "$pidf")" 2>/dev/null || true
   rm -f "$pidf"
 }
@@ -297,5 +320,5 @@ case "${1:-}" in
   kill) cmd_kill "$2" ;;
   restart-node) cmd_restart_node "$2" ;;
   install) install_kafka ;;
-  *) echo "usage: $0 start [--brokers 1|3] | stop | status | kill <node> | restart-node <node>" >&2; exit 2 ;;
+  *) echo "usage: $0 start [--brokers 1|3] [--fresh] | stop | status | kill <node> | restart-node <node>" >&2; exit 2 ;;
 esac

@@ -10,11 +10,11 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/streaming-hub/target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 scripts/setup.sh
-scripts/kafka.sh start >/dev/null
+scripts/kafka.sh start --fresh >/dev/null
 export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
 # A three-broker cluster (replication, leader failover) on its own ports, for tests/cluster.rs.
 export TEST_KAFKA_CLUSTER_PORT="${TEST_KAFKA_CLUSTER_PORT:-19192}"
-KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 >/dev/null
+KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 --fresh >/dev/null
 
 echo "== cargo fmt --check" >&2
 cargo fmt --check
