@@ -177,6 +177,35 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         let mut state = ApiState::from_config(&config, subs, clock.clone())
             .map_err(|e| AppError::Http(e.to_string()))?;
         state.test_clock = test_clock.clone();
+        // Operations: pull, replay, recover, redrive, and the forensics index (its own thread;
+        // record times are wall-clock, so it never runs on the test clock).
+        let forensics =
+            crate::ops::forensics::Forensics::new(config.dlq_retention, Arc::new(SystemClock));
+        {
+            let (forensics, config, codec, stop) = (
+                forensics.clone(),
+                config.clone(),
+                codec.clone(),
+                stop.clone(),
+            );
+            std::thread::Builder::new()
+                .name("forensics".into())
+                .spawn(move || {
+                    if let Err(e) = forensics.follow(&config, codec, stop) {
+                        tracing::error!(error = %e, "forensics index stopped");
+                    }
+                })
+                .map_err(|e| AppError::Http(e.to_string()))?;
+        }
+        let redeliver = crate::ops::redeliver::Redeliverer::new(&config, codec.clone())
+            .map_err(|e| AppError::Http(e.to_string()))?;
+        state.ops = Some(Arc::new(crate::api::ops::Ops {
+            pull: crate::ops::pull::PullReader::new(&config),
+            limiter: crate::ops::ratelimit::RateLimiter::new(config.pull_rate, config.pull_burst),
+            redeliver: Arc::new(redeliver),
+            forensics,
+            progress: Default::default(),
+        }));
         let prober = Prober::new(
             state.kek.clone(),
             state.http.clone(),

@@ -31,6 +31,11 @@ pub struct BenchOptions {
     pub records: usize,
     pub size: usize,
     pub broker_pid_file: Option<String>,
+    /// Reuse this run's topic prefix instead of a new one (the input writer of `jobs`).
+    pub prefix: Option<String>,
+    /// Only write the stage's input, then exit (`jobs` runs it as a child process, so the input
+    /// producer's buffers never count in the stage's memory).
+    pub input_only: bool,
 }
 
 pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
@@ -38,12 +43,19 @@ pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
         println!("{}", bench_match(opts.records));
         return Ok(());
     }
-    let run_id = uuid::Uuid::now_v7().simple().to_string()[20..].to_string();
+    let run_id = match &opts.prefix {
+        Some(p) => p.trim_start_matches("bench").to_string(),
+        None => uuid::Uuid::now_v7().simple().to_string()[20..].to_string(),
+    };
     let mut config = config.clone();
     config.topic_prefix = format!("bench{run_id}");
     config.group_id = format!("bench{run_id}");
     config.instance_id = format!("bench{run_id}");
     config.state_dir = std::env::temp_dir().join(format!("bench{run_id}"));
+    if opts.input_only {
+        let inbox = format!("{}.inbox", config.topic_prefix);
+        return produce(&config, &inbox, opts.records, opts.size, true);
+    }
     let topology = Topology::load(&config.topology_file, &config).map_err(|e| e.to_string())?;
     topology
         .apply(&config, false)
@@ -129,7 +141,24 @@ async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<Stri
     config.allow_private_sinks = true;
     config.allow_insecure_sinks = true;
     let inbox = format!("{}.inbox", config.topic_prefix);
-    produce(&config, &inbox, opts.records, opts.size, true)?;
+    // The input is written by a child process: the producer's buffers (librdkafka's, in the C
+    // heap, which keeps them resident after they are freed) must not count in the stage's memory.
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let status = std::process::Command::new(exe)
+        .args([
+            "bench",
+            "jobs",
+            "--input-only",
+            "--prefix",
+            &config.topic_prefix,
+        ])
+        .args(["--records", &opts.records.to_string()])
+        .args(["--size", &opts.size.to_string()])
+        .status()
+        .map_err(|e| format!("input writer: {e}"))?;
+    if !status.success() {
+        return Err(format!("input writer failed: {status}"));
+    }
     let kek = Arc::new(
         Kek::new(
             "bench",
@@ -170,8 +199,6 @@ async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<Stri
         pull_topic: format!("{}.pull", config.topic_prefix),
     };
     let mut stage = HubStage::new(&config, codec, clock, Box::new(handler)).with_dispatch(dispatch);
-    // The peak should be the stage's, not the producer's that wrote the input: reset it.
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
     let m = measure(&config, opts, &inbox, &config.hub_group_id(), move |stop| {
         stage.run(stop).map_err(|e| e.to_string())
     })?;

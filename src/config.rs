@@ -246,6 +246,24 @@ macro_rules! upper {
     (ingest_batch_max) => {
         "INGEST_BATCH_MAX"
     };
+    (hub_batch_max) => {
+        "HUB_BATCH_MAX"
+    };
+    (pull_rate) => {
+        "PULL_RATE"
+    };
+    (pull_burst) => {
+        "PULL_BURST"
+    };
+    (dlq_group) => {
+        "DLQ_GROUP"
+    };
+    (dlq_retention) => {
+        "DLQ_RETENTION"
+    };
+    (shutdown_timeout) => {
+        "SHUTDOWN_TIMEOUT"
+    };
     (commit_interval) => {
         "COMMIT_INTERVAL"
     };
@@ -353,8 +371,12 @@ settings! {
     require_signatures: bool = "false";
     /// Producer signing keys, `<kid>@<source>:<base64 secret>`, comma separated (secret).
     signature_keys: Secret = "";
-    /// Most records one stage (ingest, hub) puts in one transaction.
+    /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
+    /// Most inbox records the hub task puts in one transaction. Lower than ingest's: each event
+    /// that creates jobs holds its payload, job and changelog records in memory until the commit
+    /// (1,000,000 pending jobs peaked at 664 MiB with 20000, 454 MiB with 5000; BENCHMARKS.md).
+    hub_batch_max: usize = "5000";
     /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
     /// record, so light load commits at once and a steady stream gets large batches.
     commit_interval: std::time::Duration = "100ms";
@@ -392,6 +414,18 @@ settings! {
     dangerous_test_clock: bool = "false";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.
     http_timeout: std::time::Duration = "15s";
+    /// Pull API: requests per second per tenant (per instance); `0` turns the limit off.
+    pull_rate: u32 = "10";
+    /// Pull API: requests a tenant may make in a burst before `429 Retry-After`.
+    pull_burst: u32 = "20";
+    /// Consumer group of the forensics index (producers' `.dlq` topics, quarantine, dead
+    /// deliveries), suffixed `-<instance>` so every instance indexes everything; empty =
+    /// `<STREAMING_HUB_GROUP_ID>.forensics`.
+    dlq_group: String = "";
+    /// How long the forensics index keeps a record (by record time).
+    dlq_retention: std::time::Duration = "168h";
+    /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
+    shutdown_timeout: std::time::Duration = "30s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
     /// Log format: `text` or `json`.
@@ -486,6 +520,9 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if self.hub_batch_max == 0 {
+            return Err(invalid("STREAMING_HUB_HUB_BATCH_MAX", "must be at least 1"));
+        }
         if self.max_payload_bytes == 0 {
             return Err(invalid(
                 "STREAMING_HUB_MAX_PAYLOAD_BYTES",
@@ -559,6 +596,15 @@ impl Config {
             .map(|h| h.trim().to_string())
             .filter(|h| !h.is_empty())
             .unwrap_or_else(|| "streaming-hub".to_string())
+    }
+
+    /// The forensics index's consumer group (before the instance suffix).
+    pub fn dlq_group(&self) -> String {
+        if self.dlq_group.is_empty() {
+            format!("{}.forensics", self.group_id)
+        } else {
+            self.dlq_group.clone()
+        }
     }
 
     /// The consumer group of the hub tasks (the one replay resets on `<prefix>.inbox`).

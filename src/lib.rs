@@ -12,6 +12,7 @@ pub mod demo;
 pub mod dispatch;
 pub mod hub;
 pub mod ingest;
+pub mod ops;
 pub mod replay;
 pub mod runtime;
 pub mod subscriptions;

@@ -6,6 +6,11 @@ use streaming_hub::app;
 use streaming_hub::config::Config;
 use streaming_hub::runtime::topology::Topology;
 
+/// jemalloc returns freed memory to the system (background purge threads); glibc's allocator kept
+/// the peak of every hub batch resident (BENCHMARKS.md, pending jobs).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "streaming-hub",
@@ -71,6 +76,12 @@ enum Command {
         /// The broker's pid file, to report its CPU too.
         #[arg(long)]
         broker_pid_file: Option<String>,
+        /// Reuse this topic prefix (internal: the input writer of `jobs`).
+        #[arg(long, hide = true)]
+        prefix: Option<String>,
+        /// Only write the input (internal: `jobs` runs it as a child process).
+        #[arg(long, hide = true)]
+        input_only: bool,
     },
     /// Produce sample platform events and show what a running hub does with them.
     Demo {
@@ -187,8 +198,15 @@ fn main() -> ExitCode {
             Command::Subscriptions { action: SubscriptionsAction::Apply { file } } => {
                 ExitCode::from(streaming_hub::subscriptions::apply::command(&config, &file).await)
             }
-            Command::Bench { stage, records, size, broker_pid_file } => {
-                let opts = streaming_hub::bench::BenchOptions { stage, records, size, broker_pid_file };
+            Command::Bench { stage, records, size, broker_pid_file, prefix, input_only } => {
+                let opts = streaming_hub::bench::BenchOptions {
+                    stage,
+                    records,
+                    size,
+                    broker_pid_file,
+                    prefix,
+                    input_only,
+                };
                 match streaming_hub::bench::run(&config, opts).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {

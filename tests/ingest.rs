@@ -69,6 +69,11 @@ fn table() -> Vec<(&'static str, Rec)> {
             event("tenant-b", "ledger", "balance", "config-changed"),
         ),
         ("drop", system_event()),
+        (
+            "accept_spoofed",
+            ok().add("x-streaming-hub-ingest-time", b"1999-01-01T00:00:00Z")
+                .add("X-Streaming-Hub-Redeliver", b"some-subscription"),
+        ),
         ("missing_header", ok().set("ce-source", None)),
         (
             "unsupported_specversion",
@@ -149,6 +154,23 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
         let out = by_offset.get(&(offset as i64));
         match *outcome {
             "drop" => assert!(out.is_none(), "system event at {offset} must write nothing"),
+            "accept_spoofed" => {
+                // A producer's `x-streaming-hub-*` headers are not carried: the hub owns them.
+                let g = out.unwrap_or_else(|| panic!("accepted record {offset} missing"));
+                assert_eq!(g.topic, inbox);
+                let own: Vec<&str> = g
+                    .rec
+                    .headers
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .filter(|k| k.to_ascii_lowercase().starts_with("x-streaming-hub-"))
+                    .collect();
+                assert_eq!(own, ADDED, "only the hub's own headers, once each");
+                assert_ne!(
+                    g.rec.header("x-streaming-hub-ingest-time"),
+                    Some("1999-01-01T00:00:00Z")
+                );
+            }
             "accept" => {
                 let g = out.unwrap_or_else(|| panic!("accepted record {offset} missing"));
                 assert_eq!(g.topic, inbox);
@@ -231,7 +253,11 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
         }
     }
     // The message names the header at fault.
-    let missing = by_offset[&4]
+    let at = cases
+        .iter()
+        .position(|(o, _)| *o == "missing_header")
+        .unwrap() as i64;
+    let missing = by_offset[&at]
         .rec
         .header("x-lerian-dlq-error-message")
         .unwrap();

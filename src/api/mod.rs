@@ -8,6 +8,11 @@
 //! | `GET/PATCH/DELETE /v1/subscriptions/{id}`  | [`subscriptions`]                |
 //! | `POST /v1/subscriptions/{id}/verify`       | [`verification::verify`]         |
 //! | `POST /v1/subscriptions/{id}/rotate-secret`| [`secrets::rotate`]              |
+//! | `POST /v1/subscriptions/{id}/recover`      | [`ops::recover`]                 |
+//! | `GET /v1/events` (pull)                    | [`ops::pull_events`]             |
+//! | `POST /admin/replay`, `GET /admin/replay/{id}` | [`ops::start_replay`]        |
+//! | `GET /admin/dlq`, `/admin/quarantine`, `/admin/deliveries/dead` | [`ops`]     |
+//! | `POST /admin/deliveries/dead/redrive`      | [`ops::redrive`]                 |
 //! | `GET /openapi.json` (no token)             | [`openapi::serve`]               |
 //!
 //! Invariants: every `/v1` handler takes a [`auth::Caller`] (no token, no handler), acts for one
@@ -34,6 +39,7 @@ pub mod auth;
 pub mod errors;
 pub mod extract;
 pub mod openapi;
+pub mod ops;
 pub mod responses;
 pub mod secrets;
 pub mod subscriptions;
@@ -61,6 +67,8 @@ pub struct ApiState {
     pub rotation_grace: Duration,
     /// The virtual clock, when `STREAMING_HUB_DANGEROUS_TEST_CLOCK` is on (`/admin/clock/advance`).
     pub test_clock: Option<crate::runtime::clock::ManualClock>,
+    /// Pull, replay, recover, forensics and redrive (absent in unit tests of the other routes).
+    pub ops: Option<Arc<ops::Ops>>,
     /// Serializes this instance's read-modify-writes (see [`subscriptions`]).
     writes: Arc<tokio::sync::Mutex<()>>,
 }
@@ -97,6 +105,7 @@ impl ApiState {
             },
             rotation_grace: config.secret_rotation_grace,
             test_clock: None,
+            ops: None,
             writes: Arc::default(),
         }
     }
@@ -131,6 +140,14 @@ pub fn router(state: ApiState) -> Router {
             "/v1/subscriptions/{id}/rotate-secret",
             post(secrets::rotate),
         )
+        .route("/v1/subscriptions/{id}/recover", post(ops::recover))
+        .route("/v1/events", get(ops::pull_events))
+        .route("/admin/replay", post(ops::start_replay))
+        .route("/admin/replay/{id}", get(ops::replay_status))
+        .route("/admin/dlq", get(ops::producer_dlq))
+        .route("/admin/quarantine", get(ops::quarantine))
+        .route("/admin/deliveries/dead", get(ops::dead_deliveries))
+        .route("/admin/deliveries/dead/redrive", post(ops::redrive))
         .route("/openapi.json", get(openapi::serve))
         .route("/admin/clock/advance", post(admin::advance_clock))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

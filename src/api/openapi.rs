@@ -9,11 +9,15 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use super::errors::{ErrorBody, ErrorDetail};
+use super::ops::{DeadPage, ForensicPage, RecoverRequest, RedriveRequest, ReplayRequest};
 use super::responses::{
     CheckedSubscription, CreatedSubscription, RotateSecretRequest, RotatedSecret, SubscriptionPage,
     VerificationOutcome,
 };
-use super::{secrets, subscriptions, verification};
+use super::{ops, secrets, subscriptions, verification};
+use crate::ops::forensics::{DeadDelivery, ForensicRecord, HeaderText};
+use crate::ops::pull::{EventPage, PulledEvent};
+use crate::ops::redeliver::Progress;
 use crate::subscriptions::model::{
     CreateSubscription, DestinationPatch, DestinationSpec, DestinationView, PatchSubscription,
     SubscriptionView, VerificationStateView,
@@ -36,15 +40,29 @@ use crate::subscriptions::model::{
         subscriptions::delete,
         verification::verify,
         secrets::rotate,
+        ops::recover,
+        ops::pull_events,
+        ops::start_replay,
+        ops::replay_status,
+        ops::producer_dlq,
+        ops::quarantine,
+        ops::dead_deliveries,
+        ops::redrive,
         serve,
     ),
     components(schemas(
         CreateSubscription, PatchSubscription, DestinationSpec, DestinationPatch, SubscriptionView, DestinationView,
         VerificationStateView, CreatedSubscription, CheckedSubscription, SubscriptionPage, VerificationOutcome,
         RotateSecretRequest, RotatedSecret, ErrorBody, ErrorDetail,
+        EventPage, PulledEvent, RecoverRequest, ReplayRequest, RedriveRequest, Progress,
+        ForensicPage, ForensicRecord, HeaderText, DeadPage, DeadDelivery,
     )),
     modifiers(&BearerAuth),
-    tags((name = "subscriptions", description = "Who receives which events, and where"))
+    tags(
+        (name = "subscriptions", description = "Who receives which events, and where"),
+        (name = "pull", description = "Reading a pull subscription's events"),
+        (name = "admin", description = "Operators: replay, forensics, redrive (admin token)")
+    )
 )]
 pub struct ApiDoc;
 

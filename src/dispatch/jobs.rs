@@ -21,7 +21,7 @@ use crate::dispatch::worker::Outcome;
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::records::{
     AttemptOutcome, AttemptRecord, DeadLetterReason, DeadLetterRecord, EventPayloadRecord,
-    JobRecord, JobState,
+    HeaderRecord, JobRecord, JobState,
 };
 use crate::runtime::store::{Staged, Store, StoreError};
 
@@ -218,26 +218,33 @@ impl JobStore<'_> {
         Ok(())
     }
 
-    /// Deletes a job, its timer, and its payload when no other job holds it.
-    pub fn finish_job(&mut self, key: &[u8], job: &JobRecord) -> Result<(), JobError> {
+    /// Deletes a job, its timer, and its payload when no other job holds it; returns the payload
+    /// as it was (dead letters carry it).
+    pub fn finish_job(
+        &mut self,
+        key: &[u8],
+        job: &JobRecord,
+    ) -> Result<Option<EventPayloadRecord>, JobError> {
         self.staged
             .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
         self.delete(key.to_vec());
-        if let Some(pk) = payload_key_of(key) {
-            if let Some(mut p) = self.get_payload(&pk)? {
-                if p.refcount <= 1 {
-                    self.delete(pk);
-                } else {
-                    p.refcount -= 1;
-                    let bytes = self
-                        .codec
-                        .encode(RecordKind::EventPayload, &p)
-                        .map_err(|e| JobError::Codec(e.to_string()))?;
-                    self.put(pk, bytes);
-                }
-            }
+        let Some(pk) = payload_key_of(key) else {
+            return Ok(None);
+        };
+        let Some(mut p) = self.get_payload(&pk)? else {
+            return Ok(None);
+        };
+        if p.refcount <= 1 {
+            self.delete(pk);
+        } else {
+            p.refcount -= 1;
+            let bytes = self
+                .codec
+                .encode(RecordKind::EventPayload, &p)
+                .map_err(|e| JobError::Codec(e.to_string()))?;
+            self.put(pk, bytes);
         }
-        Ok(())
+        Ok(Some(p))
     }
 
     /// Stores the event's payload once (or adds `jobs` holders to the stored one).
@@ -427,8 +434,9 @@ fn dead_letter(
     reason: DeadLetterReason,
     now: i64,
 ) -> Result<Option<OutcomeRecords>, JobError> {
-    js.finish_job(key, &job)?;
+    let payload = js.finish_job(key, &job)?;
     attempt.outcome = AttemptOutcome::DeadLettered;
+    let (event_headers, event_value) = split_payload(payload);
     let dl = DeadLetterRecord {
         event_id,
         subscription_id: job.subscription_id.clone(),
@@ -438,6 +446,8 @@ fn dead_letter(
         last_error: job.last_error.clone(),
         reason,
         dead_at: now,
+        event_headers,
+        event_value,
     };
     Ok(Some(OutcomeRecords {
         attempt,
@@ -453,7 +463,7 @@ pub fn dead_letter_without_attempt(
     reason: DeadLetterReason,
     now: i64,
 ) -> Result<DeadLetterRecord, JobError> {
-    js.finish_job(key, &job)?;
+    let (event_headers, event_value) = split_payload(js.finish_job(key, &job)?);
     Ok(DeadLetterRecord {
         event_id: event_id_of(key),
         subscription_id: job.subscription_id.clone(),
@@ -463,7 +473,16 @@ pub fn dead_letter_without_attempt(
         last_error: job.last_error.clone(),
         reason,
         dead_at: now,
+        event_headers,
+        event_value,
     })
+}
+
+fn split_payload(p: Option<EventPayloadRecord>) -> (Option<Vec<HeaderRecord>>, Option<Vec<u8>>) {
+    match p {
+        Some(p) => (Some(p.headers), Some(p.value)),
+        None => (None, None),
+    }
 }
 
 /// The `ce-id` inside a job key.

@@ -22,9 +22,9 @@ use rdkafka::message::{Headers, Message};
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
 use crate::runtime::records::{
-    DestinationType, EventPayloadRecord, HeaderRecord, JobRecord, JobState,
+    DestinationType, EventPayloadRecord, HeaderRecord, JobRecord, JobState, VerificationState,
 };
-use crate::runtime::telemetry::Matched;
+use crate::runtime::telemetry::{Matched, Redelivery};
 use crate::subscriptions::table::SharedTable;
 
 /// Header added to records on `<prefix>.pull`: the tenant's arrival sequence of the event.
@@ -72,52 +72,107 @@ impl EventHandler for DispatchJobs {
                     )?;
                 }
                 DestinationType::Webhook => {
-                    let key = jobs::job_key(event.tenant, event.ce_id, &sub.id);
-                    let now = ctx.now;
-                    let mut js = ctx.jobs();
-                    if js.get_job(&key).map_err(HubError::from)?.is_some() {
-                        continue; // a replay while the first delivery is still pending
+                    if create_job(ctx, event, &sub.id)? {
+                        created += 1;
                     }
-                    let job = JobRecord {
-                        event_key: event.ce_id.to_string(),
-                        subscription_id: sub.id.clone(),
-                        tenant_id: event.tenant.to_string(),
-                        attempt: 1,
-                        due_at: now,
-                        lease_until: None,
-                        reclaims: 0,
-                        last_status: None,
-                        last_error: None,
-                        state: JobState::Pending,
-                    };
-                    js.put_job(&key, &job, None).map_err(HubError::from)?;
-                    created += 1;
                 }
             }
         }
-        if created > 0 {
-            let make = || EventPayloadRecord {
-                headers: record
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|x| HeaderRecord {
-                                key: x.key.to_string(),
-                                value: x.value.map(<[u8]>::to_vec),
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-                value: record.payload().unwrap_or_default().to_vec(),
-                refcount: 0,
-            };
-            ctx.jobs()
-                .hold_payload(jobs::payload_key(event.tenant, event.ce_id), make, created)
-                .map_err(HubError::from)?;
-            ctx.ring.add(event.tenant);
+        hold_payload(ctx, event, created)
+    }
+
+    fn on_redeliver(
+        &mut self,
+        event: &SequencedEvent<'_>,
+        subscription_id: &str,
+        ctx: &mut TaskCtx<'_, '_>,
+    ) -> Result<(), HubError> {
+        let sub = self.table.read().get(subscription_id);
+        let outcome = match sub {
+            None => "unknown_subscription",
+            Some(s) if s.tenant_id != event.tenant => "other_tenant",
+            Some(s) if s.destination.kind != DestinationType::Webhook => "not_a_webhook",
+            Some(s) if !s.enabled || s.verification_state != VerificationState::Active => {
+                "inactive"
+            }
+            Some(_) => {
+                if create_job(ctx, event, subscription_id)? {
+                    hold_payload(ctx, event, 1)?;
+                    "queued"
+                } else {
+                    "pending"
+                }
+            }
+        };
+        Redelivery {
+            ce_id: event.ce_id,
+            subscription_id,
+            outcome,
         }
+        .emit();
         Ok(())
     }
+}
+
+/// A new job for (event, subscription), due now; false when that job exists already (a replay
+/// or redelivery while the first delivery is still pending).
+fn create_job(
+    ctx: &mut TaskCtx<'_, '_>,
+    event: &SequencedEvent<'_>,
+    subscription_id: &str,
+) -> Result<bool, HubError> {
+    let key = jobs::job_key(event.tenant, event.ce_id, subscription_id);
+    let now = ctx.now;
+    let mut js = ctx.jobs();
+    if js.get_job(&key).map_err(HubError::from)?.is_some() {
+        return Ok(false);
+    }
+    let job = JobRecord {
+        event_key: event.ce_id.to_string(),
+        subscription_id: subscription_id.to_string(),
+        tenant_id: event.tenant.to_string(),
+        attempt: 1,
+        due_at: now,
+        lease_until: None,
+        reclaims: 0,
+        last_status: None,
+        last_error: None,
+        state: JobState::Pending,
+    };
+    js.put_job(&key, &job, None).map_err(HubError::from)?;
+    Ok(true)
+}
+
+/// Stores the event's payload for `created` new jobs (once per event) and arms its tenant's timers.
+fn hold_payload(
+    ctx: &mut TaskCtx<'_, '_>,
+    event: &SequencedEvent<'_>,
+    created: u32,
+) -> Result<(), HubError> {
+    if created == 0 {
+        return Ok(());
+    }
+    let record = event.record;
+    let make = || EventPayloadRecord {
+        headers: record
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|x| HeaderRecord {
+                        key: x.key.to_string(),
+                        value: x.value.map(<[u8]>::to_vec),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        value: record.payload().unwrap_or_default().to_vec(),
+        refcount: 0,
+    };
+    ctx.jobs()
+        .hold_payload(jobs::payload_key(event.tenant, event.ce_id), make, created)
+        .map_err(HubError::from)?;
+    ctx.ring.add(event.tenant);
+    Ok(())
 }
 
 /// `<resource>.<event>` of a stored payload's headers.

@@ -88,6 +88,16 @@ pub trait EventHandler: Send {
         event: &SequencedEvent<'_>,
         out: &mut TaskCtx<'_, '_>,
     ) -> Result<(), HubError>;
+
+    /// A redelivery request for one subscription (see `ops::redeliver`); ignored by default.
+    fn on_redeliver(
+        &mut self,
+        _event: &SequencedEvent<'_>,
+        _subscription_id: &str,
+        _out: &mut TaskCtx<'_, '_>,
+    ) -> Result<(), HubError> {
+        Ok(())
+    }
 }
 
 /// Nothing downstream (this state: matching plugs in here).
@@ -603,8 +613,65 @@ impl HubStage {
                 }
             }
         }
+        self.drain_on_stop(&producer, &consumer, &shared)?;
         tracing::info!("hub stage stopping");
         consumer.unsubscribe();
+        Ok(())
+    }
+
+    /// On stop: claims nothing more, waits up to `STREAMING_HUB_SHUTDOWN_TIMEOUT` for the
+    /// attempts in flight and commits their outcomes, so a restart neither loses them nor waits
+    /// for their leases to expire. What is still in flight then is reclaimed after its lease.
+    fn drain_on_stop(
+        &mut self,
+        producer: &BaseProducer<TrackingContext>,
+        consumer: &BaseConsumer<HubContext>,
+        shared: &Mutex<Shared>,
+    ) -> Result<(), HubError> {
+        let Some(d) = &mut self.dispatch else {
+            return Ok(());
+        };
+        d.max_in_flight = 0; // no new claims
+        let deadline = Instant::now() + self.env.config.shutdown_timeout;
+        let in_flight = d.in_flight;
+        if in_flight > 0 {
+            tracing::info!(in_flight, "waiting for attempts in flight before leaving");
+        }
+        loop {
+            let d = self.dispatch.as_mut().expect("checked above");
+            d.drain();
+            if d.in_flight == 0 && d.pending.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    in_flight = d.in_flight,
+                    "shutdown timeout: attempts still in flight are reclaimed after their lease"
+                );
+                break;
+            }
+            if d.pending.is_empty() {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+            match self.process_batch(producer, consumer, &mut guard.tasks, &[]) {
+                Ok(_) | Err(HubError::Idle) => {
+                    if let Some(d) = &mut self.dispatch {
+                        d.pending.clear();
+                    }
+                }
+                Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "committing outcomes at shutdown failed");
+                    let _ = producer.abort_transaction(TXN_TIMEOUT);
+                    break;
+                }
+            }
+        }
+        if in_flight > 0 {
+            tracing::info!(in_flight, "attempts in flight at shutdown recorded");
+        }
         Ok(())
     }
 
@@ -622,7 +689,7 @@ impl HubStage {
         } else {
             Duration::from_millis(100)
         };
-        while batch.len() < config.ingest_batch_max {
+        while batch.len() < config.hub_batch_max {
             let wait = match deadline {
                 None => idle_wait,
                 // Once a batch is open, a short quiet gap closes it early: light load commits at
@@ -738,6 +805,31 @@ impl HubStage {
                 .emit();
                 continue;
             };
+            if let Some(sub_id) = redelivery_of(m) {
+                // A redelivery request (replay, recover, redrive): one subscription, no dedup, no
+                // new sequence number.
+                let event = SequencedEvent {
+                    tenant,
+                    ce_id,
+                    sequence: 0,
+                    partition: p,
+                    offset: m.offset(),
+                    replay: true,
+                    record: m,
+                };
+                let jc = jobs_changelog.entry(p).or_default();
+                let mut ctx = TaskCtx {
+                    out: &mut outputs,
+                    store: &task.store,
+                    staged: st,
+                    ring: &mut task.ring,
+                    codec: &env.codec,
+                    jobs_changelog: jc,
+                    now,
+                };
+                self.handler.on_redeliver(&event, sub_id, &mut ctx)?;
+                continue;
+            }
             let key = dedup::dedup_key(tenant, ce_id);
             let existing = match st.read(&task.store, DEDUP, &key)? {
                 Some(bytes) => Some(
@@ -1197,6 +1289,16 @@ fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<
         }
     }
     Some((tenant, ce_id.filter(|c| !c.is_empty())?, ingest))
+}
+
+/// The subscription id of a redelivery request (`x-streaming-hub-redeliver`), if the record is one.
+fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
+    m.headers()?
+        .iter()
+        .find(|h| h.key == crate::ops::redeliver::H_REDELIVER)
+        .and_then(|h| h.value)
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .filter(|s| !s.is_empty())
 }
 
 fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(

@@ -306,6 +306,11 @@ impl Ingest {
                 .emit();
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 4);
                 for (k, v) in &headers {
+                    // The hub owns the `x-streaming-hub-` namespace on the inbox (source position,
+                    // ingest time, redelivery requests): a producer's copies are not carried.
+                    if is_hub_header(k) {
+                        continue;
+                    }
                     out = out.insert(Header { key: k, value: *v });
                 }
                 out = out
@@ -455,6 +460,15 @@ fn fatal_or_kafka(e: RdKafkaError) -> IngestError {
         _ => IngestError::Kafka(KafkaError::from(e)),
     }
 }
+
+/// A header in the namespace the hub writes on the inbox (`x-streaming-hub-*`, any case).
+pub fn is_hub_header(key: &str) -> bool {
+    key.len() >= HUB_HEADER_PREFIX.len()
+        && key.as_bytes()[..HUB_HEADER_PREFIX.len()]
+            .eq_ignore_ascii_case(HUB_HEADER_PREFIX.as_bytes())
+}
+
+const HUB_HEADER_PREFIX: &str = "x-streaming-hub-";
 
 pub fn rfc3339_ms(ms: i64) -> String {
     chrono::DateTime::from_timestamp_millis(ms)

@@ -46,9 +46,10 @@ pub const MAX_DECODE_ALLOCATION: usize = 8 * 1024 * 1024;
 /// Namespace of every hub schema.
 pub const NAMESPACE: &str = "studio.lerian.streaming_hub";
 
-/// Previous versions of the bundled schemas, still readable after a schema change. Empty until a
-/// schema first changes; see the module doc.
-const RETIRED_WRITER_SCHEMAS: &[&str] = &[];
+/// Previous versions of the bundled schemas, still readable after a schema change; see the module
+/// doc. `dead_letter` v2 added the dead event's headers and value.
+const RETIRED_WRITER_SCHEMAS: &[&str] =
+    &[include_str!("../../schemas/retired/dead_letter.v1.avsc")];
 
 /// The records the hub writes, one per schema file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -533,7 +534,50 @@ mod tests {
             last_error: Some("timeout".into()),
             reason: DeadLetterReason::SubscriptionDisabled,
             dead_at: 1_720_100_000_000,
+            event_headers: Some(vec![
+                HeaderRecord {
+                    key: "ce-id".into(),
+                    value: Some(b"e-1".to_vec()),
+                },
+                HeaderRecord {
+                    key: "empty".into(),
+                    value: None,
+                },
+            ]),
+            event_value: Some(b"{\"amount\":1}\x00\xff".to_vec()),
         }
+    }
+
+    #[test]
+    fn a_v1_dead_letter_still_decodes_without_the_event() {
+        // v1 had no event fields: its datum is the v2 datum's prefix.
+        let codec = Codec::new().unwrap();
+        let v1 = parse(include_str!("../../schemas/retired/dead_letter.v1.avsc")).unwrap();
+        let mut dl = dead_letter();
+        dl.event_headers = None;
+        dl.event_value = None;
+        let mut datum = Vec::new();
+        {
+            use apache_avro::types::Record;
+            let mut r = Record::new(&v1).unwrap();
+            r.put("event_id", dl.event_id.clone());
+            r.put("subscription_id", dl.subscription_id.clone());
+            r.put("tenant_id", dl.tenant_id.clone());
+            r.put("attempts", dl.attempts as i32);
+            r.put("last_status", Value::Union(0, Box::new(Value::Null)));
+            r.put(
+                "last_error",
+                Value::Union(1, Box::new(Value::String("timeout".into()))),
+            );
+            r.put("reason", Value::Enum(2, "subscription_disabled".into()));
+            r.put("dead_at", Value::TimestampMillis(dl.dead_at));
+            datum.extend(apache_avro::to_avro_datum(&v1, r).unwrap());
+        }
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend(fingerprint_of(&v1));
+        bytes.extend(datum);
+        let back: DeadLetterRecord = codec.decode(RecordKind::DeadLetter, &bytes).unwrap();
+        assert_eq!(back, dl);
     }
 
     fn health() -> HealthRecord {

@@ -230,6 +230,10 @@ pub struct DeadLetterRecord {
     pub last_error: Option<String>,
     pub reason: DeadLetterReason,
     pub dead_at: TimestampMillis,
+    /// The dead event's headers and value (recover and redrive); None in v1 records.
+    pub event_headers: Option<Vec<HeaderRecord>>,
+    #[serde(with = "serde_avro_bytes_opt")]
+    pub event_value: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

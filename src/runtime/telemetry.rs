@@ -208,6 +208,29 @@ impl Matched<'_> {
     }
 }
 
+pub const REDELIVERIES: &str = "streaming_hub_redeliveries_total";
+
+/// A redelivery request (replay, recover, redrive) reached the hub task.
+pub struct Redelivery<'a> {
+    pub ce_id: &'a str,
+    pub subscription_id: &'a str,
+    /// `queued` (a job was created), `pending` (its job is still pending), or why it was skipped:
+    /// `unknown_subscription`, `other_tenant`, `not_a_webhook`, `inactive`.
+    pub outcome: &'static str,
+}
+
+impl Redelivery<'_> {
+    pub fn emit(&self) {
+        counter!(REDELIVERIES, "outcome" => self.outcome).increment(1);
+        tracing::info!(
+            ce_id = self.ce_id,
+            subscription_id = self.subscription_id,
+            outcome = self.outcome,
+            "redelivery request"
+        );
+    }
+}
+
 pub const ATTEMPTS: &str = "streaming_hub_attempts_total";
 pub const ATTEMPT_SECONDS: &str = "streaming_hub_attempt_seconds";
 pub const DEAD_LETTERS: &str = "streaming_hub_dead_letters_total";

@@ -121,6 +121,17 @@ impl Table {
     }
 }
 
+/// Whether the event goes to this one subscription (the same rule as [`Table::matches`]).
+pub fn sub_matches(s: &SubscriptionRecord, e: &EventRef<'_>) -> bool {
+    s.tenant_id == e.tenant
+        && admitted(s, e)
+        && s.event_types.iter().any(|p| {
+            p == "*"
+                || p.strip_suffix(".*").is_some_and(|r| r == e.resource)
+                || p.split_once('.') == Some((e.resource, e.event))
+        })
+}
+
 fn admitted(s: &SubscriptionRecord, e: &EventRef<'_>) -> bool {
     s.enabled
         && s.verification_state == VerificationState::Active
@@ -226,6 +237,46 @@ mod tests {
             ids(t.matches(&ev("t1", "ledger", "balance", "config-changed", 1))),
             ["c", "e"]
         );
+    }
+
+    #[test]
+    fn one_subscription_rule_agrees_with_the_index() {
+        let mut t = Table::default();
+        let mut pinned = sub("p", "t1", &["transaction.created"]);
+        pinned.origin = Some("ledger".into());
+        pinned.schema_major = Some(2);
+        let mut off = sub("x", "t1", &["*"]);
+        off.enabled = false;
+        let subs = [
+            sub("a", "t1", &["transaction.created"]),
+            sub("b", "t1", &["transaction.*"]),
+            sub("c", "t1", &["*"]),
+            sub("d", "t2", &["*"]),
+            sub("e", "t1", &["account.created", "transaction.posted"]),
+            pinned,
+            off,
+        ];
+        for s in &subs {
+            t.upsert(s.clone());
+        }
+        for e in [
+            ev("t1", "ledger", "transaction", "created", 1),
+            ev("t1", "ledger", "transaction", "created", 2),
+            ev("t1", "tracer", "transaction", "created", 2),
+            ev("t1", "ledger", "transaction", "posted", 1),
+            ev("t1", "ledger", "account", "created", 1),
+            ev("t2", "ledger", "account", "deleted", 1),
+            ev("t3", "ledger", "account", "deleted", 1),
+        ] {
+            let one_by_one: Vec<String> = subs
+                .iter()
+                .filter(|s| sub_matches(s, &e))
+                .map(|s| s.id.clone())
+                .collect();
+            let mut one_by_one = one_by_one;
+            one_by_one.sort();
+            assert_eq!(one_by_one, ids(t.matches(&e)), "{e:?}");
+        }
     }
 
     #[test]

@@ -1,0 +1,502 @@
+//! Operations endpoints: the pull API (tenant), recover (tenant), and the admin endpoints for
+//! per-subscription replay, forensics (`/admin/dlq`, `/admin/quarantine`,
+//! `/admin/deliveries/dead`) and redrive. See `crate::ops` for how each works.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::ApiState;
+use super::auth::Caller;
+use super::errors::{ApiError, ErrorBody, codes};
+use super::extract::JsonBody;
+use super::subscriptions::load;
+use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
+use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
+use crate::ops::ratelimit::RateLimiter;
+use crate::ops::redeliver::{Progress, RedeliverError, Redeliverer, check_redeliverable};
+use crate::runtime::records::DestinationType;
+
+/// What the operations endpoints share.
+pub struct Ops {
+    pub pull: PullReader,
+    pub limiter: RateLimiter,
+    pub redeliver: Arc<Redeliverer>,
+    pub forensics: Forensics,
+    /// Replays, recovers and redrives of this instance, by id.
+    pub progress: Mutex<HashMap<String, Arc<Mutex<Progress>>>>,
+}
+
+/// Most replays, recovers and redrives remembered (oldest forgotten first).
+const MAX_PROGRESS: usize = 1000;
+
+fn ops(state: &ApiState) -> Result<&Arc<Ops>, ApiError> {
+    state.ops.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::UNAVAILABLE,
+            "operations are not enabled on this instance",
+        )
+    })
+}
+
+fn require_admin(caller: &Caller) -> Result<(), ApiError> {
+    if caller.admin {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin_only",
+            "an admin token is required",
+        ))
+    }
+}
+
+fn parse_time(text: &str, field: &str) -> Result<i64, ApiError> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| t.timestamp_millis())
+        .map_err(|_| {
+            ApiError::bad_request("invalid", format!("{field} must be an RFC 3339 time"))
+                .with_field(field)
+        })
+}
+
+fn parse_limit(text: Option<&str>, default: usize, max: usize) -> Result<usize, ApiError> {
+    match text {
+        None => Ok(default),
+        Some(t) => t
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request("invalid", format!("limit is a number from 1 to {max}"))
+                    .with_field("limit")
+            }),
+    }
+}
+
+fn unavailable(e: &dyn std::fmt::Display) -> ApiError {
+    tracing::warn!(error = %e, "operations: Kafka unavailable");
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::UNAVAILABLE,
+        "the event store is unavailable; retry later",
+    )
+}
+
+fn remember(ops: &Ops, kind: &str, subscription: Option<&str>) -> Arc<Mutex<Progress>> {
+    let id = uuid::Uuid::now_v7().to_string();
+    let p = Arc::new(Mutex::new(Progress {
+        id: id.clone(),
+        kind: kind.to_string(),
+        subscription_id: subscription.map(str::to_string),
+        state: "running".into(),
+        ..Progress::default()
+    }));
+    let mut all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
+    if all.len() >= MAX_PROGRESS {
+        if let Some(oldest) = all.keys().min().cloned() {
+            all.remove(&oldest); // ids are UUIDv7: the smallest is the oldest
+        }
+    }
+    all.insert(id, p.clone());
+    p
+}
+
+fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
+    let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
+    match result {
+        Ok(()) => g.state = "done".into(),
+        Err(e) => {
+            g.state = "failed".into();
+            g.error = Some(e.to_string());
+        }
+    }
+    g.clone()
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct PullQuery {
+    /// The pull subscription to read.
+    pub subscription_id: Option<String>,
+    /// `next_cursor` of the previous page; absent = from the subscription's creation.
+    pub cursor: Option<String>,
+    /// Events per page, 1-500 (default 100).
+    pub limit: Option<String>,
+    /// Admin tokens: the tenant acted for.
+    pub tenant_id: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/events", tag = "pull", params(PullQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The next events and the cursor after them", body = EventPage),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription", body = ErrorBody),
+        (status = 429, description = "Over the tenant's pull rate; see Retry-After", body = ErrorBody),
+        (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
+pub async fn pull_events(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Query(q): Query<PullQuery>,
+) -> Result<Response, ApiError> {
+    let ops = ops(&state)?.clone();
+    let tenant = caller.tenant_for(q.tenant_id.as_deref())?;
+    if let Err(wait) = ops.limiter.take(&tenant, Instant::now()) {
+        let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+        let mut r = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            format!("pull rate exceeded; retry in {secs} s"),
+        )
+        .into_response();
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from_str(&secs.to_string()).expect("digits"),
+        );
+        return Ok(r);
+    }
+    let id = q.subscription_id.as_deref().ok_or_else(|| {
+        ApiError::bad_request("required", "subscription_id is required")
+            .with_field("subscription_id")
+    })?;
+    let sub = load(&state, &tenant, id)?;
+    if sub.destination.kind != DestinationType::Pull {
+        return Err(ApiError::bad_request(
+            "not_a_pull_subscription",
+            "this subscription delivers by webhook",
+        )
+        .with_field("subscription_id"));
+    }
+    let limit = parse_limit(q.limit.as_deref(), 100, 500)?;
+    let cursor = match q.cursor.as_deref() {
+        None | Some("") => None,
+        Some(c) => Some(Cursor::decode(c).map_err(|_| {
+            ApiError::bad_request("invalid", "cursor is not one this API returned")
+                .with_field("cursor")
+        })?),
+    };
+    let created = sub.created_at;
+    let sub_id = sub.id.clone();
+    let page = tokio::task::spawn_blocking(move || ops.pull.read(&sub_id, created, cursor, limit))
+        .await
+        .map_err(|e| ApiError::internal("pull read panicked", &e))?;
+    match page {
+        Ok(page) => Ok(Json(page).into_response()),
+        Err(PullError::BadCursor) => Err(ApiError::bad_request(
+            "invalid",
+            "cursor does not belong to this subscription",
+        )
+        .with_field("cursor")),
+        Err(e) => Err(unavailable(&e)),
+    }
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RecoverRequest {
+    /// Redeliver what was dead-lettered at or after this time (RFC 3339).
+    pub since: String,
+    /// Admin tokens: the tenant acted for.
+    pub tenant_id: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/subscriptions/{id}/recover", tag = "subscriptions",
+    request_body = RecoverRequest, security(("bearer" = [])),
+    params(("id" = String, Path, description = "Subscription id")),
+    responses(
+        (status = 200, description = "Dead-lettered deliveries since then were queued again", body = Progress),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 404, description = "No such subscription", body = ErrorBody),
+        (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
+pub async fn recover(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<RecoverRequest>,
+) -> Result<Json<Progress>, ApiError> {
+    let ops = ops(&state)?.clone();
+    let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    let sub = load(&state, &tenant, &id)?;
+    check_redeliverable(&sub)
+        .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()))?;
+    let since = parse_time(&body.since, "since")?;
+    let progress = remember(&ops, "recover", Some(&sub.id));
+    let p = progress.clone();
+    let result = tokio::task::spawn_blocking(move || ops.redeliver.recover(&sub, since, &p))
+        .await
+        .map_err(|e| ApiError::internal("recover panicked", &e))?;
+    if let Err(RedeliverError::Kafka(e)) = &result {
+        finish(&progress, Err(RedeliverError::Kafka(e.clone())));
+        return Err(unavailable(e));
+    }
+    Ok(Json(finish(&progress, result)))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayRequest {
+    pub subscription_id: String,
+    /// Start of the window (RFC 3339), by inbox time.
+    pub from: String,
+    /// End of the window (RFC 3339, exclusive); default now.
+    pub to: Option<String>,
+}
+
+#[utoipa::path(post, path = "/admin/replay", tag = "admin", request_body = ReplayRequest,
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "Replay started; poll /admin/replay/{id}", body = Progress),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 403, description = "Not an admin token", body = ErrorBody),
+        (status = 404, description = "No such subscription", body = ErrorBody)))]
+pub async fn start_replay(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<ReplayRequest>,
+) -> Result<Response, ApiError> {
+    require_admin(&caller)?;
+    let ops = ops(&state)?.clone();
+    let sub = state
+        .subs
+        .get(&body.subscription_id)
+        .ok_or_else(ApiError::not_found)?;
+    check_redeliverable(&sub).map_err(|e| {
+        ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
+    })?;
+    let from = parse_time(&body.from, "from")?;
+    let to = match &body.to {
+        Some(t) => parse_time(t, "to")?,
+        None => chrono::Utc::now().timestamp_millis() + 1,
+    };
+    if to <= from {
+        return Err(ApiError::bad_request("invalid", "to must be after from").with_field("to"));
+    }
+    let progress = remember(&ops, "replay", Some(&sub.id));
+    let snapshot = progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    tokio::task::spawn_blocking(move || {
+        let result = ops.redeliver.replay(&sub, from, to, &progress);
+        let done = finish(&progress, result);
+        tracing::info!(id = %done.id, subscription_id = %sub.id, state = %done.state, requested = done.requested, "per-subscription replay finished");
+    });
+    let mut r = (StatusCode::ACCEPTED, Json(snapshot.clone())).into_response();
+    if let Ok(v) = HeaderValue::from_str(&format!("/admin/replay/{}", snapshot.id)) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    Ok(r)
+}
+
+#[utoipa::path(get, path = "/admin/replay/{id}", tag = "admin", security(("bearer" = [])),
+    params(("id" = String, Path, description = "Replay, recover or redrive id")),
+    responses(
+        (status = 200, description = "Its progress", body = Progress),
+        (status = 403, description = "Not an admin token", body = ErrorBody),
+        (status = 404, description = "Unknown to this instance", body = ErrorBody)))]
+pub async fn replay_status(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Progress>, ApiError> {
+    require_admin(&caller)?;
+    let ops = ops(&state)?;
+    let all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
+    let p = all.get(&id).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            codes::NOT_FOUND,
+            "no such replay on this instance",
+        )
+    })?;
+    Ok(Json(p.lock().unwrap_or_else(|e| e.into_inner()).clone()))
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ForensicQuery {
+    /// The producer's `ce-source`.
+    pub source: Option<String>,
+    /// Tenant id (`ce-tenantid`).
+    pub tenant: Option<String>,
+    /// `x-lerian-dlq-cause-kind` (or the quarantine reason).
+    pub cause: Option<String>,
+    /// Only records at or after this time (RFC 3339).
+    pub since: Option<String>,
+    /// 1-1000 (default 100).
+    pub limit: Option<String>,
+}
+
+impl ForensicQuery {
+    fn filter(&self) -> Result<Filter, ApiError> {
+        Ok(Filter {
+            source: self.source.clone(),
+            tenant: self.tenant.clone(),
+            cause: self.cause.clone(),
+            since_ms: self
+                .since
+                .as_deref()
+                .map(|s| parse_time(s, "since"))
+                .transpose()?,
+            limit: parse_limit(self.limit.as_deref(), 100, 1000)?,
+            ..Filter::default()
+        })
+    }
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ForensicPage {
+    /// Newest first.
+    pub records: Vec<ForensicRecord>,
+}
+
+#[utoipa::path(get, path = "/admin/dlq", tag = "admin", params(ForensicQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Producers' dead letters (lerian.streaming.<source>.dlq), newest first", body = ForensicPage),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 403, description = "Not an admin token", body = ErrorBody)))]
+pub async fn producer_dlq(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Query(q): Query<ForensicQuery>,
+) -> Result<Json<ForensicPage>, ApiError> {
+    require_admin(&caller)?;
+    let f = q.filter()?;
+    Ok(Json(ForensicPage {
+        records: ops(&state)?.forensics.producer_dlq(&f),
+    }))
+}
+
+#[utoipa::path(get, path = "/admin/quarantine", tag = "admin", params(ForensicQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The hub's quarantine, newest first", body = ForensicPage),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 403, description = "Not an admin token", body = ErrorBody)))]
+pub async fn quarantine(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Query(q): Query<ForensicQuery>,
+) -> Result<Json<ForensicPage>, ApiError> {
+    require_admin(&caller)?;
+    let f = q.filter()?;
+    Ok(Json(ForensicPage {
+        records: ops(&state)?.forensics.quarantine(&f),
+    }))
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeadQuery {
+    pub tenant: Option<String>,
+    pub subscription_id: Option<String>,
+    /// `exhausted`, `poison` or `subscription_disabled`.
+    pub reason: Option<String>,
+    /// Only dead letters at or after this time (RFC 3339).
+    pub since: Option<String>,
+    /// 1-1000 (default 100).
+    pub limit: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct DeadPage {
+    /// Newest first.
+    pub deliveries: Vec<DeadDelivery>,
+}
+
+#[utoipa::path(get, path = "/admin/deliveries/dead", tag = "admin", params(DeadQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Dead deliveries (<prefix>.dlq), newest first", body = DeadPage),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 403, description = "Not an admin token", body = ErrorBody)))]
+pub async fn dead_deliveries(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Query(q): Query<DeadQuery>,
+) -> Result<Json<DeadPage>, ApiError> {
+    require_admin(&caller)?;
+    let f = Filter {
+        tenant: q.tenant,
+        subscription_id: q.subscription_id,
+        reason: q.reason,
+        since_ms: q
+            .since
+            .as_deref()
+            .map(|s| parse_time(s, "since"))
+            .transpose()?,
+        limit: parse_limit(q.limit.as_deref(), 100, 1000)?,
+        ..Filter::default()
+    };
+    Ok(Json(DeadPage {
+        deliveries: ops(&state)?.forensics.dead(&f),
+    }))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RedriveRequest {
+    /// Dead delivery ids (`<partition>-<offset>`, from `GET /admin/deliveries/dead`), 1-1000.
+    pub ids: Vec<String>,
+}
+
+#[utoipa::path(post, path = "/admin/deliveries/dead/redrive", tag = "admin",
+    request_body = RedriveRequest, security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Queued again", body = Progress),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
+        (status = 403, description = "Not an admin token", body = ErrorBody),
+        (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
+pub async fn redrive(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<RedriveRequest>,
+) -> Result<Json<Progress>, ApiError> {
+    require_admin(&caller)?;
+    let ops = ops(&state)?.clone();
+    if body.ids.is_empty() || body.ids.len() > 1000 {
+        return Err(ApiError::bad_request("invalid", "ids holds 1 to 1000 ids").with_field("ids"));
+    }
+    let mut positions = Vec::with_capacity(body.ids.len());
+    for (i, id) in body.ids.iter().enumerate() {
+        let parsed = id
+            .split_once('-')
+            .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)))
+            .filter(|(p, o)| *p >= 0 && *o >= 0);
+        match parsed {
+            Some(pos) => positions.push(pos),
+            None => {
+                return Err(ApiError::bad_request(
+                    "invalid",
+                    "an id is <partition>-<offset> as GET /admin/deliveries/dead returns it",
+                )
+                .with_field(format!("ids[{i}]")));
+            }
+        }
+    }
+    let progress = remember(&ops, "redrive", None);
+    let p = progress.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        ops.redeliver.redrive(&positions, None, &p).map(|_| ())
+    })
+    .await
+    .map_err(|e| ApiError::internal("redrive panicked", &e))?;
+    match result {
+        Err(RedeliverError::Kafka(e)) => {
+            finish(&progress, Err(RedeliverError::Kafka(e.clone())));
+            Err(unavailable(&e))
+        }
+        Err(RedeliverError::Invalid(msg)) => {
+            finish(&progress, Err(RedeliverError::Invalid(msg.clone())));
+            Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))
+        }
+        Ok(()) => Ok(Json(finish(&progress, Ok(())))),
+    }
+}

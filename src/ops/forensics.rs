@@ -1,0 +1,388 @@
+//! Forensics: a bounded, searchable, in-memory index of what never gets delivered.
+//!
+//! - producers' dead letters: `lerian.streaming.<source>.dlq` (records with `x-lerian-dlq-*`
+//!   headers, written by the platform's producers; never matched, never delivered);
+//! - the hub's quarantine, `<prefix>.quarantine` (same forensic headers, plus the reason);
+//! - the hub's dead deliveries, `<prefix>.dlq` (Avro dead-letter records).
+//!
+//! One consumer (group `<STREAMING_HUB_DLQ_GROUP>-<instance>`: each instance its own group, so
+//! every instance indexes every partition and any instance answers) reads them from the start of
+//! their retention and never commits: the index is rebuilt at each start. It keeps records for
+//! `STREAMING_HUB_DLQ_RETENTION` (by record time) and at most [`MAX_PER_KIND`] of each kind,
+//! payloads up to [`MAX_PAYLOAD`] bytes (larger: size only).
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::ingest::pipeline::rfc3339_ms;
+use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::clock::SharedClock;
+use crate::runtime::kafka;
+use crate::runtime::records::{DeadLetterReason, DeadLetterRecord};
+
+/// Records kept per kind at most.
+pub const MAX_PER_KIND: usize = 100_000;
+/// Largest payload kept in the index.
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+/// The producers' dead-letter topics.
+pub const PRODUCER_DLQ_PATTERN: &str = r"^lerian\.streaming\.[a-z0-9_-]+\.dlq$";
+
+/// A producer dead letter or a quarantined record.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct ForensicRecord {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// The record's time (RFC 3339).
+    pub time: String,
+    /// The producer's `ce-source`: from the topic name (`lerian.streaming.<source>.dlq`) or from
+    /// `x-lerian-dlq-source-topic`.
+    pub source: Option<String>,
+    pub tenant_id: Option<String>,
+    /// `x-lerian-dlq-cause-kind`.
+    pub cause: Option<String>,
+    /// The hub's quarantine reason (`x-streaming-hub-reason`), quarantine only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Every `x-lerian-dlq-*` header, without the prefix (`source-topic`, `error-class`, …).
+    pub dlq: BTreeMap<String, String>,
+    /// Every header, values as text (invalid UTF-8 replaced).
+    pub headers: Vec<HeaderText>,
+    pub key: Option<String>,
+    /// The payload as JSON when it parses, else absent (see `payload_base64`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub payload: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+    pub payload_bytes: usize,
+    /// True when the payload is not here (too large for the index, or omitted by the writer).
+    pub payload_omitted: bool,
+}
+
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct HeaderText {
+    pub key: String,
+    pub value: Option<String>,
+}
+
+/// A delivery the hub gave up on (`<prefix>.dlq`).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct DeadDelivery {
+    /// `<partition>-<offset>` in `<prefix>.dlq`: what redrive takes.
+    pub id: String,
+    pub event_id: String,
+    pub subscription_id: String,
+    pub tenant_id: String,
+    pub attempts: u32,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    /// `exhausted`, `poison` or `subscription_disabled`.
+    pub reason: String,
+    pub dead_at: String,
+    #[serde(skip)]
+    pub dead_at_ms: i64,
+    /// Whether the record carries the event (redrive and recover need it).
+    pub redrivable: bool,
+    pub payload_bytes: usize,
+}
+
+/// What a forensic query asks for; every field optional.
+#[derive(Debug, Default, Clone)]
+pub struct Filter {
+    pub source: Option<String>,
+    pub tenant: Option<String>,
+    pub cause: Option<String>,
+    pub subscription_id: Option<String>,
+    pub reason: Option<String>,
+    pub since_ms: Option<i64>,
+    pub limit: usize,
+}
+
+#[derive(Default)]
+struct Inner {
+    dlq: VecDeque<(i64, ForensicRecord)>,
+    quarantine: VecDeque<(i64, ForensicRecord)>,
+    dead: VecDeque<DeadDelivery>,
+}
+
+/// The index; cheap to clone (shared).
+#[derive(Clone)]
+pub struct Forensics {
+    inner: Arc<Mutex<Inner>>,
+    retention_ms: i64,
+    clock: SharedClock,
+}
+
+impl Forensics {
+    pub fn new(retention: Duration, clock: SharedClock) -> Forensics {
+        Forensics {
+            inner: Arc::default(),
+            retention_ms: retention.as_millis() as i64,
+            clock,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Producers' dead letters, newest first.
+    pub fn producer_dlq(&self, f: &Filter) -> Vec<ForensicRecord> {
+        self.prune();
+        query(&self.lock().dlq, f)
+    }
+
+    /// The hub's quarantine, newest first.
+    pub fn quarantine(&self, f: &Filter) -> Vec<ForensicRecord> {
+        self.prune();
+        query(&self.lock().quarantine, f)
+    }
+
+    /// Dead deliveries, newest first.
+    pub fn dead(&self, f: &Filter) -> Vec<DeadDelivery> {
+        self.prune();
+        self.lock()
+            .dead
+            .iter()
+            .rev()
+            .filter(|d| {
+                f.tenant.as_ref().is_none_or(|t| *t == d.tenant_id)
+                    && f.subscription_id
+                        .as_ref()
+                        .is_none_or(|s| *s == d.subscription_id)
+                    && f.reason.as_ref().is_none_or(|r| *r == d.reason)
+                    && f.since_ms.is_none_or(|s| d.dead_at_ms >= s)
+            })
+            .take(f.limit)
+            .cloned()
+            .collect()
+    }
+
+    fn prune(&self) {
+        let horizon = self.clock.now_ms() - self.retention_ms;
+        let mut inner = self.lock();
+        while inner.dlq.front().is_some_and(|(t, _)| *t < horizon) {
+            inner.dlq.pop_front();
+        }
+        while inner.quarantine.front().is_some_and(|(t, _)| *t < horizon) {
+            inner.quarantine.pop_front();
+        }
+        while inner.dead.front().is_some_and(|d| d.dead_at_ms < horizon) {
+            inner.dead.pop_front();
+        }
+    }
+
+    fn add(&self, kind: Kind, m: &impl Message, codec: &Codec) {
+        let time = m
+            .timestamp()
+            .to_millis()
+            .unwrap_or_else(|| self.clock.now_ms());
+        if time < self.clock.now_ms() - self.retention_ms {
+            return;
+        }
+        let mut inner = self.lock();
+        match kind {
+            Kind::ProducerDlq | Kind::Quarantine => {
+                let rec = forensic_record(m, time, kind);
+                let q = if kind == Kind::Quarantine {
+                    &mut inner.quarantine
+                } else {
+                    &mut inner.dlq
+                };
+                if q.len() >= MAX_PER_KIND {
+                    q.pop_front();
+                }
+                q.push_back((time, rec));
+            }
+            Kind::Dead => {
+                let Some(dl) = m.payload().and_then(|v| {
+                    codec
+                        .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
+                        .ok()
+                }) else {
+                    tracing::warn!(
+                        partition = m.partition(),
+                        offset = m.offset(),
+                        "undecodable dead letter skipped"
+                    );
+                    return;
+                };
+                if inner.dead.len() >= MAX_PER_KIND {
+                    inner.dead.pop_front();
+                }
+                inner.dead.push_back(DeadDelivery {
+                    id: format!("{}-{}", m.partition(), m.offset()),
+                    event_id: dl.event_id,
+                    subscription_id: dl.subscription_id,
+                    tenant_id: dl.tenant_id,
+                    attempts: dl.attempts,
+                    last_status: dl.last_status,
+                    last_error: dl.last_error,
+                    reason: reason_code(dl.reason).to_string(),
+                    dead_at: rfc3339_ms(dl.dead_at),
+                    dead_at_ms: dl.dead_at,
+                    redrivable: dl.event_headers.is_some(),
+                    payload_bytes: dl.event_value.as_ref().map_or(0, Vec::len),
+                });
+            }
+        }
+    }
+
+    /// Follows the three kinds of topics until `stop`; blocking (run it on its own thread).
+    pub fn follow(
+        &self,
+        config: &Config,
+        codec: Arc<Codec>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<(), kafka::KafkaError> {
+        let group = format!("{}-{}", config.dlq_group(), config.instance());
+        let consumer: BaseConsumer = kafka::base(config)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("isolation.level", "read_committed")
+            .set(
+                "topic.metadata.refresh.interval.ms",
+                config.follow_refresh_interval.as_millis().to_string(),
+            )
+            .create()
+            .map_err(|e| kafka::KafkaError::Setup(e.to_string()))?;
+        let quarantine = format!("{}.quarantine", config.topic_prefix);
+        let dead = format!("{}.dlq", config.topic_prefix);
+        consumer
+            .subscribe(&[PRODUCER_DLQ_PATTERN, &quarantine, &dead])
+            .map_err(kafka::KafkaError::from)?;
+        tracing::info!(%group, "forensics index following producers' DLQs, quarantine and dead deliveries");
+        while !stop.load(Ordering::Relaxed) {
+            match consumer.poll(Duration::from_millis(200)) {
+                None => {}
+                Some(Ok(m)) => {
+                    let kind = if m.topic() == quarantine {
+                        Kind::Quarantine
+                    } else if m.topic() == dead {
+                        Kind::Dead
+                    } else {
+                        Kind::ProducerDlq
+                    };
+                    self.add(kind, &m, &codec);
+                }
+                Some(Err(e)) => tracing::warn!(error = %e, "forensics consumer error"),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    ProducerDlq,
+    Quarantine,
+    Dead,
+}
+
+pub fn reason_code(r: DeadLetterReason) -> &'static str {
+    match r {
+        DeadLetterReason::Exhausted => "exhausted",
+        DeadLetterReason::Poison => "poison",
+        DeadLetterReason::SubscriptionDisabled => "subscription_disabled",
+    }
+}
+
+fn query(q: &VecDeque<(i64, ForensicRecord)>, f: &Filter) -> Vec<ForensicRecord> {
+    q.iter()
+        .rev()
+        .filter(|(t, r)| {
+            f.source
+                .as_ref()
+                .is_none_or(|s| r.source.as_ref() == Some(s))
+                && f.tenant
+                    .as_ref()
+                    .is_none_or(|s| r.tenant_id.as_ref() == Some(s))
+                && f.cause
+                    .as_ref()
+                    .is_none_or(|s| r.cause.as_ref() == Some(s) || r.reason.as_ref() == Some(s))
+                && f.since_ms.is_none_or(|s| *t >= s)
+        })
+        .take(f.limit)
+        .map(|(_, r)| r.clone())
+        .collect()
+}
+
+fn forensic_record(m: &impl Message, time: i64, kind: Kind) -> ForensicRecord {
+    let mut headers = Vec::new();
+    let mut dlq = BTreeMap::new();
+    if let Some(h) = m.headers() {
+        for x in h.iter() {
+            let value = x.value.map(|v| String::from_utf8_lossy(v).into_owned());
+            let lower = x.key.to_ascii_lowercase();
+            if let (Some(name), Some(v)) = (lower.strip_prefix("x-lerian-dlq-"), &value) {
+                dlq.insert(name.to_string(), v.clone());
+            }
+            headers.push(HeaderText {
+                key: x.key.to_string(),
+                value,
+            });
+        }
+    }
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|h| h.key.eq_ignore_ascii_case(name))
+            .and_then(|h| h.value.clone())
+    };
+    let source_topic = dlq.get("source-topic").cloned();
+    let source = match kind {
+        Kind::ProducerDlq => m
+            .topic()
+            .strip_prefix("lerian.streaming.")
+            .and_then(|t| t.strip_suffix(".dlq"))
+            .map(str::to_string),
+        _ => header("ce-source").or_else(|| {
+            source_topic
+                .as_deref()
+                .and_then(|t| t.strip_prefix("lerian.streaming."))
+                .map(str::to_string)
+        }),
+    };
+    let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+    let tenant_id = header("ce-tenantid").or_else(|| key.clone().filter(|k| !k.is_empty()));
+    let payload = m.payload();
+    let declared: Option<usize> = dlq.get("payload-bytes").and_then(|v| v.parse().ok());
+    let omitted_by_writer = dlq.get("payload-omitted").is_some_and(|v| v == "true");
+    let payload_bytes = payload.map_or(0, <[u8]>::len).max(if omitted_by_writer {
+        declared.unwrap_or(0)
+    } else {
+        0
+    });
+    let kept = payload.filter(|p| p.len() <= MAX_PAYLOAD);
+    let json = kept.and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok());
+    ForensicRecord {
+        topic: m.topic().to_string(),
+        partition: m.partition(),
+        offset: m.offset(),
+        time: rfc3339_ms(time),
+        source,
+        tenant_id,
+        cause: dlq.get("cause-kind").cloned(),
+        reason: header("x-streaming-hub-reason"),
+        dlq,
+        headers,
+        key,
+        payload_base64: match (&json, kept) {
+            (None, Some(p)) => Some(STANDARD.encode(p)),
+            _ => None,
+        },
+        payload: json,
+        payload_bytes,
+        payload_omitted: omitted_by_writer || (payload.is_some() && kept.is_none()),
+    }
+}

@@ -1,0 +1,275 @@
+//! `GET /v1/events`: a pull subscription's events, read from `<prefix>.pull` at a cursor.
+//!
+//! The hub task writes each event matched by a pull subscription to `<prefix>.pull` with key =
+//! subscription id (inside its transaction, so readers see it once committed), which puts all of
+//! one subscription's events in one partition, in arrival order. A cursor is that partition and
+//! the next offset to read, encoded opaquely; it is state of the client only, so it survives
+//! restarts and any instance serves it, and an old cursor reads the same events again.
+//!
+//! A read scans at most [`SCAN_CAP`] records of the partition (other subscriptions share it) for
+//! up to `limit` events of this subscription, and returns the cursor after the last record it
+//! scanned: a page can be empty with a cursor that moved on.
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError as RdKafkaError;
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::dispatch::H_SEQUENCE;
+use crate::runtime::kafka;
+
+/// Most records one request scans.
+pub const SCAN_CAP: usize = 20_000;
+/// Longest one request reads.
+const READ_BUDGET: Duration = Duration::from_secs(3);
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    #[error("invalid cursor")]
+    BadCursor,
+    #[error("kafka: {0}")]
+    Kafka(String),
+}
+
+/// One event as a pull client sees it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct PulledEvent {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub source: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
+    pub time: String,
+    pub tenant_id: String,
+    pub schema_version: String,
+    /// The tenant's arrival sequence number.
+    pub sequence: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub datacontenttype: Option<String>,
+    /// The payload as JSON, when its content type is JSON and it parses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub data: Option<serde_json::Value>,
+    /// The payload bytes in base64, otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_base64: Option<String>,
+}
+
+/// A page of events and where the next one starts.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct EventPage {
+    pub events: Vec<PulledEvent>,
+    /// Pass it as `cursor` to read on; reading with an older cursor reads the same events again.
+    pub next_cursor: String,
+}
+
+/// A position in `<prefix>.pull`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl Cursor {
+    pub fn encode(&self) -> String {
+        URL_SAFE_NO_PAD.encode(format!("v1:{}:{}", self.partition, self.offset))
+    }
+
+    pub fn decode(text: &str) -> Result<Cursor, PullError> {
+        let raw = URL_SAFE_NO_PAD
+            .decode(text)
+            .map_err(|_| PullError::BadCursor)?;
+        let raw = String::from_utf8(raw).map_err(|_| PullError::BadCursor)?;
+        let mut parts = raw.split(':');
+        let (Some("v1"), Some(p), Some(o), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(PullError::BadCursor);
+        };
+        let partition = p.parse().map_err(|_| PullError::BadCursor)?;
+        let offset = o.parse().map_err(|_| PullError::BadCursor)?;
+        if partition < 0 || offset < 0 {
+            return Err(PullError::BadCursor);
+        }
+        Ok(Cursor { partition, offset })
+    }
+}
+
+/// Reads `<prefix>.pull`.
+#[derive(Clone)]
+pub struct PullReader {
+    config: Config,
+    topic: String,
+}
+
+impl PullReader {
+    pub fn new(config: &Config) -> PullReader {
+        PullReader {
+            config: config.clone(),
+            topic: format!("{}.pull", config.topic_prefix),
+        }
+    }
+
+    /// Up to `limit` events of `subscription` from `cursor` (from the subscription's creation
+    /// when none). Blocking: call it off the async runtime.
+    pub fn read(
+        &self,
+        subscription: &str,
+        created_at_ms: i64,
+        cursor: Option<Cursor>,
+        limit: usize,
+    ) -> Result<EventPage, PullError> {
+        let k = |e: RdKafkaError| PullError::Kafka(e.to_string());
+        let consumer: BaseConsumer = kafka::base(&self.config)
+            .set("group.id", format!("{}.pull-reader", self.config.group_id))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("enable.partition.eof", "true")
+            .set("fetch.wait.max.ms", "50")
+            .create()
+            .map_err(k)?;
+        let metadata = consumer
+            .fetch_metadata(Some(&self.topic), TIMEOUT)
+            .map_err(k)?;
+        let partitions = metadata
+            .topics()
+            .first()
+            .map(|t| t.partitions().len() as i32)
+            .filter(|n| *n > 0)
+            .ok_or_else(|| PullError::Kafka(format!("topic {} not found", self.topic)))?;
+        let partition = super::partition_for(subscription.as_bytes(), partitions);
+        let start = match cursor {
+            Some(c) if c.partition != partition => return Err(PullError::BadCursor),
+            Some(c) => c.offset,
+            None => {
+                // Nothing of this subscription precedes its creation (a minute of margin for
+                // clocks). A creation time ahead of the wall clock (the test clock) proves
+                // nothing: then from the start of the partition.
+                let (low, high) = consumer
+                    .fetch_watermarks(&self.topic, partition, TIMEOUT)
+                    .map_err(k)?;
+                let wall = chrono::Utc::now().timestamp_millis();
+                if created_at_ms > wall {
+                    low
+                } else {
+                    let mut tpl = TopicPartitionList::new();
+                    tpl.add_partition_offset(
+                        &self.topic,
+                        partition,
+                        Offset::Offset(created_at_ms.saturating_sub(60_000).max(0)),
+                    )
+                    .map_err(k)?;
+                    let found = consumer.offsets_for_times(tpl, TIMEOUT).map_err(k)?;
+                    match found
+                        .find_partition(&self.topic, partition)
+                        .map(|e| e.offset())
+                    {
+                        Some(Offset::Offset(o)) if o >= 0 => o,
+                        _ => high,
+                    }
+                }
+            }
+        };
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(start))
+            .map_err(k)?;
+        consumer.assign(&tpl).map_err(k)?;
+        let mut events = Vec::new();
+        let mut next = start;
+        let mut scanned = 0usize;
+        let deadline = Instant::now() + READ_BUDGET;
+        while events.len() < limit && scanned < SCAN_CAP && Instant::now() < deadline {
+            match consumer.poll(deadline.saturating_duration_since(Instant::now())) {
+                None => break,
+                Some(Err(RdKafkaError::PartitionEOF(_))) => break,
+                Some(Err(e)) => return Err(k(e)),
+                Some(Ok(m)) => {
+                    scanned += 1;
+                    next = m.offset() + 1;
+                    if m.key() == Some(subscription.as_bytes()) {
+                        events.push(event_of(&m));
+                    }
+                }
+            }
+        }
+        Ok(EventPage {
+            events,
+            next_cursor: Cursor {
+                partition,
+                offset: next,
+            }
+            .encode(),
+        })
+    }
+}
+
+fn event_of(m: &impl Message) -> PulledEvent {
+    let header = |name: &str| -> Option<String> {
+        m.headers().and_then(|h| {
+            h.iter()
+                .find(|x| x.key.eq_ignore_ascii_case(name))
+                .and_then(|x| x.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        })
+    };
+    let content_type = header("ce-datacontenttype");
+    let payload = m.payload().unwrap_or_default();
+    let is_json = content_type.as_deref().is_some_and(|c| {
+        let c = c
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        c == "application/json" || c.ends_with("+json")
+    });
+    let data = if is_json {
+        serde_json::from_slice::<serde_json::Value>(payload).ok()
+    } else {
+        None
+    };
+    PulledEvent {
+        id: header("ce-id").unwrap_or_default(),
+        event_type: header("ce-type").unwrap_or_default(),
+        source: header("ce-source").unwrap_or_default(),
+        subject: header("ce-subject"),
+        time: header("ce-time").unwrap_or_default(),
+        tenant_id: header("ce-tenantid").unwrap_or_default(),
+        schema_version: header("ce-schemaversion").unwrap_or_default(),
+        sequence: header(H_SEQUENCE).and_then(|s| s.parse().ok()),
+        datacontenttype: content_type,
+        data_base64: data.is_none().then(|| STANDARD.encode(payload)),
+        data,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_garbage_is_refused() {
+        let c = Cursor {
+            partition: 3,
+            offset: 42,
+        };
+        assert_eq!(Cursor::decode(&c.encode()).unwrap(), c);
+        for bad in [
+            "",
+            "!!",
+            "djE6Mzpmb28",
+            &URL_SAFE_NO_PAD.encode("v2:1:2"),
+            &URL_SAFE_NO_PAD.encode("v1:-1:2"),
+            &URL_SAFE_NO_PAD.encode("v1:1:2:3"),
+        ] {
+            assert!(Cursor::decode(bad).is_err(), "{bad}");
+        }
+    }
+}

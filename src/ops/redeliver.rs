@@ -1,0 +1,453 @@
+//! Redelivery to one subscription: per-subscription replay (`POST /admin/replay`), recover
+//! (`POST /v1/subscriptions/{id}/recover`) and redrive (`POST /admin/deliveries/dead/redrive`).
+//!
+//! All three write *redelivery requests* to `<prefix>.inbox`: the event's headers and value, key =
+//! tenant (so the request lands in the partition of the tenant's events), plus
+//! `x-streaming-hub-redeliver: <subscription id>` and `x-streaming-hub-request: <request id>`.
+//! The hub task owning that partition creates a job for that one subscription in its transaction
+//! (no dedup, no new sequence number; nothing if the subscription's job for the event is still
+//! pending). Ingest never carries a producer's `x-streaming-hub-*` headers, so only the hub's
+//! operators can ask for one.
+//!
+//! - Replay scans the inbox between two times for the tenant's events that match the subscription
+//!   now (each `ce-id` once), skipping earlier redelivery requests.
+//! - Recover and redrive read `<prefix>.dlq`, whose records carry the dead event's headers and
+//!   value (records without them, written before they did, are counted as `unrecoverable`).
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError as RdKafkaError;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::ingest::classify::schema_major;
+use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::kafka;
+use crate::runtime::records::{DeadLetterRecord, DestinationType, SubscriptionRecord};
+use crate::subscriptions::table::{EventRef, sub_matches};
+
+/// Header of a redelivery request on the inbox: the one subscription it is for.
+pub const H_REDELIVER: &str = "x-streaming-hub-redeliver";
+/// Header of a redelivery request: the replay, recover or redrive that asked for it.
+pub const H_REQUEST: &str = "x-streaming-hub-request";
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RedeliverError {
+    #[error("kafka: {0}")]
+    Kafka(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn k(e: RdKafkaError) -> RedeliverError {
+    RedeliverError::Kafka(e.to_string())
+}
+
+/// Progress of one replay, recover or redrive.
+#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
+pub struct Progress {
+    pub id: String,
+    pub kind: String,
+    pub subscription_id: Option<String>,
+    /// `running`, `done` or `failed`.
+    pub state: String,
+    /// Records read.
+    pub scanned: u64,
+    /// Events selected for redelivery.
+    pub matched: u64,
+    /// Redelivery requests written to the inbox.
+    pub requested: u64,
+    /// Dead letters without the event's content (written by an older hub).
+    pub unrecoverable: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Writes redelivery requests and reads the inbox and the DLQ (share it in an `Arc`).
+pub struct Redeliverer {
+    config: Config,
+    codec: Arc<Codec>,
+    producer: BaseProducer,
+    inbox: String,
+    dlq: String,
+}
+
+impl Redeliverer {
+    pub fn new(config: &Config, codec: Arc<Codec>) -> Result<Redeliverer, RedeliverError> {
+        let producer: BaseProducer = kafka::base(config)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "5")
+            // The same partitioner as ingest: key = tenant lands in the tenant's inbox partition.
+            .set("partitioner", "murmur2_random")
+            .create()
+            .map_err(k)?;
+        Ok(Redeliverer {
+            config: config.clone(),
+            codec,
+            producer,
+            inbox: format!("{}.inbox", config.topic_prefix),
+            dlq: format!("{}.dlq", config.topic_prefix),
+        })
+    }
+
+    fn consumer(&self) -> Result<BaseConsumer, RedeliverError> {
+        kafka::base(&self.config)
+            .set("group.id", format!("{}.ops-reader", self.config.group_id))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("enable.partition.eof", "true")
+            .create()
+            .map_err(k)
+    }
+
+    /// Queues one redelivery request.
+    fn request(
+        &self,
+        tenant: &str,
+        subscription: &str,
+        request_id: &str,
+        headers: &[(String, Option<Vec<u8>>)],
+        value: Option<&[u8]>,
+    ) -> Result<(), RedeliverError> {
+        let mut h = OwnedHeaders::new_with_capacity(headers.len() + 2);
+        for (key, v) in headers {
+            if key.eq_ignore_ascii_case(H_REDELIVER) || key.eq_ignore_ascii_case(H_REQUEST) {
+                continue;
+            }
+            h = h.insert(Header {
+                key,
+                value: v.as_deref(),
+            });
+        }
+        h = h
+            .insert(Header {
+                key: H_REDELIVER,
+                value: Some(subscription),
+            })
+            .insert(Header {
+                key: H_REQUEST,
+                value: Some(request_id),
+            });
+        let mut r = BaseRecord::<str, [u8]>::to(&self.inbox)
+            .key(tenant)
+            .headers(h);
+        if let Some(v) = value {
+            r = r.payload(v);
+        }
+        let mut r = r;
+        loop {
+            match self.producer.send(r) {
+                Ok(()) => return Ok(()),
+                Err((
+                    RdKafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                    back,
+                )) => {
+                    self.producer.poll(Duration::from_millis(50));
+                    r = back;
+                }
+                Err((e, _)) => return Err(k(e)),
+            }
+        }
+    }
+
+    fn flush(&self) -> Result<(), RedeliverError> {
+        self.producer.flush(TIMEOUT).map_err(k)
+    }
+
+    /// Per-subscription replay: the tenant's inbox events in `[from_ms, to_ms)` that match `sub`.
+    pub fn replay(
+        &self,
+        sub: &SubscriptionRecord,
+        from_ms: i64,
+        to_ms: i64,
+        progress: &Mutex<Progress>,
+    ) -> Result<(), RedeliverError> {
+        let consumer = self.consumer()?;
+        let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms)?;
+        let request_id = progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .id
+            .clone();
+        let mut seen: HashSet<Vec<u8>> = HashSet::new();
+        scan(&consumer, &self.inbox, &ranges, |m| {
+            let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+            p.scanned += 1;
+            drop(p);
+            if m.key() != Some(sub.tenant_id.as_bytes()) {
+                return Ok(());
+            }
+            let headers = owned_headers(m);
+            let get = |name: &str| {
+                headers
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .and_then(|(_, v)| v.as_deref())
+                    .and_then(|v| std::str::from_utf8(v).ok())
+            };
+            if get(H_REDELIVER).is_some() {
+                return Ok(()); // an earlier redelivery request, not an event
+            }
+            let (Some(source), Some(resource), Some(event), Some(major), Some(id)) = (
+                get("ce-source"),
+                get("ce-resourcetype"),
+                get("ce-eventtype"),
+                get("ce-schemaversion").and_then(schema_major),
+                get("ce-id"),
+            ) else {
+                return Ok(());
+            };
+            let e = EventRef {
+                tenant: &sub.tenant_id,
+                source,
+                resource,
+                event,
+                schema_major: major,
+            };
+            if !sub_matches(sub, &e) || !seen.insert(id.as_bytes().to_vec()) {
+                return Ok(());
+            }
+            self.request(&sub.tenant_id, &sub.id, &request_id, &headers, m.payload())?;
+            let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+            p.matched += 1;
+            p.requested += 1;
+            Ok(())
+        })?;
+        self.flush()
+    }
+
+    /// Recover: the subscription's dead letters since `since_ms`, each event once.
+    pub fn recover(
+        &self,
+        sub: &SubscriptionRecord,
+        since_ms: i64,
+        progress: &Mutex<Progress>,
+    ) -> Result<(), RedeliverError> {
+        let consumer = self.consumer()?;
+        let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX)?;
+        let mut seen: HashSet<String> = HashSet::new();
+        let mut selected = Vec::new();
+        scan(&consumer, &self.dlq, &ranges, |m| {
+            progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
+            let Some(dl) = m.payload().and_then(|v| {
+                self.codec
+                    .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
+                    .ok()
+            }) else {
+                return Ok(());
+            };
+            if dl.subscription_id == sub.id
+                && dl.tenant_id == sub.tenant_id
+                && dl.dead_at >= since_ms
+                && seen.insert(dl.event_id.clone())
+            {
+                selected.push(dl);
+            }
+            Ok(())
+        })?;
+        self.request_dead(&selected, progress)
+    }
+
+    /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
+    pub fn redrive(
+        &self,
+        positions: &[(i32, i64)],
+        tenant: Option<&str>,
+        progress: &Mutex<Progress>,
+    ) -> Result<Vec<DeadLetterRecord>, RedeliverError> {
+        let consumer = self.consumer()?;
+        let mut selected = Vec::new();
+        let metadata = consumer
+            .fetch_metadata(Some(&self.dlq), TIMEOUT)
+            .map_err(k)?;
+        let partitions: HashSet<i32> = metadata
+            .topics()
+            .first()
+            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+            .unwrap_or_default();
+        for &(partition, offset) in positions {
+            let missing =
+                || RedeliverError::Invalid(format!("no dead letter at {partition}-{offset}"));
+            if !partitions.contains(&partition) {
+                return Err(missing());
+            }
+            let (low, high) = consumer
+                .fetch_watermarks(&self.dlq, partition, TIMEOUT)
+                .map_err(k)?;
+            if offset < low || offset >= high {
+                return Err(missing());
+            }
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&self.dlq, partition, Offset::Offset(offset))
+                .map_err(k)?;
+            consumer.assign(&tpl).map_err(k)?;
+            let found = match consumer.poll(TIMEOUT) {
+                Some(Ok(m)) if m.offset() == offset => m.payload().and_then(|v| {
+                    self.codec
+                        .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
+                        .ok()
+                }),
+                // That offset holds no record (a transaction marker, an aborted write).
+                Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) | None => None,
+                Some(Err(e)) => return Err(k(e)),
+            };
+            progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
+            let Some(dl) = found else {
+                return Err(RedeliverError::Invalid(format!(
+                    "no dead letter at {partition}-{offset}"
+                )));
+            };
+            if tenant.is_some_and(|t| t != dl.tenant_id) {
+                return Err(RedeliverError::Invalid(format!(
+                    "no dead letter at {partition}-{offset}"
+                )));
+            }
+            selected.push(dl);
+        }
+        self.request_dead(&selected, progress)?;
+        Ok(selected)
+    }
+
+    fn request_dead(
+        &self,
+        dead: &[DeadLetterRecord],
+        progress: &Mutex<Progress>,
+    ) -> Result<(), RedeliverError> {
+        let request_id = progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .id
+            .clone();
+        for dl in dead {
+            let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+            p.matched += 1;
+            let Some(headers) = &dl.event_headers else {
+                p.unrecoverable += 1;
+                continue;
+            };
+            drop(p);
+            let headers: Vec<(String, Option<Vec<u8>>)> = headers
+                .iter()
+                .map(|h| (h.key.clone(), h.value.clone()))
+                .collect();
+            self.request(
+                &dl.tenant_id,
+                &dl.subscription_id,
+                &request_id,
+                &headers,
+                dl.event_value.as_deref(),
+            )?;
+            progress.lock().unwrap_or_else(|p| p.into_inner()).requested += 1;
+        }
+        self.flush()
+    }
+}
+
+/// Whether a subscription can be redelivered to (webhooks only: pull clients re-read by cursor).
+pub fn check_redeliverable(sub: &SubscriptionRecord) -> Result<(), RedeliverError> {
+    if sub.destination.kind != DestinationType::Webhook {
+        return Err(RedeliverError::Invalid(
+            "a pull subscription re-reads its events with an older cursor".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn owned_headers(m: &impl Message) -> Vec<(String, Option<Vec<u8>>)> {
+    m.headers()
+        .map(|h| {
+            h.iter()
+                .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// For each partition of `topic`: the offsets of the first record at or after `from_ms` and of the
+/// first at or after `to_ms` (the high watermark when none), as half-open ranges; empty ones left out.
+fn ranges_for_times(
+    consumer: &BaseConsumer,
+    topic: &str,
+    from_ms: i64,
+    to_ms: i64,
+) -> Result<Vec<(i32, i64, i64)>, RedeliverError> {
+    let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(k)?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .first()
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    let at = |ms: i64| -> Result<TopicPartitionList, RedeliverError> {
+        let mut tpl = TopicPartitionList::new();
+        for p in &partitions {
+            tpl.add_partition_offset(topic, *p, Offset::Offset(ms.max(0)))
+                .map_err(k)?;
+        }
+        consumer.offsets_for_times(tpl, TIMEOUT).map_err(k)
+    };
+    let starts = at(from_ms)?;
+    let ends = if to_ms == i64::MAX {
+        None
+    } else {
+        Some(at(to_ms)?)
+    };
+    let mut out = Vec::new();
+    for p in partitions {
+        let (_, high) = consumer.fetch_watermarks(topic, p, TIMEOUT).map_err(k)?;
+        let off = |tpl: &TopicPartitionList| match tpl.find_partition(topic, p).map(|e| e.offset())
+        {
+            Some(Offset::Offset(o)) if o >= 0 => o,
+            _ => high,
+        };
+        let start = off(&starts);
+        let end = ends.as_ref().map_or(high, off);
+        if start < end {
+            out.push((p, start, end));
+        }
+    }
+    Ok(out)
+}
+
+/// Reads each `(partition, start, end)` range of `topic`, calling `f` for each record.
+fn scan(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &[(i32, i64, i64)],
+    mut f: impl FnMut(&rdkafka::message::BorrowedMessage<'_>) -> Result<(), RedeliverError>,
+) -> Result<(), RedeliverError> {
+    for &(partition, start, end) in ranges {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, partition, Offset::Offset(start))
+            .map_err(k)?;
+        consumer.assign(&tpl).map_err(k)?;
+        loop {
+            match consumer.poll(TIMEOUT) {
+                Some(Ok(m)) => {
+                    if m.offset() >= end {
+                        break;
+                    }
+                    f(&m)?;
+                    if m.offset() + 1 >= end {
+                        break;
+                    }
+                }
+                // read_committed: the range may end in an aborted transaction's records.
+                Some(Err(RdKafkaError::PartitionEOF(_))) => break,
+                Some(Err(e)) => return Err(k(e)),
+                None => {
+                    return Err(RedeliverError::Kafka(format!(
+                        "no record from {topic}/{partition} within {TIMEOUT:?}"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,591 @@
+//! Operations against the real binary and broker: the pull API (order, cursor across a restart
+//! and across instances, rate limit), recover / redrive / per-subscription replay (each redelivers
+//! to one subscription only), the forensics index of producers' DLQs and the quarantine (never
+//! delivered), and SIGTERM during deliveries (every attempt a sink saw is recorded).
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use common::*;
+use serde_json::{Value, json};
+use streaming_hub::runtime::avro::{Codec, RecordKind};
+use streaming_hub::runtime::records::AttemptRecord;
+
+#[derive(Clone)]
+struct Sink {
+    got: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
+    status: Arc<AtomicU16>,
+    delay: Duration,
+}
+
+async fn sink_handler(
+    State(s): State<Sink>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
+    let h: BTreeMap<String, String> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    if h.get("x-lerian-event-type").map(String::as_str) == Some("streaming_hub.verification") {
+        return (StatusCode::OK, body);
+    }
+    s.got.lock().unwrap().push(h);
+    if !s.delay.is_zero() {
+        tokio::time::sleep(s.delay).await;
+    }
+    (
+        StatusCode::from_u16(s.status.load(Ordering::SeqCst)).unwrap(),
+        Bytes::new(),
+    )
+}
+
+async fn start_sink(status: u16, delay: Duration) -> (String, Sink) {
+    let sink = Sink {
+        got: Arc::default(),
+        status: Arc::new(AtomicU16::new(status)),
+        delay,
+    };
+    let app = Router::new()
+        .route("/hook", post(sink_handler))
+        .with_state(sink.clone());
+    let addr = serve(app).await;
+    (format!("http://{addr}/hook"), sink)
+}
+
+impl Sink {
+    fn count(&self, event_id: &str) -> usize {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|h| h.get("x-lerian-event-id").map(String::as_str) == Some(event_id))
+            .count()
+    }
+
+    fn wait_count(&self, event_id: &str, n: usize) {
+        wait_until(
+            Duration::from_secs(60),
+            &format!("{n} deliveries of {event_id}"),
+            || (self.count(event_id) >= n).then_some(()),
+        );
+    }
+}
+
+fn admin_token() -> String {
+    streaming_hub::api::mint(
+        &streaming_hub::runtime::secret::Secret::new(JWT),
+        None,
+        true,
+        Duration::from_secs(86_400),
+    )
+}
+
+async fn get_json(s: &ApiHub, addr: &str, path: &str, token: &str) -> (u16, Value, HeaderMap) {
+    let r = s
+        .http
+        .get(format!("http://{addr}{path}"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let body = r.bytes().await.unwrap();
+    (
+        status,
+        serde_json::from_slice(&body).unwrap_or(Value::Null),
+        headers,
+    )
+}
+
+async fn post_json(s: &ApiHub, path: &str, token: &str, body: Value) -> (u16, Value) {
+    let r = s
+        .http
+        .post(format!("http://{}{path}", s.hub.addr()))
+        .bearer_auth(token)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (
+        status,
+        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap_or(Value::Null),
+    )
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
+    let mut s = ApiHub::start(
+        "pull",
+        &[
+            ("STREAMING_HUB_PULL_RATE", "1"),
+            ("STREAMING_HUB_PULL_BURST", "30"),
+        ],
+    )
+    .await;
+    let v = s
+        .create_subscription(
+            "tenant-p",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "pull"}}),
+        )
+        .await;
+    let sub = v["id"].as_str().unwrap().to_string();
+    let evs: Vec<Rec> = (0..5)
+        .map(|_| event("tenant-p", "ledger", "transaction", "created"))
+        .collect();
+    let mut input = evs.clone();
+    input.insert(2, event("tenant-p", "ledger", "account", "created")); // not matched
+    input.insert(3, event("tenant-q", "ledger", "transaction", "created")); // another tenant
+    produce(&producer(), &s.topic, &input);
+    let token = s.token("tenant-p");
+    let addr = s.hub.addr();
+
+    // Page 1: the first three, in order, once they are there.
+    let mut page1 = Value::Null;
+    for _ in 0..200 {
+        let (st, body, _) = get_json(
+            &s,
+            &addr,
+            &format!("/v1/events?subscription_id={sub}&limit=3"),
+            &token,
+        )
+        .await;
+        assert_eq!(st, 200, "{body}");
+        if body["events"].as_array().unwrap().len() == 3 {
+            page1 = body;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ids = |page: &Value| -> Vec<String> {
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let want: Vec<String> = evs.iter().map(Rec::id).collect();
+    assert_eq!(ids(&page1), want[..3], "first page in arrival order");
+    let first = &page1["events"][0];
+    assert_eq!(first["type"], "studio.lerian.ledger.transaction.created");
+    assert_eq!(first["tenant_id"], "tenant-p");
+    assert_eq!(
+        first["data"],
+        serde_json::from_slice::<Value>(evs[0].value.as_ref().unwrap()).unwrap(),
+        "JSON payload as JSON"
+    );
+    let seqs: Vec<u64> = page1["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["sequence"].as_u64().unwrap())
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let cursor = page1["next_cursor"].as_str().unwrap().to_string();
+    let (_, page2, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}&cursor={cursor}&limit=10"),
+        &token,
+    )
+    .await;
+    assert_eq!(ids(&page2), want[3..], "the cursor resumes after page 1");
+
+    // Another tenant cannot read it; a webhook-only caller gets the field at fault.
+    let (st, _, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}"),
+        &s.token("tenant-q"),
+    )
+    .await;
+    assert_eq!(st, 404);
+    let (st, body, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}&cursor=nope"),
+        &token,
+    )
+    .await;
+    assert_eq!((st, body["error"]["field"].as_str()), (400, Some("cursor")));
+
+    // After a restart the same cursor reads the same events; so does another instance.
+    s.hub.terminate();
+    s.hub = Hub::start(&s.hub.env.clone());
+    let addr = s.hub.addr();
+    let (_, again, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}&cursor={cursor}&limit=10"),
+        &token,
+    )
+    .await;
+    assert_eq!(ids(&again), want[3..], "cursor survives a restart");
+    let mut env2 = s.hub.env.clone();
+    env2.insert(
+        "STREAMING_HUB_INSTANCE_ID".into(),
+        format!("{}-2", s.prefix),
+    );
+    env2.insert(
+        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    env2.insert(
+        "STREAMING_HUB_STATE_DIR".into(),
+        std::env::temp_dir()
+            .join(format!("{}-2", s.prefix))
+            .display()
+            .to_string(),
+    );
+    let other = Hub::start(&env2);
+    let (_, there, _) = get_json(
+        &s,
+        &other.addr(),
+        &format!("/v1/events?subscription_id={sub}&limit=3"),
+        &token,
+    )
+    .await;
+    assert_eq!(
+        ids(&there),
+        want[..3],
+        "another instance serves the same stream"
+    );
+
+    // Past the burst: 429 with Retry-After.
+    let mut limited = None;
+    for _ in 0..40 {
+        let (st, _, headers) = get_json(
+            &s,
+            &other.addr(),
+            &format!("/v1/events?subscription_id={sub}&limit=1"),
+            &token,
+        )
+        .await;
+        if st == 429 {
+            limited = Some(headers);
+            break;
+        }
+    }
+    let headers = limited.expect("the pull rate limit answered 429");
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
+    let s = ApiHub::start("redo", &[]).await;
+    let (url_a, sink_a) = start_sink(500, Duration::ZERO).await;
+    let (url_b, sink_b) = start_sink(200, Duration::ZERO).await;
+    // A fails: two attempts one second apart, then a dead letter. B is healthy.
+    let a = s
+        .create_subscription(
+            "tenant-r",
+            json!({"event_types": ["transaction.*"], "retry_schedule": ["1s"],
+                   "destination": {"type": "webhook", "url": url_a}}),
+        )
+        .await;
+    let b = s
+        .create_subscription(
+            "tenant-r",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url_b}}),
+        )
+        .await;
+    // A's first delivery only starts after the subscription was active.
+    sink_a.status.store(500, Ordering::SeqCst);
+    let (a, b) = (
+        a["id"].as_str().unwrap().to_string(),
+        b["id"].as_str().unwrap().to_string(),
+    );
+    let t0 = now_rfc3339();
+    let admin = admin_token();
+    let e1 = event("tenant-r", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&e1));
+    sink_a.wait_count(&e1.id(), 2);
+    sink_b.wait_count(&e1.id(), 1);
+    let addr = s.hub.addr();
+    let dead = wait_until(
+        Duration::from_secs(60),
+        "e1 in /admin/deliveries/dead",
+        || {
+            futures_block(get_json(
+                &s,
+                &addr,
+                &format!("/admin/deliveries/dead?subscription_id={a}"),
+                &admin,
+            ))
+            .1["deliveries"]
+                .as_array()
+                .filter(|d| !d.is_empty())
+                .cloned()
+        },
+    );
+    assert_eq!(dead[0]["event_id"], e1.id());
+    assert_eq!(dead[0]["reason"], "exhausted");
+    assert_eq!(dead[0]["redrivable"], true);
+
+    // Recover: only A gets e1 again, now successfully.
+    sink_a.status.store(200, Ordering::SeqCst);
+    let (st, _) = post_json(
+        &s,
+        &format!("/v1/subscriptions/{a}/recover"),
+        &s.token("tenant-x"),
+        json!({"since": t0}),
+    )
+    .await;
+    assert_eq!(st, 404, "another tenant's subscription");
+    let (st, body) = post_json(
+        &s,
+        &format!("/v1/subscriptions/{a}/recover"),
+        &s.token("tenant-r"),
+        json!({"since": t0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        (body["state"].as_str(), body["requested"].as_u64()),
+        (Some("done"), Some(1))
+    );
+    sink_a.wait_count(&e1.id(), 3);
+    s.wait_metric("streaming_hub_redeliveries_total{outcome=\"queued\"", 1)
+        .await;
+    assert_eq!(
+        sink_b.count(&e1.id()),
+        1,
+        "recover touches only the dead-lettered subscription"
+    );
+
+    // Redrive a chosen dead letter by id.
+    sink_a.status.store(500, Ordering::SeqCst);
+    let e2 = event("tenant-r", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&e2));
+    sink_a.wait_count(&e2.id(), 2);
+    let id2 = wait_until(Duration::from_secs(60), "e2 dead", || {
+        futures_block(get_json(
+            &s,
+            &addr,
+            &format!("/admin/deliveries/dead?subscription_id={a}"),
+            &admin,
+        ))
+        .1["deliveries"]
+            .as_array()
+            .and_then(|d| d.iter().find(|x| x["event_id"] == e2.id()).cloned())
+    })["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    sink_a.status.store(200, Ordering::SeqCst);
+    let (st, body) = post_json(
+        &s,
+        "/admin/deliveries/dead/redrive",
+        &s.token("tenant-r"),
+        json!({"ids": [id2]}),
+    )
+    .await;
+    assert_eq!(st, 403, "{body}");
+    let (st, body) = post_json(
+        &s,
+        "/admin/deliveries/dead/redrive",
+        &admin,
+        json!({"ids": ["9-999999"]}),
+    )
+    .await;
+    assert_eq!((st, body["error"]["field"].as_str()), (400, Some("ids")));
+    let (st, body) = post_json(
+        &s,
+        "/admin/deliveries/dead/redrive",
+        &admin,
+        json!({"ids": [id2]}),
+    )
+    .await;
+    assert_eq!((st, body["requested"].as_u64()), (200, Some(1)), "{body}");
+    sink_a.wait_count(&e2.id(), 3);
+
+    // Per-subscription replay of B: e1 and e2 again to B, nothing more to A.
+    let a_before = sink_a.got.lock().unwrap().len();
+    let (st, body) = post_json(
+        &s,
+        "/admin/replay",
+        &admin,
+        json!({"subscription_id": b, "from": t0}),
+    )
+    .await;
+    assert_eq!(st, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_string();
+    let done = wait_until(Duration::from_secs(60), "replay done", || {
+        let (_, p, _) = futures_block(get_json(&s, &addr, &format!("/admin/replay/{id}"), &admin));
+        (p["state"] == "done").then_some(p)
+    });
+    assert_eq!(done["requested"], 2, "{done}");
+    sink_b.wait_count(&e1.id(), 2);
+    sink_b.wait_count(&e2.id(), 2);
+    s.wait_metric("streaming_hub_redeliveries_total{outcome=\"queued\"", 4)
+        .await;
+    assert_eq!(
+        sink_a.got.lock().unwrap().len(),
+        a_before,
+        "replay of B never reaches A"
+    );
+}
+
+/// Runs a future to completion from synchronous test code (inside `wait_until`).
+fn futures_block<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_dead_letters_are_searchable_and_never_delivered() {
+    let s = ApiHub::start("fore", &[]).await;
+    let dlq = format!("{}.dlq", s.topic);
+    create_topic(&dlq, 1).await;
+    let (url, sink) = start_sink(200, Duration::ZERO).await;
+    s.create_subscription(
+        "tenant-f",
+        json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}}),
+    )
+    .await;
+    let source = s.topic.trim_start_matches("lerian.streaming.").to_string();
+    let dead = event("tenant-f", "ledger", "transaction", "created")
+        .add("x-lerian-dlq-source-topic", s.topic.as_bytes())
+        .add("x-lerian-dlq-cause-kind", b"business")
+        .add("x-lerian-dlq-error-class", b"validation_error")
+        .add("x-lerian-dlq-error-message", b"amount must be positive")
+        .add("x-lerian-dlq-retry-count", b"3");
+    produce(&producer(), &dlq, std::slice::from_ref(&dead));
+    let bad =
+        event("tenant-f", "ledger", "transaction", "created").set("ce-specversion", Some(b"0.3"));
+    let live = event("tenant-f", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, &[bad.clone(), live.clone()]);
+    sink.wait_count(&live.id(), 1);
+
+    let admin = admin_token();
+    let addr = s.hub.addr();
+    let q = format!("/admin/dlq?source={source}&tenant=tenant-f");
+    let records = wait_until(
+        Duration::from_secs(60),
+        "the producer dead letter indexed",
+        || {
+            futures_block(get_json(&s, &addr, &q, &admin)).1["records"]
+                .as_array()
+                .filter(|r| !r.is_empty())
+                .cloned()
+        },
+    );
+    assert_eq!(records.len(), 1);
+    let r = &records[0];
+    assert_eq!(r["topic"], dlq.as_str());
+    assert_eq!(r["source"], source.as_str());
+    assert_eq!(r["cause"], "business");
+    assert_eq!(r["dlq"]["error-message"], "amount must be positive");
+    assert_eq!(r["dlq"]["retry-count"], "3");
+    assert_eq!(r["dlq"]["source-topic"], s.topic.as_str());
+    assert_eq!(
+        r["payload"],
+        serde_json::from_slice::<Value>(dead.value.as_ref().unwrap()).unwrap()
+    );
+    let (_, none, _) = get_json(&s, &addr, &format!("{q}&cause=codec"), &admin).await;
+    assert_eq!(none["records"].as_array().unwrap().len(), 0, "cause filter");
+    let (st, _, _) = get_json(&s, &addr, &q, &s.token("tenant-f")).await;
+    assert_eq!(st, 403, "admin only");
+
+    let quarantined = wait_until(
+        Duration::from_secs(60),
+        "the malformed record in /admin/quarantine",
+        || {
+            futures_block(get_json(
+                &s,
+                &addr,
+                "/admin/quarantine?tenant=tenant-f",
+                &admin,
+            ))
+            .1["records"]
+                .as_array()
+                .filter(|r| !r.is_empty())
+                .cloned()
+        },
+    );
+    assert_eq!(quarantined[0]["reason"], "unsupported_specversion");
+    assert_eq!(quarantined[0]["dlq"]["source-topic"], s.topic.as_str());
+
+    // A later event is delivered; the dead letter never was.
+    let later = event("tenant-f", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&later));
+    sink.wait_count(&later.id(), 1);
+    assert_eq!(
+        sink.count(&dead.id()),
+        0,
+        "a producer's dead letter is never delivered"
+    );
+    assert_eq!(sink.count(&bad.id()), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_deliveries_records_every_attempt_the_sink_saw() {
+    let mut s = ApiHub::start("term", &[("STREAMING_HUB_SHUTDOWN_TIMEOUT", "20s")]).await;
+    // Each delivery takes 1.5 s: SIGTERM lands while attempts are in flight.
+    let (url, sink) = start_sink(200, Duration::from_millis(1500)).await;
+    s.create_subscription(
+        "tenant-t",
+        json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}}),
+    )
+    .await;
+    let evs: Vec<Rec> = (0..20)
+        .map(|_| event("tenant-t", "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &evs);
+    wait_until(Duration::from_secs(60), "attempts in flight", || {
+        (sink.got.lock().unwrap().len() >= 3).then_some(())
+    });
+    s.hub.terminate();
+    let log = s.hub.log_text();
+    assert!(
+        log.contains("attempts in flight at shutdown recorded"),
+        "{log}"
+    );
+    let seen: Vec<String> = sink
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|h| h["x-lerian-delivery-id"].clone())
+        .collect();
+    let codec = Codec::new().unwrap();
+    let attempts: Vec<String> = read_all(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+    )
+    .iter()
+    .map(|g| {
+        codec
+            .decode::<AttemptRecord>(RecordKind::Attempt, g.rec.value.as_ref().unwrap())
+            .unwrap()
+            .delivery_id
+    })
+    .collect();
+    for d in &seen {
+        assert!(
+            attempts.contains(d),
+            "attempt {d} reached the sink but was not recorded"
+        );
+    }
+    // The restarted hub delivers the rest: every event at least once.
+    s.hub = Hub::start(&s.hub.env.clone());
+    for e in &evs {
+        sink.wait_count(&e.id(), 1);
+    }
+}
