@@ -22,3 +22,10 @@ echo "== cargo clippy -- -D warnings" >&2
 cargo clippy --all-targets -- -D warnings
 echo "== cargo test" >&2
 cargo test "$@"
+if [[ $# -eq 0 ]]; then
+  # The README's run command, unattended: it fails unless the run showed a delivery, a drop and a
+  # quarantine.
+  echo "== scripts/demo.sh --ci" >&2
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  STREAMING_HUB_HTTP_LISTEN_ADDR="127.0.0.1:$port" scripts/demo.sh --ci | tail -n 3
+fi

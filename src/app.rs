@@ -61,6 +61,44 @@ struct Health {
     ready: Arc<AtomicBool>,
     table: SharedTable,
     metrics: PrometheusHandle,
+    /// The broker answered the last metadata request (checked every 5 s).
+    broker: Arc<AtomicBool>,
+}
+
+/// Asks the brokers for metadata every 5 s and records whether they answered (`/readyz`).
+fn watch_broker(
+    config: &Config,
+    ok: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) -> Result<(), AppError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let client: BaseConsumer = crate::runtime::kafka::base(config)
+        .create()
+        .map_err(|e| AppError::Http(e.to_string()))?;
+    std::thread::Builder::new()
+        .name("broker-watch".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let answered = client
+                    .fetch_metadata(None, std::time::Duration::from_secs(3))
+                    .is_ok();
+                if ok.swap(answered, Ordering::SeqCst) != answered {
+                    if answered {
+                        tracing::info!("broker reachable again");
+                    } else {
+                        tracing::warn!("broker unreachable: /readyz answers 503");
+                    }
+                }
+                for _ in 0..50 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+            }
+        })
+        .map_err(|e| AppError::Http(e.to_string()))?;
+    Ok(())
 }
 
 pub async fn run(config: Config) -> Result<(), AppError> {
@@ -157,10 +195,13 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
         .await
         .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
+    let broker = Arc::new(AtomicBool::new(true)); // the topology was just applied through it
+    watch_broker(&config, broker.clone(), stop.clone())?;
     let health = Health {
         ready: ready.clone(),
         metrics,
         table: table.clone(),
+        broker,
     };
     let mut router: Router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -259,12 +300,22 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     served
 }
 
+/// 200 once started, with the subscription table caught up, no store being restored and the
+/// broker answering; 503 with the first reason otherwise (and while shutting down).
 async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
-    if h.ready.load(Ordering::SeqCst) && h.table.is_caught_up() {
-        (StatusCode::OK, "ready")
+    let restoring = crate::hub::task::RESTORING.load(Ordering::SeqCst) > 0;
+    let why = if !h.ready.load(Ordering::SeqCst) {
+        "not ready: starting or stopping"
+    } else if !h.table.is_caught_up() {
+        "not ready: subscription table catching up"
+    } else if restoring {
+        "not ready: restoring stores"
+    } else if !h.broker.load(Ordering::SeqCst) {
+        "not ready: broker unreachable"
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
-    }
+        return (StatusCode::OK, "ready");
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, why)
 }
 
 async fn metrics_text(State(h): State<Health>) -> String {

@@ -143,6 +143,16 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
         m.get("duplicate").copied().unwrap_or(0),
         m.get("delivered").copied().unwrap_or(0),
     );
+    if opts.duration.is_some() {
+        // CI mode: the run must have shown each thing the demo is for.
+        let missing: Vec<&str> = ["delivered", "drop", "quarantine"]
+            .into_iter()
+            .filter(|k| m.get(*k).copied().unwrap_or(0) == 0)
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!("the run showed no {}", missing.join(", no ")));
+        }
+    }
     Ok(())
 }
 

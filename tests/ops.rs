@@ -589,3 +589,83 @@ async fn sigterm_during_deliveries_records_every_attempt_the_sink_saw() {
         sink.wait_count(&e.id(), 1);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_and_delivery_roles_run_apart_and_together_deliver() {
+    // Hub A ingests only; hub B runs the hub tasks and delivers only. Same topics and groups.
+    let a = ApiHub::start("roles", &[("STREAMING_HUB_ROLE", "ingest")]).await;
+    let mut env_b = a.hub.env.clone();
+    env_b.insert("STREAMING_HUB_ROLE".into(), "delivery".into());
+    env_b.insert(
+        "STREAMING_HUB_INSTANCE_ID".into(),
+        format!("{}-b", a.prefix),
+    );
+    env_b.insert(
+        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    env_b.insert(
+        "STREAMING_HUB_STATE_DIR".into(),
+        std::env::temp_dir()
+            .join(format!("{}-b", a.prefix))
+            .display()
+            .to_string(),
+    );
+    let b = ApiHub {
+        prefix: a.prefix.clone(),
+        topic: a.topic.clone(),
+        hub: Hub::start(&env_b),
+        http: a.http.clone(),
+    };
+    let (url, sink) = start_sink(200, Duration::ZERO).await;
+    b.create_subscription(
+        "tenant-o",
+        json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}}),
+    )
+    .await;
+    let e = event("tenant-o", "ledger", "transaction", "created");
+    produce(&producer(), &a.topic, std::slice::from_ref(&e));
+    sink.wait_count(&e.id(), 1);
+    assert!(a.metric("streaming_hub_ingest_records_total").await >= 1);
+    assert_eq!(
+        b.metric("streaming_hub_ingest_records_total").await,
+        0,
+        "B does not ingest"
+    );
+    assert!(b.metric("streaming_hub_hub_events_total").await >= 1);
+    assert_eq!(
+        a.metric("streaming_hub_hub_events_total").await,
+        0,
+        "A runs no hub task"
+    );
+    // The delivery side's metrics: end-to-end latency, backlog sample, consumer lag.
+    b.wait_metric("streaming_hub_delivery_latency_seconds_count", 1)
+        .await;
+    let mut text = String::new();
+    for _ in 0..300 {
+        text = b
+            .http
+            .get(format!("http://{}/metrics", b.hub.addr()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if text.contains("streaming_hub_due_jobs{tenant=\"_all\"}")
+            && text.contains("streaming_hub_consumer_lag{stage=\"hub\"")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        text.contains("streaming_hub_due_jobs{tenant=\"_all\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("streaming_hub_consumer_lag{stage=\"hub\""),
+        "{text}"
+    );
+    assert!(text.contains("streaming_hub_breakers_open"), "{text}");
+}

@@ -124,6 +124,14 @@ mod tests {
             ("/v1/subscriptions/{id}", &["get", "patch", "delete"][..]),
             ("/v1/subscriptions/{id}/verify", &["post"][..]),
             ("/v1/subscriptions/{id}/rotate-secret", &["post"][..]),
+            ("/v1/subscriptions/{id}/recover", &["post"][..]),
+            ("/v1/events", &["get"][..]),
+            ("/admin/replay", &["post"][..]),
+            ("/admin/replay/{id}", &["get"][..]),
+            ("/admin/dlq", &["get"][..]),
+            ("/admin/quarantine", &["get"][..]),
+            ("/admin/deliveries/dead", &["get"][..]),
+            ("/admin/deliveries/dead/redrive", &["post"][..]),
             ("/openapi.json", &["get"][..]),
         ];
         for (path, methods) in routes {

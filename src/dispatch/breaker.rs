@@ -91,6 +91,14 @@ impl Breakers {
         None
     }
 
+    /// Breakers open now (open or waiting for their half-open probe).
+    pub fn open_count(&self) -> usize {
+        self.states
+            .values()
+            .filter(|s| s.open_until.is_some())
+            .count()
+    }
+
     pub fn is_open(&self, tenant: &str, origin: &str) -> bool {
         self.states
             .get(&(tenant.to_string(), origin.to_string()))

@@ -95,6 +95,25 @@ pub fn tenants_with_timers(store: &Store) -> Result<Vec<String>, StoreError> {
     Ok(out)
 }
 
+/// A tenant's due jobs (due at or before `now`, counted up to `cap`) and its oldest due time.
+pub fn tenant_backlog(
+    store: &Store,
+    tenant: &str,
+    now: i64,
+    cap: usize,
+) -> Result<(usize, Option<i64>), StoreError> {
+    let prefix = [tenant.as_bytes(), b"\0"].concat();
+    let mut oldest = None;
+    let n = store.visit_from(DUE, &prefix, cap, |k| match split_due_key(k, tenant) {
+        Some((due, _)) if due <= now => {
+            oldest.get_or_insert(due);
+            true
+        }
+        _ => false,
+    })?;
+    Ok((n, oldest))
+}
+
 /// The tenants of a task that may have jobs, visited in turn.
 #[derive(Default)]
 pub struct TenantRing {

@@ -42,6 +42,8 @@ pub struct Attempt {
     /// `ce-*` headers of the event, in order.
     pub ce_headers: Vec<(String, String)>,
     pub body: Bytes,
+    /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
+    pub ingest_ms: Option<i64>,
 }
 
 /// What happened to one attempt.
@@ -59,6 +61,7 @@ pub struct Outcome {
     pub error_kind: Option<String>,
     pub retry_after_ms: Option<u64>,
     pub response_body: Option<Vec<u8>>,
+    pub ingest_ms: Option<i64>,
 }
 
 impl Outcome {
@@ -97,6 +100,7 @@ impl Workers {
                 error_kind: None,
                 retry_after_ms: None,
                 response_body: None,
+                ingest_ms: a.ingest_ms,
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))

@@ -47,6 +47,11 @@ const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
+/// How often the due-job backlog gauges are sampled, how many tenants they name, and how many
+/// due jobs are counted per tenant at most.
+const BACKLOG_EVERY: Duration = Duration::from_secs(10);
+const BACKLOG_TOP: usize = 10;
+const BACKLOG_CAP: usize = 100_000;
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
 
@@ -225,7 +230,14 @@ struct HubContext {
     shared: Arc<Mutex<Shared>>,
 }
 
-impl ClientContext for HubContext {}
+impl ClientContext for HubContext {
+    fn stats_raw(&self, statistics: &[u8]) {
+        telemetry::lag_from_stats("hub", statistics);
+    }
+}
+
+/// Partitions being restored now, in this process (`/readyz` answers 503 while it is not zero).
+pub static RESTORING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl ConsumerContext for HubContext {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -254,7 +266,12 @@ impl ConsumerContext for HubContext {
                 partitions: &format!("{parts:?}"),
             }
             .emit();
-            match open_and_restore(&self.env, &parts) {
+            let n = RESTORING.fetch_add(parts.len(), Ordering::SeqCst) + parts.len();
+            telemetry::restoring(n);
+            let restored = open_and_restore(&self.env, &parts);
+            let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
+            telemetry::restoring(n);
+            match restored {
                 Ok((tasks, _)) => {
                     self.shared
                         .lock()
@@ -548,7 +565,14 @@ impl HubStage {
             .map_err(KafkaError::from)?;
         tracing::info!(group = %config.hub_group_id(), dispatch = self.dispatch.is_some(), "hub stage started");
 
+        let mut backlog_at = Instant::now();
+        let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
+            if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
+                backlog_at = Instant::now();
+                let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                backlog_named = sample_backlog(&guard.tasks, self.clock.now_ms(), &backlog_named);
+            }
             let busy = self
                 .dispatch
                 .as_ref()
@@ -1080,6 +1104,9 @@ fn dispatch_work(
             outcome: &records.attempt,
         }
         .emit();
+        if let (true, Some(ingest)) = (o.success(), o.ingest_ms) {
+            telemetry::delivered_after(now - ingest);
+        }
         let key = records.attempt.event_id.clone();
         let bytes = env
             .codec
@@ -1090,6 +1117,7 @@ fn dispatch_work(
             emit_dead_letter(env, out, &dl)?;
         }
     }
+    telemetry::breakers_open(d.breakers.open_count());
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
     // Fair across tasks too: each task with timers gets an equal share of this round's capacity
     // (and the order rotates), so one partition's backlog cannot starve another's tenants.
@@ -1197,12 +1225,52 @@ fn dispatch_work(
                 event_type: crate::dispatch::event_type_of(&payload.headers),
                 subscription: sub,
                 ce_headers,
+                ingest_ms: payload
+                    .headers
+                    .iter()
+                    .find(|h| h.key == crate::ingest::pipeline::H_INGEST_TIME)
+                    .and_then(|h| h.value.as_deref())
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+                    .map(|t| t.timestamp_millis()),
                 body: bytes::Bytes::from(payload.value),
             });
             capacity -= 1;
         }
     }
     Ok(())
+}
+
+/// Samples the due-job backlog of every task; returns the tenants named this time.
+fn sample_backlog(tasks: &HashMap<i32, Task>, now: i64, named_before: &[String]) -> Vec<String> {
+    let mut per_tenant: HashMap<String, (usize, i64)> = HashMap::new();
+    for task in tasks.values() {
+        let Ok(tenants) = jobs::tenants_with_timers(&task.store) else {
+            continue;
+        };
+        for t in tenants {
+            if let Ok((n, Some(oldest))) = jobs::tenant_backlog(&task.store, &t, now, BACKLOG_CAP) {
+                let e = per_tenant.entry(t).or_insert((0, oldest));
+                e.0 += n;
+                e.1 = e.1.min(oldest);
+            }
+        }
+    }
+    let total = per_tenant.values().map(|(n, _)| n).sum();
+    let mut ranked: Vec<(String, usize, f64)> = per_tenant
+        .into_iter()
+        .map(|(t, (n, oldest))| (t, n, (now - oldest).max(0) as f64 / 1000.0))
+        .collect();
+    ranked.sort_by(|a, b| b.2.total_cmp(&a.2));
+    ranked.truncate(BACKLOG_TOP);
+    let named: Vec<String> = ranked.iter().map(|r| r.0.clone()).collect();
+    let left: Vec<String> = named_before
+        .iter()
+        .filter(|t| !named.contains(t))
+        .cloned()
+        .collect();
+    telemetry::due_backlog(&ranked, &left, total);
+    named
 }
 
 fn emit_dead_letter(

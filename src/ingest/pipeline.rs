@@ -62,7 +62,11 @@ pub enum IngestError {
 
 struct IngestContext;
 
-impl ClientContext for IngestContext {}
+impl ClientContext for IngestContext {
+    fn stats_raw(&self, statistics: &[u8]) {
+        crate::runtime::telemetry::lag_from_stats("ingest", statistics);
+    }
+}
 
 impl ConsumerContext for IngestContext {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

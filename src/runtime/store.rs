@@ -142,6 +142,31 @@ impl Store {
         Ok(out)
     }
 
+    /// Visits keys of `family` in order from `from` while `visit` returns true, at most `limit`;
+    /// returns how many it visited (no copies: for counting).
+    pub fn visit_from(
+        &self,
+        family: &str,
+        from: &[u8],
+        limit: usize,
+        mut visit: impl FnMut(&[u8]) -> bool,
+    ) -> Result<usize, StoreError> {
+        let cf = self.cf(family)?;
+        let mut iter = self.db.raw_iterator_cf(cf);
+        iter.seek(from);
+        let mut n = 0;
+        while n < limit && iter.valid() {
+            let Some(k) = iter.key() else { break };
+            if !visit(k) {
+                break;
+            }
+            n += 1;
+            iter.next();
+        }
+        iter.status()?;
+        Ok(n)
+    }
+
     /// Number of keys (approximate, from RocksDB's estimate), for metrics and tests.
     pub fn estimate_keys(&self, family: &str) -> Result<u64, StoreError> {
         Ok(self

@@ -6,7 +6,7 @@
 //! `streaming_hub_ingest_batch_records`.
 use std::time::Duration;
 
-use metrics::{counter, histogram};
+use metrics::{counter, gauge, histogram};
 
 pub const INGEST_RECORDS: &str = "streaming_hub_ingest_records_total";
 pub const INGEST_COMMITS: &str = "streaming_hub_ingest_commits_total";
@@ -229,6 +229,74 @@ impl Redelivery<'_> {
             "redelivery request"
         );
     }
+}
+
+pub const DELIVERY_LATENCY: &str = "streaming_hub_delivery_latency_seconds";
+pub const BREAKERS_OPEN: &str = "streaming_hub_breakers_open";
+pub const DUE_JOBS: &str = "streaming_hub_due_jobs";
+pub const OLDEST_DUE: &str = "streaming_hub_oldest_due_seconds";
+pub const CONSUMER_LAG: &str = "streaming_hub_consumer_lag";
+pub const RESTORING: &str = "streaming_hub_restoring_partitions";
+
+/// A successful delivery, `ms` after ingest accepted the event (end-to-end latency in the hub).
+pub fn delivered_after(ms: i64) {
+    histogram!(DELIVERY_LATENCY).record(ms.max(0) as f64 / 1000.0);
+}
+
+/// Circuit breakers open now.
+pub fn breakers_open(n: usize) {
+    gauge!(BREAKERS_OPEN).set(n as f64);
+}
+
+/// Partitions whose stores are being restored now (`/readyz` is 503 meanwhile).
+pub fn restoring(n: usize) {
+    gauge!(RESTORING).set(n as f64);
+}
+
+/// Due jobs and the age of the oldest, for the tenants with the oldest due jobs (top N: bounded
+/// cardinality); tenants that left the top N are set to zero.
+pub fn due_backlog(top: &[(String, usize, f64)], left: &[String], total: usize) {
+    for (tenant, due, oldest) in top {
+        gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(*due as f64);
+        gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(*oldest);
+    }
+    for tenant in left {
+        gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(0.0);
+        gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(0.0);
+    }
+    gauge!(DUE_JOBS, "tenant" => "_all").set(total as f64);
+}
+
+/// Consumer lag of every assigned partition in one librdkafka statistics report (raw JSON):
+/// last stable offset − the position handed to the application. librdkafka's own
+/// `consumer_lag` counts from the committed offset, which a transactional consumer never learns
+/// (its offsets are committed by the producer's transaction).
+pub fn lag_from_stats(stage: &'static str, raw: &[u8]) {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(raw) else {
+        return;
+    };
+    let Some(topics) = v.get("topics").and_then(|t| t.as_object()) else {
+        return;
+    };
+    for (topic, t) in topics {
+        let Some(parts) = t.get("partitions").and_then(|p| p.as_object()) else {
+            continue;
+        };
+        for p in parts.values() {
+            let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
+            let (partition, stable, position) =
+                (num("partition"), num("ls_offset"), num("app_offset"));
+            if partition >= 0 && stable >= 0 && position >= 0 {
+                consumer_lag(stage, topic, partition as i32, (stable - position).max(0));
+            }
+        }
+    }
+}
+
+/// Consumer lag of one partition (from librdkafka's statistics).
+pub fn consumer_lag(stage: &'static str, topic: &str, partition: i32, lag: i64) {
+    gauge!(CONSUMER_LAG, "stage" => stage, "topic" => topic.to_string(), "partition" => partition.to_string())
+        .set(lag as f64);
 }
 
 pub const ATTEMPTS: &str = "streaming_hub_attempts_total";
