@@ -249,6 +249,9 @@ macro_rules! upper {
     (hub_batch_max) => {
         "HUB_BATCH_MAX"
     };
+    (hub_batch_jobs) => {
+        "HUB_BATCH_JOBS"
+    };
     (pull_rate) => {
         "PULL_RATE"
     };
@@ -373,10 +376,12 @@ settings! {
     signature_keys: Secret = "";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
-    /// Most inbox records the hub task puts in one transaction. Lower than ingest's: each event
-    /// that creates jobs holds its payload, job and changelog records in memory until the commit
-    /// (1,000,000 pending jobs peaked at 664 MiB with 20000, 454 MiB with 5000; BENCHMARKS.md).
-    hub_batch_max: usize = "5000";
+    /// Most inbox records the hub task puts in one transaction.
+    hub_batch_max: usize = "20000";
+    /// Most new jobs (matched webhook deliveries, estimated while the batch fills) one hub
+    /// transaction creates: each holds its payload, job and changelog records in memory until the
+    /// commit (1,000,000 pending jobs peaked at 664 MiB with 20000 per batch, 454 MiB with 5000).
+    hub_batch_jobs: usize = "5000";
     /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
     /// record, so light load commits at once and a steady stream gets large batches.
     commit_interval: std::time::Duration = "100ms";
@@ -522,6 +527,12 @@ impl Config {
         }
         if self.hub_batch_max == 0 {
             return Err(invalid("STREAMING_HUB_HUB_BATCH_MAX", "must be at least 1"));
+        }
+        if self.hub_batch_jobs == 0 {
+            return Err(invalid(
+                "STREAMING_HUB_HUB_BATCH_JOBS",
+                "must be at least 1",
+            ));
         }
         if self.max_payload_bytes == 0 {
             return Err(invalid(

@@ -12,6 +12,7 @@ pub mod demo;
 pub mod dispatch;
 pub mod hub;
 pub mod ingest;
+pub mod load;
 pub mod ops;
 pub mod replay;
 pub mod runtime;

@@ -83,6 +83,23 @@ enum Command {
         #[arg(long, hide = true)]
         input_only: bool,
     },
+    /// End-to-end load harness: starts the hub, a verifying sink and a producer; prints JSON and a
+    /// table (scenarios: throughput, latency, fanout, slow-sink, noisy-neighbour, recovery,
+    /// limits, all).
+    Load {
+        scenario: String,
+        /// Measured time per run, after the warm-up.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "20s")]
+        duration: std::time::Duration,
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+        warmup: std::time::Duration,
+        /// Payload bytes.
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+        /// Where results.jsonl and latency.png are written.
+        #[arg(long, default_value = "target/load")]
+        out: std::path::PathBuf,
+    },
     /// Produce sample platform events and show what a running hub does with them.
     Demo {
         /// Producer topic to write to.
@@ -211,6 +228,16 @@ fn main() -> ExitCode {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
                         eprintln!("streaming-hub bench: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Command::Load { scenario, duration, warmup, size, out } => {
+                let opts = streaming_hub::load::LoadOptions { scenario, duration, warmup, size, out };
+                match streaming_hub::load::run(&config, opts).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("streaming-hub load: {e}");
                         ExitCode::FAILURE
                     }
                 }

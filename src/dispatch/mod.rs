@@ -81,6 +81,22 @@ impl EventHandler for DispatchJobs {
         hold_payload(ctx, event, created)
     }
 
+    fn weight(&self, record: &rdkafka::message::BorrowedMessage<'_>) -> usize {
+        let Some(tenant) = record.key().and_then(|k| std::str::from_utf8(k).ok()) else {
+            return 0;
+        };
+        if record.headers().is_some_and(|h| {
+            h.iter()
+                .any(|x| x.key == crate::ops::redeliver::H_REDELIVER)
+        }) {
+            return 1;
+        }
+        matches_for(&self.table, tenant, record)
+            .iter()
+            .filter(|s| s.destination.kind == DestinationType::Webhook)
+            .count()
+    }
+
     fn on_redeliver(
         &mut self,
         event: &SequencedEvent<'_>,

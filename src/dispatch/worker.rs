@@ -62,6 +62,7 @@ pub struct Outcome {
     pub retry_after_ms: Option<u64>,
     pub response_body: Option<Vec<u8>>,
     pub ingest_ms: Option<i64>,
+    pub tenant: String,
 }
 
 impl Outcome {
@@ -101,6 +102,7 @@ impl Workers {
                 retry_after_ms: None,
                 response_body: None,
                 ingest_ms: a.ingest_ms,
+                tenant: a.tenant.clone(),
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))

@@ -94,6 +94,12 @@ pub trait EventHandler: Send {
         out: &mut TaskCtx<'_, '_>,
     ) -> Result<(), HubError>;
 
+    /// How many jobs the event would create at most (read while a batch fills, to bound the
+    /// memory one transaction holds); 0 by default.
+    fn weight(&self, _record: &BorrowedMessage<'_>) -> usize {
+        0
+    }
+
     /// A redelivery request for one subscription (see `ops::redeliver`); ignored by default.
     fn on_redeliver(
         &mut self,
@@ -455,6 +461,10 @@ pub struct Dispatch {
     pub workers: Workers,
     pub runtime: tokio::runtime::Handle,
     pub max_in_flight: usize,
+    /// Most attempts of one tenant claimed and not finished (fairness: another tenant's next
+    /// event waits behind at most this many of a backlogged tenant's attempts).
+    pub max_in_flight_per_tenant: usize,
+    in_flight_by_tenant: HashMap<String, usize>,
     pub lease_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
@@ -482,7 +492,11 @@ impl Dispatch {
             table,
             workers,
             runtime,
-            max_in_flight: config.dispatch_workers * 4,
+            // Claims run ahead of the workers (a claim costs a transaction; an attempt waits for
+            // one of `STREAMING_HUB_DISPATCH_WORKERS` permits), bounded per tenant for fairness.
+            max_in_flight: config.dispatch_workers * 64,
+            max_in_flight_per_tenant: config.dispatch_workers * 4,
+            in_flight_by_tenant: HashMap::new(),
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
             poison_threshold: config.poison_threshold,
             done_tx,
@@ -498,8 +512,22 @@ impl Dispatch {
     fn drain(&mut self) {
         while let Ok(o) = self.done_rx.try_recv() {
             self.in_flight = self.in_flight.saturating_sub(1);
+            if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.in_flight_by_tenant.remove(&o.tenant);
+                }
+            }
             self.pending.push(o);
         }
+    }
+
+    fn started(&mut self, a: &Attempt) {
+        self.in_flight += 1;
+        *self
+            .in_flight_by_tenant
+            .entry(a.tenant.clone())
+            .or_default() += 1;
     }
 }
 
@@ -618,8 +646,8 @@ impl HubStage {
                         d.quiet_until = (n == 0 && attempts.is_empty() && d.pending.is_empty())
                             .then(|| Instant::now() + QUIET_CLAIMS);
                         d.pending.clear();
-                        d.in_flight += attempts.len();
                         for a in attempts {
+                            d.started(&a);
                             d.workers.spawn(&d.runtime, a, d.done_tx.clone());
                         }
                     }
@@ -713,7 +741,8 @@ impl HubStage {
         } else {
             Duration::from_millis(100)
         };
-        while batch.len() < config.hub_batch_max {
+        let mut jobs = 0usize;
+        while batch.len() < config.hub_batch_max && jobs < config.hub_batch_jobs {
             let wait = match deadline {
                 None => idle_wait,
                 // Once a batch is open, a short quiet gap closes it early: light load commits at
@@ -732,6 +761,7 @@ impl HubStage {
                         continue;
                     }
                     last.insert(m.partition(), m.offset());
+                    jobs += self.handler.weight(&m);
                     batch.push(m);
                     if deadline.is_none() {
                         deadline = Some(Instant::now() + config.commit_interval);
@@ -1151,7 +1181,18 @@ fn dispatch_work(
             changelog: jc,
         };
         let due = js.due_jobs(&mut task.ring, now, capacity_here)?;
+        let mut claimed_here: HashMap<String, usize> = HashMap::new();
         for (key, mut job) in due {
+            let busy = d
+                .in_flight_by_tenant
+                .get(&job.tenant_id)
+                .copied()
+                .unwrap_or(0)
+                + claimed_here.get(&job.tenant_id).copied().unwrap_or(0);
+            if busy >= d.max_in_flight_per_tenant {
+                continue; // this tenant has enough in flight; its job stays due
+            }
+            *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
             let old_due = job.due_at;
             let sub = d.table.read().get(&job.subscription_id);
             let Some(sub) = sub else {

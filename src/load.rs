@@ -1,0 +1,964 @@
+//! `streaming-hub load <scenario>`: the end-to-end load harness (issue 8).
+//!
+//! One run starts the real hub binary (`streaming-hub run`, release build, its own topic prefix),
+//! a local HTTP/1.1 keep-alive sink on 127.0.0.1 that verifies every Standard Webhooks signature
+//! and records receive times, creates the subscriptions through the API, produces CloudEvents to
+//! `lerian.streaming.<run>` (UUIDv7 ids, the platform's headers, JSON payloads carrying their
+//! produce time, records keyed by tenant), and then checks that every expected delivery arrived
+//! (no loss) and counts duplicates. Latency = sink receive time − produce time, in an HDR
+//! histogram. Each run prints one JSON line (also appended to `<out>/results.jsonl`) and a table
+//! row; `all` runs every scenario, measures the machine's limits beside them (raw Kafka
+//! produce→consume and the sink's request rate with the same clients) and draws
+//! `<out>/latency.png` (percentiles against rate).
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use hdrhistogram::Histogram;
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use serde_json::json;
+
+use crate::config::Config;
+use crate::delivery::signing;
+use crate::runtime::kafka;
+use crate::runtime::secret::Secret;
+
+/// Harness options (the command line).
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub scenario: String,
+    /// Measured time of each run (after the warm-up).
+    pub duration: Duration,
+    pub warmup: Duration,
+    /// Payload bytes.
+    pub size: usize,
+    /// Where results.jsonl and latency.png go.
+    pub out: PathBuf,
+}
+
+/// One run's shape.
+#[derive(Debug, Clone)]
+struct Spec {
+    name: String,
+    /// Events per second; None = as fast as the producer can (throughput).
+    rate: Option<u32>,
+    tenants: usize,
+    subs_per_tenant: usize,
+    /// Tenants (the first N) whose sink answers 500 to everything.
+    failing_tenants: usize,
+    sink_delay: Duration,
+    workers: Option<usize>,
+    /// SIGKILL the hub this long into the measured window, then restart it.
+    kill_after: Option<Duration>,
+    /// Events to produce when `rate` is None.
+    events: usize,
+}
+
+/// What one run measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunResult {
+    pub scenario: String,
+    pub target_rate: Option<u32>,
+    pub events: u64,
+    pub expected_deliveries: u64,
+    pub delivered: u64,
+    pub missing: u64,
+    pub duplicates: u64,
+    pub bad_signatures: u64,
+    pub deliveries_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+    pub healthy_p99_ms: Option<f64>,
+    pub hub_cpu_s_per_1k: f64,
+    pub hub_peak_rss_mib: u64,
+    pub kafka_bytes_per_delivery: Option<f64>,
+    pub recovery_s: Option<f64>,
+}
+
+/// The sink: verifies signatures, records (event, subscription, latency).
+#[derive(Clone, Default)]
+struct Sink {
+    secrets: Arc<Mutex<HashMap<String, Secret>>>,
+    got: Arc<Mutex<Vec<Got>>>,
+    failing: Arc<Mutex<std::collections::HashSet<String>>>,
+    delay: Duration,
+    bad: Arc<AtomicU64>,
+}
+
+#[derive(Clone)]
+struct Got {
+    event: String,
+    sub: String,
+    received_us: i64,
+    produced_us: i64,
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+async fn sink_handler(
+    State(s): State<Sink>,
+    Path((tenant, n)): Path<(String, u32)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
+    let received_us = now_us();
+    let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if h("x-lerian-event-type") == "streaming_hub.verification" {
+        return (StatusCode::OK, body); // echoes the challenge
+    }
+    let path = format!("{tenant}/{n}");
+    let secret = s.secrets.lock().unwrap().get(&path).cloned();
+    let ts: i64 = h("webhook-timestamp").parse().unwrap_or(0);
+    let ok = secret.is_some_and(|secret| {
+        signing::sign(&secret, h("webhook-id"), ts, &body)
+            .is_ok_and(|want| h("webhook-signature").split(' ').any(|sig| sig == want))
+    });
+    if !ok {
+        s.bad.fetch_add(1, Ordering::Relaxed);
+        return (StatusCode::UNAUTHORIZED, Bytes::new());
+    }
+    if !s.delay.is_zero() {
+        tokio::time::sleep(s.delay).await;
+    }
+    if s.failing.lock().unwrap().contains(&tenant) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
+    }
+    s.got.lock().unwrap().push(Got {
+        event: h("x-lerian-event-id").to_string(),
+        sub: path,
+        received_us,
+        produced_us: produced_at(&body),
+    });
+    (StatusCode::OK, Bytes::new())
+}
+
+/// The produce time the payload starts with: `{"produced_us":<n>,`.
+fn produced_at(body: &[u8]) -> i64 {
+    let text = std::str::from_utf8(&body[..body.len().min(40)]).unwrap_or("");
+    text.strip_prefix("{\"produced_us\":")
+        .and_then(|t| t.split(',').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0)
+}
+
+fn payload(size: usize) -> Vec<u8> {
+    let head = format!(
+        "{{\"produced_us\":{},\"amount\":\"100.00\",\"pad\":\"",
+        now_us()
+    );
+    let mut v = head.into_bytes();
+    while v.len() + 2 < size {
+        v.push(b'x');
+    }
+    v.extend_from_slice(b"\"}");
+    v
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(18080)
+}
+
+/// CPU seconds (user + system) of a process, from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn peak_rss_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        / 1024
+}
+
+/// Bytes on the broker's disk under topics of `prefix` (write amplification).
+fn kafka_bytes(data_dir: &std::path::Path, prefix: &str) -> Option<u64> {
+    let mut total = 0;
+    for e in std::fs::read_dir(data_dir).ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(prefix) {
+            for f in std::fs::read_dir(e.path()).ok()?.flatten() {
+                if f.file_name().to_string_lossy().ends_with(".log") {
+                    total += f.metadata().map(|m| m.len()).unwrap_or(0);
+                }
+            }
+        }
+    }
+    Some(total)
+}
+
+struct HubProcess {
+    child: Child,
+    env: Vec<(String, String)>,
+    addr: String,
+}
+
+impl HubProcess {
+    fn start(env: &[(String, String)], addr: &str) -> Result<HubProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let log = std::fs::File::create(std::env::temp_dir().join("streaming-hub-load-hub.log"))
+            .map_err(|e| e.to_string())?;
+        let child = Command::new(exe)
+            .arg("run")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("start hub: {e}"))?;
+        let hub = HubProcess {
+            child,
+            env: env.to_vec(),
+            addr: addr.to_string(),
+        };
+        hub.wait_ready()?;
+        Ok(hub)
+    }
+
+    fn wait_ready(&self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while Instant::now() < deadline {
+            if let Ok(mut s) = std::net::TcpStream::connect(&self.addr) {
+                use std::io::Read;
+                let _ = s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n");
+                let mut buf = String::new();
+                let _ = s.read_to_string(&mut buf);
+                if buf.starts_with("HTTP/1.0 200") {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err("the hub did not become ready within 90 s".into())
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs the scenario(s) named in `opts`.
+pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
+    std::fs::create_dir_all(&opts.out).map_err(|e| e.to_string())?;
+    let d = opts.duration;
+    let at = |rate: u32| Spec {
+        name: "latency".into(),
+        rate: Some(rate),
+        tenants: 100,
+        subs_per_tenant: 1,
+        failing_tenants: 0,
+        sink_delay: Duration::ZERO,
+        workers: None,
+        kill_after: None,
+        events: 0,
+    };
+    let throughput = Spec {
+        name: "throughput".into(),
+        rate: None,
+        events: 200_000,
+        ..at(0)
+    };
+    let fanout = Spec {
+        name: "fanout".into(),
+        rate: None,
+        tenants: 10,
+        subs_per_tenant: 10,
+        events: 20_000,
+        ..at(0)
+    };
+    let slow = |workers: Option<usize>| Spec {
+        name: format!(
+            "slow-sink-{}",
+            workers.map_or("default".into(), |w| w.to_string())
+        ),
+        rate: Some(500),
+        sink_delay: Duration::from_millis(50),
+        workers,
+        ..at(500)
+    };
+    let noisy = Spec {
+        name: "noisy-neighbour".into(),
+        failing_tenants: 1,
+        ..at(1000)
+    };
+    let recovery = Spec {
+        name: "recovery".into(),
+        kill_after: Some(d / 3),
+        ..at(1000)
+    };
+    let specs: Vec<Spec> = match opts.scenario.as_str() {
+        "throughput" => vec![throughput],
+        "latency" => vec![at(1000), at(5000), at(10_000)],
+        "fanout" => vec![fanout],
+        "slow-sink" => vec![slow(None), slow(Some(64))],
+        "noisy-neighbour" => vec![noisy],
+        "recovery" => vec![recovery],
+        "limits" => vec![],
+        "all" => vec![
+            throughput,
+            at(1000),
+            at(5000),
+            at(10_000),
+            fanout,
+            slow(None),
+            slow(Some(64)),
+            noisy,
+            recovery,
+        ],
+        other => {
+            return Err(format!(
+                "unknown scenario {other:?}: throughput, latency, fanout, slow-sink, noisy-neighbour, recovery, limits or all"
+            ));
+        }
+    };
+    let mut results = Vec::new();
+    println!(
+        "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8} {:>8} {:>9} {:>6}",
+        "scenario",
+        "rate",
+        "events",
+        "delivered",
+        "miss",
+        "dup",
+        "deliv/s",
+        "p50 ms",
+        "p99 ms",
+        "p99.9",
+        "cpu/1k",
+        "rss"
+    );
+    for spec in specs {
+        let r = run_one(config, &opts, &spec).await?;
+        println!(
+            "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>9.3} {:>6}",
+            r.scenario,
+            r.target_rate.map_or("max".into(), |r| r.to_string()),
+            r.events,
+            r.delivered,
+            r.missing,
+            r.duplicates,
+            r.deliveries_per_s,
+            r.p50_ms,
+            r.p99_ms,
+            r.p999_ms,
+            r.hub_cpu_s_per_1k,
+            r.hub_peak_rss_mib
+        );
+        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
+        eprintln!("{line}");
+        append(&opts.out.join("results.jsonl"), &line)?;
+        results.push(r);
+    }
+    if matches!(opts.scenario.as_str(), "limits" | "all") {
+        let kafka = kafka_limit(config, opts.size, 300_000).await?;
+        let sink = sink_limit(Duration::from_secs(5)).await?;
+        let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "size": opts.size}).to_string();
+        println!("limits: Kafka produce→consume {kafka:.0} records/s; sink {sink:.0} requests/s");
+        if let Some(t) = results.iter().find(|r| r.scenario == "throughput") {
+            println!(
+                "throughput is {:.0}% of the lower limit",
+                100.0 * t.deliveries_per_s / kafka.min(sink)
+            );
+        }
+        append(&opts.out.join("results.jsonl"), &line)?;
+    }
+    let curve: Vec<&RunResult> = results.iter().filter(|r| r.scenario == "latency").collect();
+    if curve.len() >= 2 {
+        plot(&curve, &opts.out.join("latency.png"))?;
+        println!("plot: {}", opts.out.join("latency.png").display());
+    }
+    Ok(())
+}
+
+fn append(path: &std::path::Path, line: &str) -> Result<(), String> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    writeln!(f, "{line}").map_err(|e| e.to_string())
+}
+
+async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<RunResult, String> {
+    let id = uuid::Uuid::now_v7().simple().to_string()[20..].to_string();
+    let prefix = format!("load{id}");
+    let topic = format!("lerian.streaming.{prefix}");
+    let admin = kafka::admin(config).map_err(|e| e.to_string())?;
+    admin
+        .create_topics(
+            &[NewTopic::new(
+                &topic,
+                6,
+                TopicReplication::Fixed(config.replication_factor),
+            )],
+            &AdminOptions::new(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+
+    // The sink.
+    let sink = Sink {
+        delay: spec.sink_delay,
+        ..Sink::default()
+    };
+    for t in 0..spec.failing_tenants {
+        sink.failing.lock().unwrap().insert(format!("tenant-{t}"));
+    }
+    let app = Router::new()
+        .route("/hook/{tenant}/{n}", post(sink_handler))
+        .with_state(sink.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let sink_addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+
+    // The hub.
+    let hub_addr = format!("127.0.0.1:{}", free_port());
+    let jwt = base64::Engine::encode(
+        &base64::engine::general_purpose::STANDARD,
+        rand::random::<[u8; 32]>(),
+    );
+    let kek = base64::Engine::encode(
+        &base64::engine::general_purpose::STANDARD,
+        rand::random::<[u8; 32]>(),
+    );
+    let state_dir = std::env::temp_dir().join(&prefix);
+    let mut env: Vec<(String, String)> = vec![
+        (
+            "STREAMING_HUB_KAFKA_BROKERS".into(),
+            config.kafka_brokers.clone(),
+        ),
+        ("STREAMING_HUB_TOPIC_PREFIX".into(), prefix.clone()),
+        ("STREAMING_HUB_GROUP_ID".into(), prefix.clone()),
+        ("STREAMING_HUB_INSTANCE_ID".into(), prefix.clone()),
+        (
+            "STREAMING_HUB_FOLLOW_PATTERN".into(),
+            format!("^{}$", topic.replace('.', r"\.")),
+        ),
+        ("STREAMING_HUB_HTTP_LISTEN_ADDR".into(), hub_addr.clone()),
+        (
+            "STREAMING_HUB_STATE_DIR".into(),
+            state_dir.display().to_string(),
+        ),
+        (
+            "STREAMING_HUB_TOPOLOGY_FILE".into(),
+            config.topology_file.display().to_string(),
+        ),
+        ("STREAMING_HUB_KEK".into(), kek),
+        ("STREAMING_HUB_JWT_SECRET".into(), jwt.clone()),
+        ("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into()),
+        ("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into()),
+        ("STREAMING_HUB_SESSION_TIMEOUT".into(), "6s".into()),
+        ("STREAMING_HUB_LOG".into(), "warn".into()),
+    ];
+    if let Some(w) = spec.workers {
+        env.push(("STREAMING_HUB_DISPATCH_WORKERS".into(), w.to_string()));
+    }
+    let mut hub = Some(HubProcess::start(&env, &hub_addr)?);
+
+    // Subscriptions through the API.
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .map_err(|e| e.to_string())?;
+    for t in 0..spec.tenants {
+        let tenant = format!("tenant-{t}");
+        let token = crate::api::mint(
+            &Secret::new(jwt.clone()),
+            Some(&tenant),
+            false,
+            Duration::from_secs(86_400),
+        );
+        for n in 0..spec.subs_per_tenant {
+            let url = format!("http://{sink_addr}/hook/{tenant}/{n}");
+            let r = http
+                .post(format!("http://{hub_addr}/v1/subscriptions"))
+                .bearer_auth(&token)
+                .header("content-type", "application/json")
+                .body(json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}}).to_string())
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let bytes = r.bytes().await.map_err(|e| e.to_string())?;
+            let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            if v["verification_state"] != "active" {
+                return Err(format!("subscription not active: {v}"));
+            }
+            let secret = v["signing_secret"]
+                .as_str()
+                .ok_or_else(|| format!("subscription not created: {v}"))?;
+            sink.secrets
+                .lock()
+                .unwrap()
+                .insert(format!("{tenant}/{n}"), Secret::new(secret));
+        }
+    }
+
+    // Produce: warm-up, then the measured window.
+    let data_dir = dirs_kafka_data();
+    let bytes0 = data_dir.as_deref().and_then(|d| kafka_bytes(d, &prefix));
+    let stop = Arc::new(AtomicBool::new(false));
+    let produced: Arc<Mutex<Vec<(String, usize, i64)>>> = Arc::default();
+    let cpu0 = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
+    let started = Instant::now();
+    let producer = {
+        let (config, topic, stop, produced, spec, size) = (
+            config.clone(),
+            topic.clone(),
+            stop.clone(),
+            produced.clone(),
+            spec.clone(),
+            opts.size,
+        );
+        std::thread::spawn(move || produce_loop(&config, &topic, &spec, size, &stop, &produced))
+    };
+    let measure_from = started + opts.warmup;
+    let mut recovery_s = None;
+    if spec.rate.is_some() {
+        {
+            if let Some(after) = spec.kill_after {
+                tokio::time::sleep(opts.warmup + after).await;
+                if let Some(mut h) = hub.take() {
+                    let _ = h.child.kill(); // SIGKILL
+                    let _ = h.child.wait();
+                    let env = std::mem::take(&mut h.env);
+                    std::mem::forget(h);
+                    let seen = sink.got.lock().unwrap().len();
+                    let killed = Instant::now();
+                    hub = Some(HubProcess::start(&env, &hub_addr)?);
+                    while sink.got.lock().unwrap().len() == seen
+                        && killed.elapsed() < Duration::from_secs(120)
+                    {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    recovery_s = Some(killed.elapsed().as_secs_f64());
+                }
+                let left = (opts.warmup + opts.duration).saturating_sub(started.elapsed());
+                tokio::time::sleep(left).await;
+            } else {
+                tokio::time::sleep(opts.warmup + opts.duration).await;
+            }
+            stop.store(true, Ordering::SeqCst);
+        }
+    }
+    producer
+        .join()
+        .map_err(|_| "producer panicked".to_string())??;
+    let produced = std::mem::take(&mut *produced.lock().unwrap());
+    let expected: u64 = produced
+        .iter()
+        .filter(|(_, t, _)| *t >= spec.failing_tenants)
+        .count() as u64
+        * spec.subs_per_tenant as u64;
+    // Wait for every expected delivery (or until nothing arrives for 60 s).
+    let mut last = 0usize;
+    let mut quiet_since = Instant::now();
+    loop {
+        let n = sink.got.lock().unwrap().len();
+        if n as u64 >= expected {
+            break;
+        }
+        if n != last {
+            last = n;
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0;
+    let rss = hub.as_ref().map_or(0, |h| peak_rss_mib(h.pid()));
+    drop(hub);
+    server.abort();
+    let bytes1 = data_dir.as_deref().and_then(|d| kafka_bytes(d, &prefix));
+    let _ = std::fs::remove_dir_all(&state_dir);
+
+    // Results.
+    let got = sink.got.lock().unwrap().clone();
+    let mut unique: HashMap<(String, String), usize> = HashMap::new();
+    for g in &got {
+        *unique.entry((g.event.clone(), g.sub.clone())).or_default() += 1;
+    }
+    let delivered = unique.len() as u64;
+    let duplicates = got.len() as u64 - delivered;
+    let measure_from_us = now_us() - measure_from.elapsed().as_micros() as i64;
+    let measure_to_us = measure_from_us + opts.duration.as_micros() as i64;
+    let mut all =
+        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).map_err(|e| e.to_string())?;
+    let mut healthy = all.clone();
+    let in_window = |g: &Got| match spec.rate {
+        Some(_) => g.produced_us >= measure_from_us && g.produced_us < measure_to_us,
+        None => true,
+    };
+    for g in got.iter().filter(|g| in_window(g)) {
+        let lat = (g.received_us - g.produced_us).max(1) as u64;
+        let _ = all.record(lat);
+        let _ = healthy.record(lat);
+    }
+    let (first, last_rx) = got.iter().fold((i64::MAX, i64::MIN), |(a, b), g| {
+        (a.min(g.received_us), b.max(g.received_us))
+    });
+    let deliveries_per_s = match spec.rate {
+        // Max rate: deliveries over the span they arrived in.
+        None if got.len() > 1 => got.len() as f64 / ((last_rx - first) as f64 / 1e6),
+        _ => {
+            got.iter()
+                .filter(|g| g.received_us >= measure_from_us && g.received_us < measure_to_us)
+                .count() as f64
+                / opts.duration.as_secs_f64()
+        }
+    };
+    let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let kafka_bytes_per_delivery = match (bytes0, bytes1) {
+        (Some(a), Some(b)) if delivered > 0 => {
+            Some((b.saturating_sub(a)) as f64 / delivered as f64)
+        }
+        _ => None,
+    };
+    Ok(RunResult {
+        scenario: spec.name.clone(),
+        target_rate: spec.rate,
+        events: produced.len() as u64,
+        expected_deliveries: expected,
+        delivered,
+        missing: expected.saturating_sub(delivered),
+        duplicates,
+        bad_signatures: sink.bad.load(Ordering::Relaxed),
+        deliveries_per_s,
+        p50_ms: ms(&all, 0.5),
+        p99_ms: ms(&all, 0.99),
+        p999_ms: ms(&all, 0.999),
+        max_ms: all.max() as f64 / 1000.0,
+        healthy_p99_ms: (spec.failing_tenants > 0).then(|| ms(&healthy, 0.99)),
+        hub_cpu_s_per_1k: if delivered > 0 {
+            cpu * 1000.0 / delivered as f64
+        } else {
+            0.0
+        },
+        hub_peak_rss_mib: rss,
+        kafka_bytes_per_delivery,
+        recovery_s,
+    })
+}
+
+/// The single broker's data directory from `scripts/kafka.sh` (write amplification), if present.
+fn dirs_kafka_data() -> Option<PathBuf> {
+    let port = std::env::var("KAFKA_PORT").unwrap_or_else(|_| "9092".into());
+    let home = std::env::var("HOME").ok()?;
+    let p = PathBuf::from(home).join(format!(
+        ".cache/streaming-hub/kafka-data-{port}/node-1/data"
+    ));
+    p.is_dir().then_some(p)
+}
+
+fn producer(config: &Config) -> Result<BaseProducer, String> {
+    kafka::base(config)
+        .set("linger.ms", "5")
+        .set("batch.num.messages", "10000")
+        .set("compression.type", "lz4")
+        .set("queue.buffering.max.messages", "200000")
+        .set("partitioner", "murmur2_random")
+        .set("enable.idempotence", "true")
+        .create()
+        .map_err(|e| e.to_string())
+}
+
+/// Produces the run's events: (ce-id, tenant index, produce time) of each.
+fn produce_loop(
+    config: &Config,
+    topic: &str,
+    spec: &Spec,
+    size: usize,
+    stop: &AtomicBool,
+    produced: &Mutex<Vec<(String, usize, i64)>>,
+) -> Result<(), String> {
+    let p = producer(config)?;
+    let started = Instant::now();
+    let mut i: u64 = 0;
+    loop {
+        match spec.rate {
+            Some(rate) => {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+            }
+            None => {
+                if i as usize >= spec.events {
+                    break;
+                }
+            }
+        }
+        let t = (i as usize) % spec.tenants;
+        let tenant = format!("tenant-{t}");
+        let id = uuid::Uuid::now_v7().to_string();
+        let time = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let mut h = OwnedHeaders::new_with_capacity(10);
+        for (k, v) in [
+            ("ce-specversion", "1.0"),
+            ("ce-id", id.as_str()),
+            ("ce-source", "ledger"),
+            ("ce-type", "studio.lerian.ledger.transaction.created"),
+            ("ce-time", time.as_str()),
+            ("ce-schemaversion", "1.0.0"),
+            ("ce-resourcetype", "transaction"),
+            ("ce-eventtype", "created"),
+            ("ce-datacontenttype", "application/json"),
+            ("ce-tenantid", tenant.as_str()),
+        ] {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v),
+            });
+        }
+        let body = payload(size);
+        let mut record = BaseRecord::to(topic)
+            .key(tenant.as_str())
+            .payload(&body)
+            .headers(h);
+        loop {
+            match p.send(record) {
+                Ok(()) => break,
+                Err((_, back)) => {
+                    p.poll(Duration::from_millis(5));
+                    record = back;
+                }
+            }
+        }
+        produced.lock().unwrap().push((id, t, now_us()));
+        i += 1;
+        if i % 1000 == 0 {
+            p.poll(Duration::ZERO);
+        }
+    }
+    p.flush(Duration::from_secs(60)).map_err(|e| e.to_string())
+}
+
+/// The broker's produce→consume rate for this record size through the same client library.
+async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, String> {
+    let topic = format!(
+        "load-limit-{}",
+        &uuid::Uuid::now_v7().simple().to_string()[20..]
+    );
+    kafka::admin(config)
+        .map_err(|e| e.to_string())?
+        .create_topics(
+            &[NewTopic::new(
+                &topic,
+                6,
+                TopicReplication::Fixed(config.replication_factor),
+            )],
+            &AdminOptions::new(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let consumer: BaseConsumer = kafka::base(config)
+        .set("group.id", &topic)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(|e| e.to_string())?;
+    consumer.subscribe(&[&topic]).map_err(|e| e.to_string())?;
+    let spec = Spec {
+        name: "limit".into(),
+        rate: None,
+        tenants: 100,
+        subs_per_tenant: 1,
+        failing_tenants: 0,
+        sink_delay: Duration::ZERO,
+        workers: None,
+        kill_after: None,
+        events: n,
+    };
+    let started = Instant::now();
+    let (config2, topic2) = (config.clone(), topic.clone());
+    let producer = std::thread::spawn(move || {
+        let produced = Mutex::new(Vec::new());
+        produce_loop(
+            &config2,
+            &topic2,
+            &spec,
+            size,
+            &AtomicBool::new(false),
+            &produced,
+        )
+    });
+    let consumed = tokio::task::spawn_blocking(move || {
+        let mut got = 0usize;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while got < n && Instant::now() < deadline {
+            if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
+                got += 1;
+            }
+        }
+        got
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    producer.join().map_err(|_| "limit producer panicked")??;
+    Ok(consumed as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The sink's request rate from the hub's HTTP client (reqwest, keep-alive), 64 in flight.
+async fn sink_limit(for_how_long: Duration) -> Result<f64, String> {
+    let sink = Sink::default();
+    sink.secrets.lock().unwrap().insert(
+        "tenant-0/0".into(),
+        Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
+    );
+    let app = Router::new()
+        .route("/hook/{tenant}/{n}", post(sink_handler))
+        .with_state(sink.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let body = payload(1024);
+    let secret = Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (http, body, secret, done) = (http.clone(), body.clone(), secret.clone(), done.clone());
+        let url = format!("http://{addr}/hook/tenant-0/0");
+        tasks.push(tokio::spawn(async move {
+            while started.elapsed() < for_how_long {
+                let id = uuid::Uuid::now_v7().to_string();
+                let ts = chrono::Utc::now().timestamp();
+                let sig = signing::sign(&secret, &id, ts, &body).unwrap_or_default();
+                let ok = http
+                    .post(&url)
+                    .header("webhook-id", &id)
+                    .header("webhook-timestamp", ts.to_string())
+                    .header("webhook-signature", sig)
+                    .header("x-lerian-event-id", &id)
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+                if ok {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    server.abort();
+    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Latency percentiles against rate, as a PNG.
+fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+        .map_err(|e| format!("font for the plot (apt install fonts-dejavu-core): {e}"))?;
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| "font did not load".to_string())?;
+    let max_rate = runs.iter().filter_map(|r| r.target_rate).max().unwrap_or(1) as f64;
+    let max_ms = runs.iter().map(|r| r.p999_ms).fold(1.0, f64::max) * 1.2;
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Streaming Hub: end-to-end latency (produce → sink) by rate",
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..max_rate * 1.1, 0f64..max_ms)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("events/s")
+        .y_desc("latency (ms)")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    type Series = (&'static str, fn(&RunResult) -> f64, RGBColor);
+    let series: [Series; 3] = [
+        ("p50", |r| r.p50_ms, BLUE),
+        ("p99", |r| r.p99_ms, RED),
+        ("p99.9", |r| r.p999_ms, BLACK),
+    ];
+    for (label, f, color) in series {
+        let pts: Vec<(f64, f64)> = runs
+            .iter()
+            .filter_map(|r| Some((r.target_rate? as f64, f(r))))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())?;
+    Ok(())
+}
