@@ -4,6 +4,8 @@
 #
 #   scripts/bench.sh                 # ingest, hub (dedup + sequence + restore), match
 #   scripts/bench.sh jobs            # 1,000,000 pending jobs: peak memory
+#   scripts/bench.sh load            # end to end: every load scenario + the machine's limits
+#   SCENARIO=latency scripts/bench.sh load
 #   RECORDS=500000 scripts/bench.sh ingest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     match) "$bin" bench match --records 2000000 ;;
     jobs) "$bin" bench jobs --records 1000000 --size 256 ;;
+    load) "$bin" load "${SCENARIO:-all}" --out "${OUT:-target/load}" ;;
     *) "$bin" bench "$stage" --records "$records" --size 1024 --broker-pid-file "$pidfile" ;;
   esac
 done

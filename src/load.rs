@@ -231,7 +231,7 @@ impl HubProcess {
             .stderr(log)
             .spawn()
             .map_err(|e| format!("start hub: {e}"))?;
-        let hub = HubProcess {
+        let mut hub = HubProcess {
             child,
             env: env.to_vec(),
             addr: addr.to_string(),
@@ -240,9 +240,17 @@ impl HubProcess {
         Ok(hub)
     }
 
-    fn wait_ready(&self) -> Result<(), String> {
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(90);
         while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!(
+                    "the hub exited ({status}); its log: {}",
+                    std::env::temp_dir()
+                        .join("streaming-hub-load-hub.log")
+                        .display()
+                ));
+            }
             if let Ok(mut s) = std::net::TcpStream::connect(&self.addr) {
                 use std::io::Read;
                 let _ = s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n");
@@ -487,7 +495,10 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         ),
         (
             "STREAMING_HUB_TOPOLOGY_FILE".into(),
-            config.topology_file.display().to_string(),
+            std::fs::canonicalize(&config.topology_file)
+                .map_err(|e| format!("{}: {e}", config.topology_file.display()))?
+                .display()
+                .to_string(),
         ),
         ("STREAMING_HUB_KEK".into(), kek),
         ("STREAMING_HUB_JWT_SECRET".into(), jwt.clone()),
@@ -498,6 +509,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     ];
     if let Some(w) = spec.workers {
         env.push(("STREAMING_HUB_DISPATCH_WORKERS".into(), w.to_string()));
+    }
+    // Experiments: any other STREAMING_HUB_* setting of the harness's environment reaches the hub.
+    for (k, v) in std::env::vars() {
+        if k.starts_with("STREAMING_HUB_") && !env.iter().any(|(e, _)| *e == k) {
+            env.push((k, v));
+        }
     }
     let mut hub = Some(HubProcess::start(&env, &hub_addr)?);
 

@@ -367,11 +367,7 @@ pub async fn producer_dlq(
     caller: Caller,
     Query(q): Query<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
-    require_admin(&caller)?;
-    let f = q.filter()?;
-    Ok(Json(ForensicPage {
-        records: ops(&state)?.forensics.producer_dlq(&f),
-    }))
+    forensic_page(&state, &caller, &q, Forensics::producer_dlq)
 }
 
 #[utoipa::path(get, path = "/admin/quarantine", tag = "admin", params(ForensicQuery),
@@ -385,10 +381,19 @@ pub async fn quarantine(
     caller: Caller,
     Query(q): Query<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
-    require_admin(&caller)?;
+    forensic_page(&state, &caller, &q, Forensics::quarantine)
+}
+
+fn forensic_page(
+    state: &ApiState,
+    caller: &Caller,
+    q: &ForensicQuery,
+    pick: fn(&Forensics, &Filter) -> Vec<ForensicRecord>,
+) -> Result<Json<ForensicPage>, ApiError> {
+    require_admin(caller)?;
     let f = q.filter()?;
     Ok(Json(ForensicPage {
-        records: ops(&state)?.forensics.quarantine(&f),
+        records: pick(&ops(state)?.forensics, &f),
     }))
 }
 

@@ -45,6 +45,8 @@ pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
+/// Longest a hub batch stays open while deliveries are under way.
+const BUSY_BATCH: Duration = Duration::from_millis(20);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
 /// How often the due-job backlog gauges are sampled, how many tenants they name, and how many
@@ -764,7 +766,14 @@ impl HubStage {
                     jobs += self.handler.weight(&m);
                     batch.push(m);
                     if deadline.is_none() {
-                        deadline = Some(Instant::now() + config.commit_interval);
+                        // With deliveries under way, outcomes and claims wait for this batch to
+                        // commit: keep it short so the delivery loop turns quickly.
+                        let interval = if busy {
+                            config.commit_interval.min(BUSY_BATCH)
+                        } else {
+                            config.commit_interval
+                        };
+                        deadline = Some(Instant::now() + interval);
                     }
                 }
                 Some(Err(e)) => tracing::warn!(error = %e, "hub consumer error"),
@@ -1032,7 +1041,10 @@ impl HubStage {
             task.ring.committed();
         }
         for (p, st) in staged {
-            let Some(task) = tasks.get(&p) else { continue };
+            let Some(task) = tasks.get_mut(&p) else {
+                continue;
+            };
+            task.ring.note_timers(&st);
             let mut marks: Vec<(&str, i64)> = Vec::new();
             for family in CHANGELOGGED {
                 if let Some(o) = delivered
@@ -1346,14 +1358,25 @@ fn purge_expired(
     partition: i32,
     now: i64,
 ) -> Result<(), HubError> {
-    let candidates = store.scan_from(DEDUP_EXPIRY, &[], EXPIRY_PER_BATCH)?;
-    for (ikey, _) in candidates {
+    // Only the expired keys at the front are read (copying 500 live keys per task per
+    // transaction was half of the hub's CPU under load).
+    let mut candidates: Vec<Vec<u8>> = Vec::new();
+    store.visit_from(
+        DEDUP_EXPIRY,
+        &[],
+        EXPIRY_PER_BATCH,
+        |ikey| match dedup::split_expiry_key(ikey) {
+            Some((expires_at, _)) if expires_at > now => false,
+            _ => {
+                candidates.push(ikey.to_vec());
+                true
+            }
+        },
+    )?;
+    for ikey in candidates {
         let Some((expires_at, key)) = dedup::split_expiry_key(&ikey) else {
             continue;
         };
-        if expires_at > now {
-            break;
-        }
         if st.get(DEDUP_EXPIRY, &ikey).is_some() {
             continue; // touched in this batch
         }
