@@ -265,7 +265,11 @@ fn measure(
     ))
 }
 
-async fn create_topic(config: &Config, topic: &str, partitions: i32) -> Result<(), String> {
+pub(crate) async fn create_topic(
+    config: &Config,
+    topic: &str,
+    partitions: i32,
+) -> Result<(), String> {
     let admin = kafka::admin(config).map_err(|e| e.to_string())?;
     let t = NewTopic::new(
         topic,
@@ -385,7 +389,7 @@ fn pid_of(file: &str) -> Option<String> {
 }
 
 /// User + system CPU seconds of a process (`self` or a pid), from /proc.
-fn cpu_seconds(pid: &str) -> f64 {
+pub(crate) fn cpu_seconds(pid: &str) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
     };

@@ -380,7 +380,8 @@ settings! {
     hub_batch_max: usize = "20000";
     /// Most new jobs (matched webhook deliveries, estimated while the batch fills) one hub
     /// transaction creates: each holds its payload, job and changelog records in memory until the
-    /// commit (1,000,000 pending jobs peaked at 664 MiB with 20000 per batch, 454 MiB with 5000).
+    /// commit (1,000,000 pending jobs: 664 MiB peak with 20000 records per batch, 462 MiB with
+    /// this bound at 5000; BENCHMARKS.md).
     hub_batch_jobs: usize = "5000";
     /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
     /// record, so light load commits at once and a steady stream gets large batches.

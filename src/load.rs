@@ -24,7 +24,6 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use hdrhistogram::Histogram;
-use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
@@ -177,13 +176,9 @@ fn free_port() -> u16 {
         .unwrap_or(18080)
 }
 
-/// CPU seconds (user + system) of a process, from /proc.
+/// CPU seconds (user + system) of a process.
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit(')').next().unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
+    crate::bench::cpu_seconds(&pid.to_string())
 }
 
 fn peak_rss_mib(pid: u32) -> u64 {
@@ -433,18 +428,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     let id = uuid::Uuid::now_v7().simple().to_string()[20..].to_string();
     let prefix = format!("load{id}");
     let topic = format!("lerian.streaming.{prefix}");
-    let admin = kafka::admin(config).map_err(|e| e.to_string())?;
-    admin
-        .create_topics(
-            &[NewTopic::new(
-                &topic,
-                6,
-                TopicReplication::Fixed(config.replication_factor),
-            )],
-            &AdminOptions::new(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    crate::bench::create_topic(config, &topic, 6).await?;
 
     // The sink.
     let sink = Sink {
@@ -778,19 +762,11 @@ fn produce_loop(
             });
         }
         let body = payload(size);
-        let mut record = BaseRecord::to(topic)
+        let record = BaseRecord::to(topic)
             .key(tenant.as_str())
             .payload(&body)
             .headers(h);
-        loop {
-            match p.send(record) {
-                Ok(()) => break,
-                Err((_, back)) => {
-                    p.poll(Duration::from_millis(5));
-                    record = back;
-                }
-            }
-        }
+        kafka::send_waiting(&p, record).map_err(|e| e.to_string())?;
         produced.lock().unwrap().push((id, t, now_us()));
         i += 1;
         if i % 1000 == 0 {
@@ -806,18 +782,7 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
         "load-limit-{}",
         &uuid::Uuid::now_v7().simple().to_string()[20..]
     );
-    kafka::admin(config)
-        .map_err(|e| e.to_string())?
-        .create_topics(
-            &[NewTopic::new(
-                &topic,
-                6,
-                TopicReplication::Fixed(config.replication_factor),
-            )],
-            &AdminOptions::new(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    crate::bench::create_topic(config, &topic, 6).await?;
     let consumer: BaseConsumer = kafka::base(config)
         .set("group.id", &topic)
         .set("auto.offset.reset", "earliest")

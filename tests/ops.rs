@@ -237,22 +237,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     )
     .await;
     assert_eq!(ids(&again), want[3..], "cursor survives a restart");
-    let mut env2 = s.hub.env.clone();
-    env2.insert(
-        "STREAMING_HUB_INSTANCE_ID".into(),
-        format!("{}-2", s.prefix),
-    );
-    env2.insert(
-        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
-        format!("127.0.0.1:{}", free_port()),
-    );
-    env2.insert(
-        "STREAMING_HUB_STATE_DIR".into(),
-        std::env::temp_dir()
-            .join(format!("{}-2", s.prefix))
-            .display()
-            .to_string(),
-    );
+    let env2 = another_instance(&s.hub.env, "2");
     let other = Hub::start(&env2);
     let (_, there, _) = get_json(
         &s,
@@ -594,23 +579,8 @@ async fn sigterm_during_deliveries_records_every_attempt_the_sink_saw() {
 async fn ingest_and_delivery_roles_run_apart_and_together_deliver() {
     // Hub A ingests only; hub B runs the hub tasks and delivers only. Same topics and groups.
     let a = ApiHub::start("roles", &[("STREAMING_HUB_ROLE", "ingest")]).await;
-    let mut env_b = a.hub.env.clone();
+    let mut env_b = another_instance(&a.hub.env, "b");
     env_b.insert("STREAMING_HUB_ROLE".into(), "delivery".into());
-    env_b.insert(
-        "STREAMING_HUB_INSTANCE_ID".into(),
-        format!("{}-b", a.prefix),
-    );
-    env_b.insert(
-        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
-        format!("127.0.0.1:{}", free_port()),
-    );
-    env_b.insert(
-        "STREAMING_HUB_STATE_DIR".into(),
-        std::env::temp_dir()
-            .join(format!("{}-b", a.prefix))
-            .display()
-            .to_string(),
-    );
     let b = ApiHub {
         prefix: a.prefix.clone(),
         topic: a.topic.clone(),

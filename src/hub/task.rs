@@ -146,7 +146,7 @@ impl Outputs<'_> {
         if let Some(p) = partition {
             r = r.partition(p);
         }
-        send(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
+        kafka::send_waiting(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
     }
 
     /// Sends a record with headers into the open transaction.
@@ -169,7 +169,7 @@ impl Outputs<'_> {
         if let Some(p) = partition {
             r = r.partition(p);
         }
-        send(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
+        kafka::send_waiting(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
     }
 }
 
@@ -868,90 +868,73 @@ impl HubStage {
                 .emit();
                 continue;
             };
-            if let Some(sub_id) = redelivery_of(m) {
-                // A redelivery request (replay, recover, redrive): one subscription, no dedup, no
-                // new sequence number.
-                let event = SequencedEvent {
-                    tenant,
-                    ce_id,
-                    sequence: 0,
+            // A redelivery request (replay, recover, redrive) names one subscription and skips
+            // dedup and sequencing; anything else is judged by the dedup store.
+            let redeliver = redelivery_of(m);
+            let (sequence, replay) = if redeliver.is_some() {
+                (0, true)
+            } else {
+                let key = dedup::dedup_key(tenant, ce_id);
+                let existing = match st.read(&task.store, DEDUP, &key)? {
+                    Some(bytes) => Some(
+                        env.codec
+                            .decode::<DedupEntry>(RecordKind::DedupEntry, &bytes)
+                            .map_err(|e| HubError::Codec(e.to_string()))?,
+                    ),
+                    None => None,
+                };
+                let (sequence, replay) = match dedup::judge(existing.as_ref(), p, m.offset(), now) {
+                    Seen::Duplicate { .. } => {
+                        HubEvent {
+                            outcome: "duplicate",
+                            partition: p,
+                            offset: m.offset(),
+                            ce_id,
+                        }
+                        .emit();
+                        continue;
+                    }
+                    Seen::Replay { sequence } => (sequence, true),
+                    Seen::New => {
+                        let next = match sequences.get(&(p, tenant.to_string())) {
+                            Some(n) => *n,
+                            None => read_sequence(&env.codec, st, &task.store, tenant)?,
+                        };
+                        sequences.insert((p, tenant.to_string()), next + 1);
+                        let entry = DedupEntry {
+                            tenant_id: tenant.to_string(),
+                            ce_id: ce_id.to_string(),
+                            inbox_partition: p,
+                            first_offset: m.offset(),
+                            sequence: next,
+                            expires_at: ingest_ms.unwrap_or(now) + ttl,
+                        };
+                        if let Some(old) = &existing {
+                            st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
+                        }
+                        let bytes = env
+                            .codec
+                            .encode(RecordKind::DedupEntry, &entry)
+                            .map_err(|e| HubError::Codec(e.to_string()))?;
+                        outputs.send(&env.dedup_changelog, Some(p), &key, Some(&bytes))?;
+                        st.put(
+                            DEDUP_EXPIRY,
+                            dedup::expiry_key(entry.expires_at, &key),
+                            Vec::new(),
+                        );
+                        st.put(DEDUP, key, bytes);
+                        (next, false)
+                    }
+                };
+                HubEvent {
+                    outcome: if replay { "replay" } else { "new" },
                     partition: p,
                     offset: m.offset(),
-                    replay: true,
-                    record: m,
-                };
-                let jc = jobs_changelog.entry(p).or_default();
-                let mut ctx = TaskCtx {
-                    out: &mut outputs,
-                    store: &task.store,
-                    staged: st,
-                    ring: &mut task.ring,
-                    codec: &env.codec,
-                    jobs_changelog: jc,
-                    now,
-                };
-                self.handler.on_redeliver(&event, sub_id, &mut ctx)?;
-                continue;
-            }
-            let key = dedup::dedup_key(tenant, ce_id);
-            let existing = match st.read(&task.store, DEDUP, &key)? {
-                Some(bytes) => Some(
-                    env.codec
-                        .decode::<DedupEntry>(RecordKind::DedupEntry, &bytes)
-                        .map_err(|e| HubError::Codec(e.to_string()))?,
-                ),
-                None => None,
-            };
-            let (sequence, replay) = match dedup::judge(existing.as_ref(), p, m.offset(), now) {
-                Seen::Duplicate { .. } => {
-                    HubEvent {
-                        outcome: "duplicate",
-                        partition: p,
-                        offset: m.offset(),
-                        ce_id,
-                    }
-                    .emit();
-                    continue;
+                    ce_id,
                 }
-                Seen::Replay { sequence } => (sequence, true),
-                Seen::New => {
-                    let next = match sequences.get(&(p, tenant.to_string())) {
-                        Some(n) => *n,
-                        None => read_sequence(&env.codec, st, &task.store, tenant)?,
-                    };
-                    sequences.insert((p, tenant.to_string()), next + 1);
-                    let entry = DedupEntry {
-                        tenant_id: tenant.to_string(),
-                        ce_id: ce_id.to_string(),
-                        inbox_partition: p,
-                        first_offset: m.offset(),
-                        sequence: next,
-                        expires_at: ingest_ms.unwrap_or(now) + ttl,
-                    };
-                    if let Some(old) = &existing {
-                        st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
-                    }
-                    let bytes = env
-                        .codec
-                        .encode(RecordKind::DedupEntry, &entry)
-                        .map_err(|e| HubError::Codec(e.to_string()))?;
-                    outputs.send(&env.dedup_changelog, Some(p), &key, Some(&bytes))?;
-                    st.put(
-                        DEDUP_EXPIRY,
-                        dedup::expiry_key(entry.expires_at, &key),
-                        Vec::new(),
-                    );
-                    st.put(DEDUP, key, bytes);
-                    (next, false)
-                }
+                .emit();
+                (sequence, replay)
             };
-            HubEvent {
-                outcome: if replay { "replay" } else { "new" },
-                partition: p,
-                offset: m.offset(),
-                ce_id,
-            }
-            .emit();
             let event = SequencedEvent {
                 tenant,
                 ce_id,
@@ -971,7 +954,10 @@ impl HubStage {
                 jobs_changelog: jc,
                 now,
             };
-            self.handler.on_event(&event, &mut ctx)?;
+            match redeliver {
+                Some(sub_id) => self.handler.on_redeliver(&event, sub_id, &mut ctx)?,
+                None => self.handler.on_event(&event, &mut ctx)?,
+            }
         }
         for ((p, tenant), next) in sequences {
             let rec = SequenceRecord {
@@ -1431,22 +1417,6 @@ fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
         .and_then(|h| h.value)
         .and_then(|v| std::str::from_utf8(v).ok())
         .filter(|s| !s.is_empty())
-}
-
-fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
-    producer: &BaseProducer<TrackingContext>,
-    mut record: BaseRecord<'_, K, P>,
-) -> Result<(), RdKafkaError> {
-    loop {
-        match producer.send(record) {
-            Ok(()) => return Ok(()),
-            Err((RdKafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                record = r;
-                producer.poll(Duration::from_millis(5));
-            }
-            Err((e, _)) => return Err(e),
-        }
-    }
 }
 
 fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {

@@ -141,20 +141,7 @@ impl Redeliverer {
         if let Some(v) = value {
             r = r.payload(v);
         }
-        let mut r = r;
-        loop {
-            match self.producer.send(r) {
-                Ok(()) => return Ok(()),
-                Err((
-                    RdKafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
-                    back,
-                )) => {
-                    self.producer.poll(Duration::from_millis(50));
-                    r = back;
-                }
-                Err((e, _)) => return Err(k(e)),
-            }
-        }
+        kafka::send_waiting(&self.producer, r).map_err(k)
     }
 
     fn flush(&self) -> Result<(), RedeliverError> {

@@ -109,6 +109,32 @@ pub fn transactional_producer(config: &Config, transactional_id: &str) -> Client
     c
 }
 
+/// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.
+pub fn send_waiting<C, K, P>(
+    producer: &rdkafka::producer::BaseProducer<C>,
+    mut record: rdkafka::producer::BaseRecord<'_, K, P, C::DeliveryOpaque>,
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    K: rdkafka::message::ToBytes + ?Sized,
+    P: rdkafka::message::ToBytes + ?Sized,
+{
+    use rdkafka::error::KafkaError as RdKafkaError;
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((
+                RdKafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                r,
+            )) => {
+                record = r;
+                producer.poll(std::time::Duration::from_millis(5));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}
+
 pub fn admin(config: &Config) -> Result<AdminClient<DefaultClientContext>, KafkaError> {
     base(config)
         .create()

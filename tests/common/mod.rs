@@ -321,6 +321,29 @@ pub fn hub_env(prefix: &str, follow: &str) -> BTreeMap<String, String> {
     env
 }
 
+/// The environment of another instance of the same hub (same topics and groups): its own
+/// instance id, HTTP port and state directory, named with `suffix`.
+pub fn another_instance(env: &BTreeMap<String, String>, suffix: &str) -> BTreeMap<String, String> {
+    let mut env = env.clone();
+    let prefix = env["STREAMING_HUB_TOPIC_PREFIX"].clone();
+    env.insert(
+        "STREAMING_HUB_INSTANCE_ID".into(),
+        format!("{prefix}-{suffix}"),
+    );
+    env.insert(
+        "STREAMING_HUB_HTTP_LISTEN_ADDR".into(),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    env.insert(
+        "STREAMING_HUB_STATE_DIR".into(),
+        std::env::temp_dir()
+            .join(format!("{prefix}-{suffix}"))
+            .display()
+            .to_string(),
+    );
+    env
+}
+
 /// Test-only key-encryption key (32 bytes 0x00..0x1f) and JWT secret.
 pub const KEK: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 pub const JWT: &str = "a-test-jwt-secret-that-is-at-least-32-bytes";
