@@ -53,6 +53,14 @@ pub enum TransportError {
 
 /// The process's outgoing client, configured as described in the module doc.
 pub fn build_client(config: &Config) -> Result<reqwest::Client, ClientError> {
+    with_resolver(config, GuardedResolver::new(config.allow_private_sinks))
+}
+
+/// [`build_client`] over a given guarded resolver (tests: a name service whose answers change).
+fn with_resolver(
+    config: &Config,
+    resolver: GuardedResolver,
+) -> Result<reqwest::Client, ClientError> {
     if config.allow_private_sinks {
         tracing::warn!(
             "STREAMING_HUB_ALLOW_PRIVATE_SINKS=true: webhooks may reach private, loopback and \
@@ -63,7 +71,7 @@ pub fn build_client(config: &Config) -> Result<reqwest::Client, ClientError> {
         tracing::warn!("STREAMING_HUB_ALLOW_INSECURE_SINKS=true: webhooks may use plain http://");
     }
     reqwest::Client::builder()
-        .dns_resolver(GuardedResolver::new(config.allow_private_sinks))
+        .dns_resolver(resolver)
         .redirect(Policy::none())
         .no_proxy()
         .timeout(config.http_timeout)
@@ -144,7 +152,170 @@ fn describe(err: &(dyn std::error::Error + 'static)) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+
     use super::*;
+
+    fn config(allow_private: bool) -> Config {
+        Config::from_vars([
+            (
+                "STREAMING_HUB_ALLOW_PRIVATE_SINKS".to_string(),
+                allow_private.to_string(),
+            ),
+            ("STREAMING_HUB_HTTP_TIMEOUT".to_string(), "2s".to_string()),
+        ])
+        .unwrap()
+    }
+
+    /// A TCP listener on 127.0.0.1 that answers every request `200 OK` and counts connections.
+    async fn loopback_sink() -> (u16, &'static AtomicUsize) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted: &'static AtomicUsize = Box::leak(Box::new(AtomicUsize::new(0)));
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                accepted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    fn answer(
+        addrs: Vec<SocketAddr>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>>
+    {
+        Box::pin(async move { Ok(addrs) })
+    }
+
+    /// A public address (not routed in tests: nothing may depend on reaching it).
+    const PUBLIC: &str = "100.128.0.1:0";
+
+    #[tokio::test]
+    async fn dns_answer_that_turns_private_after_the_check_is_refused_at_connect_time() {
+        // A rebinding attacker's DNS: public for the first question (the check when the
+        // subscription is written), loopback for every later one (the delivery's connection).
+        static ASKED: AtomicUsize = AtomicUsize::new(0);
+        fn rebinding(
+            _host: String,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>,
+        > {
+            let first = ASKED.fetch_add(1, Ordering::SeqCst) == 0;
+            answer(vec![if first {
+                PUBLIC.parse().unwrap()
+            } else {
+                "127.0.0.1:0".parse().unwrap()
+            }])
+        }
+        let (port, accepted) = loopback_sink().await;
+        let resolver = GuardedResolver::with_lookup(false, rebinding);
+        let checked = resolver.lookup("hooks.rebind.test").await.unwrap();
+        assert_eq!(checked, vec![PUBLIC.parse::<SocketAddr>().unwrap()]);
+
+        let client = with_resolver(&config(false), resolver).unwrap();
+        let url = format!("http://hooks.rebind.test:{port}/hook");
+        let e = post(&client, &url, false, true)
+            .expect("a host name passes the URL check")
+            .body("x")
+            .send()
+            .await
+            .unwrap_err();
+        assert_eq!(classify(e), TransportError::Forbidden);
+        assert!(
+            ASKED.load(Ordering::SeqCst) >= 2,
+            "the connection asked again"
+        );
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            0,
+            "nothing reached 127.0.0.1"
+        );
+    }
+
+    #[tokio::test]
+    async fn connections_dial_only_the_addresses_the_guard_returned() {
+        // A name only this resolver knows: reaching the sink proves the connection used the
+        // guarded resolver's answer, not another lookup of its own.
+        static PORT: AtomicU16 = AtomicU16::new(0);
+        fn only_here(
+            host: String,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>,
+        > {
+            assert_eq!(host, "sink.only-here.test");
+            let port = PORT.load(Ordering::SeqCst);
+            answer(vec![SocketAddr::from(([127, 0, 0, 1], port))])
+        }
+        let (port, accepted) = loopback_sink().await;
+        PORT.store(port, Ordering::SeqCst);
+        let url = format!("http://sink.only-here.test:{port}/hook");
+        let allowed =
+            with_resolver(&config(true), GuardedResolver::with_lookup(true, only_here)).unwrap();
+        let resp = post(&allowed, &url, true, true)
+            .unwrap()
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        let guarded = with_resolver(
+            &config(false),
+            GuardedResolver::with_lookup(false, only_here),
+        )
+        .unwrap();
+        let e = post(&guarded, &url, false, true)
+            .unwrap()
+            .send()
+            .await
+            .unwrap_err();
+        assert_eq!(classify(e), TransportError::Forbidden);
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the guard stopped the second one"
+        );
+    }
+
+    #[tokio::test]
+    async fn private_answers_mixed_with_public_ones_are_never_dialled() {
+        static PORT: AtomicU16 = AtomicU16::new(0);
+        fn mixed(
+            _host: String,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>,
+        > {
+            let port = PORT.load(Ordering::SeqCst);
+            answer(vec![
+                SocketAddr::from(([127, 0, 0, 1], port)),
+                PUBLIC.parse().unwrap(),
+                SocketAddr::from(([0, 0, 0, 0, 0, 0xffff, 0x7f00, 1], port)),
+            ])
+        }
+        let (port, accepted) = loopback_sink().await;
+        PORT.store(port, Ordering::SeqCst);
+        let resolver = GuardedResolver::with_lookup(false, mixed);
+        let kept = resolver.lookup("mixed.test").await.unwrap();
+        assert_eq!(kept, vec![PUBLIC.parse::<SocketAddr>().unwrap()]);
+        let client = with_resolver(&config(false), resolver).unwrap();
+        let url = format!("http://mixed.test:{port}/hook");
+        // The public address does not answer here: the request fails, and never by loopback.
+        let e = post(&client, &url, false, true)
+            .unwrap()
+            .send()
+            .await
+            .unwrap_err();
+        assert_ne!(classify(e), TransportError::Forbidden);
+        assert_eq!(accepted.load(Ordering::SeqCst), 0);
+    }
 
     #[test]
     fn client_builds_from_the_default_config() {

@@ -8,6 +8,7 @@
 //!   WHATWG parser normalises the other IPv4 notations (`2130706433`, `0177.0.0.1`, `0x7f.1`,
 //!   `127.1`) to dotted quads and IPv6 literals to their canonical form before the check.
 //! - [`GuardedResolver`] is the client's DNS resolver: it resolves with `tokio::net::lookup_host`
+//!   (tests substitute a name service whose answers change, [`GuardedResolver::with_lookup`])
 //!   and drops every forbidden address, failing when none is left. The connector dials only the
 //!   addresses it returns, so the address checked is the address connected to: a name that
 //!   resolves to a public address at validation time and to 127.0.0.1 at delivery time (DNS
@@ -15,7 +16,9 @@
 //!
 //! Errors name what is wrong and the host; they never echo the whole URL (its path or query may
 //! hold a token).
+use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::pin::Pin;
 
 use reqwest::Url;
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
@@ -29,8 +32,8 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 /// IPv6: `::`, `::1`, `fc00::/7` (unique local), `fe80::/10` (link-local), `fec0::/10` (old
 /// site-local), `ff00::/8` (multicast), `2001:db8::/32` (documentation), `100::/64` (discard),
 /// `64:ff9b:1::/48` (local NAT64), and every IPv6 form that embeds an IPv4 address — mapped
-/// `::ffff:a.b.c.d`, compatible `::a.b.c.d`, NAT64 `64:ff9b::a.b.c.d`, 6to4 `2002:AABB:CCDD::` —
-/// when the embedded address is forbidden.
+/// `::ffff:a.b.c.d`, compatible `::a.b.c.d`, translated (SIIT) `::ffff:0:a.b.c.d`, NAT64
+/// `64:ff9b::a.b.c.d`, 6to4 `2002:AABB:CCDD::` — when the embedded address is forbidden.
 pub fn is_forbidden(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_forbidden_v4(v4),
@@ -67,7 +70,8 @@ fn is_forbidden_v6(ip: Ipv6Addr) -> bool {
         // IPv4-compatible (deprecated, but some stacks still route it as IPv4).
         return is_forbidden_v4(embedded_low());
     }
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        // NAT64 well-known prefix; IPv4-translated (SIIT, RFC 2765).
         return is_forbidden_v4(embedded_low());
     }
     if s[0] == 0x2002 {
@@ -164,28 +168,57 @@ pub enum ResolveError {
     Forbidden { host: String },
 }
 
+/// A name service: the addresses of a host name (port 0).
+pub type Lookup =
+    fn(String) -> Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>>;
+
+/// The system's name service, through tokio.
+fn system_lookup(
+    host: String,
+) -> Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>> {
+    Box::pin(async move { Ok(tokio::net::lookup_host((host.as_str(), 0)).await?.collect()) })
+}
+
 /// The client's DNS resolver: tokio's resolver, minus forbidden addresses (see the module doc).
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct GuardedResolver {
     allow_private: bool,
+    lookup: Lookup,
+}
+
+impl std::fmt::Debug for GuardedResolver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardedResolver")
+            .field("allow_private", &self.allow_private)
+            .finish_non_exhaustive()
+    }
 }
 
 impl GuardedResolver {
     pub fn new(allow_private: bool) -> Self {
-        GuardedResolver { allow_private }
+        GuardedResolver::with_lookup(allow_private, system_lookup)
+    }
+
+    /// The same guard over another name service (tests: one whose answers change between the
+    /// check and the connection, as a rebinding attacker's DNS does).
+    pub fn with_lookup(allow_private: bool, lookup: Lookup) -> Self {
+        GuardedResolver {
+            allow_private,
+            lookup,
+        }
     }
 
     /// The addresses a connection to `host` may use (port 0: the connector sets the URL's port).
     pub async fn lookup(&self, host: &str) -> Result<Vec<SocketAddr>, ResolveError> {
-        let resolved =
-            tokio::net::lookup_host((host, 0))
-                .await
-                .map_err(|e| ResolveError::Lookup {
-                    host: host.to_string(),
-                    reason: e.to_string(),
-                })?;
-        let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) =
-            resolved.partition(|addr| self.allow_private || !is_forbidden(addr.ip()));
+        let resolved = (self.lookup)(host.to_string())
+            .await
+            .map_err(|e| ResolveError::Lookup {
+                host: host.to_string(),
+                reason: e.to_string(),
+            })?;
+        let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved
+            .into_iter()
+            .partition(|addr| self.allow_private || !is_forbidden(addr.ip()));
         if !refused.is_empty() {
             tracing::warn!(
                 host,
@@ -256,6 +289,11 @@ mod tests {
             "::ffff:10.1.2.3",
             "::ffff:169.254.169.254",
             "::127.0.0.1",
+            "::10.0.0.1",
+            "::169.254.169.254",
+            "::ffff:0:127.0.0.1",
+            "::ffff:0:10.9.8.7",
+            "0:0:0:0:0:ffff:a9fe:a9fe",
             "64:ff9b::10.0.0.1",
             "64:ff9b:1::1",
             "2002:7f00:1::1",
@@ -264,6 +302,7 @@ mod tests {
             "fd00::1",
             "fdff:ffff::1",
             "fe80::1",
+            "fe80::a00:27ff:fe4e:66a1",
             "febf::1",
             "fec0::1",
             "ff02::1",
@@ -295,6 +334,8 @@ mod tests {
             "2606:4700:4700::1111",
             "2a00:1450:4001::200e",
             "::ffff:8.8.8.8",
+            "::8.8.8.8",
+            "::ffff:0:8.8.8.8",
             "64:ff9b::8.8.8.8",
             "2002:808:808::1",
             "fbff::1",
@@ -323,7 +364,27 @@ mod tests {
         "http://[::ffff:127.0.0.1]/",
         "http://[::ffff:7f00:1]/",
         "http://[fd00::1]/",
+        "http://[fc00::1]/",
+        "http://[fdab:cdef:1234::1]/",
         "http://[fe80::1]/",
+        "http://[fe80::a00:27ff:fe4e:66a1]/",
+        "http://[::127.0.0.1]/",
+        "http://[::7f00:1]/",
+        "http://[::a00:1]/",
+        "http://[0:0:0:0:0:ffff:a9fe:a9fe]/",
+        "http://[::ffff:169.254.169.254]/",
+        "http://[::ffff:0:7f00:1]/",
+        "http://[64:ff9b::7f00:1]/",
+        "http://3232235777/",
+        "http://0300.0250.0001.0001/",
+        "http://0xc0.0xa8.0x1.0x1/",
+        "http://0xc0a80101/",
+        "http://0xA9FEA9FE/",
+        "http://2852039166/",
+        "http://025177524776/",
+        "http://169.254.169.254./",
+        "http://10.1/",
+        "http://0x7f.1/",
         "http://localhost/",
         "http://LOCALHOST./",
         "http://api.localhost:9000/",
@@ -352,8 +413,56 @@ mod tests {
             let parsed = check_url(url, true, true).unwrap();
             assert_eq!(parsed.host_str(), Some("127.0.0.1"), "{url}");
         }
+        // Decimal, octal and hex spellings of the cloud metadata and a 192.168 address.
+        for url in [
+            "http://2852039166/",
+            "http://0251.0376.0251.0376/",
+            "http://0xa9.0xfe.0xa9.0xfe/",
+            "http://0xA9FEA9FE/",
+            "http://169.16689662/",
+        ] {
+            let e = check_url(url, false, true).unwrap_err();
+            assert_eq!(
+                e,
+                UrlError::PrivateAddress("169.254.169.254".into()),
+                "{url}"
+            );
+        }
+        for url in [
+            "http://3232235777/",
+            "http://0300.0250.1.1/",
+            "http://0xc0a80101/",
+        ] {
+            let e = check_url(url, false, true).unwrap_err();
+            assert_eq!(e, UrlError::PrivateAddress("192.168.1.1".into()), "{url}");
+        }
+        // An octal-looking public address is read as octal, as a browser would: 010.8.8.8 is 8.8.8.8.
+        let parsed = check_url("http://010.8.8.8/", false, true).unwrap();
+        assert_eq!(parsed.host_str(), Some("8.8.8.8"));
         let e = check_url("http://0x0a000001/", false, true).unwrap_err();
         assert_eq!(e, UrlError::PrivateAddress("10.0.0.1".into()));
+    }
+
+    #[test]
+    fn ipv6_forms_embedding_a_private_ipv4_address_are_refused_in_urls() {
+        for url in [
+            "https://[::ffff:10.0.0.1]/",
+            "https://[::ffff:a00:1]/",
+            "https://[::10.0.0.1]/",
+            "https://[::ffff:0:a00:1]/",
+            "https://[64:ff9b::a00:1]/",
+            "https://[2002:a00:1::1]/",
+        ] {
+            assert!(
+                matches!(
+                    check_url(url, false, false),
+                    Err(UrlError::PrivateAddress(_))
+                ),
+                "{url}"
+            );
+        }
+        // A zone id (fe80::1%eth0) is not a URL host at all.
+        assert!(check_url("http://[fe80::1%25eth0]/", false, true).is_err());
     }
 
     #[test]
