@@ -116,8 +116,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
 
     let topology = Topology::load(&config.topology_file, &config)?;
     for finding in topology.apply(&config, false).await? {
-        if finding.is_difference() {
-            tracing::warn!(%finding, "topic differs from the topology");
+        if finding.needs_attention() {
+            tracing::warn!(%finding, "topic differs from the topology or was not compared");
         } else {
             tracing::debug!(%finding, "topology");
         }
@@ -125,14 +125,33 @@ pub async fn run(config: Config) -> Result<(), AppError> {
 
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(AtomicBool::new(false));
+    // A stage that ends while nobody asked it to (a fatal error) takes the process down, so that
+    // it is restarted instead of answering HTTP while delivering nothing.
+    let stage_down = Arc::new(tokio::sync::Notify::new());
+    let ended = |stage: &'static str, stop: &AtomicBool, down: &tokio::sync::Notify| {
+        if !stop.load(Ordering::SeqCst) {
+            tracing::error!(
+                stage,
+                "a stage stopped on its own; the process shuts down so it can be restarted"
+            );
+            down.notify_one();
+        }
+    };
     let mut ingest_thread = None;
     if matches!(config.role, Role::All | Role::Ingest) {
         let ingest = Ingest::new(&config, clock.clone())?;
-        let stop = stop.clone();
+        let (stop, down) = (stop.clone(), stage_down.clone());
         ingest_thread = Some(
             std::thread::Builder::new()
                 .name("ingest".into())
-                .spawn(move || ingest.run(stop))
+                .spawn(move || {
+                    let result = ingest.run(stop.clone());
+                    if let Err(e) = &result {
+                        tracing::error!(error = %e, "ingest stage failed");
+                    }
+                    ended("ingest", &stop, &down);
+                    result
+                })
                 .map_err(|e| AppError::Http(e.to_string()))?,
         );
     }
@@ -140,15 +159,21 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let codec = Arc::new(Codec::new().map_err(|e| AppError::Codec(e.to_string()))?);
     let table = SharedTable::default();
     let control_thread = {
-        let (config, codec, table, stop) =
-            (config.clone(), codec.clone(), table.clone(), stop.clone());
+        let (config, codec, table, stop, down) = (
+            config.clone(),
+            codec.clone(),
+            table.clone(),
+            stop.clone(),
+            stage_down.clone(),
+        );
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
-                let result = control::follow(&config, codec, table, stop);
+                let result = control::follow(&config, codec, table, stop.clone());
                 if let Err(e) = &result {
                     tracing::error!(error = %e, "control topic reader stopped: the subscription table no longer follows");
                 }
+                ended("control", &stop, &down);
                 result
             })
             .map_err(|e| AppError::Http(e.to_string()))?
@@ -183,11 +208,18 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         );
         let mut hub = HubStage::new(&config, codec.clone(), clock.clone(), Box::new(handler))
             .with_dispatch(dispatch);
-        let stop = stop.clone();
+        let (stop, down) = (stop.clone(), stage_down.clone());
         hub_thread = Some(
             std::thread::Builder::new()
                 .name("hub".into())
-                .spawn(move || hub.run(stop))
+                .spawn(move || {
+                    let result = hub.run(stop.clone());
+                    if let Err(e) = &result {
+                        tracing::error!(error = %e, "hub stage failed");
+                    }
+                    ended("hub", &stop, &down);
+                    result
+                })
                 .map_err(|e| AppError::Http(e.to_string()))?,
         );
     }
@@ -272,8 +304,10 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let stop_signal = stop.clone();
     let ready_signal = ready.clone();
     let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        tracing::info!("shutting down");
+        tokio::select! {
+            _ = shutdown_signal() => tracing::info!("shutting down"),
+            _ = stage_down.notified() => tracing::error!("shutting down after a stage failed"),
+        }
         ready_signal.store(false, Ordering::SeqCst);
         stop_signal.store(true, Ordering::SeqCst);
     });

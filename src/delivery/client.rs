@@ -7,7 +7,9 @@
 //!   requests are started only through [`post`], which runs [`check_url`] first;
 //! - redirects never followed (a 3xx comes back as the response and counts as a failure);
 //! - system proxy variables ignored (`no_proxy`);
-//! - `http_timeout` covers the whole exchange, connect to the last body byte;
+//! - `http_timeout` covers the whole exchange, connect to the last body byte; success is decided
+//!   by the status line alone, so a 2xx whose body is cut by the timeout (a receiver that
+//!   trickles or never ends its body) is still a delivery, and the worker is free either way;
 //! - HTTP/1.1 only, keep-alive connections pooled per host ([`POOL_MAX_IDLE_PER_HOST`] idle, closed
 //!   after [`POOL_IDLE_TIMEOUT`]);
 //! - `User-Agent: streaming-hub/<version>`.

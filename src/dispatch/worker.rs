@@ -88,6 +88,7 @@ impl Workers {
         let w = self.clone();
         handle.spawn(async move {
             let _permit = w.permits.clone().acquire_owned().await;
+            crate::runtime::telemetry::attempts_executing(1.0);
             let started_at = w.clock.now_ms();
             let base = Outcome {
                 partition: a.partition,
@@ -113,6 +114,7 @@ impl Workers {
                 ..base
             });
             outcome.latency_ms = t0.elapsed().as_millis() as u64;
+            crate::runtime::telemetry::attempts_executing(-1.0);
             let _ = done.send(outcome);
         });
     }

@@ -43,6 +43,8 @@ const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
 /// Every store family of a hub task (open a task's RocksDB with all of them).
 pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an abort may keep being retried while a partition leader fails over.
+const ABORT_PATIENCE: Duration = Duration::from_secs(300);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// Longest a hub batch stays open while deliveries are under way.
@@ -658,7 +660,9 @@ impl HubStage {
                 Err(HubError::Idle) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
-                    if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
+                    if let Err(abort) =
+                        crate::runtime::kafka::abort_waiting(&producer, TXN_TIMEOUT, ABORT_PATIENCE)
+                    {
                         return Err(fatal_or_kafka(abort));
                     }
                     drop(guard);
@@ -718,7 +722,8 @@ impl HubStage {
                 Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
                 Err(e) => {
                     tracing::warn!(error = %e, "committing outcomes at shutdown failed");
-                    let _ = producer.abort_transaction(TXN_TIMEOUT);
+                    let _ =
+                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
                     break;
                 }
             }

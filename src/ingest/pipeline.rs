@@ -46,6 +46,8 @@ const MAX_HEADERS: usize = 256;
 /// Largest total size of a record's headers we copy to an output record.
 const MAX_HEADER_BYTES: usize = 64 * 1024;
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an abort may keep being retried while a partition leader fails over.
+const ABORT_PATIENCE: Duration = Duration::from_secs(300);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
 
@@ -175,7 +177,9 @@ impl Ingest {
                         outcome: CommitOutcome::Aborted,
                     }
                     .emit(Some(&msg));
-                    if let Err(abort) = producer.abort_transaction(TXN_TIMEOUT) {
+                    if let Err(abort) =
+                        crate::runtime::kafka::abort_waiting(&producer, TXN_TIMEOUT, ABORT_PATIENCE)
+                    {
                         return Err(fatal_or_kafka(abort));
                     }
                     rewind(&consumer, &batch);

@@ -100,8 +100,7 @@ pub fn restore(
     // (spec index, end offset) of the partitions that have something to read.
     let mut pending: Vec<(usize, i64)> = Vec::new();
     for (i, s) in specs.iter().enumerate() {
-        let (low, high) =
-            consumer.fetch_watermarks(&s.topic, s.partition, Duration::from_secs(30))?;
+        let (low, high) = watermarks(&consumer, &s.topic, s.partition)?;
         let start = match s.after {
             Some(o) if o + 1 >= low => o + 1,
             _ => low,
@@ -179,4 +178,25 @@ pub fn restore(
     }
     stats.took = started.elapsed();
     Ok(stats)
+}
+
+/// A partition's watermarks, retried for up to a minute: right after a topic is created or a
+/// broker dies, its leader may not be known yet (`NotLeaderForPartition`, transport errors), and
+/// a restore must wait that out rather than fail the task.
+fn watermarks(
+    consumer: &BaseConsumer,
+    topic: &str,
+    partition: i32,
+) -> Result<(i64, i64), KafkaError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match consumer.fetch_watermarks(topic, partition, Duration::from_secs(10)) {
+            Ok(w) => return Ok(w),
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!(topic, partition, error = %e, "changelog watermarks not readable yet; retrying");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
+use rdkafka::producer::Producer;
 
 use crate::config::Config;
 
@@ -107,6 +108,59 @@ pub fn transactional_producer(config: &Config, transactional_id: &str) -> Client
         // murmur2 is what Java clients use: any producer keying the inbox by tenant agrees with us.
         .set("partitioner", "murmur2_random");
     c
+}
+
+/// Aborts the open transaction. While a partition leader fails over, records still in flight may
+/// outlast one abort's timeout; librdkafka then says the abort may be retried, so it is, serving
+/// delivery reports in between, for up to `patience`. Any other error is returned.
+pub fn abort_waiting<C, P>(
+    producer: &P,
+    timeout: Duration,
+    patience: Duration,
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    P: Producer<C>,
+{
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        match producer.abort_transaction(timeout) {
+            Ok(()) => return Ok(()),
+            Err(rdkafka::error::KafkaError::Transaction(e))
+                if e.is_retriable() && std::time::Instant::now() < deadline =>
+            {
+                tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
+                let _ = producer.flush(Duration::from_millis(500)); // serves delivery reports
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.
+pub fn send_waiting<C, K, P>(
+    producer: &rdkafka::producer::BaseProducer<C>,
+    mut record: rdkafka::producer::BaseRecord<'_, K, P, C::DeliveryOpaque>,
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    K: rdkafka::message::ToBytes + ?Sized,
+    P: rdkafka::message::ToBytes + ?Sized,
+{
+    use rdkafka::error::KafkaError as RdKafkaError;
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((
+                RdKafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                r,
+            )) => {
+                record = r;
+                producer.poll(std::time::Duration::from_millis(5));
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
 }
 
 /// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.

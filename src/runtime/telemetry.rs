@@ -233,6 +233,7 @@ impl Redelivery<'_> {
 
 pub const DELIVERY_LATENCY: &str = "streaming_hub_delivery_latency_seconds";
 pub const BREAKERS_OPEN: &str = "streaming_hub_breakers_open";
+pub const ATTEMPTS_EXECUTING: &str = "streaming_hub_attempts_executing";
 pub const DUE_JOBS: &str = "streaming_hub_due_jobs";
 pub const OLDEST_DUE: &str = "streaming_hub_oldest_due_seconds";
 pub const CONSUMER_LAG: &str = "streaming_hub_consumer_lag";
@@ -246,6 +247,11 @@ pub fn delivered_after(ms: i64) {
 /// Circuit breakers open now.
 pub fn breakers_open(n: usize) {
     gauge!(BREAKERS_OPEN).set(n as f64);
+}
+
+/// Delivery attempts holding a worker now (at most `STREAMING_HUB_DISPATCH_WORKERS`).
+pub fn attempts_executing(delta: f64) {
+    gauge!(ATTEMPTS_EXECUTING).increment(delta);
 }
 
 /// Partitions whose stores are being restored now (`/readyz` is 503 meanwhile).

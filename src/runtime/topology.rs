@@ -15,6 +15,10 @@ use serde::Deserialize;
 use crate::config::Config;
 use crate::runtime::kafka::{self, ADMIN_TIMEOUT, KafkaError};
 
+/// How long the comparison of existing topics' settings may take before it is reported as
+/// unchecked instead.
+const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(10);
+
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
     #[error("topology file {path}: {why}")]
@@ -93,11 +97,17 @@ pub enum Finding {
         want: String,
         have: String,
     },
+    /// The topic exists but its settings could not be read (e.g. a broker is down).
+    Unchecked {
+        topic: String,
+        why: String,
+    },
 }
 
 impl Finding {
-    pub fn is_difference(&self) -> bool {
-        matches!(self, Finding::Differs { .. })
+    /// Worth an operator's attention: a difference, or settings that could not be compared.
+    pub fn needs_attention(&self) -> bool {
+        matches!(self, Finding::Differs { .. } | Finding::Unchecked { .. })
     }
 }
 
@@ -107,6 +117,9 @@ impl std::fmt::Display for Finding {
             Finding::Created { topic } => write!(f, "created  {topic}"),
             Finding::WouldCreate { topic } => write!(f, "missing  {topic} (would create)"),
             Finding::Matches { topic } => write!(f, "ok       {topic}"),
+            Finding::Unchecked { topic, why } => {
+                write!(f, "UNCHECKED {topic}: settings not compared ({why})")
+            }
             Finding::Differs {
                 topic,
                 setting,
@@ -202,55 +215,84 @@ impl Topology {
         let opts = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
         let mut findings = Vec::new();
         let mut to_create = Vec::new();
+        let mut to_check = Vec::new();
         for t in &self.topics {
             let name = self.full_name(&t.name);
             match existing.get(&name) {
                 None if dry_run => findings.push(Finding::WouldCreate { topic: name }),
                 None => to_create.push((name, t)),
-                Some(&partitions) => {
-                    let mut differs = false;
-                    if partitions != t.partitions as usize {
+                Some(&partitions) => to_check.push((name, t, partitions)),
+            }
+        }
+        if !to_check.is_empty() {
+            // One bounded request for every existing topic: a broker that just died may still be
+            // in the metadata, and a comparison of settings must not hold the hub's start-up.
+            let specs: Vec<ResourceSpecifier<'_>> = to_check
+                .iter()
+                .map(|(name, _, _)| ResourceSpecifier::Topic(name))
+                .collect();
+            let described = admin
+                .describe_configs(
+                    &specs,
+                    &AdminOptions::new()
+                        .operation_timeout(Some(DESCRIBE_TIMEOUT))
+                        .request_timeout(Some(DESCRIBE_TIMEOUT)),
+                )
+                .await;
+            for (i, (name, t, partitions)) in to_check.into_iter().enumerate() {
+                let resource = match &described {
+                    Ok(all) => match all.get(i) {
+                        Some(Ok(r)) => r,
+                        Some(Err(e)) => {
+                            findings.push(Finding::Unchecked {
+                                topic: name,
+                                why: e.to_string(),
+                            });
+                            continue;
+                        }
+                        None => {
+                            findings.push(Finding::Unchecked {
+                                topic: name,
+                                why: "missing from the describe_configs answer".into(),
+                            });
+                            continue;
+                        }
+                    },
+                    Err(e) => {
+                        findings.push(Finding::Unchecked {
+                            topic: name,
+                            why: e.to_string(),
+                        });
+                        continue;
+                    }
+                };
+                let mut differs = false;
+                if partitions != t.partitions as usize {
+                    differs = true;
+                    findings.push(Finding::Differs {
+                        topic: name.clone(),
+                        setting: "partitions".into(),
+                        want: t.partitions.to_string(),
+                        have: partitions.to_string(),
+                    });
+                }
+                for (key, want) in self.desired_configs(t) {
+                    let have = resource
+                        .get(key)
+                        .and_then(|e| e.value.clone())
+                        .unwrap_or_default();
+                    if have != want {
                         differs = true;
                         findings.push(Finding::Differs {
                             topic: name.clone(),
-                            setting: "partitions".into(),
-                            want: t.partitions.to_string(),
-                            have: partitions.to_string(),
+                            setting: key.to_string(),
+                            want,
+                            have,
                         });
                     }
-                    let described = admin
-                        .describe_configs(&[ResourceSpecifier::Topic(&name)], &opts)
-                        .await
-                        .map_err(KafkaError::from)?;
-                    let resource = match described.into_iter().next() {
-                        Some(Ok(r)) => r,
-                        Some(Err(e)) => {
-                            return Err(KafkaError::Setup(format!("describe_configs: {e}")).into());
-                        }
-                        None => {
-                            return Err(
-                                KafkaError::Setup("empty describe_configs answer".into()).into()
-                            );
-                        }
-                    };
-                    for (key, want) in self.desired_configs(t) {
-                        let have = resource
-                            .get(key)
-                            .and_then(|e| e.value.clone())
-                            .unwrap_or_default();
-                        if have != want {
-                            differs = true;
-                            findings.push(Finding::Differs {
-                                topic: name.clone(),
-                                setting: key.to_string(),
-                                want,
-                                have,
-                            });
-                        }
-                    }
-                    if !differs {
-                        findings.push(Finding::Matches { topic: name });
-                    }
+                }
+                if !differs {
+                    findings.push(Finding::Matches { topic: name });
                 }
             }
         }

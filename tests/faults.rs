@@ -1,0 +1,698 @@
+//! Faults under load on the three-broker cluster (`scripts/kafka.sh start --brokers 3`, started by
+//! scripts/test.sh on `TEST_KAFKA_CLUSTER_PORT`): three hub instances in one group, replication
+//! factor 3 with `min.insync.replicas = 2`, a producer at a steady rate, sinks that sometimes fail
+//! or hang. Faults, one at a time and then mixed: SIGKILL an instance; SIGSTOP one for twice the
+//! session timeout and resume it (the zombie must be fenced); kill the inbox leader broker and
+//! restart it; restart a sink; SIGKILL an instance while a broker is down.
+//!
+//! The verifier then reads every hub topic and every sink log and checks: no loss (every accepted
+//! event reached every subscription it matched), duplicates only for attempts around a fault,
+//! no leak (nothing reached a subscription it did not match, nor another tenant), quarantine and
+//! drop counts equal to the malformed and system records sent, and contiguous per-tenant arrival
+//! sequences (read from a pull subscription per tenant). It prints the figures as one JSON line.
+//!
+//! This file holds one test: it points the shared helpers at the cluster through
+//! `TEST_KAFKA_BROKERS`, which is process-wide.
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use common::*;
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::producer::Producer;
+use serde_json::json;
+
+const TENANTS: [&str; 4] = ["t0", "t1", "t2", "t3"];
+/// Produces events but has no subscription: nothing of it may arrive anywhere.
+const LONER: &str = "t4";
+const RATE_PER_SEC: usize = 150;
+const WORKERS: usize = 8;
+const SESSION_TIMEOUT_S: u64 = 6;
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+fn cluster_port() -> u16 {
+    std::env::var("TEST_KAFKA_CLUSTER_PORT")
+        .expect(
+            "TEST_KAFKA_CLUSTER_PORT unset: run scripts/test.sh, which starts the 3-broker cluster",
+        )
+        .parse()
+        .unwrap()
+}
+
+fn kafka_sh(args: &[&str]) {
+    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
+        .args(args)
+        .env("KAFKA_PORT", cluster_port().to_string())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kafka.sh {args:?} failed");
+}
+
+fn signal(hub: &Hub, sig: &str) {
+    let ok = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(hub.child.id().to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{sig}");
+}
+
+/// What a sink saw: one HTTP request.
+#[derive(Clone, Debug)]
+struct Hit {
+    /// The subscription's name in this test (`<tenant>/<a|b>`), from the URL path.
+    sub: String,
+    event_id: String,
+    tenant: String,
+    event_type: String,
+    produced_ms: i64,
+    at_ms: i64,
+    /// The sink answered 200 at once (the hub saw a success). Failures and hangs are false.
+    acked: bool,
+}
+
+#[derive(Clone, Default)]
+struct SinkLog(Arc<Mutex<Vec<Hit>>>);
+
+/// Fails 5% of deliveries with a 500 and hangs 1% past the hub's HTTP timeout, chosen by the
+/// delivery id so a retry gets a fresh draw.
+async fn hook(
+    State(log): State<SinkLog>,
+    Path((tenant, which)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, Bytes) {
+    let h = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    if h("x-lerian-event-type") == "streaming_hub.verification" {
+        return (StatusCode::OK, body);
+    }
+    let draw = h("x-lerian-delivery-id")
+        .bytes()
+        .fold(7u32, |a, b| a.wrapping_mul(31).wrapping_add(b as u32))
+        % 100;
+    let produced_ms = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["produced_ms"].as_i64())
+        .unwrap_or(0);
+    let mut hit = Hit {
+        sub: format!("{tenant}/{which}"),
+        event_id: h("x-lerian-event-id"),
+        tenant: h("ce-tenantid"),
+        event_type: h("x-lerian-event-type"),
+        produced_ms,
+        at_ms: now_ms(),
+        acked: false,
+    };
+    if draw < 5 {
+        log.0.lock().unwrap().push(hit);
+        return (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
+    }
+    if draw < 6 {
+        log.0.lock().unwrap().push(hit);
+        tokio::time::sleep(Duration::from_secs(4)).await; // the hub gives up after 2 s
+        return (StatusCode::OK, Bytes::new());
+    }
+    hit.acked = true;
+    log.0.lock().unwrap().push(hit);
+    (StatusCode::OK, Bytes::new())
+}
+
+/// A sink on a fixed port that can be stopped (connections refused) and started again.
+struct RestartableSink {
+    port: u16,
+    log: SinkLog,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RestartableSink {
+    async fn start(port: u16, log: SinkLog) -> RestartableSink {
+        let mut s = RestartableSink {
+            port,
+            log,
+            stop: None,
+            task: None,
+        };
+        s.up().await;
+        s
+    }
+
+    async fn up(&mut self) {
+        let app = Router::new()
+            .route("/hook/{tenant}/{which}", post(hook))
+            .with_state(self.log.clone());
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .expect("bind the sink's port again");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        self.stop = Some(tx);
+        self.task = Some(tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        }));
+    }
+
+    async fn down(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.unwrap();
+        }
+    }
+}
+
+/// Which records the producer sent, by kind.
+#[derive(Default)]
+struct Sent {
+    /// ce-id → (tenant, "<resource>.<event>").
+    accepted: BTreeMap<String, (String, String)>,
+    malformed: usize,
+    system: usize,
+}
+
+/// A producer on the cluster at `RATE_PER_SEC` until `stop`: business events of five tenants
+/// (three types), every 37th a business event without a tenant (quarantine), every 41st a
+/// system event (drop).
+fn run_producer(
+    topic: String,
+    bootstrap: String,
+    stop: Arc<AtomicBool>,
+    produced: Arc<AtomicUsize>,
+) -> Sent {
+    let producer: TestProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("message.timeout.ms", "180000")
+        .create_with_context(FailOnError::default())
+        .unwrap();
+    let types = [
+        ("transaction", "created"),
+        ("account", "created"),
+        ("account", "updated"),
+    ];
+    let mut sent = Sent::default();
+    let start = Instant::now();
+    let mut i = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let due = (start.elapsed().as_millis() as usize) * RATE_PER_SEC / 1000;
+        let mut batch = Vec::new();
+        while i < due {
+            let tenant = if i % 5 == 4 { LONER } else { TENANTS[i % 5] };
+            let (res, ev) = types[(i / 5) % 3];
+            let mut r = event(tenant, "ledger", res, ev);
+            let id = r.id();
+            r.value = Some(
+                json!({"id": id, "amount": "10.00", "produced_ms": now_ms()})
+                    .to_string()
+                    .into_bytes(),
+            );
+            if i % 37 == 36 {
+                r = r.set("ce-tenantid", None);
+                sent.malformed += 1;
+            } else if i % 41 == 40 {
+                let mut s = event("x", "platform-reaper", "platform", "reaper_pass");
+                s.key = Some(b"system:reaper_pass".to_vec());
+                r = s.set("ce-tenantid", None).add("ce-systemevent", b"true");
+                sent.system += 1;
+            } else {
+                sent.accepted
+                    .insert(id, (tenant.to_string(), format!("{res}.{ev}")));
+            }
+            batch.push(r);
+            i += 1;
+        }
+        if !batch.is_empty() {
+            // `produce` flushes: at most a tick of records waits on a broker election.
+            produce(&producer, &topic, &batch);
+            produced.store(i, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_millis(20)); // the rate's tick, not a wait for a condition
+    }
+    producer.flush(Duration::from_secs(60)).unwrap();
+    sent
+}
+
+/// Which test subscriptions an event matches: `a` = transaction.*, `b` = account.created,
+/// `p` = the tenant's pull subscription (everything).
+fn expected_subs(tenant: &str, ty: &str) -> Vec<String> {
+    if !TENANTS.contains(&tenant) {
+        return Vec::new();
+    }
+    let mut v = vec![format!("{tenant}/p")];
+    if ty.starts_with("transaction.") {
+        v.push(format!("{tenant}/a"));
+    }
+    if ty == "account.created" {
+        v.push(format!("{tenant}/b"));
+    }
+    v
+}
+
+struct Fault {
+    name: String,
+    at_ms: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
+    let port = cluster_port();
+    let bootstrap = format!(
+        "127.0.0.1:{port},127.0.0.1:{},127.0.0.1:{}",
+        port + 1,
+        port + 2
+    );
+    // SAFETY: this binary has one test; nothing else reads the environment concurrently yet.
+    unsafe { std::env::set_var("TEST_KAFKA_BROKERS", &bootstrap) };
+    require_broker();
+
+    let prefix = unique("faults");
+    let topic = format!("lerian.streaming.{prefix}");
+    let t = NewTopic::new(&topic, 4, TopicReplication::Fixed(3)).set("min.insync.replicas", "2");
+    for r in admin()
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+
+    // Sinks: t1's on a port that will be restarted, the others on one that stays up.
+    let log = SinkLog::default();
+    let steady_port = free_port();
+    let restart_port = free_port();
+    let _steady = RestartableSink::start(steady_port, log.clone()).await;
+    let mut restartable = RestartableSink::start(restart_port, log.clone()).await;
+
+    let mut env = api_hub_env(&prefix, &format!("^{}$", topic.replace('.', r"\.")));
+    env.insert(
+        "STREAMING_HUB_FOLLOW_PATTERN".into(),
+        format!("^{}$", topic.replace('.', r"\.")),
+    );
+    env.insert("STREAMING_HUB_REPLICATION_FACTOR".into(), "3".into());
+    env.insert(
+        "STREAMING_HUB_SESSION_TIMEOUT".into(),
+        format!("{SESSION_TIMEOUT_S}s"),
+    );
+    env.insert("STREAMING_HUB_HTTP_TIMEOUT".into(), "2s".into());
+    env.insert("STREAMING_HUB_DISPATCH_WORKERS".into(), WORKERS.to_string());
+    env.insert("STREAMING_HUB_SHUTDOWN_TIMEOUT".into(), "5s".into());
+    let envs = [
+        env.clone(),
+        another_instance(&env, "2"),
+        another_instance(&env, "3"),
+    ];
+    let mut hubs: Vec<Hub> = envs.iter().map(Hub::start).collect();
+
+    // Subscriptions through the first instance's API; a short retry curve so a failure costs
+    // seconds, not hours.
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let token = |tenant: &str| {
+        streaming_hub::api::mint(
+            &streaming_hub::runtime::secret::Secret::new(JWT),
+            Some(tenant),
+            false,
+            Duration::from_secs(86_400),
+        )
+    };
+    let curve = [
+        "1s", "2s", "3s", "5s", "5s", "5s", "10s", "10s", "10s", "10s",
+    ];
+    let mut sub_ids = Vec::new();
+    for tenant in TENANTS {
+        let sink_port = if tenant == "t1" {
+            restart_port
+        } else {
+            steady_port
+        };
+        let bodies = [
+            json!({"event_types": ["transaction.*"], "retry_schedule": curve,
+                   "destination": {"type": "webhook", "url": format!("http://127.0.0.1:{sink_port}/hook/{tenant}/a")}}),
+            json!({"event_types": ["account.created"], "retry_schedule": curve,
+                   "destination": {"type": "webhook", "url": format!("http://127.0.0.1:{sink_port}/hook/{tenant}/b")}}),
+            json!({"event_types": ["transaction.*", "account.*"], "destination": {"type": "pull"}}),
+        ];
+        for body in bodies {
+            let r = http
+                .post(format!("http://{}/v1/subscriptions", hubs[0].addr()))
+                .bearer_auth(token(tenant))
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 201, "{:?}", r.text().await);
+            let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+            assert_eq!(v["verification_state"], "active", "{v}");
+            sub_ids.push((tenant, v["id"].as_str().unwrap().to_string()));
+        }
+    }
+    // Every instance has applied every subscription before the first event.
+    for hub in &hubs {
+        for (tenant, id) in &sub_ids {
+            let url = format!("http://{}/v1/subscriptions/{id}", hub.addr());
+            let mut tries = 0;
+            while http
+                .get(&url)
+                .bearer_auth(token(tenant))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                != 200
+            {
+                tries += 1;
+                assert!(tries < 600, "{} never applied {id}", hub.addr());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let produced = Arc::new(AtomicUsize::new(0));
+    let producer = {
+        let (topic, bootstrap, stop, produced) = (
+            topic.clone(),
+            bootstrap.clone(),
+            stop.clone(),
+            produced.clone(),
+        );
+        std::thread::spawn(move || run_producer(topic, bootstrap, stop, produced))
+    };
+    let reached = |n: usize| {
+        let produced = produced.clone();
+        move || (produced.load(Ordering::Relaxed) >= n).then_some(())
+    };
+    let step = RATE_PER_SEC * 6; // six seconds of load between faults
+    let mut faults: Vec<Fault> = Vec::new();
+    let mut mark = 0usize;
+    let next = |mark: &mut usize| {
+        *mark += step;
+        *mark
+    };
+
+    // 1. SIGKILL an instance, start it again.
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    faults.push(Fault {
+        name: "sigkill instance 2".into(),
+        at_ms: now_ms(),
+    });
+    hubs[1].kill();
+    wait_until(
+        Duration::from_secs(60),
+        "load",
+        reached(mark + RATE_PER_SEC * 2),
+    );
+    hubs[1] = Hub::start(&envs[1]);
+
+    // 2. SIGSTOP an instance for twice the session timeout: the group moves its partitions,
+    //    and when it resumes, its transactions are fenced.
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    faults.push(Fault {
+        name: "sigstop instance 3 (zombie)".into(),
+        at_ms: now_ms(),
+    });
+    signal(&hubs[2], "STOP");
+    std::thread::sleep(Duration::from_secs(2 * SESSION_TIMEOUT_S)); // the fault's length
+    signal(&hubs[2], "CONT");
+
+    // 3. Kill the broker that leads inbox partition 0, restart it.
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    let inbox = format!("{prefix}.inbox");
+    let leader_of = |topic: &str| {
+        let md = admin()
+            .inner()
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()?;
+        let p = md.topics().first()?.partitions().first()?;
+        (p.leader() >= 0).then_some(p.leader())
+    };
+    let leader = wait_until(Duration::from_secs(30), "inbox leader", || {
+        leader_of(&inbox)
+    });
+    faults.push(Fault {
+        name: "kill inbox leader broker".into(),
+        at_ms: now_ms(),
+    });
+    kafka_sh(&["kill", &leader.to_string()]);
+    wait_until(Duration::from_secs(60), "a new inbox leader", || {
+        leader_of(&inbox).filter(|l| *l != leader)
+    });
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    kafka_sh(&["restart-node", &leader.to_string()]);
+    let all_in_sync = || {
+        let md = admin()
+            .inner()
+            .fetch_metadata(Some(&inbox), Duration::from_secs(5))
+            .ok()?;
+        let ps = md.topics().first()?.partitions();
+        (!ps.is_empty() && ps.iter().all(|p| p.isr().len() == 3)).then_some(())
+    };
+    wait_until(
+        Duration::from_secs(90),
+        "the broker back in sync",
+        all_in_sync,
+    );
+
+    // 4. Restart a sink.
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    faults.push(Fault {
+        name: "restart t1's sink".into(),
+        at_ms: now_ms(),
+    });
+    restartable.down().await;
+    tokio::time::sleep(Duration::from_secs(3)).await; // the outage's length
+    restartable.up().await;
+
+    // 5. Mixed: SIGKILL an instance while a broker is down.
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    let victim = if leader == 1 { 2 } else { 1 };
+    faults.push(Fault {
+        name: "sigkill instance 1 while a broker is down".into(),
+        at_ms: now_ms(),
+    });
+    kafka_sh(&["kill", &victim.to_string()]);
+    hubs[0].kill();
+    wait_until(
+        Duration::from_secs(60),
+        "load",
+        reached(mark + RATE_PER_SEC * 3),
+    );
+    hubs[0] = Hub::start(&envs[0]);
+    kafka_sh(&["restart-node", &victim.to_string()]);
+
+    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    stop.store(true, Ordering::Relaxed);
+    // An instance that left on its own (a fenced zombie exits to be restarted) is restarted, as
+    // an orchestrator would.
+    let mut exited = Vec::new();
+    for (i, hub) in hubs.iter_mut().enumerate() {
+        if let Some(status) = hub.child.try_wait().unwrap() {
+            exited.push(format!("instance {}: {status}", i + 1));
+            faults.push(Fault {
+                name: format!("restart of instance {} after it exited", i + 1),
+                at_ms: now_ms(),
+            });
+            *hub = Hub::start(&envs[i]);
+        }
+    }
+    let sent = producer.join().unwrap();
+    let stopped_ms = now_ms();
+
+    // Every accepted event reaches every subscription it matched.
+    let mut expected: BTreeSet<(String, String)> = BTreeSet::new();
+    for (id, (tenant, ty)) in &sent.accepted {
+        for sub in expected_subs(tenant, ty) {
+            if !sub.ends_with("/p") {
+                expected.insert((sub, id.clone()));
+            }
+        }
+    }
+    let acked_pairs = || -> BTreeSet<(String, String)> {
+        log.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|h| h.acked)
+            .map(|h| (h.sub.clone(), h.event_id.clone()))
+            .collect()
+    };
+    let converged = Instant::now();
+    let mut tries = 0;
+    loop {
+        let missing = expected.difference(&acked_pairs()).count();
+        if missing == 0 {
+            break;
+        }
+        tries += 1;
+        assert!(
+            tries < 240 * 20,
+            "{missing} of {} matched deliveries never arrived",
+            expected.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let settle_s = converged.elapsed().as_secs_f64();
+
+    let hits = log.0.lock().unwrap().clone();
+    // No leak: nothing to a subscription the event did not match, nothing of another tenant.
+    for h in &hits {
+        let (tenant, ty) = sent
+            .accepted
+            .get(&h.event_id)
+            .unwrap_or_else(|| panic!("a delivery of an event never accepted: {h:?}"));
+        assert!(
+            expected_subs(tenant, ty).contains(&h.sub),
+            "leak: {h:?} reached a subscription it does not match"
+        );
+        assert_eq!(&h.tenant, tenant, "leak across tenants: {h:?}");
+        assert_eq!(&h.event_type, ty);
+    }
+    // Duplicates: only for attempts around a fault (first success within 20 s before one).
+    let mut acks: HashMap<(String, String), Vec<i64>> = HashMap::new();
+    for h in hits.iter().filter(|h| h.acked) {
+        acks.entry((h.sub.clone(), h.event_id.clone()))
+            .or_default()
+            .push(h.at_ms);
+    }
+    let mut duplicates = 0usize;
+    for (pair, times) in &acks {
+        if times.len() > 1 {
+            duplicates += times.len() - 1;
+            let first = times[0];
+            assert!(
+                faults
+                    .iter()
+                    .any(|f| first <= f.at_ms + 15_000 && first >= f.at_ms - 20_000),
+                "duplicate delivery of {pair:?} far from any fault: {times:?}"
+            );
+        }
+    }
+    assert!(
+        duplicates <= faults.len() * 3 * WORKERS * 64,
+        "{duplicates} duplicates"
+    );
+
+    // Exactly what was sent, once: inbox = accepted, quarantine = malformed, drops = system.
+    let inbox_recs = read_all(&[&inbox], Duration::from_secs(60));
+    let quarantine = read_all(&[&format!("{prefix}.quarantine")], Duration::from_secs(60));
+    let inbox_ids: Vec<String> = inbox_recs
+        .iter()
+        .map(|g| g.rec.header("ce-id").unwrap_or_default().to_string())
+        .collect();
+    let distinct: BTreeSet<&String> = inbox_ids.iter().collect();
+    assert_eq!(
+        (inbox_ids.len(), distinct.len()),
+        (sent.accepted.len(), sent.accepted.len()),
+        "the inbox holds every accepted event exactly once"
+    );
+    assert_eq!(
+        quarantine.len(),
+        sent.malformed,
+        "quarantine = malformed sent"
+    );
+    let total = sent.accepted.len() + sent.malformed + sent.system;
+    assert_eq!(
+        total - inbox_recs.len() - quarantine.len(),
+        sent.system,
+        "drops = system events sent"
+    );
+
+    // Per-tenant arrival sequences: every accepted event of a subscribed tenant once on its pull
+    // subscription, numbered without gaps or repeats.
+    let pulled = read_all(&[&format!("{prefix}.pull")], Duration::from_secs(60));
+    let mut seqs: BTreeMap<String, Vec<(u64, String)>> = BTreeMap::new();
+    for g in &pulled {
+        let tenant = g.rec.header("ce-tenantid").unwrap().to_string();
+        let seq: u64 = g
+            .rec
+            .header("x-streaming-hub-sequence")
+            .unwrap()
+            .parse()
+            .unwrap();
+        seqs.entry(tenant).or_default().push((seq, g.rec.id()));
+    }
+    assert!(!seqs.contains_key(LONER), "a tenant without subscriptions");
+    for tenant in TENANTS {
+        let mut got = seqs.remove(tenant).unwrap_or_default();
+        got.sort();
+        let want: usize = sent.accepted.values().filter(|(t, _)| t == tenant).count();
+        let ids: BTreeSet<&String> = got.iter().map(|(_, id)| id).collect();
+        assert_eq!(
+            (got.len(), ids.len()),
+            (want, want),
+            "{tenant}: each accepted event once on its pull subscription"
+        );
+        let first = got[0].0;
+        for (k, (seq, _)) in got.iter().enumerate() {
+            assert_eq!(*seq, first + k as u64, "{tenant}: sequences contiguous");
+        }
+    }
+    let dead = read_all(&[&format!("{prefix}.dlq")], Duration::from_secs(60));
+    assert!(dead.is_empty(), "{} dead letters", dead.len());
+
+    // Figures: per fault, the longest an event produced within 10 s after it waited for its
+    // first successful delivery.
+    let mut first_ack: HashMap<(String, String), &Hit> = HashMap::new();
+    for h in hits.iter().filter(|h| h.acked) {
+        first_ack
+            .entry((h.sub.clone(), h.event_id.clone()))
+            .or_insert(h);
+    }
+    let mut report = Vec::new();
+    for f in &faults {
+        let worst = first_ack
+            .values()
+            .filter(|h| h.produced_ms >= f.at_ms - 1_000 && h.produced_ms <= f.at_ms + 10_000)
+            .map(|h| h.at_ms - h.produced_ms)
+            .max()
+            .unwrap_or(0);
+        report.push(json!({"fault": f.name, "worst_delay_s": worst as f64 / 1000.0}));
+    }
+    let line = json!({
+        "scenario": "faults",
+        "events_sent": total,
+        "accepted": sent.accepted.len(),
+        "quarantined": sent.malformed,
+        "dropped": sent.system,
+        "matched_deliveries": expected.len(),
+        "sink_requests": hits.len(),
+        "duplicates": duplicates,
+        "instances_that_exited_on_their_own": exited,
+        "faults": report,
+        "settle_after_producer_stopped_s": settle_s,
+        "producer_stopped_ms": stopped_ms,
+    });
+    println!("{line}");
+    eprintln!("{line}");
+}
