@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # A real Apache Kafka broker (KRaft, no ZooKeeper, no Docker) for development and tests.
 #
-#   scripts/kafka.sh start [--brokers 1|3] [--fresh]
+#   scripts/kafka.sh start [--brokers 1|3] [--fresh] [--sasl]
 #                                            install on first use, format, start, wait until it answers;
 #                                            --fresh: when no broker runs, start from empty storage (the
 #                                            test command uses it: a data dir left by earlier runs holds
 #                                            thousands of test topics, and recovering them after an
 #                                            unclean stop takes minutes)
+#                                            --sasl (one broker only): also a SASL_PLAINTEXT listener on
+#                                            $KAFKA_SASL_PORT and a SASL_SSL one on $KAFKA_SASL_PORT+1,
+#                                            both SCRAM-SHA-256 only; the SCRAM user is created when the
+#                                            storage is formatted, the TLS certificate is signed by a CA
+#                                            made with openssl ($KAFKA_DATA_DIR/tls/ca.pem; clients
+#                                            trust it with ssl.ca.location). No authorizer: any
+#                                            authenticated user may do anything. Use it on its own
+#                                            KAFKA_PORT (e.g. 29092) so the default broker is untouched.
 #   scripts/kafka.sh stop                    stop every broker this script started
 #   scripts/kafka.sh status                  exit 0 when running (prints the bootstrap list)
 #   scripts/kafka.sh kill <node-id>          SIGKILL one broker of a cluster (failure tests)
@@ -22,6 +30,9 @@
 #   KAFKA_DATA_DIR   log dirs, configs, pid files, logs      (default $HOME/.cache/streaming-hub/kafka-data-$KAFKA_PORT)
 #   KAFKA_CACHE_DIR  where the jars are cached               (default $HOME/.cache/streaming-hub/kafka-$KAFKA_VERSION)
 #   KAFKA_HEAP       JVM heap per broker                     (default 640m)
+#   KAFKA_SASL_PORT  --sasl: the SASL_PLAINTEXT port         (default $KAFKA_PORT+2; SASL_SSL is +1)
+#   KAFKA_SASL_USER, KAFKA_SASL_PASSWORD
+#                    --sasl: the SCRAM-SHA-256 user          (default streaming-hub / streaming-hub-secret)
 set -euo pipefail
 
 KAFKA_VERSION="${KAFKA_VERSION:-4.2.2}"
@@ -30,6 +41,9 @@ CACHE_ROOT="${HOME}/.cache/streaming-hub"
 KAFKA_CACHE_DIR="${KAFKA_CACHE_DIR:-$CACHE_ROOT/kafka-$KAFKA_VERSION}"
 KAFKA_DATA_DIR="${KAFKA_DATA_DIR:-$CACHE_ROOT/kafka-data-$KAFKA_PORT}"
 KAFKA_HEAP="${KAFKA_HEAP:-640m}"
+KAFKA_SASL_PORT="${KAFKA_SASL_PORT:-$((KAFKA_PORT + 2))}"
+KAFKA_SASL_USER="${KAFKA_SASL_USER:-streaming-hub}"
+KAFKA_SASL_PASSWORD="${KAFKA_SASL_PASSWORD:-streaming-hub-secret}"
 LOG4J_VERSION_FALLBACK="2.24.3"
 
 log() { echo "kafka.sh: $*" >&2; }
@@ -108,21 +122,47 @@ java_cmd() {
     -cp "$KAFKA_CACHE_DIR/libs/*" "$@"
 }
 
+# A CA and a server certificate for 127.0.0.1/localhost under $KAFKA_DATA_DIR/tls (made once):
+# ca.pem is what clients trust, server.pem (PKCS#8 key + certificate) the broker's PEM keystore.
+make_tls() {
+  local tls="$KAFKA_DATA_DIR/tls"
+  [[ -f "$tls/server.pem" ]] && return 0
+  command -v openssl >/dev/null || die "--sasl needs openssl to make the TLS certificate"
+  mkdir -p "$tls"
+  (
+    cd "$tls"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=streaming-hub test CA" \
+      -keyout ca.key -out ca.pem
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >server.ext
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile server.ext -out server.crt
+    openssl pkcs8 -topk8 -nocrypt -in server.key -out server.pk8
+    cat server.pk8 server.crt >server.pem
+  ) >"$KAFKA_DATA_DIR/tls.log" 2>&1 || { cat "$KAFKA_DATA_DIR/tls.log" >&2; die "making the TLS certificate failed"; }
+}
+
 write_config() {
-  local node="$1" brokers="$2" dir; dir="$(node_dir "$node")"
+  local node="$1" brokers="$2" sasl="${3:-0}" dir; dir="$(node_dir "$node")"
   mkdir -p "$dir/data" "$dir/logs"
   local rf=1 minisr=1 quorum i
   if [[ "$brokers" -gt 1 ]]; then rf=3; minisr=2; fi
   quorum=""
   for ((i = 1; i <= brokers; i++)); do quorum+="${quorum:+,}$i@127.0.0.1:$(controller_port "$i")"; done
+  local listeners="PLAINTEXT://127.0.0.1:$(client_port "$node"),CONTROLLER://127.0.0.1:$(controller_port "$node")"
+  local protocols="CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+  if [[ $sasl == 1 ]]; then
+    listeners+=",SASL_PLAINTEXT://127.0.0.1:$KAFKA_SASL_PORT,SASL_SSL://127.0.0.1:$((KAFKA_SASL_PORT + 1))"
+    protocols+=",SASL_PLAINTEXT:SASL_PLAINTEXT,SASL_SSL:SASL_SSL"
+  fi
   cat >"$dir/server.properties" <<EOF
 process.roles=broker,controller
 node.id=$node
 controller.quorum.voters=$quorum
-listeners=PLAINTEXT://127.0.0.1:$(client_port "$node"),CONTROLLER://127.0.0.1:$(controller_port "$node")
-advertised.listeners=PLAINTEXT://127.0.0.1:$(client_port "$node"),CONTROLLER://127.0.0.1:$(controller_port "$node")
+listeners=$listeners
+advertised.listeners=$listeners
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=$protocols
 inter.broker.listener.name=PLAINTEXT
 log.dirs=$dir/data
 num.partitions=1
@@ -146,6 +186,17 @@ log.segment.bytes=16777216
 num.network.threads=2
 num.io.threads=4
 EOF
+  if [[ $sasl == 1 ]]; then
+    # SCRAM-SHA-256 on both SASL listeners; the credentials live in the cluster metadata (made at
+    # format time), so the server side needs only the login module.
+    cat >>"$dir/server.properties" <<EOF
+sasl.enabled.mechanisms=SCRAM-SHA-256
+listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+ssl.keystore.type=PEM
+ssl.keystore.location=$KAFKA_DATA_DIR/tls/server.pem
+EOF
+  fi
 }
 
 # Sends a Metadata v4 request and succeeds when the answer lists at least $2 brokers.
@@ -227,18 +278,22 @@ bootstrap_list() {
 }
 
 cmd_start() {
-  local brokers=1 fresh=0 i
+  local brokers=1 fresh=0 sasl=0 i
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --brokers) brokers="$2"; shift 2 ;;
       --fresh) fresh=1; shift ;;
+      --sasl) sasl=1; shift ;;
       *) die "unknown option $1" ;;
     esac
   done
   [[ "$brokers" == 1 || "$brokers" == 3 ]] || die "--brokers must be 1 or 3"
+  [[ $sasl == 0 || "$brokers" == 1 ]] || die "--sasl runs one broker only"
+  # The shape of a setup: broker count, plus "+sasl" when it has the SASL listeners.
+  local shape="$brokers"; [[ $sasl == 1 ]] && shape+="+sasl"
   if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(running_nodes)" -gt 0 ]]; then
     local have; have="$(cat "$KAFKA_DATA_DIR/brokers")"
-    [[ "$have" == "$brokers" ]] || die "a $have-broker setup is running in $KAFKA_DATA_DIR; stop it first"
+    [[ "$have" == "$shape" ]] || die "a $have-broker setup is running in $KAFKA_DATA_DIR; stop it first"
     if metadata_ok "$KAFKA_PORT" "$brokers"; then
       log "already running ($(bootstrap_list "$brokers"))"; echo "$(bootstrap_list "$brokers")"; return 0
     fi
@@ -248,25 +303,34 @@ cmd_start() {
     log "--fresh: removing the storage in $KAFKA_DATA_DIR"
     rm -rf "$KAFKA_DATA_DIR"
   fi
-  if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(cat "$KAFKA_DATA_DIR/brokers")" != "$brokers" ]]; then
+  if [[ -f "$KAFKA_DATA_DIR/brokers" && "$(cat "$KAFKA_DATA_DIR/brokers")" != "$shape" ]]; then
     rm -rf "$KAFKA_DATA_DIR" # a different cluster shape needs fresh storage
   fi
   mkdir -p "$KAFKA_DATA_DIR"
-  echo "$brokers" >"$KAFKA_DATA_DIR/brokers"
+  echo "$shape" >"$KAFKA_DATA_DIR/brokers"
   local cluster_id_file="$KAFKA_DATA_DIR/cluster.id"
   if [[ ! -f "$cluster_id_file" ]]; then
     java_cmd 1 kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1 >"$cluster_id_file"
   fi
+  local scram=()
+  if [[ $sasl == 1 ]]; then
+    make_tls
+    scram=(--add-scram "SCRAM-SHA-256=[name=$KAFKA_SASL_USER,password=$KAFKA_SASL_PASSWORD]")
+  fi
   for ((i = 1; i <= brokers; i++)); do
-    write_config "$i" "$brokers"
+    write_config "$i" "$brokers" "$sasl"
     java_cmd "$i" kafka.tools.StorageTool format --ignore-formatted -t "$(cat "$cluster_id_file")" \
-      -c "$(node_dir "$i")/server.properties" >"$(node_dir "$i")/logs/format.log" 2>&1 \
+      -c "$(node_dir "$i")/server.properties" "${scram[@]}" >"$(node_dir "$i")/logs/format.log" 2>&1 \
       || { cat "$(node_dir "$i")/logs/format.log" >&2; die "storage format failed"; }
   done
   local t0=$SECONDS
   for ((i = 1; i <= brokers; i++)); do start_node "$i"; done
   wait_ready "$brokers"
   log "ready in $((SECONDS - t0)) s: $(bootstrap_list "$brokers")"
+  if [[ $sasl == 1 ]]; then
+    log "SCRAM-SHA-256 user $KAFKA_SASL_USER: SASL_PLAINTEXT 127.0.0.1:$KAFKA_SASL_PORT," \
+      "SASL_SSL 127.0.0.1:$((KAFKA_SASL_PORT + 1)) (CA $KAFKA_DATA_DIR/tls/ca.pem)"
+  fi
   bootstrap_list "$brokers"
 }
 
@@ -291,7 +355,8 @@ cmd_stop() {
 cmd_status() {
   local n; n="$(running_nodes)"
   if [[ "$n" -gt 0 ]] && metadata_ok "$KAFKA_PORT" 1; then
-    echo "running: $n broker(s), bootstrap $(bootstrap_list "$(cat "$KAFKA_DATA_DIR/brokers")")"
+    local shape; shape="$(cat "$KAFKA_DATA_DIR/brokers")"
+    echo "running: $n broker(s), bootstrap $(bootstrap_list "${shape%%+*}")"
     return 0
   fi
   echo "not running"; return 1
@@ -320,5 +385,5 @@ case "${1:-}" in
   kill) cmd_kill "$2" ;;
   restart-node) cmd_restart_node "$2" ;;
   install) install_kafka ;;
-  *) echo "usage: $0 start [--brokers 1|3] [--fresh] | stop | status | kill <node> | restart-node <node>" >&2; exit 2 ;;
+  *) echo "usage: $0 start [--brokers 1|3] [--fresh] [--sasl] | stop | status | kill <node> | restart-node <node>" >&2; exit 2 ;;
 esac

@@ -115,6 +115,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     };
 
     let topology = Topology::load(&config.topology_file, &config)?;
+    crate::runtime::kafka::preflight(&config, crate::runtime::kafka::ADMIN_TIMEOUT)
+        .map_err(crate::runtime::topology::TopologyError::from)?;
     for finding in topology.apply(&config, false).await? {
         if finding.needs_attention() {
             tracing::warn!(%finding, "topic differs from the topology or was not compared");

@@ -10,6 +10,7 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::producer::Producer;
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::Config;
 
@@ -163,28 +164,69 @@ where
     }
 }
 
-/// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.
-pub fn send_waiting<C, K, P>(
-    producer: &rdkafka::producer::BaseProducer<C>,
-    mut record: rdkafka::producer::BaseRecord<'_, K, P, C::DeliveryOpaque>,
-) -> Result<(), rdkafka::error::KafkaError>
-where
-    C: rdkafka::producer::ProducerContext,
-    K: rdkafka::message::ToBytes + ?Sized,
-    P: rdkafka::message::ToBytes + ?Sized,
-{
-    use rdkafka::error::KafkaError as RdKafkaError;
+/// What librdkafka reported last for a client (its error callback runs when the client is polled).
+#[derive(Default)]
+struct ErrorTrap(std::sync::Mutex<Option<(Option<RDKafkaErrorCode>, String)>>);
+
+impl rdkafka::ClientContext for ErrorTrap {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *last = Some((error.rdkafka_error_code(), reason.to_string()));
+    }
+}
+
+impl rdkafka::producer::ProducerContext for ErrorTrap {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::producer::DeliveryResult<'_>, _: ()) {}
+}
+
+/// Connects once before anything else talks to the brokers: `Ok` as soon as one answers a
+/// metadata request. Brokers that refuse the credentials or the TLS handshake fail it at once with
+/// librdkafka's reason (without this, the first admin call only says "broker transport failure",
+/// 30 s later: the admin client never serves librdkafka's error callback); brokers that do not
+/// answer fail it after `timeout`.
+pub fn preflight(config: &Config, timeout: Duration) -> Result<(), KafkaError> {
+    let client: rdkafka::producer::BaseProducer<ErrorTrap> = base(config)
+        .create_with_context(ErrorTrap::default())
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
+    let deadline = std::time::Instant::now() + timeout;
     loop {
-        match producer.send(record) {
-            Ok(()) => return Ok(()),
-            Err((
-                RdKafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
-                r,
-            )) => {
-                record = r;
-                producer.poll(std::time::Duration::from_millis(5));
-            }
-            Err((e, _)) => return Err(e),
+        if client
+            .client()
+            .fetch_metadata(None, Duration::from_millis(500))
+            .is_ok()
+        {
+            return Ok(());
+        }
+        client.poll(Duration::ZERO);
+        let last = client
+            .context()
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some((
+            Some(
+                RDKafkaErrorCode::Authentication
+                | RDKafkaErrorCode::SaslAuthenticationFailed
+                | RDKafkaErrorCode::SSL,
+            ),
+            reason,
+        )) = &last
+        {
+            return Err(KafkaError::Setup(format!(
+                "the brokers at {} refused this client: {reason} (check \
+                 STREAMING_HUB_KAFKA_SECURITY_PROTOCOL, STREAMING_HUB_KAFKA_SASL_* and \
+                 STREAMING_HUB_KAFKA_SSL_*)",
+                config.kafka_brokers
+            )));
+        }
+        if std::time::Instant::now() >= deadline {
+            let why = last.map(|(_, r)| format!(": {r}")).unwrap_or_default();
+            return Err(KafkaError::Setup(format!(
+                "no broker at {} answered within {timeout:?}{why}",
+                config.kafka_brokers
+            )));
         }
     }
 }
