@@ -4,11 +4,10 @@
 //! and the auto-disable windows in seconds against the real binary.
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
 use serde::Deserialize;
 
 use crate::api::ApiState;
-use crate::api::auth::Caller;
+use crate::api::auth::Admin;
 use crate::api::errors::ApiError;
 
 #[derive(Debug, Deserialize)]
@@ -20,19 +19,12 @@ pub struct Advance {
 
 pub async fn advance_clock(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     Json(body): Json<Advance>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Some(clock) = &state.test_clock else {
         return Err(ApiError::not_found());
     };
-    if !caller.admin {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "admin_only",
-            "an admin token is required",
-        ));
-    }
     let by = humantime::parse_duration(&body.by)
         .map_err(|e| ApiError::bad_request("invalid", e.to_string()).with_field("by"))?;
     clock.advance(by);

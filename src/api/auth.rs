@@ -215,6 +215,27 @@ impl FromRequestParts<ApiState> for Caller {
     }
 }
 
+/// A caller with an admin token. The `/admin` handlers take it instead of a [`Caller`], so a
+/// tenant token is refused (`403 admin_only`) before the path, query or body is even read.
+#[derive(Debug, Clone)]
+pub struct Admin(pub Caller);
+
+impl FromRequestParts<ApiState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Admin, ApiError> {
+        let caller = Caller::from_request_parts(parts, state).await?;
+        if !caller.admin {
+            return Err(ApiError::new(
+                axum::http::StatusCode::FORBIDDEN,
+                "admin_only",
+                "an admin token is required",
+            ));
+        }
+        Ok(Admin(caller))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::ApiState;
-use super::auth::Caller;
+use super::auth::{Admin, Caller};
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::JsonBody;
 use super::subscriptions::load;
@@ -43,18 +43,6 @@ fn ops(state: &ApiState) -> Result<&Arc<Ops>, ApiError> {
             "operations are not enabled on this instance",
         )
     })
-}
-
-fn require_admin(caller: &Caller) -> Result<(), ApiError> {
-    if caller.admin {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "admin_only",
-            "an admin token is required",
-        ))
-    }
 }
 
 fn parse_time(text: &str, field: &str) -> Result<i64, ApiError> {
@@ -260,10 +248,9 @@ pub struct ReplayRequest {
         (status = 404, description = "No such subscription", body = ErrorBody)))]
 pub async fn start_replay(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     JsonBody(body): JsonBody<ReplayRequest>,
 ) -> Result<Response, ApiError> {
-    require_admin(&caller)?;
     let ops = ops(&state)?.clone();
     let sub = state
         .subs
@@ -302,10 +289,9 @@ pub async fn start_replay(
         (status = 404, description = "Unknown to this instance", body = ErrorBody)))]
 pub async fn replay_status(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     Path(id): Path<String>,
 ) -> Result<Json<Progress>, ApiError> {
-    require_admin(&caller)?;
     let ops = ops(&state)?;
     let all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
     let p = all.get(&id).ok_or_else(|| {
@@ -364,10 +350,10 @@ pub struct ForensicPage {
         (status = 403, description = "Not an admin token", body = ErrorBody)))]
 pub async fn producer_dlq(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     Query(q): Query<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
-    forensic_page(&state, &caller, &q, Forensics::producer_dlq)
+    forensic_page(&state, &q, Forensics::producer_dlq)
 }
 
 #[utoipa::path(get, path = "/admin/quarantine", tag = "admin", params(ForensicQuery),
@@ -378,19 +364,17 @@ pub async fn producer_dlq(
         (status = 403, description = "Not an admin token", body = ErrorBody)))]
 pub async fn quarantine(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     Query(q): Query<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
-    forensic_page(&state, &caller, &q, Forensics::quarantine)
+    forensic_page(&state, &q, Forensics::quarantine)
 }
 
 fn forensic_page(
     state: &ApiState,
-    caller: &Caller,
     q: &ForensicQuery,
     pick: fn(&Forensics, &Filter) -> Vec<ForensicRecord>,
 ) -> Result<Json<ForensicPage>, ApiError> {
-    require_admin(caller)?;
     let f = q.filter()?;
     Ok(Json(ForensicPage {
         records: pick(&ops(state)?.forensics, &f),
@@ -424,10 +408,9 @@ pub struct DeadPage {
         (status = 403, description = "Not an admin token", body = ErrorBody)))]
 pub async fn dead_deliveries(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     Query(q): Query<DeadQuery>,
 ) -> Result<Json<DeadPage>, ApiError> {
-    require_admin(&caller)?;
     let f = Filter {
         tenant: q.tenant,
         subscription_id: q.subscription_id,
@@ -461,10 +444,9 @@ pub struct RedriveRequest {
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn redrive(
     State(state): State<ApiState>,
-    caller: Caller,
+    _admin: Admin,
     JsonBody(body): JsonBody<RedriveRequest>,
 ) -> Result<Json<Progress>, ApiError> {
-    require_admin(&caller)?;
     let ops = ops(&state)?.clone();
     if body.ids.is_empty() || body.ids.len() > 1000 {
         return Err(ApiError::bad_request("invalid", "ids holds 1 to 1000 ids").with_field("ids"));
