@@ -1,11 +1,15 @@
 //! Request parts the handlers take, each turning a malformed input into an [`ApiError`] that names
-//! it: JSON bodies (strict: unknown fields refused, the offending field named by path), the
-//! `If-Match` header and the query parameters.
+//! it: JSON bodies (strict: unknown fields refused, the offending field named by path), raw
+//! bodies, path and query parameters, and the `If-Match` header. Handlers take these, never axum's
+//! `Json`, `Path`, `Query` or `Bytes`, whose rejections are plain text.
 //!
-//! JSON bodies are read whole, which is safe because the router caps bodies
-//! ([`super::MAX_BODY_BYTES`]).
+//! Bodies are read whole, which is safe because the router caps them ([`super::MAX_BODY_BYTES`];
+//! over it: `413`).
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::path::ErrorKind;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode, header};
 use serde::de::DeserializeOwned;
 
@@ -19,18 +23,79 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<JsonBody<T>, ApiError> {
         let headers = req.headers().clone();
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            ApiError::new(
-                e.status(),
-                codes::INVALID_BODY,
-                "the request body could not be read",
-            )
-        })?;
+        let RawBody(bytes) = RawBody::from_request(req, state).await?;
         parse_body(&headers, &bytes).map(JsonBody)
     }
 }
 
-/// Parses `bytes` as JSON `T`, requiring a JSON content type.
+/// The body's bytes, whatever their type (`413` over the cap).
+pub struct RawBody(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RawBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<RawBody, ApiError> {
+        Bytes::from_request(req, state)
+            .await
+            .map(RawBody)
+            .map_err(|e| {
+                ApiError::new(
+                    e.status(),
+                    codes::INVALID_BODY,
+                    "the request body could not be read (at most 64 KiB)",
+                )
+            })
+    }
+}
+
+/// Path parameters: one that does not decode (not UTF-8 once percent-decoded) is `400` naming it.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<ApiPath<T>, ApiError> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(value)) => Ok(ApiPath(value)),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                let key = match e.kind() {
+                    ErrorKind::InvalidUtf8InPathParam { key }
+                    | ErrorKind::ParseErrorAtKey { key, .. } => key.clone(),
+                    _ => "path".to_string(),
+                };
+                let message = format!("{key} is not a valid path parameter (UTF-8 text)");
+                Err(ApiError::bad_request("invalid", message).with_field(key))
+            }
+            Err(e) => Err(ApiError::internal("path parameters", &e)),
+        }
+    }
+}
+
+/// Query parameters: one given twice is `400` naming it; unknown ones are ignored.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<ApiQuery<T>, ApiError> {
+        let e = match Query::<T>::try_from_uri(&parts.uri) {
+            Ok(Query(value)) => return Ok(ApiQuery(value)),
+            Err(e) => e,
+        };
+        // The queries are all `Option<String>`: serde only refuses a repeated one, and its message
+        // names it (`duplicate field `limit``).
+        let text = e.body_text();
+        let message = text.rsplit(": ").next().unwrap_or_default().to_string();
+        let error = ApiError::bad_request("invalid", message.clone());
+        match message.split('`').nth(1) {
+            Some(field) => Err(error.with_field(field)),
+            None => Err(error),
+        }
+    }
+}
+
+/// Parses `bytes` as JSON `T`, requiring a JSON content type and an object: serde would also
+/// fill a struct from an array, by position, which no client means and no error could name.
 pub fn parse_body<T: DeserializeOwned>(headers: &HeaderMap, bytes: &[u8]) -> Result<T, ApiError> {
     let json = headers
         .get(header::CONTENT_TYPE)
@@ -42,6 +107,12 @@ pub fn parse_body<T: DeserializeOwned>(headers: &HeaderMap, bytes: &[u8]) -> Res
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             codes::UNSUPPORTED_MEDIA_TYPE,
             "send the body as Content-Type: application/json",
+        ));
+    }
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            codes::INVALID_BODY,
+            "the body must be a JSON object",
         ));
     }
     let mut de = serde_json::Deserializer::from_slice(bytes);

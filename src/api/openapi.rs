@@ -1,11 +1,16 @@
 //! `GET /openapi.json`: the OpenAPI 3 document of the whole API, generated from the code with
 //! `utoipa` (each handler's `#[utoipa::path]` and each body's `ToSchema`), so it cannot drift from
 //! what the router serves; the tests check every route is in it and every `$ref` resolves.
+//!
+//! The answers of the shared extractors are added to every operation that uses them by
+//! [`ExtractorErrors`], so no handler's list can forget one; each handler documents the answers of
+//! its own logic (403, 404, 409, 412, 422, 429, 503).
 use std::sync::OnceLock;
 
 use axum::http::header;
 use axum::response::IntoResponse;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
 use super::errors::{ErrorBody, ErrorDetail};
@@ -57,7 +62,7 @@ use crate::subscriptions::model::{
         EventPage, PulledEvent, RecoverRequest, ReplayRequest, RedriveRequest, Progress,
         ForensicPage, ForensicRecord, HeaderText, DeadPage, DeadDelivery,
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &ExtractorErrors),
     tags(
         (name = "subscriptions", description = "Who receives which events, and where"),
         (name = "pull", description = "Reading a pull subscription's events"),
@@ -77,6 +82,58 @@ impl Modify for BearerAuth {
         doc.components
             .get_or_insert_with(Default::default)
             .add_security_scheme("bearer", SecurityScheme::Http(scheme));
+    }
+}
+
+/// Documents, on every operation, what the extractors it takes may answer (each an [`ErrorBody`]):
+/// a bearer token ([`super::Caller`]) `401`; parameters ([`super::extract::ApiPath`],
+/// [`super::extract::ApiQuery`], and `tenant_id` for [`super::Caller::tenant_for`]) or a body `400`
+/// naming the field; a JSON body ([`super::extract::JsonBody`]) `413` over
+/// [`super::MAX_BODY_BYTES`] and `415` without `Content-Type: application/json`. A status the
+/// handler documents itself keeps its description.
+struct ExtractorErrors;
+
+impl Modify for ExtractorErrors {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let error = |description: &str| -> RefOr<utoipa::openapi::Response> {
+            let body = ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ErrorBody")))
+                .build();
+            ResponseBuilder::new()
+                .description(description)
+                .content("application/json", body)
+                .build()
+                .into()
+        };
+        for item in doc.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.post,
+                &mut item.patch,
+                &mut item.delete,
+            ];
+            for op in ops.into_iter().flatten() {
+                let secured = op.security.is_some();
+                let params = op.parameters.as_ref().is_some_and(|p| !p.is_empty());
+                let body = op.request_body.is_some();
+                let mut add = |status: &str, description: &str| {
+                    let responses = &mut op.responses.responses;
+                    responses
+                        .entry(status.to_string())
+                        .or_insert_with(|| error(description));
+                };
+                if params || body {
+                    add("400", "Invalid input; `field` names it");
+                }
+                if secured {
+                    add("401", "Missing, forged or expired token");
+                }
+                if body {
+                    add("413", "Body over 64 KiB");
+                    add("415", "Body is not `Content-Type: application/json`");
+                }
+            }
+        }
     }
 }
 
@@ -161,5 +218,59 @@ mod tests {
             "bearer"
         );
         assert!(doc["paths"]["/v1/subscriptions"]["post"]["security"].is_array());
+    }
+
+    #[test]
+    fn every_answer_of_the_shared_extractors_is_documented_as_an_error_body() {
+        let doc: serde_json::Value = serde_json::from_str(document()).unwrap();
+        let error_body = |op: &serde_json::Value, status: &str| {
+            op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+                == "#/components/schemas/ErrorBody"
+        };
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let params = op["parameters"].as_array().is_some_and(|p| !p.is_empty());
+                let body = op.get("requestBody").is_some();
+                let mut expected = Vec::new();
+                if op["security"].is_array() {
+                    expected.push("401");
+                }
+                if params || body {
+                    expected.push("400");
+                }
+                if body {
+                    expected.extend(["413", "415"]);
+                }
+                for status in expected {
+                    assert!(error_body(op, status), "{method} {path}: {status}");
+                }
+            }
+        }
+        // What the first scripts/api-fuzz.sh run answered without the document saying so.
+        for (path, method, status) in [
+            ("/admin/dlq", "get", "401"),
+            ("/admin/replay/{id}", "get", "401"),
+            ("/v1/subscriptions/{id}", "get", "400"),
+            ("/v1/subscriptions/{id}", "delete", "400"),
+            ("/v1/subscriptions/{id}/verify", "post", "400"),
+            ("/v1/subscriptions/{id}", "patch", "415"),
+            ("/v1/subscriptions/{id}/recover", "post", "415"),
+            ("/admin/replay", "post", "415"),
+            ("/admin/deliveries/dead/redrive", "post", "401"),
+            ("/v1/subscriptions/{id}", "delete", "503"),
+        ] {
+            assert!(
+                error_body(&doc["paths"][path][method], status),
+                "{method} {path}: {status}"
+            );
+        }
+        let pull = doc["paths"]["/v1/events"]["get"]["parameters"]
+            .as_array()
+            .unwrap();
+        let id = pull
+            .iter()
+            .find(|p| p["name"] == "subscription_id")
+            .unwrap();
+        assert_eq!(id["required"], true, "the handler requires it");
     }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::ApiState;
 use super::auth::{Admin, Caller};
 use super::errors::{ApiError, ErrorBody, codes};
-use super::extract::JsonBody;
+use super::extract::{ApiPath, ApiQuery, JsonBody};
 use super::subscriptions::load;
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
@@ -111,7 +111,8 @@ fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct PullQuery {
-    /// The pull subscription to read.
+    /// The pull subscription to read (required; absent is a `400` naming it).
+    #[param(required = true)]
     pub subscription_id: Option<String>,
     /// `next_cursor` of the previous page; absent = from the subscription's creation.
     pub cursor: Option<String>,
@@ -133,7 +134,7 @@ pub struct PullQuery {
 pub async fn pull_events(
     State(state): State<ApiState>,
     caller: Caller,
-    Query(q): Query<PullQuery>,
+    ApiQuery(q): ApiQuery<PullQuery>,
 ) -> Result<Response, ApiError> {
     let ops = ops(&state)?.clone();
     let tenant = caller.tenant_for(q.tenant_id.as_deref())?;
@@ -191,6 +192,7 @@ pub async fn pull_events(
 #[serde(deny_unknown_fields)]
 pub struct RecoverRequest {
     /// Redeliver what was dead-lettered at or after this time (RFC 3339).
+    #[schema(format = DateTime)]
     pub since: String,
     /// Admin tokens: the tenant acted for.
     pub tenant_id: Option<String>,
@@ -208,14 +210,14 @@ pub struct RecoverRequest {
 pub async fn recover(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     JsonBody(body): JsonBody<RecoverRequest>,
 ) -> Result<Json<Progress>, ApiError> {
     let ops = ops(&state)?.clone();
     let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
-        .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()))?;
+        .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
     let since = parse_time(&body.since, "since")?;
     let progress = remember(&ops, "recover", Some(&sub.id));
     let p = progress.clone();
@@ -234,8 +236,10 @@ pub async fn recover(
 pub struct ReplayRequest {
     pub subscription_id: String,
     /// Start of the window (RFC 3339), by inbox time.
+    #[schema(format = DateTime)]
     pub from: String,
     /// End of the window (RFC 3339, exclusive); default now.
+    #[schema(format = DateTime)]
     pub to: Option<String>,
 }
 
@@ -290,7 +294,7 @@ pub async fn start_replay(
 pub async fn replay_status(
     State(state): State<ApiState>,
     _admin: Admin,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Progress>, ApiError> {
     let ops = ops(&state)?;
     let all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -314,6 +318,7 @@ pub struct ForensicQuery {
     /// `x-lerian-dlq-cause-kind` (or the quarantine reason).
     pub cause: Option<String>,
     /// Only records at or after this time (RFC 3339).
+    #[param(format = DateTime)]
     pub since: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
@@ -351,7 +356,7 @@ pub struct ForensicPage {
 pub async fn producer_dlq(
     State(state): State<ApiState>,
     _admin: Admin,
-    Query(q): Query<ForensicQuery>,
+    ApiQuery(q): ApiQuery<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
     forensic_page(&state, &q, Forensics::producer_dlq)
 }
@@ -365,7 +370,7 @@ pub async fn producer_dlq(
 pub async fn quarantine(
     State(state): State<ApiState>,
     _admin: Admin,
-    Query(q): Query<ForensicQuery>,
+    ApiQuery(q): ApiQuery<ForensicQuery>,
 ) -> Result<Json<ForensicPage>, ApiError> {
     forensic_page(&state, &q, Forensics::quarantine)
 }
@@ -389,6 +394,7 @@ pub struct DeadQuery {
     /// `exhausted`, `poison` or `subscription_disabled`.
     pub reason: Option<String>,
     /// Only dead letters at or after this time (RFC 3339).
+    #[param(format = DateTime)]
     pub since: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
@@ -409,7 +415,7 @@ pub struct DeadPage {
 pub async fn dead_deliveries(
     State(state): State<ApiState>,
     _admin: Admin,
-    Query(q): Query<DeadQuery>,
+    ApiQuery(q): ApiQuery<DeadQuery>,
 ) -> Result<Json<DeadPage>, ApiError> {
     let f = Filter {
         tenant: q.tenant,

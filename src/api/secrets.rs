@@ -9,14 +9,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 
 use super::ApiState;
 use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody, codes};
-use super::extract::{SubscriptionQuery, parse_body};
+use super::extract::{ApiPath, ApiQuery, RawBody, SubscriptionQuery, parse_body};
 use super::responses::{RotateSecretRequest, RotatedSecret};
 use super::subscriptions::{load, view_of};
 use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
@@ -104,14 +103,15 @@ fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Durati
         (status = 400, description = "Bad `grace`", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "A pull destination has no signing secret", body = ErrorBody)))]
+        (status = 409, description = "A pull destination has no signing secret", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn rotate(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<SubscriptionQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
     headers: HeaderMap,
-    body: Bytes,
+    RawBody(body): RawBody,
 ) -> Result<Json<RotatedSecret>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     load(&state, &tenant, &id)?;

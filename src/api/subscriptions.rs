@@ -13,14 +13,14 @@
 //! [`Subscriptions::put`]: crate::subscriptions::control::Subscriptions::put
 //! [`Subscriptions::delete`]: crate::subscriptions::control::Subscriptions::delete
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::ApiState;
 use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody, codes};
-use super::extract::{JsonBody, SubscriptionQuery, if_match};
+use super::extract::{ApiPath, ApiQuery, JsonBody, SubscriptionQuery, if_match};
 use super::responses::{
     CheckedSubscription, CreatedSubscription, SubscriptionPage, VerificationOutcome,
 };
@@ -58,6 +58,21 @@ pub fn view_of(state: &ApiState, rec: &SubscriptionRecord) -> SubscriptionView {
     SubscriptionView::of(rec, names)
 }
 
+/// The largest `schema_major` a subscription can hold: the control topic stores it as an Avro
+/// `int`, so a larger one would fail to encode (a `500`) instead of being refused.
+pub const MAX_SCHEMA_MAJOR: u32 = i32::MAX as u32;
+
+fn check_schema_major(major: Option<u32>) -> Result<(), FieldError> {
+    match major {
+        Some(m) if m > MAX_SCHEMA_MAJOR => Err(FieldError::new(
+            "schema_major",
+            "invalid",
+            format!("schema_major is at most {MAX_SCHEMA_MAJOR}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
     [(
         header::ETAG,
@@ -79,6 +94,7 @@ pub async fn create(
     JsonBody(body): JsonBody<CreateSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    check_schema_major(body.schema_major)?;
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();
     let now = state.clock.now_ms();
@@ -162,7 +178,7 @@ pub async fn create(
 pub async fn list(
     State(state): State<ApiState>,
     caller: Caller,
-    Query(query): Query<SubscriptionQuery>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Json<SubscriptionPage>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     let limit = query.limit()?;
@@ -194,8 +210,8 @@ pub async fn list(
 pub async fn get_one(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<SubscriptionQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Response, ApiError> {
     let sub = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
     Ok((etag(sub.version), Json(view_of(&state, &sub))).into_response())
@@ -216,6 +232,7 @@ async fn validate_patch(
     if let Some(Some(o)) = &patch.origin {
         validate_origin(o)?;
     }
+    check_schema_major(patch.schema_major.flatten())?;
     let event_types = patch
         .event_types
         .as_deref()
@@ -312,12 +329,13 @@ fn apply(
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 412, description = "`If-Match` names another version", body = ErrorBody)))]
+        (status = 412, description = "`If-Match` names another version", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<SubscriptionQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<PatchSubscription>,
 ) -> Result<Response, ApiError> {
@@ -374,12 +392,13 @@ pub async fn patch(
     responses(
         (status = 204, description = "Deleted; no further deliveries are created"),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
-        (status = 404, description = "No such subscription for this tenant", body = ErrorBody)))]
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn delete(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<SubscriptionQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<StatusCode, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     let _guard = state.writes.lock().await;

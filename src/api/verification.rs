@@ -12,13 +12,13 @@
 //! after the probe, and only if the destination is still the one probed; a result about a URL
 //! that has been replaced (or a deleted subscription) is reported, never written.
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 
 use super::ApiState;
 use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody};
-use super::extract::SubscriptionQuery;
+use super::extract::{ApiPath, ApiQuery, SubscriptionQuery};
 use super::responses::{CheckedSubscription, VerificationOutcome};
 use super::secrets::{open_secrets, open_sensitive};
 use super::subscriptions::{load, view_of};
@@ -120,12 +120,13 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
-            `timeout`, `redirect`, …); the subscription is now `failed`", body = ErrorBody)))]
+            `timeout`, `redirect`, …); the subscription is now `failed`", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn verify(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<SubscriptionQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Json<CheckedSubscription>, ApiError> {
     let current = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
     let (rec, outcome) = probe_and_record(&state, (*current).clone(), Probe::Requested).await?;

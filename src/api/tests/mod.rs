@@ -23,6 +23,7 @@ use crate::subscriptions::secrets::Kek;
 
 mod access;
 mod crud;
+mod known_errors;
 mod rotation;
 mod validation;
 mod verification;
