@@ -15,6 +15,12 @@ export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
 # A three-broker cluster (replication, leader failover) on its own ports, for tests/cluster.rs.
 export TEST_KAFKA_CLUSTER_PORT="${TEST_KAFKA_CLUSTER_PORT:-19192}"
 KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 --fresh >/dev/null
+# A SCRAM-SHA-256 broker (SASL_PLAINTEXT on +2, SASL_SSL on +3, CA made by kafka.sh) for
+# tests/security.rs.
+export TEST_KAFKA_SASL_BROKER_PORT="${TEST_KAFKA_SASL_BROKER_PORT:-29092}"
+KAFKA_PORT="$TEST_KAFKA_SASL_BROKER_PORT" KAFKA_HEAP=384m scripts/kafka.sh start --sasl --fresh >/dev/null
+export TEST_KAFKA_SASL_PORT="${TEST_KAFKA_SASL_PORT:-$((TEST_KAFKA_SASL_BROKER_PORT + 2))}"
+export TEST_KAFKA_SASL_CA="${TEST_KAFKA_SASL_CA:-$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem}"
 
 echo "== cargo fmt --check" >&2
 cargo fmt --check
@@ -28,4 +34,7 @@ if [[ $# -eq 0 ]]; then
   echo "== scripts/demo.sh --ci" >&2
   port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
   STREAMING_HUB_HTTP_LISTEN_ADDR="127.0.0.1:$port" scripts/demo.sh --ci | tail -n 3
+  # Schemathesis against /openapi.json of a running hub: no 5xx, every answer as documented.
+  echo "== scripts/api-fuzz.sh" >&2
+  scripts/api-fuzz.sh
 fi

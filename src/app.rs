@@ -196,7 +196,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             clock: clock.clone(),
             allow_private: config.allow_private_sinks,
             allow_insecure: config.allow_insecure_sinks,
-            permits: Arc::new(tokio::sync::Semaphore::new(config.dispatch_workers)),
+            permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
+            http_timeout_ms: config.http_timeout.as_millis() as i64,
         };
         let handler = DispatchJobs {
             table: table.clone(),

@@ -186,7 +186,8 @@ async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<Stri
         clock: clock.clone(),
         allow_private: true,
         allow_insecure: true,
-        permits: Arc::new(tokio::sync::Semaphore::new(config.dispatch_workers)),
+        permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
+        http_timeout_ms: config.http_timeout.as_millis() as i64,
     };
     let dispatch = Dispatch::new(
         table.clone(),

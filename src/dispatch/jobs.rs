@@ -122,12 +122,14 @@ pub struct TenantRing {
     /// Tenants given a job in the open transaction: their timers are not in the store yet, so
     /// an empty scan must not drop them.
     fresh: HashSet<String>,
-    /// Per tenant, a due time no live timer of it is earlier than: scans seek there instead of
-    /// the tenant's first key. Claimed and finished timers are deleted from the front of a
-    /// tenant's range, and RocksDB iterators step over every such tombstone until a compaction;
-    /// without the mark a busy tenant's scan walked thousands of them per claim (55% of the
-    /// hub's CPU under load). Lowered by every timer a commit writes ([`TenantRing::note_timers`]).
-    marks: std::collections::HashMap<String, i64>,
+    /// Per tenant, a timer key no live timer of it sorts before: scans seek there instead of the
+    /// tenant's first key. Claimed and finished timers are deleted from the front of a tenant's
+    /// range, and RocksDB iterators step over every such tombstone until a compaction; without
+    /// the mark a busy tenant's scan walked thousands of them per claim (55% of the hub's CPU
+    /// under load). A whole key, not only a due time: 10,000 jobs of one event share one due
+    /// time, and a mark by time alone made each claim step over every timer claimed before it.
+    /// Lowered by every timer a commit writes ([`TenantRing::note_timers`]).
+    marks: std::collections::HashMap<String, Vec<u8>>,
 }
 
 impl TenantRing {
@@ -146,22 +148,22 @@ impl TenantRing {
         self.order.is_empty()
     }
 
+    /// Tenants with timers (due or not) in this task.
+    pub fn tenants(&self) -> usize {
+        self.order.len()
+    }
+
     /// Lowers the tenants' marks to the timers a committed batch wrote (call before applying it).
     pub fn note_timers(&mut self, staged: &Staged) {
         for k in staged.puts_in(DUE) {
             let Some(end) = k.iter().position(|&b| b == 0) else {
                 continue;
             };
-            let Some(due) = k
-                .get(end + 1..end + 9)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(|b| u64::from_be_bytes(b) as i64)
-            else {
-                continue;
-            };
             let tenant = String::from_utf8_lossy(&k[..end]);
             if let Some(m) = self.marks.get_mut(tenant.as_ref()) {
-                *m = (*m).min(due);
+                if k < m.as_slice() {
+                    *m = k.to_vec();
+                }
             }
         }
     }
@@ -329,22 +331,21 @@ impl JobStore<'_> {
         while out.len() < limit && !ring.order.is_empty() && idle_pass < ring.order.len() {
             let tenant = ring.order.pop_front().expect("non-empty");
             let prefix = [tenant.as_bytes(), b"\0"].concat();
-            let start = match ring.marks.get(&tenant) {
-                Some(m) => [prefix.as_slice(), &(*m as u64).to_be_bytes()].concat(),
-                None => prefix,
-            };
+            let start = ring.marks.get(&tenant).cloned().unwrap_or(prefix);
             // This tenant's timers from its mark: the first one not taken this round (nor
             // deleted in the open transaction) that is due. Keys are visited in place, none
             // copied but the one found.
             let mut found = None;
             let mut any = false;
-            let mut first_due = None;
+            let mut first_live: Option<Vec<u8>> = None;
             let staged = &*self.staged;
             self.store.visit_from(DUE, &start, usize::MAX, |k| {
                 let Some((due, job)) = split_due_key(k, &tenant) else {
                     return false;
                 };
-                first_due.get_or_insert(due);
+                if first_live.is_none() {
+                    first_live = Some(k.to_vec());
+                }
                 any = true;
                 if due > now {
                     return false;
@@ -355,12 +356,13 @@ impl JobStore<'_> {
                 }
                 true
             })?;
-            if let Some(due) = first_due {
-                ring.marks.insert(tenant.clone(), due);
+            if let Some(k) = first_live {
+                ring.marks.insert(tenant.clone(), k);
             }
             if !any {
                 // No live timer of this tenant from its mark on: the next one written lowers it.
-                ring.marks.insert(tenant.clone(), i64::MAX);
+                let past_all = [tenant.as_bytes(), b"\0", &[0xff; 9]].concat();
+                ring.marks.insert(tenant.clone(), past_all);
             }
             match found {
                 Some(job_key) => {
@@ -393,6 +395,22 @@ impl JobStore<'_> {
 pub struct OutcomeRecords {
     pub attempt: AttemptRecord,
     pub dead_letter: Option<DeadLetterRecord>,
+}
+
+/// Puts the job of an attempt that was never sent ([`Outcome::not_attempted`]) back to due now,
+/// with no attempt and no reclaim counted. A stale outcome changes nothing.
+pub fn release_unattempted(js: &mut JobStore<'_>, o: &Outcome, now: i64) -> Result<(), JobError> {
+    let Some(mut job) = js.get_job(&o.job_key)? else {
+        return Ok(());
+    };
+    if job.state != JobState::Leased || job.attempt != o.attempt || job.due_at != o.lease_until {
+        return Ok(());
+    }
+    let old_due = job.due_at;
+    job.state = JobState::Pending;
+    job.lease_until = None;
+    job.due_at = now;
+    js.put_job(&o.job_key, &job, Some(old_due))
 }
 
 /// Applies an attempt's outcome to its job: done, rescheduled on the curve, or dead-lettered.

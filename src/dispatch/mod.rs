@@ -13,6 +13,7 @@
 //! `<prefix>.pull` (key = subscription id), matched webhook subscriptions get a job.
 pub mod breaker;
 pub mod curve;
+pub mod fair;
 pub mod health;
 pub mod jobs;
 pub mod worker;

@@ -17,13 +17,16 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use tokio::sync::Semaphore;
 
 use crate::delivery::{client, signing};
+use crate::dispatch::fair::FairPermits;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
 use crate::subscriptions::secrets::Kek;
 use crate::subscriptions::table::Sub;
+
+/// `Outcome::error_kind` of an attempt given up before it was sent (see [`Outcome::not_attempted`]).
+pub const NOT_ATTEMPTED: &str = "not_attempted";
 
 /// Response bytes kept in the attempt record.
 pub const BODY_CAP: usize = 64 * 1024;
@@ -69,6 +72,12 @@ impl Outcome {
     pub fn success(&self) -> bool {
         self.error_kind.is_none()
     }
+
+    /// The attempt was never made: it waited for a worker until too little of its lease was left
+    /// to finish within it. Its job goes back to due, with no attempt counted.
+    pub fn not_attempted(&self) -> bool {
+        self.error_kind.as_deref() == Some(NOT_ATTEMPTED)
+    }
 }
 
 /// Everything a worker needs besides the attempt.
@@ -79,7 +88,10 @@ pub struct Workers {
     pub clock: SharedClock,
     pub allow_private: bool,
     pub allow_insecure: bool,
-    pub permits: Arc<Semaphore>,
+    /// The worker slots, granted round-robin across tenants.
+    pub permits: FairPermits,
+    /// `STREAMING_HUB_HTTP_TIMEOUT`: an attempt starts only with at least this much lease left.
+    pub http_timeout_ms: i64,
 }
 
 impl Workers {
@@ -87,7 +99,27 @@ impl Workers {
     pub fn spawn(&self, handle: &tokio::runtime::Handle, a: Attempt, done: Sender<Outcome>) {
         let w = self.clone();
         handle.spawn(async move {
-            let _permit = w.permits.clone().acquire_owned().await;
+            let _permit = w.permits.acquire(&a.tenant).await;
+            if w.clock.now_ms() + w.http_timeout_ms > a.lease_until {
+                // Sending now could outlive the lease: the hub may already be reclaiming the job,
+                // and a second copy would go out. Hand it back unsent instead.
+                let _ = done.send(Outcome {
+                    partition: a.partition,
+                    job_key: a.job_key.clone(),
+                    attempt: a.attempt,
+                    lease_until: a.lease_until,
+                    delivery_id: String::new(),
+                    started_at: w.clock.now_ms(),
+                    latency_ms: 0,
+                    status: None,
+                    error_kind: Some(NOT_ATTEMPTED.into()),
+                    retry_after_ms: None,
+                    response_body: None,
+                    ingest_ms: a.ingest_ms,
+                    tenant: a.tenant.clone(),
+                });
+                return;
+            }
             crate::runtime::telemetry::attempts_executing(1.0);
             let started_at = w.clock.now_ms();
             let base = Outcome {

@@ -781,6 +781,18 @@ impl HubStage {
                         deadline = Some(Instant::now() + interval);
                     }
                 }
+                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code))) => {
+                    // The consumer is dead (e.g. another member took this static member id):
+                    // the loop stops on it, so the process is restarted.
+                    consumer
+                        .context()
+                        .shared
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .fatal
+                        .get_or_insert(HubError::Fenced(format!("fatal consumer error: {code}")));
+                    break;
+                }
                 Some(Err(e)) => tracing::warn!(error = %e, "hub consumer error"),
             }
         }
@@ -1077,6 +1089,10 @@ fn dispatch_work(
             codec: &env.codec,
             changelog: jc,
         };
+        if o.not_attempted() {
+            jobs::release_unattempted(&mut js, o, now)?;
+            continue;
+        }
         let sub = js
             .get_job(&o.job_key)?
             .and_then(|j| d.table.read().get(&j.subscription_id));
@@ -1166,6 +1182,13 @@ fn dispatch_work(
     }
     d.round = d.round.wrapping_add(1);
     let share = capacity.div_ceil(order.len().max(1));
+    // Per tenant at most an equal share of the claims in flight, and never less than
+    // `max_in_flight_per_tenant`: a tenant alone (a 10,000-subscription fan-out) gets them all;
+    // the worker permits go round-robin across tenants anyway.
+    let tenants_with_timers: usize = tasks.values().map(|t| t.ring.tenants()).sum();
+    let per_tenant_cap = d
+        .max_in_flight_per_tenant
+        .max(d.max_in_flight / tenants_with_timers.max(1));
     for p in order {
         let Some(task) = tasks.get_mut(&p) else {
             continue;
@@ -1192,7 +1215,7 @@ fn dispatch_work(
                 .copied()
                 .unwrap_or(0)
                 + claimed_here.get(&job.tenant_id).copied().unwrap_or(0);
-            if busy >= d.max_in_flight_per_tenant {
+            if busy >= per_tenant_cap {
                 continue; // this tenant has enough in flight; its job stays due
             }
             *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;

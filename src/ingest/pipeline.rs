@@ -231,6 +231,11 @@ impl Ingest {
                         deadline = Some(Instant::now() + self.config.commit_interval);
                     }
                 }
+                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code))) => {
+                    // The consumer is dead (e.g. another member took this static member id):
+                    // stop, so the process is restarted instead of holding partitions forever.
+                    return Err(IngestError::Fenced(format!("fatal consumer error: {code}")));
+                }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "ingest consumer error");
                 }

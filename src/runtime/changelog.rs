@@ -122,7 +122,15 @@ pub fn restore(
         while chunk.len() < 4096 {
             match consumer.poll(Duration::from_millis(if chunk.is_empty() { 20 } else { 0 })) {
                 Some(Ok(m)) => chunk.push(m),
-                Some(Err(e)) => return Err(e.into()),
+                Some(Err(e)) => {
+                    // A broker going away mid-restore (its partitions move to another leader):
+                    // librdkafka reconnects. Not idle either: an error must not pass for the
+                    // quiet end of the changelog below.
+                    tracing::warn!(error = %e, "changelog read error during restore; retrying");
+                    idle_since = Instant::now();
+                    std::thread::sleep(Duration::from_millis(100));
+                    break;
+                }
                 None => break,
             }
         }
