@@ -227,6 +227,27 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         );
     }
 
+    {
+        // Liveness watchdog: a loop stuck in a call that never returns ends the process.
+        let (stop, limit) = (stop.clone(), config.stall_timeout);
+        std::thread::Builder::new()
+            .name("watchdog".into())
+            .spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    if let Some(stage) = crate::runtime::liveness::stalled(limit) {
+                        tracing::error!(
+                            stage,
+                            stall_timeout = ?limit,
+                            "a stage has not turned within STREAMING_HUB_STALL_TIMEOUT; exiting so the process is restarted"
+                        );
+                        std::process::exit(70);
+                    }
+                }
+            })
+            .map_err(|e| AppError::Http(e.to_string()))?;
+    }
+
     let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
         .await
         .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;

@@ -267,6 +267,9 @@ macro_rules! upper {
     (shutdown_timeout) => {
         "SHUTDOWN_TIMEOUT"
     };
+    (stall_timeout) => {
+        "STALL_TIMEOUT"
+    };
     (commit_interval) => {
         "COMMIT_INTERVAL"
     };
@@ -432,6 +435,9 @@ settings! {
     dlq_retention: std::time::Duration = "168h";
     /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
     shutdown_timeout: std::time::Duration = "30s";
+    /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
+    /// for this long, e.g. stuck in a Kafka call that never returns.
+    stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
     /// Log format: `text` or `json`.

@@ -347,6 +347,8 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     env.insert("STREAMING_HUB_HTTP_TIMEOUT".into(), "2s".into());
     env.insert("STREAMING_HUB_DISPATCH_WORKERS".into(), WORKERS.to_string());
     env.insert("STREAMING_HUB_SHUTDOWN_TIMEOUT".into(), "5s".into());
+    // A loop stuck in a Kafka call ends its process after this; the supervisor restarts it.
+    env.insert("STREAMING_HUB_STALL_TIMEOUT".into(), "40s".into());
     let envs = [
         env.clone(),
         another_instance(&env, "2"),
@@ -594,7 +596,10 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         assert_eq!(&h.tenant, tenant, "leak across tenants: {h:?}");
         assert_eq!(&h.event_type, ty);
     }
-    // Duplicates: only for attempts around a fault (first success within 20 s before one).
+    // Duplicates: only for attempts around a fault: a first success from 20 s before a fault
+    // (its outcome was not committed yet) to 45 s after it (partitions still moving: the group
+    // rebalances as restarted instances rejoin, and an outcome whose partition moved is lost,
+    // so the job is reclaimed once its lease ends).
     let mut acks: HashMap<(String, String), Vec<i64>> = HashMap::new();
     for h in hits.iter().filter(|h| h.acked) {
         acks.entry((h.sub.clone(), h.event_id.clone()))
@@ -609,7 +614,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
             assert!(
                 faults
                     .iter()
-                    .any(|f| first <= f.at_ms + 15_000 && first >= f.at_ms - 20_000),
+                    .any(|f| first <= f.at_ms + 45_000 && first >= f.at_ms - 20_000),
                 "duplicate delivery of {pair:?} far from any fault: {times:?}; faults: {:?}",
                 faults
                     .iter()

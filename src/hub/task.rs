@@ -44,7 +44,7 @@ const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
 pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an abort may keep being retried while a partition leader fails over.
-const ABORT_PATIENCE: Duration = Duration::from_secs(300);
+const ABORT_PATIENCE: Duration = Duration::from_secs(60);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// Longest a hub batch stays open while deliveries are under way.
@@ -600,6 +600,7 @@ impl HubStage {
         let mut backlog_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
+            crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
@@ -672,6 +673,7 @@ impl HubStage {
             }
         }
         self.drain_on_stop(&producer, &consumer, &shared)?;
+        crate::runtime::liveness::rest(&crate::runtime::liveness::HUB);
         tracing::info!("hub stage stopping");
         consumer.unsubscribe();
         Ok(())
@@ -696,6 +698,7 @@ impl HubStage {
             tracing::info!(in_flight, "waiting for attempts in flight before leaving");
         }
         loop {
+            crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
             let d = self.dispatch.as_mut().expect("checked above");
             d.drain();
             if d.in_flight == 0 && d.pending.is_empty() {

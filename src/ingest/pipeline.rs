@@ -47,7 +47,7 @@ const MAX_HEADERS: usize = 256;
 const MAX_HEADER_BYTES: usize = 64 * 1024;
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an abort may keep being retried while a partition leader fails over.
-const ABORT_PATIENCE: Duration = Duration::from_secs(300);
+const ABORT_PATIENCE: Duration = Duration::from_secs(60);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
 
@@ -151,6 +151,7 @@ impl Ingest {
 
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.config.ingest_batch_max);
         while !stop.load(Ordering::Relaxed) {
+            crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
             batch.clear();
             self.fill_batch(&consumer, &mut batch, &stop)?;
             if batch.is_empty() {
@@ -187,6 +188,7 @@ impl Ingest {
                 }
             }
         }
+        crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
         tracing::info!("ingest stopping");
         drop(batch);
         consumer.unsubscribe();
@@ -214,6 +216,7 @@ impl Ingest {
             if deadline.is_some() && wait.is_zero() {
                 break;
             }
+            crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST); // idle is alive
             match consumer.poll(wait) {
                 None => {
                     if deadline.is_some() || stop.load(Ordering::Relaxed) {

@@ -86,15 +86,17 @@ pub fn restore(
 ) -> Result<RestoreStats, KafkaError> {
     let started = Instant::now();
     let mut stats = RestoreStats::default();
-    let consumer: BaseConsumer = kafka::base(config)
+    let consumer: BaseConsumer<StableOffsets> = kafka::base(config)
         .set("group.id", format!("{}.restore", config.group_id))
+        // Each partition's last stable offset reaches `StableOffsets` through the statistics.
+        .set("statistics.interval.ms", "200")
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
         .set("fetch.wait.max.ms", "10")
         .set("fetch.max.bytes", "52428800")
         .set("max.partition.fetch.bytes", "16777216")
-        .create()
+        .create_with_context(StableOffsets::default())
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
     let mut tpl = TopicPartitionList::new();
     // (spec index, end offset) of the partitions that have something to read.
@@ -118,6 +120,7 @@ pub fn restore(
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut idle_since = Instant::now();
     loop {
+        crate::runtime::liveness::beat(&crate::runtime::liveness::HUB); // restoring is turning
         let mut chunk: Vec<rdkafka::message::BorrowedMessage<'_>> = Vec::with_capacity(4096);
         while chunk.len() < 4096 {
             match consumer.poll(Duration::from_millis(if chunk.is_empty() { 20 } else { 0 })) {
@@ -171,11 +174,34 @@ pub fn restore(
         if pending.is_empty() {
             break;
         }
-        // Aborted records and markers at the very end may leave a position short of the high
-        // watermark; 2 s without any committed record means we have them all.
+        // An open transaction at the very end (the previous owner's, until it is aborted) keeps
+        // the position short of the high watermark while nothing more is readable. After 2 s
+        // without a record, the restore is complete only where the position has reached the
+        // last stable offset, which the brokers report with every fetch (read from librdkafka's
+        // statistics: the client API only exposes the high watermark). Quiet alone is not enough: a broker that is slow or failing
+        // over is quiet too, and stopping there restored stale state (sequence numbers given
+        // twice, found by the fault suite).
         if idle_since.elapsed() > Duration::from_secs(2) {
-            tracing::debug!(left = pending.len(), "restore ended on idle tails");
-            break;
+            let at_lso = pending.iter().all(|(i, _)| {
+                let s = &specs[*i];
+                let at = pos
+                    .find_partition(&s.topic, s.partition)
+                    .and_then(|e| match e.offset() {
+                        Offset::Offset(o) => Some(o),
+                        _ => None,
+                    });
+                match (consumer.context().get(&s.topic, s.partition), at) {
+                    (Some(lso), Some(o)) => o >= lso,
+                    _ => false,
+                }
+            });
+            if at_lso {
+                tracing::debug!(
+                    left = pending.len(),
+                    "restore ended at the last stable offset"
+                );
+                break;
+            }
         }
         if Instant::now() > deadline {
             return Err(KafkaError::Setup(format!(
@@ -191,8 +217,8 @@ pub fn restore(
 /// A partition's watermarks, retried for up to a minute: right after a topic is created or a
 /// broker dies, its leader may not be known yet (`NotLeaderForPartition`, transport errors), and
 /// a restore must wait that out rather than fail the task.
-fn watermarks(
-    consumer: &BaseConsumer,
+fn watermarks<C: rdkafka::consumer::ConsumerContext>(
+    consumer: &BaseConsumer<C>,
     topic: &str,
     partition: i32,
 ) -> Result<(i64, i64), KafkaError> {
@@ -208,3 +234,44 @@ fn watermarks(
         }
     }
 }
+
+/// The last stable offset of every partition the restore consumer fetches, from librdkafka's
+/// statistics (`ls_offset`).
+#[derive(Default)]
+struct StableOffsets(Mutex<HashMap<(String, i32), i64>>);
+
+impl StableOffsets {
+    fn get(&self, topic: &str, partition: i32) -> Option<i64> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(topic.to_string(), partition))
+            .copied()
+    }
+}
+
+impl ClientContext for StableOffsets {
+    fn stats_raw(&self, raw: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(raw) else {
+            return;
+        };
+        let Some(topics) = v.get("topics").and_then(|t| t.as_object()) else {
+            return;
+        };
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for (topic, t) in topics {
+            let Some(parts) = t.get("partitions").and_then(|p| p.as_object()) else {
+                continue;
+            };
+            for p in parts.values() {
+                let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
+                let (partition, stable) = (num("partition"), num("ls_offset"));
+                if partition >= 0 && stable >= 0 {
+                    map.insert((topic.clone(), partition as i32), stable);
+                }
+            }
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for StableOffsets {}

@@ -6,6 +6,7 @@ pub mod avro;
 pub mod changelog;
 pub mod clock;
 pub mod kafka;
+pub mod liveness;
 pub mod records;
 pub mod secret;
 pub mod store;
