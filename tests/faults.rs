@@ -708,10 +708,10 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         };
         json!({"events": d.len(), "p50_s": q(0.5), "p99_s": q(0.99), "max_s": q(1.0)})
     };
-    let mut report = vec![json!({"fault": "none (before the first)",
+    let mut delays = vec![json!({"fault": "none (before the first)",
                                  "delay": window(0, faults[0].at_ms)})];
     for f in &faults {
-        report.push(json!({"fault": f.name, "delay": window(f.at_ms, f.at_ms + 10_000)}));
+        delays.push(json!({"fault": f.name, "delay": window(f.at_ms, f.at_ms + 10_000)}));
     }
     let line = json!({
         "scenario": "faults",
@@ -723,10 +723,9 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         "sink_requests": hits.len(),
         "duplicates": duplicates,
         "instances_that_exited_on_their_own": exited,
-        "faults": report,
+        "faults": delays,
         "settle_after_producer_stopped_s": settle_s,
         "producer_stopped_ms": stopped_ms,
     });
-    println!("{line}");
-    eprintln!("{line}");
+    report(&line);
 }

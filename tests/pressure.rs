@@ -267,11 +267,10 @@ async fn hostile_sinks_hold_at_most_the_workers_and_memory_stays_bounded() {
     let rss = peak_rss_mib(&s.hub);
     assert!(rss < 512, "peak RSS {rss} MiB");
     assert!(!s.hub.log_text().contains("panicked"), "a panic in the log");
-    println!(
-        "{}",
-        json!({"scenario": "hostile-sinks", "hostile_requests": *pressure.requests.lock().unwrap(),
+    report(
+        &json!({"scenario": "hostile-sinks", "hostile_requests": *pressure.requests.lock().unwrap(),
                "most_at_once_seen_by_sinks": most, "most_executing_seen_by_hub": busiest, "workers": WORKERS, "huge_bytes_sent": huge_sent,
-               "calm_delivered": EVENTS, "peak_rss_mib": rss})
+               "calm_delivered": EVENTS, "peak_rss_mib": rss}),
     );
 }
 
@@ -354,9 +353,8 @@ async fn ten_thousand_subscriptions_on_one_tenant_each_get_the_event() {
     );
     let rss = peak_rss_mib(&hub);
     assert!(rss < 512, "peak RSS {rss} MiB");
-    println!(
-        "{}",
-        json!({"scenario": "10k-subscriptions", "subscriptions": SUBS, "apply_s": apply_s,
-               "fanout_s": fanout_s, "peak_rss_mib": rss})
+    report(
+        &json!({"scenario": "10k-subscriptions", "subscriptions": SUBS, "apply_s": apply_s,
+               "fanout_s": fanout_s, "peak_rss_mib": rss}),
     );
 }

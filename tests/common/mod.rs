@@ -697,3 +697,10 @@ pub fn metric_sum(text: &str, name: &str) -> u64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }
+
+/// Prints a test's figures (one JSON line) straight to stderr, past the test harness's output
+/// capture, so the test command's log shows them for passing tests too.
+pub fn report(line: &serde_json::Value) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "FIGURES {line}");
+}
