@@ -109,6 +109,17 @@ fn table() -> Vec<(&'static str, Rec)> {
         ),
         ("payload_too_large", {
             let mut r = ok();
+            for i in 0..2000 {
+                r = r.add(&format!("x-junk-{i}"), b"");
+            }
+            r
+        }),
+        (
+            "headers_too_large",
+            ok().set("ce-subject", Some(&vec![b's'; 9 * 1024])),
+        ),
+        ("payload_too_large", {
+            let mut r = ok();
             r.value = Some(vec![b'x'; 5000]);
             r
         }),

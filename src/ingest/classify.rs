@@ -9,7 +9,8 @@
 //! 1. **Header structure** — over every header named `ce-*` (names are case-sensitive: `CE-Id` is not
 //!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8
 //!    or a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1) →
-//!    `invalid_header_encoding`; a second occurrence → `duplicate_header`. Other headers
+//!    `invalid_header_encoding`; a value over 8 KiB (it becomes an HTTP header of every delivery)
+//!    → `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
 //!    (`traceparent`, …) are carried, never judged.
 //! 2. **Payload size** — over `max_payload_bytes` → `payload_too_large`. A null value is an empty one.
 //! 3. **System event** — `ce-systemevent` exactly `true` → [`Verdict::Drop`]. A system event with a
@@ -117,13 +118,14 @@ pub enum Reason {
     DuplicateHeader,
     InvalidHeaderEncoding,
     PayloadTooLarge,
+    HeadersTooLarge,
     SignatureMissing,
     SignatureInvalid,
     SignatureUnknownKey,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -136,6 +138,7 @@ impl Reason {
         Reason::DuplicateHeader,
         Reason::InvalidHeaderEncoding,
         Reason::PayloadTooLarge,
+        Reason::HeadersTooLarge,
         Reason::SignatureMissing,
         Reason::SignatureInvalid,
         Reason::SignatureUnknownKey,
@@ -156,6 +159,7 @@ impl Reason {
             Reason::DuplicateHeader => "duplicate_header",
             Reason::InvalidHeaderEncoding => "invalid_header_encoding",
             Reason::PayloadTooLarge => "payload_too_large",
+            Reason::HeadersTooLarge => "headers_too_large",
             Reason::SignatureMissing => "signature_missing",
             Reason::SignatureInvalid => "signature_invalid",
             Reason::SignatureUnknownKey => "signature_unknown_key",
@@ -239,6 +243,9 @@ fn has_control(s: &str) -> bool {
 }
 
 /// Step 1: one pass over the headers, filling the known slots.
+/// Longest `ce-*` value: each becomes an HTTP request header of every delivery, and receivers
+/// commonly refuse header lines over 8 KiB.
+pub const MAX_CE_VALUE_BYTES: usize = 8 * 1024;
 fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quarantined> {
     let mut slots: Slots<'h> = [None; SLOTS];
     let mut extensions: Vec<&str> = Vec::new();
@@ -253,6 +260,13 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
         let Some(value) = value else {
             return encoding(format_args!("null value"));
         };
+        if value.len() > MAX_CE_VALUE_BYTES {
+            let what = format_args!(
+                "{} bytes, over the limit of {MAX_CE_VALUE_BYTES} bytes",
+                value.len()
+            );
+            return Err(quarantine(Reason::HeadersTooLarge, at(name, what)));
+        }
         let Ok(value) = std::str::from_utf8(value) else {
             return encoding(format_args!("value is not UTF-8"));
         };
@@ -694,6 +708,19 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_ce_value_over_8_kib_is_quarantined_and_one_at_the_limit_is_not() {
+        let cfg = ClassifyConfig::default();
+        let at_limit = "s".repeat(MAX_CE_VALUE_BYTES);
+        accepted(Rec::ledger().set("ce-subject", &at_limit).classify(&cfg));
+        let over = "s".repeat(MAX_CE_VALUE_BYTES + 1);
+        assert_quarantined(
+            Rec::ledger().set("ce-subject", &over).classify(&cfg),
+            Reason::HeadersTooLarge,
+            "ce-subject",
+        );
+    }
+
     #[track_caller]
     fn accepted(verdict: Verdict) -> Accepted {
         match verdict {
@@ -789,6 +816,12 @@ mod tests {
                 ledger().set_raw("ce-subject", Some(b"acc-\xff")),
                 plain,
                 Q(InvalidHeaderEncoding, "ce-subject"),
+            ),
+            (
+                "huge ce value",
+                ledger().set("ce-subject", &"s".repeat(MAX_CE_VALUE_BYTES + 1)),
+                plain,
+                Q(HeadersTooLarge, "ce-subject"),
             ),
             ("payload", ledger(), small, Q(PayloadTooLarge, "value")),
             ("unsigned", ledger(), signing, Q(SignatureMissing, "ce-sig")),
@@ -1293,7 +1326,7 @@ mod tests {
     #[test]
     fn reason_codes_are_unique_snake_case_with_their_cause_kind() {
         let codes: std::collections::HashSet<_> = Reason::ALL.iter().map(Reason::code).collect();
-        assert_eq!(codes.len(), 15);
+        assert_eq!(codes.len(), 16);
         assert!(
             codes
                 .iter()
