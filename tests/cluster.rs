@@ -3,7 +3,6 @@
 //! transactions included, and the broker comes back.
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -13,24 +12,6 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
-
-fn cluster_port() -> u16 {
-    std::env::var("TEST_KAFKA_CLUSTER_PORT")
-        .expect(
-            "TEST_KAFKA_CLUSTER_PORT unset: run scripts/test.sh, which starts the 3-broker cluster",
-        )
-        .parse()
-        .unwrap()
-}
-
-fn kafka_sh(args: &[&str]) {
-    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
-        .args(args)
-        .env("KAFKA_PORT", cluster_port().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success(), "kafka.sh {args:?} failed");
-}
 
 #[tokio::test]
 async fn replicated_topic_survives_its_leader_broker_being_killed() {
@@ -85,7 +66,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
     };
     send_batch(0);
 
-    kafka_sh(&["kill", &leader.to_string()]);
+    cluster_kafka_sh(&["kill", &leader.to_string()]);
     let new_leader = wait_until(Duration::from_secs(60), "a new leader", || {
         let md = admin
             .inner()
@@ -96,7 +77,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
     });
     assert_ne!(new_leader, leader);
     send_batch(100); // two in-sync replicas remain: min.insync.replicas = 2 holds
-    kafka_sh(&["restart-node", &leader.to_string()]);
+    cluster_kafka_sh(&["restart-node", &leader.to_string()]);
     wait_until(
         Duration::from_secs(90),
         "the restarted broker back in sync",

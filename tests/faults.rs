@@ -46,25 +46,6 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-fn cluster_port() -> u16 {
-    std::env::var("TEST_KAFKA_CLUSTER_PORT")
-        .expect(
-            "TEST_KAFKA_CLUSTER_PORT unset: run scripts/test.sh, which starts the 3-broker cluster",
-        )
-        .parse()
-        .unwrap()
-}
-
-fn kafka_sh(args: &[&str]) {
-    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
-        .args(args)
-        .env("KAFKA_PORT", cluster_port().to_string())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "kafka.sh {args:?} failed");
-}
-
 fn signal(hub: &Hub, sig: &str) {
     let ok = Command::new("kill")
         .arg(format!("-{sig}"))
@@ -489,13 +470,13 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         name: "kill inbox leader broker".into(),
         at_ms: now_ms(),
     });
-    kafka_sh(&["kill", &leader.to_string()]);
+    cluster_kafka_sh(&["kill", &leader.to_string()]);
     wait_until(Duration::from_secs(60), "a new inbox leader", || {
         leader_of(&inbox).filter(|l| *l != leader)
     });
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
     wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
-    kafka_sh(&["restart-node", &leader.to_string()]);
+    cluster_kafka_sh(&["restart-node", &leader.to_string()]);
     let all_in_sync = || {
         let md = admin()
             .inner()
@@ -529,7 +510,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         name: "sigkill instance 1 while a broker is down".into(),
         at_ms: now_ms(),
     });
-    kafka_sh(&["kill", &victim.to_string()]);
+    cluster_kafka_sh(&["kill", &victim.to_string()]);
     hubs[0].kill();
     wait_until(
         Duration::from_secs(60),
@@ -537,7 +518,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         reached(mark + RATE_PER_SEC * 3),
     );
     hubs[0] = Hub::start(&envs[0]);
-    kafka_sh(&["restart-node", &victim.to_string()]);
+    cluster_kafka_sh(&["restart-node", &victim.to_string()]);
 
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
     wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));

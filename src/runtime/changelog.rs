@@ -161,16 +161,15 @@ pub fn restore(
         // Done when each position passed the end seen at the start (positions move past
         // transaction markers).
         let pos = consumer.position()?;
-        pending.retain(|(i, high)| {
-            let s = &specs[*i];
-            let at = pos
-                .find_partition(&s.topic, s.partition)
+        let at = |i: usize| {
+            let s = &specs[i];
+            pos.find_partition(&s.topic, s.partition)
                 .and_then(|e| match e.offset() {
                     Offset::Offset(o) => Some(o),
                     _ => None,
-                });
-            !matches!(at, Some(o) if o >= *high)
-        });
+                })
+        };
+        pending.retain(|(i, high)| !matches!(at(*i), Some(o) if o >= *high));
         if pending.is_empty() {
             break;
         }
@@ -178,19 +177,13 @@ pub fn restore(
         // the position short of the high watermark while nothing more is readable. After 2 s
         // without a record, the restore is complete only where the position has reached the
         // last stable offset, which the brokers report with every fetch (read from librdkafka's
-        // statistics: the client API only exposes the high watermark). Quiet alone is not enough: a broker that is slow or failing
-        // over is quiet too, and stopping there restored stale state (sequence numbers given
-        // twice, found by the fault suite).
+        // statistics: the client API only exposes the high watermark). Quiet alone is not
+        // enough: a broker that is slow or failing over is quiet too, and stopping there
+        // restored stale state (sequence numbers given twice, found by the fault suite).
         if idle_since.elapsed() > Duration::from_secs(2) {
             let at_lso = pending.iter().all(|(i, _)| {
                 let s = &specs[*i];
-                let at = pos
-                    .find_partition(&s.topic, s.partition)
-                    .and_then(|e| match e.offset() {
-                        Offset::Offset(o) => Some(o),
-                        _ => None,
-                    });
-                match (consumer.context().get(&s.topic, s.partition), at) {
+                match (consumer.context().get(&s.topic, s.partition), at(*i)) {
                     (Some(lso), Some(o)) => o >= lso,
                     _ => false,
                 }

@@ -704,3 +704,24 @@ pub fn report(line: &serde_json::Value) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr().lock(), "FIGURES {line}");
 }
+
+/// The first port of the 3-broker cluster that scripts/test.sh starts (`TEST_KAFKA_CLUSTER_PORT`).
+pub fn cluster_port() -> u16 {
+    std::env::var("TEST_KAFKA_CLUSTER_PORT")
+        .expect(
+            "TEST_KAFKA_CLUSTER_PORT unset: run scripts/test.sh, which starts the 3-broker cluster",
+        )
+        .parse()
+        .unwrap()
+}
+
+/// `scripts/kafka.sh <args>` on the 3-broker cluster (e.g. `kill 2`, `restart-node 2`).
+pub fn cluster_kafka_sh(args: &[&str]) {
+    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
+        .args(args)
+        .env("KAFKA_PORT", cluster_port().to_string())
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kafka.sh {args:?} failed");
+}
