@@ -37,4 +37,7 @@ if [[ $# -eq 0 ]]; then
   # Schemathesis against /openapi.json of a running hub: no 5xx, every answer as documented.
   echo "== scripts/api-fuzz.sh" >&2
   scripts/api-fuzz.sh
+  # cargo fuzz targets (header classifier, Avro decoders, API bodies), 20 s each.
+  echo "== scripts/fuzz.sh 20" >&2
+  scripts/fuzz.sh 20
 fi

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The fuzz targets of fuzz/ (issue #9): installs cargo-fuzz and the nightly toolchain when
+# missing, builds every target once, runs each for a bounded time and fails if any crashes.
+#
+#   scripts/fuzz.sh              # 20 s per target (CI)
+#   scripts/fuzz.sh 600          # 10 min per target, by hand
+#   FUZZ_TARGETS="avro_decode" scripts/fuzz.sh 60
+#
+# Builds go to $HOME/.cache/streaming-hub/fuzz-target (instrumented: never shared with the main
+# target dir; the first build compiles librdkafka and RocksDB again). Corpora live in
+# $HOME/.cache/streaming-hub/fuzz-corpus/<target> and grow from run to run, seeded from
+# fuzz/seeds/<target>; crashing inputs land in $HOME/.cache/streaming-hub/fuzz-artifacts/<target>.
+# Reproduce one with:
+#   cargo +nightly fuzz run -s none --target-dir "$HOME/.cache/streaming-hub/fuzz-target" <target> <file>
+#
+# No AddressSanitizer (`-s none`): the cc crate compiles the bundled zstd with -fsanitize=address,
+# and librdkafka's configure then fails to link its test programs against it. The code under test
+# is safe Rust, where what we hunt (panics, overflow, wrong answers) needs no sanitizer; cargo-fuzz
+# still builds with debug assertions and overflow checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds="${1:-20}"
+if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: scripts/fuzz.sh [seconds-per-target]" >&2
+  exit 2
+fi
+cache="$HOME/.cache/streaming-hub"
+target_dir="${FUZZ_TARGET_DIR:-$cache/fuzz-target}"
+corpus_root="${FUZZ_CORPUS_DIR:-$cache/fuzz-corpus}"
+artifact_root="$cache/fuzz-artifacts"
+targets="${FUZZ_TARGETS:-ingest_classify avro_decode api_bodies}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+if ! rustup toolchain list | grep -q '^nightly'; then
+  echo "== rustup toolchain install nightly" >&2
+  rustup toolchain install nightly --profile minimal
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "== cargo install cargo-fuzz" >&2
+  cargo install cargo-fuzz --locked
+fi
+
+echo "== cargo fuzz build" >&2
+start=$(date +%s)
+cargo +nightly fuzz build -s none --target-dir "$target_dir"
+echo "built in $(($(date +%s) - start)) s" >&2
+
+failed=()
+for target in $targets; do
+  corpus="$corpus_root/$target"
+  artifacts="$artifact_root/$target"
+  mkdir -p "$corpus" "$artifacts"
+  dirs=("$corpus")
+  [[ -d "fuzz/seeds/$target" ]] && dirs+=("fuzz/seeds/$target")
+  flags=(-max_total_time="$seconds" -timeout=10 -print_final_stats=1
+    -artifact_prefix="$artifacts/")
+  [[ -f "fuzz/dicts/$target.dict" ]] && flags+=(-dict="fuzz/dicts/$target.dict")
+  log="$artifacts/last-run.log"
+  echo "== fuzz $target (${seconds} s)" >&2
+  if cargo +nightly fuzz run -s none --target-dir "$target_dir" "$target" "${dirs[@]}" -- "${flags[@]}" \
+    >"$log" 2>&1; then
+    runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+    rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+    echo "$target: ok, ${runs:-?} runs, ${rate:-?} exec/s, corpus $(find "$corpus" -type f | wc -l) inputs" >&2
+  else
+    failed+=("$target")
+    grep -E 'panicked at|ERROR: libFuzzer|SUMMARY|Test unit written' "$log" >&2 || tail -n 30 "$log" >&2
+    echo "$target: FAILED (log: $log)" >&2
+  fi
+done
+
+if ((${#failed[@]})); then
+  echo "fuzz: crashes in ${failed[*]}" >&2
+  exit 1
+fi
