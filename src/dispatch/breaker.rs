@@ -91,6 +91,17 @@ impl Breakers {
         None
     }
 
+    /// An admitted attempt was never sent (it waited past its lease): if it was the half-open
+    /// probe, the next due job may probe instead. Counts as neither success nor failure.
+    pub fn unsent(&mut self, tenant: &str, origin: &str) {
+        if let Some(s) = self
+            .states
+            .get_mut(&(tenant.to_string(), origin.to_string()))
+        {
+            s.probing = false;
+        }
+    }
+
     /// Breakers open now (open or waiting for their half-open probe).
     pub fn open_count(&self) -> usize {
         self.states
@@ -116,6 +127,26 @@ pub fn origin_of(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_probe_that_was_never_sent_lets_the_next_job_probe() {
+        let mut b = Breakers::default();
+        for i in 0..OPEN_AFTER as i64 {
+            b.record("t", "https://a", false, i);
+        }
+        let later = 10 + COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "https://a", later), Admit::Go, "the probe");
+        assert!(matches!(
+            b.admit("t", "https://a", later),
+            Admit::Shed { .. }
+        ));
+        b.unsent("t", "https://a");
+        assert_eq!(b.admit("t", "https://a", later), Admit::Go, "a new probe");
+        assert!(
+            b.is_open("t", "https://a"),
+            "still open until a probe succeeds"
+        );
+    }
 
     #[test]
     fn opens_after_five_consecutive_failures_and_sheds_until_cool_down() {

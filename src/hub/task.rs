@@ -1093,6 +1093,13 @@ fn dispatch_work(
             changelog: jc,
         };
         if o.not_attempted() {
+            let sub = js
+                .get_job(&o.job_key)?
+                .and_then(|j| d.table.read().get(&j.subscription_id));
+            if let Some(sub) = sub {
+                let origin = breaker::origin_of(sub.destination.url.as_deref().unwrap_or(""));
+                d.breakers.unsent(&sub.tenant_id, &origin);
+            }
             jobs::release_unattempted(&mut js, o, now)?;
             continue;
         }

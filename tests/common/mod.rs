@@ -657,7 +657,7 @@ impl ApiHub {
     }
 
     pub async fn wait_metric(&self, name: &str, at_least: u64) {
-        for _ in 0..600 {
+        for _ in 0..1500 {
             if self.metric(name).await >= at_least {
                 return;
             }
