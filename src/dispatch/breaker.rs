@@ -14,6 +14,9 @@ pub const OPEN_AFTER: u32 = 5;
 pub const COOL_DOWN_MS: i64 = 30_000;
 /// How long a job shed while a probe is in flight waits before it is looked at again (ms).
 const PROBE_WAIT_MS: i64 = 1_000;
+/// A probe with no outcome after this long is taken as lost (its outcome went with a partition
+/// that moved, or its process died): the next due job may probe (ms).
+pub const PROBE_LOST_MS: i64 = 120_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admit {
@@ -34,7 +37,8 @@ pub enum Transition {
 struct State {
     consecutive: u32,
     open_until: Option<i64>,
-    probing: bool,
+    /// When the half-open probe in flight was admitted.
+    probing: Option<i64>,
 }
 
 #[derive(Debug, Default)]
@@ -54,11 +58,11 @@ impl Breakers {
         match s.open_until {
             None => Admit::Go,
             Some(t) if now < t => Admit::Shed { until: t },
-            Some(_) if s.probing => Admit::Shed {
+            Some(_) if s.probing.is_some_and(|since| now < since + PROBE_LOST_MS) => Admit::Shed {
                 until: now + PROBE_WAIT_MS,
             },
             Some(_) => {
-                s.probing = true;
+                s.probing = Some(now);
                 Admit::Go
             }
         }
@@ -82,10 +86,10 @@ impl Breakers {
             return was_open.then_some(Transition::Closed);
         }
         s.consecutive += 1;
-        if s.probing || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
+        if s.probing.is_some() || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
             let opened = s.open_until.is_none();
             s.open_until = Some(now + COOL_DOWN_MS);
-            s.probing = false;
+            s.probing = None;
             return opened.then_some(Transition::Opened);
         }
         None
@@ -98,7 +102,7 @@ impl Breakers {
             .states
             .get_mut(&(tenant.to_string(), origin.to_string()))
         {
-            s.probing = false;
+            s.probing = None;
         }
     }
 
@@ -145,6 +149,26 @@ mod tests {
         assert!(
             b.is_open("t", "https://a"),
             "still open until a probe succeeds"
+        );
+    }
+
+    #[test]
+    fn a_probe_whose_outcome_never_comes_is_replaced_after_a_while() {
+        let mut b = Breakers::default();
+        for i in 0..OPEN_AFTER as i64 {
+            b.record("t", "https://a", false, i);
+        }
+        let t = 10 + COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "https://a", t), Admit::Go, "the probe");
+        let before = t + PROBE_LOST_MS - 1;
+        assert!(matches!(
+            b.admit("t", "https://a", before),
+            Admit::Shed { .. }
+        ));
+        assert_eq!(
+            b.admit("t", "https://a", t + PROBE_LOST_MS),
+            Admit::Go,
+            "the lost probe is replaced"
         );
     }
 
