@@ -31,7 +31,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use common::*;
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
@@ -273,22 +273,7 @@ impl Listener {
 
     async fn create_topic(&self, name: &str) {
         let admin: AdminClient<DefaultClientContext> = self.client().create().unwrap();
-        let topic = NewTopic::new(name, 1, TopicReplication::Fixed(1));
-        for r in admin
-            .create_topics(&[topic], &AdminOptions::new())
-            .await
-            .expect("create topic over SASL")
-        {
-            r.expect("topic created over SASL");
-        }
-        wait_until(Duration::from_secs(30), "topic has a leader", || {
-            let md = admin
-                .inner()
-                .fetch_metadata(Some(name), Duration::from_secs(5))
-                .ok()?;
-            let t = md.topics().first()?;
-            (t.partitions().len() == 1 && t.partitions()[0].leader() >= 0).then_some(())
-        });
+        create_topic_with(&admin, name, 1).await;
     }
 }
 

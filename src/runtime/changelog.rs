@@ -245,25 +245,14 @@ impl StableOffsets {
 
 impl ClientContext for StableOffsets {
     fn stats_raw(&self, raw: &[u8]) {
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(raw) else {
-            return;
-        };
-        let Some(topics) = v.get("topics").and_then(|t| t.as_object()) else {
-            return;
-        };
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for (topic, t) in topics {
-            let Some(parts) = t.get("partitions").and_then(|p| p.as_object()) else {
-                continue;
-            };
-            for p in parts.values() {
-                let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
-                let (partition, stable) = (num("partition"), num("ls_offset"));
-                if partition >= 0 && stable >= 0 {
-                    map.insert((topic.clone(), partition as i32), stable);
+        crate::runtime::telemetry::each_partition_stats(raw, |topic, partition, p| {
+            if let Some(stable) = p.get("ls_offset").and_then(serde_json::Value::as_i64) {
+                if stable >= 0 {
+                    map.insert((topic.to_string(), partition), stable);
                 }
             }
-        }
+        });
     }
 }
 

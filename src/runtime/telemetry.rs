@@ -278,6 +278,18 @@ pub fn due_backlog(top: &[(String, usize, f64)], left: &[String], total: usize) 
 /// `consumer_lag` counts from the committed offset, which a transactional consumer never learns
 /// (its offsets are committed by the producer's transaction).
 pub fn lag_from_stats(stage: &'static str, raw: &[u8]) {
+    each_partition_stats(raw, |topic, partition, p| {
+        let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
+        let (stable, position) = (num("ls_offset"), num("app_offset"));
+        if stable >= 0 && position >= 0 {
+            consumer_lag(stage, topic, partition, (stable - position).max(0));
+        }
+    });
+}
+
+/// Calls `f(topic, partition, stats)` for every partition of one librdkafka statistics report
+/// (raw JSON); reports that do not parse are skipped.
+pub fn each_partition_stats(raw: &[u8], mut f: impl FnMut(&str, i32, &serde_json::Value)) {
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(raw) else {
         return;
     };
@@ -289,11 +301,9 @@ pub fn lag_from_stats(stage: &'static str, raw: &[u8]) {
             continue;
         };
         for p in parts.values() {
-            let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
-            let (partition, stable, position) =
-                (num("partition"), num("ls_offset"), num("app_offset"));
-            if partition >= 0 && stable >= 0 && position >= 0 {
-                consumer_lag(stage, topic, partition as i32, (stable - position).max(0));
+            match p.get("partition").and_then(serde_json::Value::as_i64) {
+                Some(partition) if partition >= 0 => f(topic, partition as i32, p),
+                _ => {}
             }
         }
     }

@@ -46,7 +46,11 @@ pub fn require_broker() {
 }
 
 pub async fn create_topic(name: &str, partitions: i32) {
-    let a = admin();
+    create_topic_with(&admin(), name, partitions).await;
+}
+
+/// Creates a topic through `a` (any broker, any listener) and waits until it has leaders.
+pub async fn create_topic_with(a: &AdminClient<DefaultClientContext>, name: &str, partitions: i32) {
     let t = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
     let r = a
         .create_topics(&[t], &AdminOptions::new())
