@@ -356,6 +356,8 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         "1s", "2s", "3s", "5s", "5s", "5s", "10s", "10s", "10s", "10s",
     ];
     let mut sub_ids = Vec::new();
+    // The test's name of each subscription (`<tenant>/<a|b|p>`) → its id.
+    let mut sub_names: BTreeMap<String, String> = BTreeMap::new();
     for tenant in TENANTS {
         let sink_port = if tenant == "t1" {
             restart_port
@@ -369,7 +371,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
                    "destination": {"type": "webhook", "url": format!("http://127.0.0.1:{sink_port}/hook/{tenant}/b")}}),
             json!({"event_types": ["transaction.*", "account.*"], "destination": {"type": "pull"}}),
         ];
-        for body in bodies {
+        for (which, body) in ["a", "b", "p"].into_iter().zip(bodies) {
             let r = http
                 .post(format!("http://{}/v1/subscriptions", hubs[0].addr()))
                 .bearer_auth(token(tenant))
@@ -382,6 +384,10 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
             let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
             assert_eq!(v["verification_state"], "active", "{v}");
             sub_ids.push((tenant, v["id"].as_str().unwrap().to_string()));
+            sub_names.insert(
+                format!("{tenant}/{which}"),
+                v["id"].as_str().unwrap().to_string(),
+            );
         }
     }
     // Every instance has applied every subscription before the first event.
@@ -551,10 +557,19 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     };
     let converged = Instant::now();
     let mut tries = 0;
+    let (mut last_missing, mut last_change, mut explained) = (usize::MAX, Instant::now(), false);
     loop {
-        let missing = expected.difference(&acked_pairs()).count();
+        let missing_pairs: Vec<(String, String)> =
+            expected.difference(&acked_pairs()).cloned().collect();
+        let missing = missing_pairs.len();
         if missing == 0 {
             break;
+        }
+        if missing != last_missing {
+            (last_missing, last_change) = (missing, Instant::now());
+        } else if !explained && last_change.elapsed() > Duration::from_secs(60) {
+            explained = true;
+            explain_stall(&prefix, &missing_pairs, &sub_names, &hubs).await;
         }
         supervise(&mut hubs, &envs, &mut faults, &mut exited);
         tries += 1;
@@ -713,4 +728,136 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         "producer_stopped_ms": stopped_ms,
     });
     report(&line);
+}
+
+/// Says where deliveries that stopped arriving are stuck: per missing (subscription, event) its
+/// inbox partition, its job's last changelog record and the attempts recorded for it; the hub
+/// group's members and assignments; each instance's process and delivery gauges.
+async fn explain_stall(
+    prefix: &str,
+    missing: &[(String, String)],
+    sub_names: &BTreeMap<String, String>,
+    hubs: &[Hub],
+) {
+    let codec = streaming_hub::runtime::avro::Codec::new().unwrap();
+    let inbox = read_all(&[&format!("{prefix}.inbox")], Duration::from_secs(60));
+    let partition_of: HashMap<String, i32> =
+        inbox.iter().map(|g| (g.rec.id(), g.partition)).collect();
+    let changelog = read_all(
+        &[&format!("{prefix}.hub.jobs.changelog")],
+        Duration::from_secs(60),
+    );
+    let mut jobs: HashMap<Vec<u8>, (i32, i64, Option<Vec<u8>>)> = HashMap::new();
+    for g in &changelog {
+        if let Some(k) = &g.rec.key {
+            jobs.insert(k.clone(), (g.partition, g.offset, g.rec.value.clone()));
+        }
+    }
+    let attempts = read_all(&[&format!("{prefix}.attempts")], Duration::from_secs(60));
+    let mut attempts_of: HashMap<String, usize> = HashMap::new();
+    for g in &attempts {
+        if let Some(k) = &g.rec.key {
+            *attempts_of
+                .entry(String::from_utf8_lossy(k).into_owned())
+                .or_default() += 1;
+        }
+    }
+    let mut by_place: BTreeMap<(String, Option<i32>), usize> = BTreeMap::new();
+    for (sub, id) in missing {
+        *by_place
+            .entry((sub.clone(), partition_of.get(id).copied()))
+            .or_default() += 1;
+    }
+    eprintln!(
+        "STALL: {} deliveries missing; by (subscription, inbox partition): {by_place:?}",
+        missing.len()
+    );
+    for (sub, id) in missing.iter().take(12) {
+        let tenant = sub.split('/').next().unwrap();
+        let key = streaming_hub::dispatch::jobs::job_key(tenant, id, &sub_names[sub]);
+        let job = match jobs.get(&key) {
+            None => "no changelog record".to_string(),
+            Some((p, o, None)) => format!("tombstone at {p}/{o}"),
+            Some((p, o, Some(v))) => format!(
+                "at {p}/{o}: {:?}",
+                codec.decode::<streaming_hub::runtime::records::JobRecord>(
+                    streaming_hub::runtime::avro::RecordKind::Job,
+                    v
+                )
+            ),
+        };
+        eprintln!(
+            "STALL: {sub} {id} inbox partition {:?}, attempts recorded {}, job {job}",
+            partition_of.get(id),
+            attempts_of.get(id).copied().unwrap_or(0)
+        );
+    }
+    let kafka_home = std::fs::read_dir(format!(
+        "{}/.cache/streaming-hub",
+        std::env::var("HOME").unwrap_or_default()
+    ))
+    .ok()
+    .and_then(|d| {
+        d.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
+            p.file_name().is_some_and(|n| {
+                n.to_string_lossy().starts_with("kafka-")
+                    && !n.to_string_lossy().starts_with("kafka-data")
+            })
+        })
+    });
+    if let Some(home) = kafka_home {
+        let out = Command::new(home.join("bin/kafka-consumer-groups.sh"))
+            .args([
+                "--bootstrap-server",
+                &brokers(),
+                "--describe",
+                "--group",
+                &format!("{prefix}-group.hub"),
+                "--members",
+                "--verbose",
+            ])
+            .output();
+        if let Ok(out) = out {
+            eprintln!(
+                "STALL: hub group:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    for hub in hubs {
+        let metrics = match http
+            .get(format!("http://{}/metrics", hub.addr()))
+            .send()
+            .await
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(e) => format!("no answer: {e}"),
+        };
+        let gauges: Vec<&str> = metrics
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                [
+                    "claimed",
+                    "executing",
+                    "restoring",
+                    "breaker",
+                    "due",
+                    "owned",
+                    "lag",
+                ]
+                .iter()
+                .any(|k| l.contains(k))
+            })
+            .collect();
+        eprintln!(
+            "STALL: instance {} pid {} log {}:\n  {}",
+            hub.env["STREAMING_HUB_INSTANCE_ID"],
+            hub.child.id(),
+            hub.log.display(),
+            gauges.join("\n  ")
+        );
+    }
 }

@@ -202,6 +202,13 @@ impl TaskCtx<'_, '_> {
 struct Task {
     store: Store,
     ring: TenantRing,
+    /// The inbox offset to commit for this partition in a transaction that read none of its
+    /// records (the committed offset at assignment, then each commit's): every transaction that
+    /// writes this task's state carries an offset of its partition, so the group generation
+    /// fences it. Without it a claim-only transaction of an instance that had lost the partition
+    /// (a session that ran out while it was busy) still committed after the new owner restored,
+    /// and the jobs it released were never seen again (found by the fault suite).
+    next_offset: Option<i64>,
 }
 
 /// Names and settings every task shares.
@@ -258,6 +265,7 @@ impl ConsumerContext for HubContext {
                 shared.tasks.remove(p); // closes its RocksDB
                 shared.revoked.insert(*p);
             }
+            telemetry::partitions_owned(&parts, false);
             telemetry::Rebalance {
                 stage: "hub",
                 kind: "revoke",
@@ -267,7 +275,7 @@ impl ConsumerContext for HubContext {
         }
     }
 
-    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
             telemetry::Rebalance {
@@ -281,8 +289,13 @@ impl ConsumerContext for HubContext {
             let restored = open_and_restore(&self.env, &parts);
             let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
             telemetry::restoring(n);
+            let restored = restored.and_then(|(mut tasks, n)| {
+                committed_offsets(consumer, &self.env.inbox, &mut tasks)?;
+                Ok((tasks, n))
+            });
             match restored {
                 Ok((tasks, _)) => {
+                    telemetry::partitions_owned(&parts, true);
                     self.shared
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -296,6 +309,43 @@ impl ConsumerContext for HubContext {
             }
         }
     }
+}
+
+/// Reads the committed inbox offsets of newly assigned tasks (after their restore: the
+/// changelogs are stable by then, so no transaction of a previous owner is still open).
+fn committed_offsets(
+    consumer: &BaseConsumer<HubContext>,
+    inbox: &str,
+    tasks: &mut [(i32, Task)],
+) -> Result<(), HubError> {
+    if tasks.is_empty() {
+        return Ok(());
+    }
+    let mut tpl = TopicPartitionList::new();
+    for (p, _) in tasks.iter() {
+        tpl.add_partition(inbox, *p);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let committed = loop {
+        match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(c) => break c,
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!(error = %e, "committed inbox offsets not readable yet; retrying");
+                crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(e) => return Err(fatal_or_kafka(e)),
+        }
+    };
+    for (p, task) in tasks.iter_mut() {
+        task.next_offset = committed
+            .find_partition(inbox, *p)
+            .and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            });
+    }
+    Ok(())
 }
 
 pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
@@ -333,6 +383,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             Task {
                 store,
                 ring: TenantRing::default(),
+                next_offset: None,
             },
         ));
     }
@@ -605,6 +656,9 @@ impl HubStage {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
                 backlog_named = sample_backlog(&guard.tasks, self.clock.now_ms(), &backlog_named);
+                if let Some(d) = &self.dispatch {
+                    telemetry::attempts_claimed(d.in_flight);
+                }
             }
             let busy = self
                 .dispatch
@@ -1021,6 +1075,13 @@ impl HubStage {
                 outputs.send(&env.jobs_changelog, Some(p), &k, v.as_deref())?;
             }
         }
+        // Every owned partition's offset goes with the transaction, read or not: the group
+        // generation then fences it as a whole (see `Task::next_offset`).
+        for (p, task) in tasks.iter() {
+            if let (false, Some(next)) = (offsets.contains_key(p), task.next_offset) {
+                offsets.insert(*p, next);
+            }
+        }
         if !offsets.is_empty() {
             let mut tpl = TopicPartitionList::new();
             for (p, next) in &offsets {
@@ -1043,8 +1104,11 @@ impl HubStage {
             .commit_transaction(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
         // Committed: now the local stores may move, each with its changelog offsets.
-        for task in tasks.values_mut() {
+        for (p, task) in tasks.iter_mut() {
             task.ring.committed();
+            if let Some(next) = offsets.get(p) {
+                task.next_offset = Some(*next);
+            }
         }
         for (p, st) in staged {
             let Some(task) = tasks.get_mut(&p) else {

@@ -124,14 +124,19 @@ where
     P: Producer<C>,
 {
     let deadline = std::time::Instant::now() + patience;
+    // The abort purges what is still queued, and waits for the delivery reports of it to be
+    // served: with nobody polling meanwhile, one long abort call only runs into its timeout
+    // (seen: 30 s of a hub stalled on a dead leader). Short tries with reports served between.
+    let try_for = timeout.min(Duration::from_secs(2));
+    let _ = producer.flush(Duration::from_millis(100));
     loop {
-        match producer.abort_transaction(timeout) {
+        match producer.abort_transaction(try_for) {
             Ok(()) => return Ok(()),
             Err(rdkafka::error::KafkaError::Transaction(e))
                 if e.is_retriable() && std::time::Instant::now() < deadline =>
             {
                 tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
-                let _ = producer.flush(Duration::from_millis(500)); // serves delivery reports
+                let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
             }
             Err(e) => return Err(e),
         }

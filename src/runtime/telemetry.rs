@@ -238,6 +238,8 @@ pub const DUE_JOBS: &str = "streaming_hub_due_jobs";
 pub const OLDEST_DUE: &str = "streaming_hub_oldest_due_seconds";
 pub const CONSUMER_LAG: &str = "streaming_hub_consumer_lag";
 pub const RESTORING: &str = "streaming_hub_restoring_partitions";
+pub const PARTITION_OWNED: &str = "streaming_hub_inbox_partition_owned";
+pub const ATTEMPTS_CLAIMED: &str = "streaming_hub_attempts_claimed";
 
 /// A successful delivery, `ms` after ingest accepted the event (end-to-end latency in the hub).
 pub fn delivered_after(ms: i64) {
@@ -252,6 +254,19 @@ pub fn breakers_open(n: usize) {
 /// Delivery attempts holding a worker now (at most `STREAMING_HUB_DISPATCH_WORKERS`).
 pub fn attempts_executing(delta: f64) {
     gauge!(ATTEMPTS_EXECUTING).increment(delta);
+}
+
+/// Inbox partitions this instance's hub stage took (1) or gave up (0): which instance owns
+/// which partition, as its rebalance callbacks saw it.
+pub fn partitions_owned(partitions: &[i32], owned: bool) {
+    for p in partitions {
+        gauge!(PARTITION_OWNED, "partition" => p.to_string()).set(if owned { 1.0 } else { 0.0 });
+    }
+}
+
+/// Attempts claimed and not yet finished (waiting for a worker or executing).
+pub fn attempts_claimed(n: usize) {
+    gauge!(ATTEMPTS_CLAIMED).set(n as f64);
 }
 
 /// Partitions whose stores are being restored now (`/readyz` is 503 meanwhile).
