@@ -286,13 +286,21 @@ impl ConsumerContext for HubContext {
             .emit();
             let n = RESTORING.fetch_add(parts.len(), Ordering::SeqCst) + parts.len();
             telemetry::restoring(n);
-            let restored = open_and_restore(&self.env, &parts);
-            let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
-            telemetry::restoring(n);
-            let restored = restored.and_then(|(mut tasks, n)| {
-                committed_offsets(consumer, &self.env.inbox, &mut tasks)?;
+            // The committed offsets first: the broker holds them back while a transaction that
+            // carries an offset of these partitions is still open (a previous owner's), and every
+            // transaction that writes a task's state carries one (`Task::next_offset`). Restoring
+            // before they are stable could miss that transaction's changelog records, which may
+            // not even have reached the brokers yet (a tenant sequence number given twice, found
+            // by the fault suite).
+            let restored = committed_offsets(consumer, &self.env.inbox, &parts).and_then(|next| {
+                let (mut tasks, n) = open_and_restore(&self.env, &parts)?;
+                for (p, task) in tasks.iter_mut() {
+                    task.next_offset = next.get(p).copied().flatten();
+                }
                 Ok((tasks, n))
             });
+            let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
+            telemetry::restoring(n);
             match restored {
                 Ok((tasks, _)) => {
                     telemetry::partitions_owned(&parts, true);
@@ -311,41 +319,53 @@ impl ConsumerContext for HubContext {
     }
 }
 
-/// Reads the committed inbox offsets of newly assigned tasks (after their restore: the
-/// changelogs are stable by then, so no transaction of a previous owner is still open).
+/// The committed inbox offsets of newly assigned partitions, read as stable (`read_committed`
+/// consumers ask with `require_stable`: the answer waits for open transactions that carry offsets
+/// of these partitions to end). None for a partition nothing was committed for yet.
 fn committed_offsets(
     consumer: &BaseConsumer<HubContext>,
     inbox: &str,
-    tasks: &mut [(i32, Task)],
-) -> Result<(), HubError> {
-    if tasks.is_empty() {
-        return Ok(());
+    partitions: &[i32],
+) -> Result<HashMap<i32, Option<i64>>, HubError> {
+    if partitions.is_empty() {
+        return Ok(HashMap::new());
     }
     let mut tpl = TopicPartitionList::new();
-    for (p, _) in tasks.iter() {
+    for p in partitions {
         tpl.add_partition(inbox, *p);
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // A previous owner's transaction ends within the transaction timeout (60 s) at the latest.
+    let deadline = Instant::now() + Duration::from_secs(120);
     let committed = loop {
-        match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+        crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
+        let answer = consumer
+            .committed_offsets(tpl.clone(), Duration::from_secs(10))
+            .and_then(|c| {
+                // A partition's own error (e.g. still unstable) fails the whole answer.
+                c.elements().iter().try_for_each(|e| e.error())?;
+                Ok(c)
+            });
+        match answer {
             Ok(c) => break c,
             Err(e) if Instant::now() < deadline => {
                 tracing::warn!(error = %e, "committed inbox offsets not readable yet; retrying");
-                crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
                 std::thread::sleep(Duration::from_millis(250));
             }
             Err(e) => return Err(fatal_or_kafka(e)),
         }
     };
-    for (p, task) in tasks.iter_mut() {
-        task.next_offset = committed
-            .find_partition(inbox, *p)
-            .and_then(|e| match e.offset() {
-                Offset::Offset(o) => Some(o),
-                _ => None,
-            });
-    }
-    Ok(())
+    Ok(partitions
+        .iter()
+        .map(|p| {
+            let next = committed
+                .find_partition(inbox, *p)
+                .and_then(|e| match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                });
+            (*p, next)
+        })
+        .collect())
 }
 
 pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
