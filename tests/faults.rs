@@ -746,10 +746,11 @@ async fn explain_stall(
         &[&format!("{prefix}.hub.jobs.changelog")],
         Duration::from_secs(60),
     );
-    let mut jobs: HashMap<Vec<u8>, (i32, i64, Option<Vec<u8>>)> = HashMap::new();
+    // Each job key's last changelog record.
+    let mut jobs: HashMap<&[u8], &Got> = HashMap::new();
     for g in &changelog {
         if let Some(k) = &g.rec.key {
-            jobs.insert(k.clone(), (g.partition, g.offset, g.rec.value.clone()));
+            jobs.insert(k, g);
         }
     }
     let attempts = read_all(&[&format!("{prefix}.attempts")], Duration::from_secs(60));
@@ -774,16 +775,20 @@ async fn explain_stall(
     for (sub, id) in missing.iter().take(12) {
         let tenant = sub.split('/').next().unwrap();
         let key = streaming_hub::dispatch::jobs::job_key(tenant, id, &sub_names[sub]);
-        let job = match jobs.get(&key) {
+        let job = match jobs.get(key.as_slice()) {
             None => "no changelog record".to_string(),
-            Some((p, o, None)) => format!("tombstone at {p}/{o}"),
-            Some((p, o, Some(v))) => format!(
-                "at {p}/{o}: {:?}",
-                codec.decode::<streaming_hub::runtime::records::JobRecord>(
-                    streaming_hub::runtime::avro::RecordKind::Job,
-                    v
-                )
-            ),
+            Some(g) => match &g.rec.value {
+                None => format!("tombstone at {}/{}", g.partition, g.offset),
+                Some(v) => format!(
+                    "at {}/{}: {:?}",
+                    g.partition,
+                    g.offset,
+                    codec.decode::<streaming_hub::runtime::records::JobRecord>(
+                        streaming_hub::runtime::avro::RecordKind::Job,
+                        v
+                    )
+                ),
+            },
         };
         eprintln!(
             "STALL: {sub} {id} inbox partition {:?}, attempts recorded {}, job {job}",
