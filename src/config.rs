@@ -409,8 +409,9 @@ settings! {
     allow_insecure_sinks: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
-    /// Concurrent delivery attempts per instance (claims run ahead up to 4x this).
-    dispatch_workers: usize = "8";
+    /// Concurrent delivery attempts per instance. Claims run ahead of the workers: up to 64x this,
+    /// at most 4,096 (at least 4x this); a tenant gets at least 4x this of them.
+    dispatch_workers: usize = "64";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.

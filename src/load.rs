@@ -335,7 +335,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         "throughput" => vec![throughput],
         "latency" => vec![at(1000), at(5000), at(10_000)],
         "fanout" => vec![fanout],
-        "slow-sink" => vec![slow(None), slow(Some(64))],
+        "slow-sink" => vec![slow(None), slow(Some(256))],
         "noisy-neighbour" => vec![noisy],
         "recovery" => vec![recovery],
         "limits" => vec![],

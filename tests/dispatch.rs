@@ -261,7 +261,16 @@ async fn one_tenants_backlog_does_not_delay_another_tenants_event_by_more_than_a
     // across partitions; the worker permits go round-robin across tenants). A's sink takes
     // 500 ms, so A is delivered at about 16/s with 8 workers while hundreds of its claims wait
     // for a worker.
-    let s = setup("fair").await;
+    // 8 workers (not the default): the bound below is reasoned from the worker count.
+    let s = ApiHub::start(
+        "fair",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+            ("STREAMING_HUB_LOG", "info,streaming_hub=debug"),
+            ("STREAMING_HUB_DISPATCH_WORKERS", "8"),
+        ],
+    )
+    .await;
     let (slow_url, slow) = start_slow_sink(vec![200], Duration::from_millis(500)).await;
     let (fast_url, fast) = start_sink(vec![200]).await;
     subscribe(&s, "tenant-a", &slow_url, None).await;

@@ -569,7 +569,10 @@ impl Dispatch {
             runtime,
             // Claims run ahead of the workers (a claim costs a transaction; an attempt waits for
             // one of `STREAMING_HUB_DISPATCH_WORKERS` permits), bounded per tenant for fairness.
-            max_in_flight: config.dispatch_workers * 64,
+            // Bounded: every claim holds its payload in memory until its attempt ends.
+            max_in_flight: (config.dispatch_workers * 64)
+                .min(4096)
+                .max(config.dispatch_workers * 4),
             max_in_flight_per_tenant: config.dispatch_workers * 4,
             in_flight_by_tenant: HashMap::new(),
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
