@@ -157,6 +157,7 @@ fn create_job(
         state: JobState::Pending,
     };
     js.put_job(&key, &job, None).map_err(HubError::from)?;
+    ctx.fresh.push(key);
     Ok(true)
 }
 

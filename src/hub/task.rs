@@ -33,7 +33,7 @@ use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
-use crate::runtime::records::{DedupEntry, SequenceRecord};
+use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord};
 use crate::runtime::store::{Staged, Store};
 use crate::runtime::telemetry::{self, HubEvent, Restored};
 use crate::subscriptions::table::SharedTable;
@@ -184,6 +184,8 @@ pub struct TaskCtx<'a, 'p> {
     pub codec: &'a Codec,
     pub jobs_changelog: &'a mut ChangelogWrites,
     pub now: i64,
+    /// Keys of the jobs created in this transaction (claimed at its end when there is room).
+    pub fresh: &'a mut Vec<Vec<u8>>,
 }
 
 impl TaskCtx<'_, '_> {
@@ -947,6 +949,7 @@ impl HubStage {
         let mut jobs_changelog: HashMap<i32, ChangelogWrites> = HashMap::new();
         let mut sequences: HashMap<(i32, String), u64> = HashMap::new();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
+        let mut fresh: HashMap<i32, Vec<Vec<u8>>> = HashMap::new();
         let mut outputs = Outputs { producer };
         for m in batch {
             let p = m.partition();
@@ -1050,6 +1053,7 @@ impl HubStage {
                 codec: &env.codec,
                 jobs_changelog: jc,
                 now,
+                fresh: fresh.entry(p).or_default(),
             };
             match redeliver {
                 Some(sub_id) => self.handler.on_redeliver(&event, sub_id, &mut ctx)?,
@@ -1090,12 +1094,21 @@ impl HubStage {
                 &mut jobs_changelog,
                 &mut outputs,
                 now,
+                &fresh,
                 &mut attempts,
             )?;
         }
         for (p, records) in jobs_changelog {
-            for (k, v) in records {
-                outputs.send(&env.jobs_changelog, Some(p), &k, v.as_deref())?;
+            // A key written twice in one transaction (a job created and claimed) needs only its
+            // last record in the compacted changelog.
+            let mut last: HashMap<&[u8], usize> = HashMap::with_capacity(records.len());
+            for (i, (k, _)) in records.iter().enumerate() {
+                last.insert(k.as_slice(), i);
+            }
+            for (i, (k, v)) in records.iter().enumerate() {
+                if last.get(k.as_slice()) == Some(&i) {
+                    outputs.send(&env.jobs_changelog, Some(p), k, v.as_deref())?;
+                }
             }
         }
         // Every owned partition's offset goes with the transaction, read or not: the group
@@ -1164,6 +1177,7 @@ fn dispatch_work(
     jobs_changelog: &mut HashMap<i32, ChangelogWrites>,
     out: &mut Outputs<'_>,
     now: i64,
+    fresh: &HashMap<i32, Vec<Vec<u8>>>,
     attempts: &mut Vec<Attempt>,
 ) -> Result<(), HubError> {
     let mut rng = rand::thread_rng();
@@ -1286,6 +1300,8 @@ fn dispatch_work(
     let per_tenant_cap = d
         .max_in_flight_per_tenant
         .max(d.max_in_flight / tenants_with_timers.max(1));
+    // Claimed in this transaction per tenant (a tenant's events are all in one partition).
+    let mut claimed_here: HashMap<String, usize> = HashMap::new();
     for p in order {
         let Some(task) = tasks.get_mut(&p) else {
             continue;
@@ -1304,105 +1320,174 @@ fn dispatch_work(
             changelog: jc,
         };
         let due = js.due_jobs(&mut task.ring, now, capacity_here)?;
-        let mut claimed_here: HashMap<String, usize> = HashMap::new();
-        for (key, mut job) in due {
-            let busy = d
-                .in_flight_by_tenant
-                .get(&job.tenant_id)
-                .copied()
-                .unwrap_or(0)
-                + claimed_here.get(&job.tenant_id).copied().unwrap_or(0);
-            if busy >= per_tenant_cap {
-                continue; // this tenant has enough in flight; its job stays due
+        for (key, job) in due {
+            if claim(
+                env,
+                d,
+                &mut js,
+                out,
+                key,
+                job,
+                now,
+                *p,
+                per_tenant_cap,
+                &mut claimed_here,
+                attempts,
+            )? {
+                capacity -= 1;
             }
-            *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
-            let old_due = job.due_at;
-            let sub = d.table.read().get(&job.subscription_id);
-            let Some(sub) = sub else {
-                // The subscription was deleted: its pending deliveries go with it.
-                js.finish_job(&key, &job)?;
+        }
+    }
+    // Then jobs this transaction created, with what capacity is left (older due jobs first): a
+    // new event's attempt starts after this commit, not the next one's (one transaction less
+    // between an event and its delivery).
+    for (p, keys) in fresh.iter() {
+        let Some(task) = tasks.get(p) else {
+            continue;
+        };
+        let st = staged.entry(*p).or_default();
+        let jc = jobs_changelog.entry(*p).or_default();
+        let mut js = JobStore {
+            store: &task.store,
+            staged: st,
+            codec: &env.codec,
+            changelog: jc,
+        };
+        for key in keys {
+            if capacity == 0 {
+                return Ok(());
+            }
+            let Some(job) = js.get_job(key)? else {
                 continue;
             };
-            if !sub.enabled {
-                let dl = jobs::dead_letter_without_attempt(
-                    &mut js,
-                    &key,
-                    job,
-                    DeadLetterReason::SubscriptionDisabled,
-                    now,
-                )?;
-                emit_dead_letter(env, out, &dl)?;
+            if job.state != JobState::Pending || job.due_at > now {
                 continue;
             }
-            let origin = breaker::origin_of(sub.destination.url.as_deref().unwrap_or(""));
-            if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
-                // The destination's breaker is open: reschedule without an attempt.
-                job.due_at = until;
-                job.state = JobState::Pending;
-                job.lease_until = None;
-                js.put_job(&key, &job, Some(old_due))?;
-                telemetry::Shed {
-                    tenant: &job.tenant_id,
-                }
-                .emit();
-                continue;
+            if claim(
+                env,
+                d,
+                &mut js,
+                out,
+                key.clone(),
+                job,
+                now,
+                *p,
+                per_tenant_cap,
+                &mut claimed_here,
+                attempts,
+            )? {
+                capacity -= 1;
             }
-            if job.state == JobState::Leased {
-                // Its lease ran out with no outcome (the process died mid-attempt): reclaim.
-                job.reclaims += 1;
-                if job.reclaims >= d.poison_threshold {
-                    let dl = jobs::dead_letter_without_attempt(
-                        &mut js,
-                        &key,
-                        job,
-                        DeadLetterReason::Poison,
-                        now,
-                    )?;
-                    emit_dead_letter(env, out, &dl)?;
-                    continue;
-                }
-            }
-            let Some(payload_key) = jobs::payload_key_of(&key) else {
-                continue;
-            };
-            let Some(payload) = js.get_payload(&payload_key)? else {
-                js.finish_job(&key, &job)?;
-                continue;
-            };
-            job.state = JobState::Leased;
-            job.lease_until = Some(now + d.lease_ms);
-            job.due_at = now + d.lease_ms;
-            js.put_job(&key, &job, Some(old_due))?;
-            let ce_headers = payload
-                .headers
-                .iter()
-                .filter(|h| h.key.starts_with("ce-"))
-                .filter_map(|h| Some((h.key.clone(), String::from_utf8(h.value.clone()?).ok()?)))
-                .collect();
-            attempts.push(Attempt {
-                partition: *p,
-                job_key: key.clone(),
-                attempt: job.attempt,
-                lease_until: job.due_at,
-                event_id: job.event_key.clone(),
-                tenant: job.tenant_id.clone(),
-                event_type: crate::dispatch::event_type_of(&payload.headers),
-                subscription: sub,
-                ce_headers,
-                ingest_ms: payload
-                    .headers
-                    .iter()
-                    .find(|h| h.key == crate::ingest::pipeline::H_INGEST_TIME)
-                    .and_then(|h| h.value.as_deref())
-                    .and_then(|v| std::str::from_utf8(v).ok())
-                    .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
-                    .map(|t| t.timestamp_millis()),
-                body: bytes::Bytes::from(payload.value),
-            });
-            capacity -= 1;
         }
     }
     Ok(())
+}
+
+/// Claims one due job: leases it and queues its attempt (true), or sheds, finishes or
+/// dead-letters it without an attempt, or leaves it due for a busy tenant (false).
+#[allow(clippy::too_many_arguments)]
+fn claim(
+    env: &Env,
+    d: &mut Dispatch,
+    js: &mut JobStore<'_>,
+    out: &mut Outputs<'_>,
+    key: Vec<u8>,
+    mut job: JobRecord,
+    now: i64,
+    p: i32,
+    per_tenant_cap: usize,
+    claimed_here: &mut HashMap<String, usize>,
+    attempts: &mut Vec<Attempt>,
+) -> Result<bool, HubError> {
+    let busy = d
+        .in_flight_by_tenant
+        .get(&job.tenant_id)
+        .copied()
+        .unwrap_or(0)
+        + claimed_here.get(&job.tenant_id).copied().unwrap_or(0);
+    if busy >= per_tenant_cap {
+        return Ok(false); // this tenant has enough in flight; its job stays due
+    }
+    *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
+    let old_due = job.due_at;
+    let sub = d.table.read().get(&job.subscription_id);
+    let Some(sub) = sub else {
+        // The subscription was deleted: its pending deliveries go with it.
+        js.finish_job(&key, &job)?;
+        return Ok(false);
+    };
+    if !sub.enabled {
+        let dl = jobs::dead_letter_without_attempt(
+            js,
+            &key,
+            job,
+            DeadLetterReason::SubscriptionDisabled,
+            now,
+        )?;
+        emit_dead_letter(env, out, &dl)?;
+        return Ok(false);
+    }
+    let origin = breaker::origin_of(sub.destination.url.as_deref().unwrap_or(""));
+    if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
+        // The destination's breaker is open: reschedule without an attempt.
+        job.due_at = until;
+        job.state = JobState::Pending;
+        job.lease_until = None;
+        js.put_job(&key, &job, Some(old_due))?;
+        telemetry::Shed {
+            tenant: &job.tenant_id,
+        }
+        .emit();
+        return Ok(false);
+    }
+    if job.state == JobState::Leased {
+        // Its lease ran out with no outcome (the process died mid-attempt): reclaim.
+        job.reclaims += 1;
+        if job.reclaims >= d.poison_threshold {
+            let dl =
+                jobs::dead_letter_without_attempt(js, &key, job, DeadLetterReason::Poison, now)?;
+            emit_dead_letter(env, out, &dl)?;
+            return Ok(false);
+        }
+    }
+    let Some(payload_key) = jobs::payload_key_of(&key) else {
+        return Ok(false);
+    };
+    let Some(payload) = js.get_payload(&payload_key)? else {
+        js.finish_job(&key, &job)?;
+        return Ok(false);
+    };
+    job.state = JobState::Leased;
+    job.lease_until = Some(now + d.lease_ms);
+    job.due_at = now + d.lease_ms;
+    js.put_job(&key, &job, Some(old_due))?;
+    let ce_headers = payload
+        .headers
+        .iter()
+        .filter(|h| h.key.starts_with("ce-"))
+        .filter_map(|h| Some((h.key.clone(), String::from_utf8(h.value.clone()?).ok()?)))
+        .collect();
+    attempts.push(Attempt {
+        partition: p,
+        job_key: key.clone(),
+        attempt: job.attempt,
+        lease_until: job.due_at,
+        event_id: job.event_key.clone(),
+        tenant: job.tenant_id.clone(),
+        event_type: crate::dispatch::event_type_of(&payload.headers),
+        subscription: sub,
+        ce_headers,
+        ingest_ms: payload
+            .headers
+            .iter()
+            .find(|h| h.key == crate::ingest::pipeline::H_INGEST_TIME)
+            .and_then(|h| h.value.as_deref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.timestamp_millis()),
+        body: bytes::Bytes::from(payload.value),
+    });
+    Ok(true)
 }
 
 /// Samples the due-job backlog of every task; returns the tenants named this time.
