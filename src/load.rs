@@ -346,7 +346,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
             at(10_000),
             fanout,
             slow(None),
-            slow(Some(64)),
+            slow(Some(256)),
             noisy,
             recovery,
         ],

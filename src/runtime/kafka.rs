@@ -89,7 +89,7 @@ pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> Cli
             millis(config.follow_refresh_interval),
         )
         .set("fetch.wait.max.ms", "20")
-        .set("queued.max.messages.kbytes", "65536")
+        .set("queued.max.messages.kbytes", "16384")
         // Consumer lag per partition reaches /metrics through the context's statistics callback.
         .set("statistics.interval.ms", "10000");
     c

@@ -20,9 +20,9 @@ use rocksdb::{Cache, ColumnFamilyDescriptor, DB, Options, WriteBatch, WriteBuffe
 /// millions of jobs lives on disk, not in RAM), and one block cache serves all reads. The two are
 /// separate budgets: charging the memtables to the block cache (as this did before) kept the cache
 /// full of their reservations, so every point read fetched, checksummed and decompressed an index
-/// block from the file again (62% of the hub's CPU in the `throughput` scenario).
+/// block from the file again (62% of the hub's CPU in the `throughput` scenario; BENCHMARKS.md).
 const MEMTABLE_BUDGET: usize = 64 << 20;
-const BLOCK_CACHE: usize = 64 << 20;
+const BLOCK_CACHE: usize = 32 << 20;
 static SHARED_CACHE: LazyLock<Cache> = LazyLock::new(|| Cache::new_lru_cache(BLOCK_CACHE));
 static SHARED_MEMTABLES: LazyLock<WriteBufferManager> =
     LazyLock::new(|| WriteBufferManager::new_write_buffer_manager(MEMTABLE_BUDGET, false));
