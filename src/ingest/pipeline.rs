@@ -62,7 +62,12 @@ pub enum IngestError {
     Fenced(String),
 }
 
-struct IngestContext;
+/// Partitions revoked since the loop last looked (filled by the rebalance callback, which runs
+/// inside `poll`, i.e. while a batch fills).
+#[derive(Default)]
+struct IngestContext {
+    revoked: std::sync::Mutex<std::collections::HashSet<(String, i32)>>,
+}
 
 impl ClientContext for IngestContext {
     fn stats_raw(&self, statistics: &[u8]) {
@@ -72,10 +77,18 @@ impl ClientContext for IngestContext {
 
 impl ConsumerContext for IngestContext {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        log_rebalance("revoke", rebalance);
+        if let Rebalance::Revoke(tpl) = rebalance {
+            log_rebalance("revoke", rebalance);
+            let mut revoked = self.revoked.lock().unwrap_or_else(|p| p.into_inner());
+            for e in tpl.elements() {
+                revoked.insert((e.topic().to_string(), e.partition()));
+            }
+        }
     }
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        log_rebalance("assign", rebalance);
+        if !matches!(rebalance, Rebalance::Revoke(_)) {
+            log_rebalance("assign", rebalance);
+        }
     }
 }
 
@@ -133,7 +146,7 @@ impl Ingest {
             &self.config.group_id,
             &format!("ingest-{instance}"),
         )
-        .create_with_context(IngestContext)
+        .create_with_context(IngestContext::default())
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
         let producer: ThreadedProducer<DefaultProducerContext> =
@@ -154,6 +167,7 @@ impl Ingest {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
             batch.clear();
             self.fill_batch(&consumer, &mut batch, &stop)?;
+            drop_revoked(&consumer, &mut batch);
             if batch.is_empty() {
                 continue;
             }
@@ -435,6 +449,45 @@ fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?S
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err((e, _)) => return Err(e),
+        }
+    }
+}
+
+/// Drops the records of partitions revoked while the batch filled: their new owner reads them
+/// from the committed offset, and a transaction of ours with them (and their offsets, which the
+/// group accepts from any member of the current generation) would write them to the inbox a
+/// second time. A partition that came back in the same fill is moved back to its first dropped
+/// record.
+fn drop_revoked(consumer: &BaseConsumer<IngestContext>, batch: &mut Vec<BorrowedMessage<'_>>) {
+    let revoked = std::mem::take(
+        &mut *consumer
+            .context()
+            .revoked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()),
+    );
+    if revoked.is_empty() {
+        return;
+    }
+    let mut first: HashMap<(String, i32), i64> = HashMap::new();
+    batch.retain(|m| {
+        let key = (m.topic().to_string(), m.partition());
+        if revoked.contains(&key) {
+            first.entry(key).or_insert(m.offset());
+            false
+        } else {
+            true
+        }
+    });
+    let owned = consumer.assignment().unwrap_or_default();
+    for ((topic, partition), offset) in first {
+        if owned.find_partition(&topic, partition).is_some() {
+            let _ = consumer.seek(
+                &topic,
+                partition,
+                Offset::Offset(offset),
+                Duration::from_secs(5),
+            );
         }
     }
 }
