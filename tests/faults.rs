@@ -635,6 +635,9 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         .map(|g| g.rec.header("ce-id").unwrap_or_default().to_string())
         .collect();
     let distinct: BTreeSet<&String> = inbox_ids.iter().collect();
+    if distinct.len() != inbox_ids.len() {
+        explain_inbox_duplicates(&inbox_recs);
+    }
     assert_eq!(
         (inbox_ids.len(), distinct.len()),
         (sent.accepted.len(), sent.accepted.len()),
@@ -864,4 +867,46 @@ async fn explain_stall(
             gauges.join("\n  ")
         );
     }
+}
+
+/// Says where inbox records written twice came from: per source partition, how many, the source
+/// offset range, and the inbox partition, offset and ingest time of each copy of the first few.
+fn explain_inbox_duplicates(inbox: &[Got]) {
+    let mut copies: BTreeMap<String, Vec<&Got>> = BTreeMap::new();
+    for g in inbox {
+        copies.entry(g.rec.id()).or_default().push(g);
+    }
+    let header = |g: &Got, k: &str| g.rec.header(k).unwrap_or("?").to_string();
+    let mut per_source: BTreeMap<String, (usize, i64, i64)> = BTreeMap::new();
+    let mut shown = 0;
+    for (id, gs) in copies.iter().filter(|(_, gs)| gs.len() > 1) {
+        let source = header(gs[0], "x-streaming-hub-source-partition");
+        let offset: i64 = header(gs[0], "x-streaming-hub-source-offset")
+            .parse()
+            .unwrap_or(-1);
+        let e = per_source.entry(source).or_insert((0, i64::MAX, i64::MIN));
+        e.0 += 1;
+        e.1 = e.1.min(offset);
+        e.2 = e.2.max(offset);
+        if shown < 8 {
+            shown += 1;
+            let where_: Vec<String> = gs
+                .iter()
+                .map(|g| {
+                    format!(
+                        "inbox {}/{} source {}/{} ingested {}",
+                        g.partition,
+                        g.offset,
+                        header(g, "x-streaming-hub-source-partition"),
+                        header(g, "x-streaming-hub-source-offset"),
+                        header(g, "x-streaming-hub-ingest-time")
+                    )
+                })
+                .collect();
+            eprintln!("INBOX DUPLICATE {id}: {where_:?}");
+        }
+    }
+    eprintln!(
+        "INBOX DUPLICATES per source partition (count, first, last source offset): {per_source:?}"
+    );
 }
