@@ -11,8 +11,8 @@
 //!   create or patch whose URL names a host, or that passes every rule with a webhook, stops at
 //!   the rules;
 //! - recover, replay and redrive need the Kafka-backed operations state before they read the
-//!   body; their rules are copied here (`parse_time`, the window, the ids) — keep them in step
-//!   with `src/api/ops.rs`.
+//!   body; their bodies go through the same parsing and rules the handlers call
+//!   (`RecoverRequest::since_ms`, `ReplayRequest::window`, `RedriveRequest::positions`).
 //!
 //! Input layout: byte 0 picks the body (bits 0-2, modulo 7: create, patch, recover, replay,
 //! redrive, rotate-secret, clock advance) and the context: bit 3 allows private and insecure
@@ -317,21 +317,11 @@ fn patch(api: &Api, headers: &HeaderMap, body: &[u8], admin: bool, pull: bool) {
     route(api, Method::PATCH, &uri, headers, admin, body);
 }
 
-/// `api::ops::parse_time`.
-fn parse_time(text: &str, field: &str) -> Result<i64, ApiError> {
-    chrono::DateTime::parse_from_rfc3339(text)
-        .map(|t| t.timestamp_millis())
-        .map_err(|_| {
-            ApiError::bad_request("invalid", format!("{field} must be an RFC 3339 time"))
-                .with_field(field)
-        })
-}
-
 fn recover(headers: &HeaderMap, body: &[u8], caller: &Caller) {
     let run = || -> Result<(), ApiError> {
         let body: RecoverRequest = parse_body(headers, body)?;
         caller.tenant_for(body.tenant_id.as_deref())?;
-        parse_time(&body.since, "since")?;
+        body.since_ms()?;
         Ok(())
     };
     if let Err(e) = run() {
@@ -340,45 +330,13 @@ fn recover(headers: &HeaderMap, body: &[u8], caller: &Caller) {
 }
 
 fn replay(headers: &HeaderMap, body: &[u8]) {
-    let run = || -> Result<(), ApiError> {
-        let body: ReplayRequest = parse_body(headers, body)?;
-        let from = parse_time(&body.from, "from")?;
-        let to = match &body.to {
-            Some(t) => parse_time(t, "to")?,
-            None => chrono::Utc::now().timestamp_millis() + 1,
-        };
-        if to <= from {
-            return Err(ApiError::bad_request("invalid", "to must be after from").with_field("to"));
-        }
-        Ok(())
-    };
-    if let Err(e) = run() {
+    if let Err(e) = parse_body::<ReplayRequest>(headers, body).and_then(|b| b.window()) {
         answer(e);
     }
 }
 
 fn redrive(headers: &HeaderMap, body: &[u8]) {
-    let run = || -> Result<(), ApiError> {
-        let body: RedriveRequest = parse_body(headers, body)?;
-        if body.ids.is_empty() || body.ids.len() > 1000 {
-            return Err(
-                ApiError::bad_request("invalid", "ids holds 1 to 1000 ids").with_field("ids")
-            );
-        }
-        for (i, id) in body.ids.iter().enumerate() {
-            let parsed = id
-                .split_once('-')
-                .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)))
-                .filter(|(p, o)| *p >= 0 && *o >= 0);
-            if parsed.is_none() {
-                return Err(
-                    ApiError::bad_request("invalid", "bad id").with_field(format!("ids[{i}]"))
-                );
-            }
-        }
-        Ok(())
-    };
-    if let Err(e) = run() {
+    if let Err(e) = parse_body::<RedriveRequest>(headers, body).and_then(|b| b.positions()) {
         answer(e);
     }
 }

@@ -122,6 +122,13 @@ pub struct PullQuery {
     pub tenant_id: Option<String>,
 }
 
+impl RecoverRequest {
+    /// `since` in epoch milliseconds (400 naming `since` when it is not RFC 3339).
+    pub fn since_ms(&self) -> Result<i64, ApiError> {
+        parse_time(&self.since, "since")
+    }
+}
+
 #[utoipa::path(get, path = "/v1/events", tag = "pull", params(PullQuery),
     security(("bearer" = [])),
     responses(
@@ -218,7 +225,7 @@ pub async fn recover(
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
-    let since = parse_time(&body.since, "since")?;
+    let since = body.since_ms()?;
     let progress = remember(&ops, "recover", Some(&sub.id));
     let p = progress.clone();
     let result = tokio::task::spawn_blocking(move || ops.redeliver.recover(&sub, since, &p))
@@ -243,6 +250,22 @@ pub struct ReplayRequest {
     pub to: Option<String>,
 }
 
+impl ReplayRequest {
+    /// The window `[from, to)` in epoch milliseconds (`to` defaults to now); 400 naming the field
+    /// at fault.
+    pub fn window(&self) -> Result<(i64, i64), ApiError> {
+        let from = parse_time(&self.from, "from")?;
+        let to = match &self.to {
+            Some(t) => parse_time(t, "to")?,
+            None => chrono::Utc::now().timestamp_millis() + 1,
+        };
+        if to <= from {
+            return Err(ApiError::bad_request("invalid", "to must be after from").with_field("to"));
+        }
+        Ok((from, to))
+    }
+}
+
 #[utoipa::path(post, path = "/admin/replay", tag = "admin", request_body = ReplayRequest,
     security(("bearer" = [])),
     responses(
@@ -263,14 +286,7 @@ pub async fn start_replay(
     check_redeliverable(&sub).map_err(|e| {
         ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
     })?;
-    let from = parse_time(&body.from, "from")?;
-    let to = match &body.to {
-        Some(t) => parse_time(t, "to")?,
-        None => chrono::Utc::now().timestamp_millis() + 1,
-    };
-    if to <= from {
-        return Err(ApiError::bad_request("invalid", "to must be after from").with_field("to"));
-    }
+    let (from, to) = body.window()?;
     let progress = remember(&ops, "replay", Some(&sub.id));
     let snapshot = progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
     tokio::task::spawn_blocking(move || {
@@ -441,6 +457,35 @@ pub struct RedriveRequest {
     pub ids: Vec<String>,
 }
 
+impl RedriveRequest {
+    /// The dead letters' (partition, offset) positions; 400 naming `ids` or the id at fault.
+    pub fn positions(&self) -> Result<Vec<(i32, i64)>, ApiError> {
+        if self.ids.is_empty() || self.ids.len() > 1000 {
+            return Err(
+                ApiError::bad_request("invalid", "ids holds 1 to 1000 ids").with_field("ids")
+            );
+        }
+        let mut positions = Vec::with_capacity(self.ids.len());
+        for (i, id) in self.ids.iter().enumerate() {
+            let parsed = id
+                .split_once('-')
+                .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)))
+                .filter(|(p, o)| *p >= 0 && *o >= 0);
+            match parsed {
+                Some(pos) => positions.push(pos),
+                None => {
+                    return Err(ApiError::bad_request(
+                        "invalid",
+                        "an id is <partition>-<offset> as GET /admin/deliveries/dead returns it",
+                    )
+                    .with_field(format!("ids[{i}]")));
+                }
+            }
+        }
+        Ok(positions)
+    }
+}
+
 #[utoipa::path(post, path = "/admin/deliveries/dead/redrive", tag = "admin",
     request_body = RedriveRequest, security(("bearer" = [])),
     responses(
@@ -454,26 +499,7 @@ pub async fn redrive(
     JsonBody(body): JsonBody<RedriveRequest>,
 ) -> Result<Json<Progress>, ApiError> {
     let ops = ops(&state)?.clone();
-    if body.ids.is_empty() || body.ids.len() > 1000 {
-        return Err(ApiError::bad_request("invalid", "ids holds 1 to 1000 ids").with_field("ids"));
-    }
-    let mut positions = Vec::with_capacity(body.ids.len());
-    for (i, id) in body.ids.iter().enumerate() {
-        let parsed = id
-            .split_once('-')
-            .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)))
-            .filter(|(p, o)| *p >= 0 && *o >= 0);
-        match parsed {
-            Some(pos) => positions.push(pos),
-            None => {
-                return Err(ApiError::bad_request(
-                    "invalid",
-                    "an id is <partition>-<offset> as GET /admin/deliveries/dead returns it",
-                )
-                .with_field(format!("ids[{i}]")));
-            }
-        }
-    }
+    let positions = body.positions()?;
     let progress = remember(&ops, "redrive", None);
     let p = progress.clone();
     let result = tokio::task::spawn_blocking(move || {
