@@ -306,6 +306,9 @@ macro_rules! upper {
     (dispatch_workers) => {
         "DISPATCH_WORKERS"
     };
+    (dispatch_claims_ahead) => {
+        "DISPATCH_CLAIMS_AHEAD"
+    };
     (poison_threshold) => {
         "POISON_THRESHOLD"
     };
@@ -409,9 +412,11 @@ settings! {
     allow_insecure_sinks: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
-    /// Concurrent delivery attempts per instance. Claims run ahead of the workers: up to 64x this,
-    /// at most 4,096 (at least 4x this); a tenant gets at least 4x this of them.
+    /// Concurrent delivery attempts per instance. A tenant gets at least 4x this of the claims.
     dispatch_workers: usize = "64";
+    /// Attempts claimed ahead of the workers (each holds its payload in memory until it ends);
+    /// `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the workers.
+    dispatch_claims_ahead: usize = "0";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
@@ -437,7 +442,9 @@ settings! {
     /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
     shutdown_timeout: std::time::Duration = "30s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
-    /// for this long, e.g. stuck in a Kafka call that never returns.
+    /// for this long, e.g. stuck in a Kafka call that never returns. The ingest consumer leaves
+    /// its group after half of it without a poll (`max.poll.interval.ms`, at least the session
+    /// timeout, at most 300 s), so its partitions move before the process is killed.
     stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";

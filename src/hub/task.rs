@@ -572,9 +572,11 @@ impl Dispatch {
             // Claims run ahead of the workers (a claim costs a transaction; an attempt waits for
             // one of `STREAMING_HUB_DISPATCH_WORKERS` permits), bounded per tenant for fairness.
             // Bounded: every claim holds its payload in memory until its attempt ends.
-            max_in_flight: (config.dispatch_workers * 64)
-                .min(4096)
-                .max(config.dispatch_workers * 4),
+            max_in_flight: match config.dispatch_claims_ahead {
+                0 => (config.dispatch_workers * 64).min(4096),
+                n => n,
+            }
+            .max(config.dispatch_workers * 4),
             max_in_flight_per_tenant: config.dispatch_workers * 4,
             in_flight_by_tenant: HashMap::new(),
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
@@ -695,7 +697,7 @@ impl HubStage {
                     .tasks
                     .values()
                     .any(|t| !t.ring.is_empty());
-            let mut batch = self.fill_batch(&consumer, busy);
+            let batch = self.fill_batch(&consumer, busy);
             if let Some(e) = shared
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -704,7 +706,6 @@ impl HubStage {
             {
                 return Err(e);
             }
-            self.drop_revoked(&consumer, &shared, &mut batch);
             if let Some(d) = &mut self.dispatch {
                 d.drain();
             }
@@ -841,7 +842,9 @@ impl HubStage {
             if deadline.is_some() && wait.is_zero() {
                 break;
             }
-            match consumer.poll(wait) {
+            let polled = consumer.poll(wait);
+            forget_revoked(consumer, &mut batch, &mut last);
+            match polled {
                 // Nothing within the wait: hand back to the loop, which also serves due timers
                 // and worker outcomes (and notices `stop`).
                 None => break,
@@ -879,42 +882,6 @@ impl HubStage {
             }
         }
         batch
-    }
-
-    /// Drops records of partitions revoked while the batch filled; if such a partition came
-    /// back, its position is reset so they are read again.
-    fn drop_revoked(
-        &self,
-        consumer: &BaseConsumer<HubContext>,
-        shared: &Mutex<Shared>,
-        batch: &mut Vec<BorrowedMessage<'_>>,
-    ) {
-        let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.revoked.is_empty() {
-            return;
-        }
-        let revoked = std::mem::take(&mut guard.revoked);
-        let owned: HashSet<i32> = guard.tasks.keys().copied().collect();
-        drop(guard);
-        let mut first: HashMap<i32, i64> = HashMap::new();
-        batch.retain(|m| {
-            if revoked.contains(&m.partition()) {
-                first.entry(m.partition()).or_insert(m.offset());
-                false
-            } else {
-                true
-            }
-        });
-        for (p, o) in first {
-            if owned.contains(&p) {
-                let _ = consumer.seek(
-                    &self.env.inbox,
-                    p,
-                    Offset::Offset(o),
-                    Duration::from_secs(5),
-                );
-            }
-        }
     }
 
     /// One transaction: the inbox records, then the workers' outcomes, then new claims.
@@ -1651,5 +1618,31 @@ fn fatal_or_kafka(e: RdKafkaError) -> HubError {
             | RDKafkaErrorCode::InvalidProducerEpoch,
         ) => HubError::Fenced(e.to_string()),
         _ => HubError::Kafka(KafkaError::from(e)),
+    }
+}
+
+/// Forgets the records of partitions revoked during the last poll (the rebalance callback runs
+/// inside it): their next owner processes them. A partition that comes back starts again from
+/// its committed offset, which is past these records if another instance had it in between, so
+/// they are not sought back to; its high mark is cleared so the records are taken again.
+fn forget_revoked(
+    consumer: &BaseConsumer<HubContext>,
+    batch: &mut Vec<BorrowedMessage<'_>>,
+    last: &mut HashMap<i32, i64>,
+) {
+    let revoked = std::mem::take(
+        &mut consumer
+            .context()
+            .shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .revoked,
+    );
+    if revoked.is_empty() {
+        return;
+    }
+    batch.retain(|m| !revoked.contains(&m.partition()));
+    for p in &revoked {
+        last.remove(p);
     }
 }

@@ -141,11 +141,21 @@ impl Ingest {
     /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
     pub fn run(&self, stop: Arc<AtomicBool>) -> Result<(), IngestError> {
         let instance = self.config.instance();
+        // A loop stuck in a transactional call (a broker failing over) must leave the group
+        // before the stall watchdog kills the process: a member that keeps heartbeating without
+        // serving its rebalances holds its partitions, and after the kill its static id was seen
+        // to come back with a stale assignment that overlapped another member's (inbox records
+        // written twice, found by the fault suite). Leaving at half the stall timeout hands its
+        // partitions over through a clean rebalance; its open transaction is then fenced by the
+        // generation.
+        let max_poll = (self.config.stall_timeout / 2)
+            .clamp(self.config.session_timeout, Duration::from_secs(300));
         let consumer: BaseConsumer<IngestContext> = kafka::transactional_consumer(
             &self.config,
             &self.config.group_id,
             &format!("ingest-{instance}"),
         )
+        .set("max.poll.interval.ms", max_poll.as_millis().to_string())
         .create_with_context(IngestContext::default())
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
@@ -167,7 +177,6 @@ impl Ingest {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
             batch.clear();
             self.fill_batch(&consumer, &mut batch, &stop)?;
-            drop_revoked(&consumer, &mut batch);
             if batch.is_empty() {
                 continue;
             }
@@ -217,8 +226,8 @@ impl Ingest {
         stop: &AtomicBool,
     ) -> Result<(), IngestError> {
         let mut deadline: Option<Instant> = None;
-        // Guards against a partition revoked and re-assigned inside one batch: never take an
-        // offset twice.
+        // Never take an offset twice in one batch (a fetch restarted at a position we already
+        // passed).
         let mut last: HashMap<(String, i32), i64> = HashMap::new();
         while batch.len() < self.config.ingest_batch_max {
             let wait = match deadline {
@@ -231,7 +240,9 @@ impl Ingest {
                 break;
             }
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST); // idle is alive
-            match consumer.poll(wait) {
+            let polled = consumer.poll(wait);
+            forget_revoked(consumer, batch, &mut last);
+            match polled {
                 None => {
                     if deadline.is_some() || stop.load(Ordering::Relaxed) {
                         break;
@@ -453,12 +464,17 @@ fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?S
     }
 }
 
-/// Drops the records of partitions revoked while the batch filled: their new owner reads them
-/// from the committed offset, and a transaction of ours with them (and their offsets, which the
-/// group accepts from any member of the current generation) would write them to the inbox a
-/// second time. A partition that came back in the same fill is moved back to its first dropped
-/// record.
-fn drop_revoked(consumer: &BaseConsumer<IngestContext>, batch: &mut Vec<BorrowedMessage<'_>>) {
+/// Forgets the records of partitions revoked during the last poll (the rebalance callback runs
+/// inside it). Their next owner reads them from the committed offset, and a transaction of ours
+/// with them (and their offsets, which the group accepts from any member of the current
+/// generation) would write them to the inbox a second time. A partition that comes back starts
+/// again from its committed offset, which may be past these records if another member had it in
+/// between: so they are not sought back to, and the partition's high mark is cleared.
+fn forget_revoked(
+    consumer: &BaseConsumer<IngestContext>,
+    batch: &mut Vec<BorrowedMessage<'_>>,
+    last: &mut HashMap<(String, i32), i64>,
+) {
     let revoked = std::mem::take(
         &mut *consumer
             .context()
@@ -469,26 +485,9 @@ fn drop_revoked(consumer: &BaseConsumer<IngestContext>, batch: &mut Vec<Borrowed
     if revoked.is_empty() {
         return;
     }
-    let mut first: HashMap<(String, i32), i64> = HashMap::new();
-    batch.retain(|m| {
-        let key = (m.topic().to_string(), m.partition());
-        if revoked.contains(&key) {
-            first.entry(key).or_insert(m.offset());
-            false
-        } else {
-            true
-        }
-    });
-    let owned = consumer.assignment().unwrap_or_default();
-    for ((topic, partition), offset) in first {
-        if owned.find_partition(&topic, partition).is_some() {
-            let _ = consumer.seek(
-                &topic,
-                partition,
-                Offset::Offset(offset),
-                Duration::from_secs(5),
-            );
-        }
+    batch.retain(|m| !revoked.contains(&(m.topic().to_string(), m.partition())));
+    for key in &revoked {
+        last.remove(key);
     }
 }
 
