@@ -97,11 +97,23 @@ pub fn restore(
         .set("max.partition.fetch.bytes", "16777216")
         .create()
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
+    // The end to restore to is the log end, asked by a `read_uncommitted` client: a
+    // `read_committed` one is told the last stable offset, which stops short of a transaction
+    // still open (a previous owner's, stuck or dead) and of everything committed after it by
+    // the owners in between. A restore that stopped there, then checkpointed past them with its
+    // own writes, lost those owners' jobs for good (found by the fault suite: jobs due and never
+    // attempted).
+    let ends: BaseConsumer = kafka::base(config)
+        .set("group.id", format!("{}.restore", config.group_id))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_uncommitted")
+        .create()
+        .map_err(|e| KafkaError::Setup(e.to_string()))?;
     let mut tpl = TopicPartitionList::new();
     // (spec index, end offset) of the partitions that have something to read.
     let mut pending: Vec<(usize, i64)> = Vec::new();
     for (i, s) in specs.iter().enumerate() {
-        let (low, high) = watermarks(&consumer, &s.topic, s.partition)?;
+        let (low, high) = watermarks(&ends, &s.topic, s.partition)?;
         let start = match s.after {
             Some(o) if o + 1 >= low => o + 1,
             _ => low,
