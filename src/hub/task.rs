@@ -866,7 +866,10 @@ impl HubStage {
                         deadline = Some(Instant::now() + interval);
                     }
                 }
-                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code))) => {
+                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code)))
+                | Some(Err(rdkafka::error::KafkaError::MessageConsumption(
+                    code @ RDKafkaErrorCode::PollExceeded,
+                ))) => {
                     // The consumer is dead (e.g. another member took this static member id):
                     // the loop stops on it, so the process is restarted.
                     consumer

@@ -141,21 +141,11 @@ impl Ingest {
     /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
     pub fn run(&self, stop: Arc<AtomicBool>) -> Result<(), IngestError> {
         let instance = self.config.instance();
-        // A loop stuck in a transactional call (a broker failing over) must leave the group
-        // before the stall watchdog kills the process: a member that keeps heartbeating without
-        // serving its rebalances holds its partitions, and after the kill its static id was seen
-        // to come back with a stale assignment that overlapped another member's (inbox records
-        // written twice, found by the fault suite). Leaving at half the stall timeout hands its
-        // partitions over through a clean rebalance; its open transaction is then fenced by the
-        // generation.
-        let max_poll = (self.config.stall_timeout / 2)
-            .clamp(self.config.session_timeout, Duration::from_secs(300));
         let consumer: BaseConsumer<IngestContext> = kafka::transactional_consumer(
             &self.config,
             &self.config.group_id,
             &format!("ingest-{instance}"),
         )
-        .set("max.poll.interval.ms", max_poll.as_millis().to_string())
         .create_with_context(IngestContext::default())
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
@@ -259,8 +249,12 @@ impl Ingest {
                         deadline = Some(Instant::now() + self.config.commit_interval);
                     }
                 }
-                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code))) => {
-                    // The consumer is dead (e.g. another member took this static member id):
+                Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code)))
+                | Some(Err(rdkafka::error::KafkaError::MessageConsumption(
+                    code @ RDKafkaErrorCode::PollExceeded,
+                ))) => {
+                    // The consumer is dead (e.g. another member took this static member id), or
+                    // it left the group after a poll gap (see `kafka::transactional_consumer`):
                     // stop, so the process is restarted instead of holding partitions forever.
                     return Err(IngestError::Fenced(format!("fatal consumer error: {code}")));
                 }

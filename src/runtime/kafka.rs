@@ -83,6 +83,15 @@ pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> Cli
         .set("enable.partition.eof", "false")
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set("session.timeout.ms", millis(config.session_timeout))
+        // A loop stuck in a call is ended by the stall watchdog (the process restarts and its
+        // static member rejoins) before librdkafka would leave the group on its behalf: a
+        // member that left on a poll gap and rejoined from the same consumer was seen to leave
+        // input partitions assigned to nobody for good (fault suite). A poll gap that long
+        // anyway ends the stage.
+        .set(
+            "max.poll.interval.ms",
+            millis((config.stall_timeout + config.session_timeout).max(Duration::from_secs(300))),
+        )
         .set("heartbeat.interval.ms", millis(config.session_timeout / 4))
         .set(
             "topic.metadata.refresh.interval.ms",
