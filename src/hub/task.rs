@@ -1101,7 +1101,13 @@ impl HubStage {
                 .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
                 .map_err(fatal_or_kafka)?;
         }
-        producer.flush(TXN_TIMEOUT).map_err(fatal_or_kafka)?; // serves delivery reports: offsets
+        // Serves delivery reports: the changelog offsets.
+        kafka::wait_delivered(
+            || producer.in_flight_count(),
+            |d| producer.poll(d),
+            TXN_TIMEOUT,
+        )
+        .map_err(fatal_or_kafka)?;
         let (delivered, failed) = producer.context().take();
         if let Some(why) = failed {
             return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());

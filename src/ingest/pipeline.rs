@@ -288,6 +288,13 @@ impl Ingest {
             RdKafkaError::Subscription("consumer has no group metadata yet".into())
         })?;
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
+        // The polling thread serves the delivery reports; committing with none in flight skips
+        // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
+        kafka::wait_delivered(
+            || producer.in_flight_count(),
+            std::thread::sleep,
+            TXN_TIMEOUT,
+        )?;
         producer.commit_transaction(TXN_TIMEOUT)?;
         Ok(())
     }

@@ -45,7 +45,11 @@ pub fn base(config: &Config) -> ClientConfig {
     c.set("bootstrap.servers", &config.kafka_brokers)
         .set("security.protocol", &config.kafka_security_protocol)
         .set("client.id", format!("streaming-hub-{}", config.instance()))
-        .set("socket.keepalive.enable", "true");
+        .set("socket.keepalive.enable", "true")
+        // Transactions are chains of small requests (AddPartitions, AddOffsets, TxnOffsetCommit,
+        // EndTxn) each waiting for the one before: with Nagle's algorithm on, each can sit out a
+        // delayed ACK.
+        .set("socket.nagle.disable", "true");
     if let Some(mechanism) = &config.kafka_sasl_mechanism {
         c.set("sasl.mechanism", mechanism);
     }
@@ -112,6 +116,11 @@ pub fn transactional_producer(config: &Config, transactional_id: &str) -> Client
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("transaction.timeout.ms", "60000")
+        // A transaction begun right after a commit meets the previous one's markers still being
+        // written: the coordinator answers CONCURRENT_TRANSACTIONS and the client retries after
+        // this backoff (100 ms by default, which was the floor of every commit). Backoffs grow
+        // exponentially up to `retry.backoff.max.ms` for real failures.
+        .set("retry.backoff.ms", "5")
         .set("linger.ms", "5")
         .set("batch.num.messages", "10000")
         .set("compression.type", "lz4")
@@ -150,6 +159,27 @@ where
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Waits until every record sent so far is acknowledged and its delivery report served, polling
+/// in 1 ms slices. rdkafka's `flush` (also called by `commit_transaction`) polls in 100 ms slices
+/// that always run to their end, so every transaction with a record in flight cost at least
+/// 100 ms: measured as the floor of each ingest commit, and of the end-to-end latency.
+pub fn wait_delivered(
+    in_flight: impl Fn() -> i32,
+    poll: impl Fn(Duration),
+    timeout: Duration,
+) -> Result<(), rdkafka::error::KafkaError> {
+    let deadline = std::time::Instant::now() + timeout;
+    while in_flight() > 0 {
+        if std::time::Instant::now() >= deadline {
+            return Err(rdkafka::error::KafkaError::Flush(
+                RDKafkaErrorCode::OperationTimedOut,
+            ));
+        }
+        poll(Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 /// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.
