@@ -47,6 +47,8 @@ const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 const ABORT_PATIENCE: Duration = Duration::from_secs(60);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
+/// Shortest gap between two transactions that carry only outcomes and claims (no inbox records).
+const TXN_PACE: Duration = Duration::from_millis(25);
 /// Longest a hub batch stays open while deliveries are under way.
 const BUSY_BATCH: Duration = Duration::from_millis(20);
 /// A batch with records closes after this long without a new one.
@@ -676,6 +678,7 @@ impl HubStage {
         tracing::info!(group = %config.hub_group_id(), dispatch = self.dispatch.is_some(), "hub stage started");
 
         let mut backlog_at = Instant::now();
+        let mut last_txn_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
@@ -713,13 +716,17 @@ impl HubStage {
                 .dispatch
                 .as_ref()
                 .is_some_and(|d| !d.pending.is_empty() || d.in_flight < d.max_in_flight);
-            if batch.is_empty() && !has_dispatch_work {
+            // Outcomes and claims alone wait for a pace: committing them as fast as attempts end
+            // (a transaction every few ms at light load) costs the hub and the brokers CPU for
+            // nothing; new events (a non-empty batch) never wait.
+            if batch.is_empty() && (!has_dispatch_work || last_txn_at.elapsed() < TXN_PACE) {
                 continue;
             }
             let started = Instant::now();
             let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
             match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
                 Ok((n, attempts)) => {
+                    last_txn_at = Instant::now();
                     if n > 0 || !attempts.is_empty() {
                         telemetry::HubCommit {
                             records: n,

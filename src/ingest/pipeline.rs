@@ -290,11 +290,7 @@ impl Ingest {
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         // The polling thread serves the delivery reports; committing with none in flight skips
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
-        kafka::wait_delivered(
-            || producer.in_flight_count(),
-            std::thread::sleep,
-            TXN_TIMEOUT,
-        )?;
+        kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         producer.commit_transaction(TXN_TIMEOUT)?;
         Ok(())
     }

@@ -161,25 +161,33 @@ where
     }
 }
 
-/// Waits until every record sent so far is acknowledged and its delivery report served, polling
-/// in 1 ms slices. rdkafka's `flush` (also called by `commit_transaction`) polls in 100 ms slices
-/// that always run to their end, so every transaction with a record in flight cost at least
-/// 100 ms: measured as the floor of each ingest commit, and of the end-to-end latency.
+/// Waits until every record sent so far is acknowledged and its delivery report served.
+/// rdkafka's `flush` (also called by `commit_transaction`) polls in 100 ms slices that always run
+/// to their end, so every transaction with a record in flight cost at least 100 ms: measured as
+/// the floor of each ingest commit and of the end-to-end latency. Here `poll(ZERO)` serves what
+/// is queued, and the thread sleeps 0.5 ms when nothing moved (a short blocking poll would spin:
+/// rdkafka's poll loops until its deadline).
 pub fn wait_delivered(
     in_flight: impl Fn() -> i32,
     poll: impl Fn(Duration),
     timeout: Duration,
 ) -> Result<(), rdkafka::error::KafkaError> {
     let deadline = std::time::Instant::now() + timeout;
-    while in_flight() > 0 {
+    loop {
+        let before = in_flight();
+        if before == 0 {
+            return Ok(());
+        }
         if std::time::Instant::now() >= deadline {
             return Err(rdkafka::error::KafkaError::Flush(
                 RDKafkaErrorCode::OperationTimedOut,
             ));
         }
-        poll(Duration::from_millis(1));
+        poll(Duration::ZERO);
+        if in_flight() == before {
+            std::thread::sleep(Duration::from_micros(500));
+        }
     }
-    Ok(())
 }
 
 /// Sends one record, waiting (and serving delivery reports) while the producer's queue is full.
