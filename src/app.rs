@@ -180,7 +180,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             })
             .map_err(|e| AppError::Http(e.to_string()))?
     };
-    let mut hub_thread = None;
+    let mut hub_threads = Vec::new();
     if matches!(config.role, Role::All | Role::Delivery) {
         let kek = if config.kek.is_empty() {
             None
@@ -199,32 +199,44 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
             http_timeout_ms: config.http_timeout.as_millis() as i64,
         };
-        let handler = DispatchJobs {
-            table: table.clone(),
-            pull_topic: format!("{}.pull", config.topic_prefix),
-        };
-        let dispatch = Dispatch::new(
-            table.clone(),
-            workers,
-            tokio::runtime::Handle::current(),
-            &config,
-        );
-        let mut hub = HubStage::new(&config, codec.clone(), clock.clone(), Box::new(handler))
-            .with_dispatch(dispatch);
-        let (stop, down) = (stop.clone(), stage_down.clone());
-        hub_thread = Some(
-            std::thread::Builder::new()
-                .name("hub".into())
-                .spawn(move || {
-                    let result = hub.run(stop.clone());
-                    if let Err(e) = &result {
-                        tracing::error!(error = %e, "hub stage failed");
-                    }
-                    ended("hub", &stop, &down);
-                    result
-                })
-                .map_err(|e| AppError::Http(e.to_string()))?,
-        );
+        // One hub loop per stage, each its own group member and transactional producer, all
+        // sharing the workers (and so `STREAMING_HUB_DISPATCH_WORKERS`).
+        let stages = config.hub_stage_count();
+        let router = Arc::new(crate::hub::task::OutcomeRouter::default());
+        for stage in 0..stages {
+            let handler = DispatchJobs {
+                table: table.clone(),
+                pull_topic: format!("{}.pull", config.topic_prefix),
+            };
+            let dispatch = Dispatch::new(
+                table.clone(),
+                workers.clone(),
+                tokio::runtime::Handle::current(),
+                &config,
+            )
+            .for_stage(stage, stages);
+            let mut hub = HubStage::new(&config, codec.clone(), clock.clone(), Box::new(handler))
+                .with_dispatch(dispatch)
+                .with_stage(stage, router.clone());
+            let (stop, down) = (stop.clone(), stage_down.clone());
+            hub_threads.push(
+                std::thread::Builder::new()
+                    .name(if stage == 0 {
+                        "hub".into()
+                    } else {
+                        format!("hub-{stage}")
+                    })
+                    .spawn(move || {
+                        let result = hub.run(stop.clone());
+                        if let Err(e) = &result {
+                            tracing::error!(error = %e, stage, "hub stage failed");
+                        }
+                        ended("hub", &stop, &down);
+                        result
+                    })
+                    .map_err(|e| AppError::Http(e.to_string()))?,
+            );
+        }
     }
 
     {
@@ -349,11 +361,18 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     {
         tracing::error!(error = %e, "control topic reader failed");
     }
-    if let Some(handle) = hub_thread {
+    let mut first_error = None;
+    for handle in hub_threads {
         match tokio::task::spawn_blocking(move || handle.join()).await {
-            Ok(Ok(result)) => result?,
+            Ok(Ok(Err(e))) => {
+                first_error.get_or_insert(e);
+            }
+            Ok(Ok(Ok(()))) => {}
             _ => tracing::error!("hub thread panicked"),
         }
+    }
+    if let Some(e) = first_error {
+        return Err(e.into());
     }
     served
 }

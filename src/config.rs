@@ -16,6 +16,8 @@ use crate::runtime::secret::Secret;
 
 pub const PREFIX: &str = "STREAMING_HUB_";
 pub const CONFIG_FILE_VAR: &str = "STREAMING_HUB_CONFIG_FILE";
+/// Most hub loops one instance runs (`STREAMING_HUB_HUB_STAGES`).
+pub const MAX_HUB_STAGES: usize = 8;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -252,6 +254,9 @@ macro_rules! upper {
     (hub_batch_jobs) => {
         "HUB_BATCH_JOBS"
     };
+    (hub_stages) => {
+        "HUB_STAGES"
+    };
     (pull_rate) => {
         "PULL_RATE"
     };
@@ -389,6 +394,12 @@ settings! {
     /// commit (1,000,000 pending jobs: 664 MiB peak with 20000 records per batch, 462 MiB with
     /// this bound at 5000; BENCHMARKS.md).
     hub_batch_jobs: usize = "5000";
+    /// Hub loops per instance, each a consumer group member on its own thread with its own
+    /// transactional producer, sharing the delivery workers (`0` = one per CPU core, at most 8).
+    /// Inbox partitions are spread over every loop of every instance. More loops mean more,
+    /// smaller transactions: on a 2-core machine shared with the broker one loop measured best
+    /// (BENCHMARKS.md).
+    hub_stages: usize = "1";
     /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
     /// record, so light load commits at once and a steady stream gets large batches.
     commit_interval: std::time::Duration = "100ms";
@@ -542,6 +553,9 @@ impl Config {
         if self.hub_batch_max == 0 {
             return Err(invalid("STREAMING_HUB_HUB_BATCH_MAX", "must be at least 1"));
         }
+        if self.hub_stages > MAX_HUB_STAGES {
+            return Err(invalid("STREAMING_HUB_HUB_STAGES", "must be at most 8"));
+        }
         if self.hub_batch_jobs == 0 {
             return Err(invalid(
                 "STREAMING_HUB_HUB_BATCH_JOBS",
@@ -633,6 +647,17 @@ impl Config {
     }
 
     /// The consumer group of the hub tasks (the one replay resets on `<prefix>.inbox`).
+    /// Hub loops this instance runs (`STREAMING_HUB_HUB_STAGES`, `0` resolved to the cores).
+    pub fn hub_stage_count(&self) -> usize {
+        match self.hub_stages {
+            0 => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(MAX_HUB_STAGES),
+            n => n,
+        }
+    }
+
     pub fn hub_group_id(&self) -> String {
         format!("{}.hub", self.group_id)
     }

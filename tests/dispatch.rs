@@ -357,3 +357,83 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     assert_eq!(ids(&got[..2]), want);
     assert_eq!(ids(&got[2..4]), want, "every event delivered again");
 }
+
+/// Hub loops of one instance, and which inbox partitions each owns now (the
+/// `streaming_hub_inbox_partition_owned{partition,loop}` gauges at 1).
+async fn partitions_by_loop(s: &ApiHub) -> BTreeMap<String, Vec<String>> {
+    let text = s.metrics_text().await;
+    let label = |line: &str, name: &str| {
+        let from = line.find(&format!("{name}=\""))? + name.len() + 2;
+        Some(line[from..].split('"').next()?.to_string())
+    };
+    let mut owned: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in text.lines() {
+        if !line.starts_with("streaming_hub_inbox_partition_owned{") || !line.ends_with(" 1") {
+            continue;
+        }
+        if let (Some(l), Some(p)) = (label(line, "loop"), label(line, "partition")) {
+            owned.entry(l).or_default().push(p);
+        }
+    }
+    owned
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hub_loops_split_the_inbox_and_deliver_every_event_once() {
+    let s = ApiHub::start(
+        "loops",
+        &[
+            ("STREAMING_HUB_HUB_STAGES", "2"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+        ],
+    )
+    .await;
+    let (url, sink) = start_sink(vec![200]).await;
+    let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
+    for t in &tenants {
+        subscribe(&s, t, &url, None).await;
+    }
+    let events: Vec<Rec> = (0..240)
+        .map(|i| {
+            event(
+                &tenants[i % tenants.len()],
+                "ledger",
+                "transaction",
+                "created",
+            )
+        })
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    let got = wait_for_deliveries(&sink, events.len(), Duration::from_secs(90));
+    let mut ids: Vec<&str> = got
+        .iter()
+        .map(|r| r.headers["x-lerian-event-id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    let n = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), n, "an event was delivered twice");
+    let want: std::collections::BTreeSet<String> = events.iter().map(|e| e.id()).collect();
+    let have: std::collections::BTreeSet<String> = ids.iter().map(|s| s.to_string()).collect();
+    assert_eq!(have, want, "every event, once");
+
+    // Both loops own a share of the six inbox partitions, and no partition has two owners.
+    let mut owned = BTreeMap::new();
+    for _ in 0..600 {
+        owned = partitions_by_loop(&s).await;
+        if owned.len() == 2 && owned.values().map(Vec::len).sum::<usize>() == 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        owned.keys().map(String::as_str).collect::<Vec<_>>(),
+        vec!["0", "1"],
+        "{owned:?}"
+    );
+    let mut all: Vec<&String> = owned.values().flatten().collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 6, "{owned:?}");
+    assert_eq!(owned.values().map(Vec::len).sum::<usize>(), 6, "{owned:?}");
+}

@@ -613,15 +613,7 @@ async fn ingest_and_delivery_roles_run_apart_and_together_deliver() {
         .await;
     let mut text = String::new();
     for _ in 0..300 {
-        text = b
-            .http
-            .get(format!("http://{}/metrics", b.hub.addr()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        text = b.metrics_text().await;
         if text.contains("streaming_hub_due_jobs{tenant=\"_all\"}")
             && text.contains("streaming_hub_consumer_lag{stage=\"hub\"")
         {

@@ -249,6 +249,8 @@ struct Shared {
 struct HubContext {
     env: Env,
     shared: Arc<Mutex<Shared>>,
+    router: Arc<OutcomeRouter>,
+    stage: usize,
 }
 
 impl ClientContext for HubContext {
@@ -260,6 +262,85 @@ impl ClientContext for HubContext {
 /// Partitions being restored now, in this process (`/readyz` answers 503 while it is not zero).
 pub static RESTORING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// Hands attempt outcomes between the hub loops of one process. An attempt's outcome returns to
+/// the loop that claimed it; when that loop no longer owns the job's partition (a rebalance
+/// moved it, e.g. to a loop that joined later), the outcome goes to the local loop that owns it
+/// now, which commits it: the attempt is not sent a second time after its lease. An outcome of
+/// a partition no local loop owns yet is parked until one takes it (or its lease ends: it could
+/// not be recorded any more then); one whose partition went to another instance is dropped, and
+/// that instance resends the job after its lease (at-least-once).
+#[derive(Default)]
+pub struct OutcomeRouter {
+    state: Mutex<RouterState>,
+}
+
+#[derive(Default)]
+struct RouterState {
+    owners: HashMap<i32, usize>,
+    loops: HashMap<usize, std::sync::mpsc::Sender<Outcome>>,
+    parked: HashMap<i32, Vec<Outcome>>,
+}
+
+impl OutcomeRouter {
+    /// Registers loop `stage`; outcomes handed to it arrive on the returned receiver.
+    pub fn join(&self, stage: usize) -> std::sync::mpsc::Receiver<Outcome> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.lock().loops.insert(stage, tx);
+        rx
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RouterState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `stage` owns `partitions` now: outcomes parked for them go to it.
+    fn took(&self, stage: usize, partitions: &[i32]) {
+        let mut st = self.lock();
+        for p in partitions {
+            st.owners.insert(*p, stage);
+            let parked = st.parked.remove(p).unwrap_or_default();
+            if let Some(tx) = st.loops.get(&stage) {
+                for o in parked {
+                    let _ = tx.send(o);
+                }
+            }
+        }
+    }
+
+    /// `stage` gave `partitions` up.
+    fn gave_up(&self, stage: usize, partitions: &[i32]) {
+        let mut st = self.lock();
+        for p in partitions {
+            if st.owners.get(p) == Some(&stage) {
+                st.owners.remove(p);
+            }
+        }
+    }
+
+    /// An outcome its own loop cannot record (not the partition's owner): to the owner, or
+    /// parked. Parked outcomes whose lease ended are dropped on the way.
+    fn hand_over(&self, from: usize, o: Outcome, now: i64) {
+        let mut st = self.lock();
+        match st.owners.get(&o.partition).copied() {
+            Some(owner) if owner != from => {
+                if let Some(tx) = st.loops.get(&owner) {
+                    let _ = tx.send(o);
+                }
+            }
+            Some(_) => {} // its own loop owns it again: recorded there already
+            None => {
+                st.parked
+                    .values_mut()
+                    .for_each(|v| v.retain(|o| o.lease_until > now));
+                st.parked.retain(|_, v| !v.is_empty());
+                if o.lease_until > now {
+                    st.parked.entry(o.partition).or_default().push(o);
+                }
+            }
+        }
+    }
+}
+
 impl ConsumerContext for HubContext {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
@@ -269,7 +350,8 @@ impl ConsumerContext for HubContext {
                 shared.tasks.remove(p); // closes its RocksDB
                 shared.revoked.insert(*p);
             }
-            telemetry::partitions_owned(&parts, false);
+            self.router.gave_up(self.stage, &parts);
+            telemetry::partitions_owned(self.stage, &parts, false);
             telemetry::Rebalance {
                 stage: "hub",
                 kind: "revoke",
@@ -307,12 +389,13 @@ impl ConsumerContext for HubContext {
             telemetry::restoring(n);
             match restored {
                 Ok((tasks, _)) => {
-                    telemetry::partitions_owned(&parts, true);
+                    telemetry::partitions_owned(self.stage, &parts, true);
                     self.shared
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .tasks
                         .extend(tasks);
+                    self.router.took(self.stage, &parts);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "restore failed");
@@ -341,7 +424,7 @@ fn committed_offsets(
     // A previous owner's transaction ends within the transaction timeout (60 s) at the latest.
     let deadline = Instant::now() + Duration::from_secs(120);
     let committed = loop {
-        crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
+        crate::runtime::liveness::beat_current();
         let answer = consumer
             .committed_offsets(tpl.clone(), Duration::from_secs(10))
             .and_then(|c| {
@@ -531,6 +614,12 @@ pub struct HubStage {
     clock: SharedClock,
     handler: Box<dyn EventHandler>,
     dispatch: Option<Dispatch>,
+    /// This loop's number within the instance (`STREAMING_HUB_HUB_STAGES`).
+    stage: usize,
+    /// Shared by the loops of this process (see [`OutcomeRouter`]).
+    router: Arc<OutcomeRouter>,
+    /// Outcomes other loops handed to this one.
+    handed: Option<std::sync::mpsc::Receiver<Outcome>>,
 }
 
 /// The delivery side of the hub loop: claims due jobs, hands them to the workers after the claim
@@ -557,6 +646,8 @@ pub struct Dispatch {
     quiet_until: Option<Instant>,
     /// Outcomes taken from the workers but not yet committed (kept across an abort).
     pending: Vec<Outcome>,
+    /// The hub loop this dispatch belongs to (its part of the instance-wide gauges).
+    stage: usize,
 }
 
 impl Dispatch {
@@ -590,7 +681,19 @@ impl Dispatch {
             round: 0,
             quiet_until: None,
             pending: Vec::new(),
+            stage: 0,
         }
+    }
+
+    /// One of `stages` hub loops' dispatch: an equal share of the claims ahead (the workers
+    /// are shared by every loop).
+    pub fn for_stage(mut self, stage: usize, stages: usize) -> Dispatch {
+        self.stage = stage;
+        self.max_in_flight = self
+            .max_in_flight
+            .div_ceil(stages.max(1))
+            .max(self.max_in_flight_per_tenant);
+        self
     }
 
     fn drain(&mut self) {
@@ -603,6 +706,32 @@ impl Dispatch {
                 }
             }
             self.pending.push(o);
+        }
+    }
+
+    /// Outcomes other loops of this process handed over (their attempts, this loop's
+    /// partitions now): recorded like its own, with no worker slot of its own to give back.
+    fn take_handed(&mut self, handed: Option<&std::sync::mpsc::Receiver<Outcome>>) {
+        if let Some(rx) = handed {
+            self.pending.extend(rx.try_iter());
+        }
+    }
+
+    /// Outcomes of partitions this loop no longer owns go to the loop that does.
+    fn hand_over(&mut self, tasks: &HashMap<i32, Task>, router: &OutcomeRouter, now: i64) {
+        if self
+            .pending
+            .iter()
+            .all(|o| tasks.contains_key(&o.partition))
+        {
+            return;
+        }
+        let (mine, theirs): (Vec<Outcome>, Vec<Outcome>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|o| tasks.contains_key(&o.partition));
+        self.pending = mine;
+        for o in theirs {
+            router.hand_over(self.stage, o, now);
         }
     }
 
@@ -638,7 +767,23 @@ impl HubStage {
             clock,
             handler,
             dispatch: None,
+            stage: 0,
+            router: Arc::new(OutcomeRouter::default()),
+            handed: None,
         }
+    }
+
+    /// Makes this loop stage `stage` of its instance: its own consumer group member and
+    /// transactional id (stage 0 keeps the names of an instance with a single loop).
+    pub fn with_stage(mut self, stage: usize, router: Arc<OutcomeRouter>) -> HubStage {
+        self.stage = stage.min(crate::config::MAX_HUB_STAGES - 1);
+        self.handed = Some(router.join(self.stage));
+        self.router = router;
+        self
+    }
+
+    fn liveness(&self) -> &'static std::sync::atomic::AtomicI64 {
+        &crate::runtime::liveness::HUB[self.stage]
     }
 
     /// Turns on delivery: due jobs are claimed and attempted by `dispatch`'s workers.
@@ -650,7 +795,11 @@ impl HubStage {
     /// Runs until `stop` is set or a fatal error; blocking (run it on its own thread).
     pub fn run(&mut self, stop: Arc<AtomicBool>) -> Result<(), HubError> {
         let config = self.env.config.clone();
-        let instance = config.instance();
+        let instance = match self.stage {
+            0 => config.instance(),
+            k => format!("{}-{k}", config.instance()),
+        };
+        crate::runtime::liveness::run_on_this_thread(self.liveness());
         let shared = Arc::new(Mutex::new(Shared::default()));
         let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(
             &config,
@@ -670,24 +819,31 @@ impl HubStage {
         .create_with_context(HubContext {
             env: self.env.clone(),
             shared: shared.clone(),
+            router: self.router.clone(),
+            stage: self.stage,
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         consumer
             .subscribe(&[self.env.inbox.as_str()])
             .map_err(KafkaError::from)?;
-        tracing::info!(group = %config.hub_group_id(), dispatch = self.dispatch.is_some(), "hub stage started");
+        tracing::info!(group = %config.hub_group_id(), stage = self.stage, dispatch = self.dispatch.is_some(), "hub stage started");
 
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
-            crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
+            crate::runtime::liveness::beat(self.liveness());
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-                backlog_named = sample_backlog(&guard.tasks, self.clock.now_ms(), &backlog_named);
+                backlog_named = sample_backlog(
+                    self.stage,
+                    &guard.tasks,
+                    self.clock.now_ms(),
+                    &backlog_named,
+                );
                 if let Some(d) = &self.dispatch {
-                    telemetry::attempts_claimed(d.in_flight);
+                    telemetry::attempts_claimed(self.stage, d.in_flight);
                 }
             }
             let busy = self
@@ -711,6 +867,7 @@ impl HubStage {
             }
             if let Some(d) = &mut self.dispatch {
                 d.drain();
+                d.take_handed(self.handed.as_ref());
             }
             let has_dispatch_work = self
                 .dispatch
@@ -724,6 +881,9 @@ impl HubStage {
             }
             let started = Instant::now();
             let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(d) = &mut self.dispatch {
+                d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
+            }
             match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
                 Ok((n, attempts)) => {
                     last_txn_at = Instant::now();
@@ -760,8 +920,8 @@ impl HubStage {
             }
         }
         self.drain_on_stop(&producer, &consumer, &shared)?;
-        crate::runtime::liveness::rest(&crate::runtime::liveness::HUB);
-        tracing::info!("hub stage stopping");
+        crate::runtime::liveness::rest(self.liveness());
+        tracing::info!(stage = self.stage, "hub stage stopping");
         consumer.unsubscribe();
         Ok(())
     }
@@ -785,9 +945,10 @@ impl HubStage {
             tracing::info!(in_flight, "waiting for attempts in flight before leaving");
         }
         loop {
-            crate::runtime::liveness::beat(&crate::runtime::liveness::HUB);
+            crate::runtime::liveness::beat(self.liveness());
             let d = self.dispatch.as_mut().expect("checked above");
             d.drain();
+            d.take_handed(self.handed.as_ref());
             if d.in_flight == 0 && d.pending.is_empty() {
                 break;
             }
@@ -803,6 +964,9 @@ impl HubStage {
                 continue;
             }
             let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(d) = &mut self.dispatch {
+                d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
+            }
             match self.process_batch(producer, consumer, &mut guard.tasks, &[]) {
                 Ok(_) | Err(HubError::Idle) => {
                     if let Some(d) = &mut self.dispatch {
@@ -922,6 +1086,11 @@ impl HubStage {
         }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
         let _ = producer.context().take();
+        let mut phase = Instant::now();
+        let mut phase_done = |name: &'static str| {
+            telemetry::txn_phase("hub", name, phase.elapsed());
+            phase = Instant::now();
+        };
         let mut staged: HashMap<i32, Staged> = HashMap::new();
         let mut jobs_changelog: HashMap<i32, ChangelogWrites> = HashMap::new();
         let mut sequences: HashMap<(i32, String), u64> = HashMap::new();
@@ -1095,6 +1264,7 @@ impl HubStage {
                 offsets.insert(*p, next);
             }
         }
+        phase_done("work");
         if !offsets.is_empty() {
             let mut tpl = TopicPartitionList::new();
             for (p, next) in &offsets {
@@ -1108,6 +1278,7 @@ impl HubStage {
                 .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
                 .map_err(fatal_or_kafka)?;
         }
+        phase_done("offsets");
         // Serves delivery reports: the changelog offsets.
         kafka::wait_delivered(
             || producer.in_flight_count(),
@@ -1115,6 +1286,7 @@ impl HubStage {
             TXN_TIMEOUT,
         )
         .map_err(fatal_or_kafka)?;
+        phase_done("delivered");
         let (delivered, failed) = producer.context().take();
         if let Some(why) = failed {
             return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
@@ -1122,6 +1294,7 @@ impl HubStage {
         producer
             .commit_transaction(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
+        phase_done("commit");
         // Committed: now the local stores may move, each with its changelog offsets.
         for (p, task) in tasks.iter_mut() {
             task.ring.committed();
@@ -1145,6 +1318,7 @@ impl HubStage {
             }
             task.store.apply(st, &marks)?;
         }
+        phase_done("apply");
         Ok((batch.len(), attempts))
     }
 }
@@ -1260,7 +1434,7 @@ fn dispatch_work(
             emit_dead_letter(env, out, &dl)?;
         }
     }
-    telemetry::breakers_open(d.breakers.open_count());
+    telemetry::breakers_open(d.stage, d.breakers.open_count());
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
     // Fair across tasks too: each task with timers gets an equal share of this round's capacity
     // (and the order rotates), so one partition's backlog cannot starve another's tenants.
@@ -1474,7 +1648,12 @@ fn claim(
 }
 
 /// Samples the due-job backlog of every task; returns the tenants named this time.
-fn sample_backlog(tasks: &HashMap<i32, Task>, now: i64, named_before: &[String]) -> Vec<String> {
+fn sample_backlog(
+    stage: usize,
+    tasks: &HashMap<i32, Task>,
+    now: i64,
+    named_before: &[String],
+) -> Vec<String> {
     let mut per_tenant: HashMap<String, (usize, i64)> = HashMap::new();
     for task in tasks.values() {
         let Ok(tenants) = jobs::tenants_with_timers(&task.store) else {
@@ -1501,7 +1680,7 @@ fn sample_backlog(tasks: &HashMap<i32, Task>, now: i64, named_before: &[String])
         .filter(|t| !named.contains(t))
         .cloned()
         .collect();
-    telemetry::due_backlog(&ranked, &left, total);
+    telemetry::due_backlog(stage, &ranked, &left, total);
     named
 }
 
@@ -1660,5 +1839,62 @@ fn forget_revoked(
     batch.retain(|m| !revoked.contains(&m.partition()));
     for p in &revoked {
         last.remove(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(partition: i32, lease_until: i64) -> Outcome {
+        Outcome {
+            partition,
+            job_key: format!("j/t\0e-{partition}-{lease_until}\0s").into_bytes(),
+            attempt: 1,
+            lease_until,
+            delivery_id: "d".into(),
+            started_at: 0,
+            latency_ms: 1,
+            status: Some(200),
+            error_kind: None,
+            retry_after_ms: None,
+            response_body: None,
+            ingest_ms: None,
+            tenant: "t".into(),
+        }
+    }
+
+    #[test]
+    fn an_outcome_goes_to_the_loop_that_owns_its_partition_now() {
+        let router = OutcomeRouter::default();
+        let (rx0, rx1) = (router.join(0), router.join(1));
+        router.took(0, &[1, 2]);
+        router.gave_up(0, &[2]);
+        router.took(1, &[2]);
+        router.hand_over(0, outcome(2, 1_000), 10);
+        let got: Vec<i32> = rx1.try_iter().map(|o| o.partition).collect();
+        assert_eq!(got, vec![2]);
+        assert!(rx0.try_iter().next().is_none());
+    }
+
+    #[test]
+    fn an_outcome_waits_for_its_partition_to_be_taken_unless_its_lease_ended() {
+        let router = OutcomeRouter::default();
+        let rx1 = router.join(1);
+        router.took(0, &[3]);
+        router.gave_up(0, &[3]);
+        // Between the revoke and the assignment: parked. A lease already over is not kept.
+        router.hand_over(0, outcome(3, 1_000), 10);
+        router.hand_over(0, outcome(3, 5), 10);
+        assert!(rx1.try_iter().next().is_none());
+        router.took(1, &[3]);
+        let got: Vec<i64> = rx1.try_iter().map(|o| o.lease_until).collect();
+        assert_eq!(got, vec![1_000]);
+        // Parked outcomes whose lease ends meanwhile are dropped when the next one is parked.
+        router.gave_up(1, &[3]);
+        router.hand_over(1, outcome(3, 20), 10);
+        router.hand_over(1, outcome(4, 1_000), 30);
+        router.took(1, &[3]);
+        assert!(rx1.try_iter().next().is_none());
     }
 }

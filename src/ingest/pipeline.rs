@@ -273,6 +273,11 @@ impl Ingest {
         batch: &[BorrowedMessage<'_>],
     ) -> Result<(), RdKafkaError> {
         producer.begin_transaction()?;
+        let mut phase = std::time::Instant::now();
+        let mut phase_done = |name: &'static str| {
+            telemetry::txn_phase("ingest", name, phase.elapsed());
+            phase = std::time::Instant::now();
+        };
         let now_ms = self.clock.now_ms();
         let ingest_time = rfc3339_ms(now_ms);
         let mut offsets: HashMap<(&str, i32), i64> = HashMap::new();
@@ -287,11 +292,15 @@ impl Ingest {
         let metadata = consumer.group_metadata().ok_or_else(|| {
             RdKafkaError::Subscription("consumer has no group metadata yet".into())
         })?;
+        phase_done("work");
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
+        phase_done("offsets");
         // The polling thread serves the delivery reports; committing with none in flight skips
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
+        phase_done("delivered");
         producer.commit_transaction(TXN_TIMEOUT)?;
+        phase_done("commit");
         Ok(())
     }
 

@@ -132,7 +132,7 @@ pub fn restore(
     let mut idle_since = Instant::now();
     let mut waiting_logged = false;
     loop {
-        crate::runtime::liveness::beat(&crate::runtime::liveness::HUB); // restoring is turning
+        crate::runtime::liveness::beat_current(); // restoring is turning
         let mut chunk: Vec<rdkafka::message::BorrowedMessage<'_>> = Vec::with_capacity(4096);
         while chunk.len() < 4096 {
             match consumer.poll(Duration::from_millis(if chunk.is_empty() { 20 } else { 0 })) {

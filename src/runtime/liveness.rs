@@ -4,13 +4,34 @@
 //! while delivering nothing. Each loop beats once per turn (and inside its own long waits: a
 //! restore, an abort being retried); a watchdog ends the process when a loop has not beaten for
 //! `STREAMING_HUB_STALL_TIMEOUT`, so it is restarted and its partitions move.
+use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Last beat of the hub loop (ms since the epoch; 0 = not running).
-pub static HUB: AtomicI64 = AtomicI64::new(0);
+use crate::config::MAX_HUB_STAGES;
+
+/// Last beat of each hub loop (ms since the epoch; 0 = not running), by stage number.
+pub static HUB: [AtomicI64; MAX_HUB_STAGES] = [const { AtomicI64::new(0) }; MAX_HUB_STAGES];
 /// Last beat of the ingest loop.
 pub static INGEST: AtomicI64 = AtomicI64::new(0);
+
+thread_local! {
+    /// The loop this thread runs, for code it calls that cannot name it (a restore inside a
+    /// rebalance callback).
+    static CURRENT: Cell<Option<&'static AtomicI64>> = const { Cell::new(None) };
+}
+
+/// Marks `loop_` as the one this thread runs (see [`beat_current`]).
+pub fn run_on_this_thread(loop_: &'static AtomicI64) {
+    CURRENT.with(|c| c.set(Some(loop_)));
+}
+
+/// Beats the loop this thread runs, if any.
+pub fn beat_current() {
+    if let Some(l) = CURRENT.with(Cell::get) {
+        beat(l);
+    }
+}
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -31,8 +52,9 @@ pub fn rest(loop_: &AtomicI64) {
 /// The first loop (by name) that has not beaten for `limit`, if any.
 pub fn stalled(limit: Duration) -> Option<&'static str> {
     let now = now_ms();
-    [("hub", &HUB), ("ingest", &INGEST)]
-        .into_iter()
+    HUB.iter()
+        .map(|b| ("hub", b))
+        .chain([("ingest", &INGEST)])
         .find(|(_, b)| {
             let at = b.load(Ordering::Relaxed);
             at > 0 && now - at > limit.as_millis() as i64
@@ -46,12 +68,30 @@ mod tests {
 
     #[test]
     fn a_loop_that_stops_beating_is_reported_and_a_resting_one_is_not() {
-        beat(&HUB);
+        beat(&HUB[0]);
+        beat(&HUB[1]);
         rest(&INGEST);
         assert_eq!(stalled(Duration::from_secs(60)), None);
-        HUB.store(now_ms() - 61_000, Ordering::Relaxed);
+        // One stuck stage is found although another keeps beating.
+        HUB[1].store(now_ms() - 61_000, Ordering::Relaxed);
         assert_eq!(stalled(Duration::from_secs(60)), Some("hub"));
-        rest(&HUB);
+        rest(&HUB[1]);
+        rest(&HUB[0]);
         assert_eq!(stalled(Duration::from_secs(60)), None);
+    }
+
+    #[test]
+    fn the_current_loop_is_the_one_this_thread_named() {
+        let other = std::thread::spawn(|| {
+            run_on_this_thread(&HUB[3]);
+            HUB[3].store(1, Ordering::Relaxed);
+            beat_current();
+            HUB[3].load(Ordering::Relaxed)
+        });
+        assert!(other.join().unwrap() > 1);
+        // This thread named none: beating it touches nothing.
+        HUB[4].store(0, Ordering::Relaxed);
+        beat_current();
+        assert_eq!(HUB[4].load(Ordering::Relaxed), 0);
     }
 }

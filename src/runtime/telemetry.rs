@@ -4,9 +4,12 @@
 //! Metric names (Prometheus): `streaming_hub_ingest_records_total{topic,verdict,reason}`,
 //! `streaming_hub_ingest_commits_total{outcome}`, `streaming_hub_ingest_commit_seconds`,
 //! `streaming_hub_ingest_batch_records`.
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
+
+use crate::config::MAX_HUB_STAGES;
 
 pub const INGEST_RECORDS: &str = "streaming_hub_ingest_records_total";
 pub const INGEST_COMMITS: &str = "streaming_hub_ingest_commits_total";
@@ -136,6 +139,16 @@ impl HubEvent<'_> {
     }
 }
 
+pub const TXN_PHASE_SECONDS: &str = "streaming_hub_txn_phase_seconds";
+
+/// Where a committed transaction's time went, per stage (`ingest`, `hub`) and phase: `work`
+/// (records processed and sent), `offsets` (`send_offsets_to_transaction`), `delivered`
+/// (waiting for the records' acknowledgements), `commit` (`commit_transaction`), `apply`
+/// (the hub's store writes after the commit).
+pub fn txn_phase(stage: &'static str, phase: &'static str, took: Duration) {
+    histogram!(TXN_PHASE_SECONDS, "stage" => stage, "phase" => phase).record(took.as_secs_f64());
+}
+
 /// A hub batch committed.
 pub struct HubCommit {
     pub records: usize,
@@ -247,8 +260,31 @@ pub fn delivered_after(ms: i64) {
 }
 
 /// Circuit breakers open now.
-pub fn breakers_open(n: usize) {
-    gauge!(BREAKERS_OPEN).set(n as f64);
+/// An instance-wide gauge that every hub loop (stage) feeds its own part of: the gauge shows
+/// the sum, not whichever loop wrote last.
+struct PerStage([AtomicUsize; MAX_HUB_STAGES]);
+
+impl PerStage {
+    const fn new() -> PerStage {
+        PerStage([const { AtomicUsize::new(0) }; MAX_HUB_STAGES])
+    }
+
+    /// Sets `stage`'s part; returns the sum over all stages.
+    fn set(&self, stage: usize, n: usize) -> f64 {
+        self.0[stage.min(MAX_HUB_STAGES - 1)].store(n, Ordering::Relaxed);
+        self.0
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .sum::<usize>() as f64
+    }
+}
+
+static OPEN_BY_STAGE: PerStage = PerStage::new();
+static CLAIMED_BY_STAGE: PerStage = PerStage::new();
+static DUE_BY_STAGE: PerStage = PerStage::new();
+
+pub fn breakers_open(stage: usize, n: usize) {
+    gauge!(BREAKERS_OPEN).set(OPEN_BY_STAGE.set(stage, n));
 }
 
 /// Delivery attempts holding a worker now (at most `STREAMING_HUB_DISPATCH_WORKERS`).
@@ -258,15 +294,16 @@ pub fn attempts_executing(delta: f64) {
 
 /// Inbox partitions this instance's hub stage took (1) or gave up (0): which instance owns
 /// which partition, as its rebalance callbacks saw it.
-pub fn partitions_owned(partitions: &[i32], owned: bool) {
+pub fn partitions_owned(hub_loop: usize, partitions: &[i32], owned: bool) {
     for p in partitions {
-        gauge!(PARTITION_OWNED, "partition" => p.to_string()).set(if owned { 1.0 } else { 0.0 });
+        gauge!(PARTITION_OWNED, "partition" => p.to_string(), "loop" => hub_loop.to_string())
+            .set(if owned { 1.0 } else { 0.0 });
     }
 }
 
 /// Attempts claimed and not yet finished (waiting for a worker or executing).
-pub fn attempts_claimed(n: usize) {
-    gauge!(ATTEMPTS_CLAIMED).set(n as f64);
+pub fn attempts_claimed(stage: usize, n: usize) {
+    gauge!(ATTEMPTS_CLAIMED).set(CLAIMED_BY_STAGE.set(stage, n));
 }
 
 /// Partitions whose stores are being restored now (`/readyz` is 503 meanwhile).
@@ -276,7 +313,7 @@ pub fn restoring(n: usize) {
 
 /// Due jobs and the age of the oldest, for the tenants with the oldest due jobs (top N: bounded
 /// cardinality); tenants that left the top N are set to zero.
-pub fn due_backlog(top: &[(String, usize, f64)], left: &[String], total: usize) {
+pub fn due_backlog(stage: usize, top: &[(String, usize, f64)], left: &[String], total: usize) {
     for (tenant, due, oldest) in top {
         gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(*due as f64);
         gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(*oldest);
@@ -285,7 +322,7 @@ pub fn due_backlog(top: &[(String, usize, f64)], left: &[String], total: usize) 
         gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(0.0);
         gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(0.0);
     }
-    gauge!(DUE_JOBS, "tenant" => "_all").set(total as f64);
+    gauge!(DUE_JOBS, "tenant" => "_all").set(DUE_BY_STAGE.set(stage, total));
 }
 
 /// Consumer lag of every assigned partition in one librdkafka statistics report (raw JSON):

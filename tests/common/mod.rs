@@ -648,16 +648,19 @@ impl ApiHub {
     /// The sum of every series of a metric whose line starts with `name` (a label prefix may
     /// follow the name, e.g. `streaming_hub_attempts_total{outcome="delivered"`).
     pub async fn metric(&self, name: &str) -> u64 {
-        let text = self
-            .http
+        metric_sum(&self.metrics_text().await, name)
+    }
+
+    /// The hub's `/metrics` page as it is now.
+    pub async fn metrics_text(&self) -> String {
+        self.http
             .get(format!("http://{}/metrics", self.hub.addr()))
             .send()
             .await
             .unwrap()
             .text()
             .await
-            .unwrap();
-        metric_sum(&text, name)
+            .unwrap()
     }
 
     pub async fn wait_metric(&self, name: &str, at_least: u64) {
