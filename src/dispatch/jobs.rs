@@ -265,6 +265,45 @@ impl JobStore<'_> {
         Ok(())
     }
 
+    /// Deletes a job, its timer, and its payload when no other job holds it (else counts one
+    /// holder less), without decoding the payload: the refcount is its record's last field
+    /// ([`payload_refcount`]), so a fan-out event's payload is not decoded and re-encoded once
+    /// per finished job. Records of another schema take the decoding path.
+    pub fn finish_job_quietly(&mut self, key: &[u8], job: &JobRecord) -> Result<(), JobError> {
+        let Some(pk) = payload_key_of(key) else {
+            self.staged
+                .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+            self.delete(key.to_vec());
+            return Ok(());
+        };
+        let Some(bytes) = self.staged.read(self.store, JOBS, &pk)? else {
+            self.staged
+                .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+            self.delete(key.to_vec());
+            return Ok(());
+        };
+        match payload_refcount(self.codec, &bytes) {
+            Some((_, n)) if n <= 1 => {
+                self.staged
+                    .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+                self.delete(key.to_vec());
+                self.delete(pk);
+                Ok(())
+            }
+            Some((at, n)) => {
+                self.staged
+                    .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+                self.delete(key.to_vec());
+                let mut patched = bytes;
+                patched.truncate(at);
+                put_zigzag(&mut patched, i64::from(n - 1));
+                self.put(pk, patched);
+                Ok(())
+            }
+            None => self.finish_job(key, job).map(|_| ()),
+        }
+    }
+
     /// Deletes a job, its timer, and its payload when no other job holds it; returns the payload
     /// as it was (dead letters carry it).
     pub fn finish_job(
@@ -317,8 +356,10 @@ impl JobStore<'_> {
         Ok(())
     }
 
-    /// Up to `limit` due jobs, one per tenant in turn: (job key, job). Jobs created in this
-    /// transaction are not seen (they are claimed by the next one).
+    /// Up to `limit` due jobs, tenants in turn, each taking at most an equal share of `limit`
+    /// per turn: (job key, job). One iterator pass per turn collects a tenant's share (a pass
+    /// per job stepped over every job this call had already taken from the same tenant). Jobs
+    /// created in this transaction are not seen (they are claimed by the next one).
     pub fn due_jobs(
         &self,
         ring: &mut TenantRing,
@@ -328,14 +369,16 @@ impl JobStore<'_> {
         let mut out = Vec::new();
         let mut taken: HashSet<Vec<u8>> = HashSet::new();
         let mut idle_pass = 0usize;
+        let share = limit.div_ceil(ring.order.len().max(1)).max(1);
         while out.len() < limit && !ring.order.is_empty() && idle_pass < ring.order.len() {
             let tenant = ring.order.pop_front().expect("non-empty");
             let prefix = [tenant.as_bytes(), b"\0"].concat();
             let start = ring.marks.get(&tenant).cloned().unwrap_or(prefix);
-            // This tenant's timers from its mark: the first one not taken this round (nor
-            // deleted in the open transaction) that is due. Keys are visited in place, none
-            // copied but the one found.
-            let mut found = None;
+            let want = share.min(limit - out.len());
+            // This tenant's timers from its mark: the first `want` not taken this call (nor
+            // deleted in the open transaction) that are due. Keys are visited in place, none
+            // copied but the ones found.
+            let mut found: Vec<Vec<u8>> = Vec::new();
             let mut any = false;
             let mut first_live: Option<Vec<u8>> = None;
             let staged = &*self.staged;
@@ -351,10 +394,9 @@ impl JobStore<'_> {
                     return false;
                 }
                 if !taken.contains(&job) && staged.get(DUE, k).is_none() {
-                    found = Some(job);
-                    return false;
+                    found.push(job);
                 }
-                true
+                found.len() < want
             })?;
             if let Some(k) = first_live {
                 ring.marks.insert(tenant.clone(), k);
@@ -364,31 +406,78 @@ impl JobStore<'_> {
                 let past_all = [tenant.as_bytes(), b"\0", &[0xff; 9]].concat();
                 ring.marks.insert(tenant.clone(), past_all);
             }
-            match found {
-                Some(job_key) => {
-                    idle_pass = 0;
+            if !found.is_empty() {
+                idle_pass = 0;
+                for job_key in found {
                     if let Some(job) = self.get_job(&job_key)? {
                         taken.insert(job_key.clone());
                         out.push((job_key, job));
                     }
-                    ring.order.push_back(tenant);
                 }
-                None if any => {
-                    idle_pass += 1;
-                    ring.order.push_back(tenant);
-                }
-                None if ring.fresh.contains(&tenant) => {
-                    idle_pass += 1;
-                    ring.order.push_back(tenant);
-                }
-                None => {
-                    // No timers left for this tenant; a new job adds it back.
-                    ring.members.remove(&tenant);
-                }
+                ring.order.push_back(tenant);
+            } else if any || ring.fresh.contains(&tenant) {
+                idle_pass += 1;
+                ring.order.push_back(tenant);
+            } else {
+                // No timers left for this tenant; a new job adds it back.
+                ring.members.remove(&tenant);
             }
         }
         Ok(out)
     }
+}
+
+/// Where an encoded payload record's `refcount` starts, and its value, read without a full
+/// decode. Only records written with the current schema (its fingerprint); None for anything
+/// else. Layout after the 10-byte single-object header: `headers` (Avro array blocks of
+/// {key: string, value: union null|bytes}), `value` (bytes), `refcount` (zigzag int), nothing
+/// after.
+pub fn payload_refcount(codec: &Codec, bytes: &[u8]) -> Option<(usize, u32)> {
+    use crate::hub::dedup::varint;
+    if bytes.len() < 10
+        || bytes[..2] != [0xC3, 0x01]
+        || bytes[2..10] != codec.fingerprint(RecordKind::EventPayload)
+    {
+        return None;
+    }
+    let mut r = &bytes[10..];
+    let skip = |r: &mut &[u8]| -> Option<()> {
+        let len = usize::try_from(varint(r)?).ok()?;
+        *r = r.get(len..)?;
+        Some(())
+    };
+    loop {
+        let mut count = varint(&mut r)?;
+        if count == 0 {
+            break;
+        }
+        if count < 0 {
+            varint(&mut r)?; // the block's size in bytes
+            count = -count;
+        }
+        for _ in 0..count {
+            skip(&mut r)?; // key
+            match varint(&mut r)? {
+                0 => {}
+                1 => skip(&mut r)?,
+                _ => return None,
+            }
+        }
+    }
+    skip(&mut r)?; // value
+    let at = bytes.len() - r.len();
+    let n = u32::try_from(varint(&mut r)?).ok()?;
+    r.is_empty().then_some((at, n))
+}
+
+/// Appends one Avro zigzag varint.
+fn put_zigzag(out: &mut Vec<u8>, v: i64) {
+    let mut n = ((v << 1) ^ (v >> 63)) as u64;
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
 }
 
 /// What the hub writes for one outcome besides the job itself.
@@ -444,7 +533,7 @@ pub fn apply_outcome(
         response_body_truncated: o.response_body.clone(),
     };
     if o.success() {
-        js.finish_job(&o.job_key, &job)?;
+        js.finish_job_quietly(&o.job_key, &job)?;
         return Ok(Some(OutcomeRecords {
             attempt,
             dead_letter: None,
@@ -578,6 +667,58 @@ pub fn event_id_of(job_key: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn payload(headers: usize, value: usize, refcount: u32) -> EventPayloadRecord {
+        EventPayloadRecord {
+            headers: (0..headers)
+                .map(|i| HeaderRecord {
+                    key: format!("ce-h{i}"),
+                    value: (i % 3 != 0).then(|| vec![b'x'; i * 7]),
+                })
+                .collect(),
+            value: vec![b'{'; value],
+            refcount,
+        }
+    }
+
+    #[test]
+    fn fast_refcount_read_and_patch_agree_with_the_full_codec() {
+        let codec = Codec::new().unwrap();
+        for (headers, value, refcount) in [
+            (0, 0, 1),
+            (1, 10, 2),
+            (12, 1024, 10),
+            (40, 300_000, 70_000),
+            (3, 5, 0),
+        ] {
+            let p = payload(headers, value, refcount);
+            let bytes = codec.encode(RecordKind::EventPayload, &p).unwrap();
+            let (at, n) = payload_refcount(&codec, &bytes).expect("current schema");
+            assert_eq!(n, refcount);
+            let mut patched = bytes[..at].to_vec();
+            put_zigzag(&mut patched, i64::from(refcount) + 1);
+            let back: EventPayloadRecord =
+                codec.decode(RecordKind::EventPayload, &patched).unwrap();
+            assert_eq!(back.refcount, refcount + 1);
+            assert_eq!((back.headers, back.value), (p.headers, p.value));
+        }
+        // Not a payload of this schema: no answer, the caller decodes.
+        let job = JobRecord {
+            event_key: "e".into(),
+            subscription_id: "s".into(),
+            tenant_id: "t".into(),
+            attempt: 1,
+            due_at: 1,
+            lease_until: None,
+            reclaims: 0,
+            last_status: None,
+            last_error: None,
+            state: JobState::Pending,
+        };
+        let other = codec.encode(RecordKind::Job, &job).unwrap();
+        assert_eq!(payload_refcount(&codec, &other), None);
+        assert_eq!(payload_refcount(&codec, b"short"), None);
+    }
 
     #[test]
     fn keys_round_trip_their_parts() {

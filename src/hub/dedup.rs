@@ -94,7 +94,7 @@ pub fn expires_at_fast(codec: &crate::runtime::avro::Codec, bytes: &[u8]) -> Opt
 }
 
 /// One Avro zigzag varint (int or long).
-fn varint(r: &mut &[u8]) -> Option<i64> {
+pub(crate) fn varint(r: &mut &[u8]) -> Option<i64> {
     let mut n: u64 = 0;
     for shift in (0..64).step_by(7) {
         let (&b, rest) = r.split_first()?;

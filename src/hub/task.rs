@@ -1570,7 +1570,7 @@ fn claim(
     let sub = d.table.read().get(&job.subscription_id);
     let Some(sub) = sub else {
         // The subscription was deleted: its pending deliveries go with it.
-        js.finish_job(&key, &job)?;
+        js.finish_job_quietly(&key, &job)?;
         return Ok(false);
     };
     if !sub.enabled {
