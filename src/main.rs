@@ -150,6 +150,9 @@ fn tune_c_allocator() {
         // SAFETY: called first thing in `main`, before any thread exists.
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+            if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+                libc::mallopt(libc::M_ARENA_MAX, 4);
+            }
         }
     }
 }

@@ -32,6 +32,10 @@ fn family_options() -> Options {
     o.set_write_buffer_size(8 << 20);
     o.set_max_write_buffer_number(2);
     o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+    // A Bloom filter over each memtable's keys too: a point read that misses (new dedup keys,
+    // new payloads) skips the skip-list search of every memtable.
+    o.set_memtable_prefix_bloom_ratio(0.05);
+    o.set_memtable_whole_key_filtering(true);
     let mut table = rocksdb::BlockBasedOptions::default();
     table.set_block_cache(&SHARED_CACHE);
     // Most point reads miss (a new event's dedup key, a new job's key): a Bloom filter answers
