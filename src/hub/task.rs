@@ -913,6 +913,9 @@ impl HubStage {
                     {
                         return Err(fatal_or_kafka(abort));
                     }
+                    for task in guard.tasks.values_mut() {
+                        task.ring.aborted();
+                    }
                     drop(guard);
                     rewind(&consumer, &batch);
                     std::thread::sleep(Duration::from_millis(200));
