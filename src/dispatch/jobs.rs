@@ -555,15 +555,17 @@ pub fn release_unattempted(js: &mut JobStore<'_>, o: &Outcome, now: i64) -> Resu
 
 /// Applies an attempt's outcome to its job: done, rescheduled on the curve, or dead-lettered.
 /// Returns None when the outcome is stale (the job moved on: reclaimed, deleted).
+/// `job` is the outcome's job as the open transaction sees it (the caller read it).
 pub fn apply_outcome(
     js: &mut JobStore<'_>,
     o: &Outcome,
+    job: Option<JobRecord>,
     retry_schedule: Option<&[u64]>,
     now: i64,
     poison_threshold: u32,
     rng: &mut impl Rng,
 ) -> Result<Option<OutcomeRecords>, JobError> {
-    let Some(mut job) = js.get_job(&o.job_key)? else {
+    let Some(mut job) = job else {
         return Ok(None);
     };
     if job.state != JobState::Leased || job.attempt != o.attempt || job.due_at != o.lease_until {
