@@ -296,38 +296,26 @@ impl JobStore<'_> {
     /// ([`payload_refcount`]), so a fan-out event's payload is not decoded and re-encoded once
     /// per finished job. Records of another schema take the decoding path.
     pub fn finish_job_quietly(&mut self, key: &[u8], job: &JobRecord) -> Result<(), JobError> {
+        self.delete_job(key, job);
         let Some(pk) = payload_key_of(key) else {
-            self.staged
-                .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
-            self.delete(key.to_vec());
             return Ok(());
         };
         let Some(bytes) = self.staged.read(self.store, JOBS, &pk)? else {
-            self.staged
-                .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
-            self.delete(key.to_vec());
             return Ok(());
         };
         match payload_refcount(self.codec, &bytes) {
-            Some((_, n)) if n <= 1 => {
-                self.staged
-                    .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
-                self.delete(key.to_vec());
-                self.delete(pk);
-                Ok(())
-            }
+            Some((_, n)) if n <= 1 => self.delete(pk),
             Some((at, n)) => {
-                self.staged
-                    .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
-                self.delete(key.to_vec());
                 let mut patched = bytes;
                 patched.truncate(at);
                 put_zigzag(&mut patched, i64::from(n - 1));
                 self.put(pk, patched);
-                Ok(())
             }
-            None => self.finish_job(key, job).map(|_| ()),
+            None => {
+                self.release_payload(pk)?;
+            }
         }
+        Ok(())
     }
 
     /// Deletes a job, its timer, and its payload when no other job holds it; returns the payload
@@ -337,12 +325,22 @@ impl JobStore<'_> {
         key: &[u8],
         job: &JobRecord,
     ) -> Result<Option<EventPayloadRecord>, JobError> {
-        self.staged
-            .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
-        self.delete(key.to_vec());
+        self.delete_job(key, job);
         let Some(pk) = payload_key_of(key) else {
             return Ok(None);
         };
+        self.release_payload(pk)
+    }
+
+    /// Deletes a job and its timer.
+    fn delete_job(&mut self, key: &[u8], job: &JobRecord) {
+        self.staged
+            .delete(DUE, due_key(&job.tenant_id, job.due_at, key));
+        self.delete(key.to_vec());
+    }
+
+    /// One holder less for a payload (decoded): deleted with its last holder. Returns it as it was.
+    fn release_payload(&mut self, pk: Vec<u8>) -> Result<Option<EventPayloadRecord>, JobError> {
         let Some(mut p) = self.get_payload(&pk)? else {
             return Ok(None);
         };
