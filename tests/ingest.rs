@@ -507,3 +507,147 @@ async fn sigkill_mid_run_neither_loses_nor_duplicates_records() {
     let q = got.iter().filter(|g| g.topic == quarantine).count();
     assert_eq!(q, N / 10);
 }
+
+/// A partition whose committed offset is held back by another producer's open transaction (a
+/// killed instance's, until it is fenced or times out) starts at that committed offset once the
+/// transaction ends, also when the assignment changes while the hub waits for it: nothing is
+/// ingested twice and nothing is skipped. (librdkafka 2.12 can start such a partition at
+/// `auto.offset.reset` when its own query is answered `UNSTABLE_OFFSET_COMMIT` after an
+/// assignment change; the hub now reads the offsets itself, see `kafka::rebalance_at_committed`.
+/// This test did not hit that race on the old code in three runs: it guards the new path.)
+#[tokio::test]
+async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::producer::{BaseProducer, Producer};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    require_broker();
+    let prefix = unique("unstable");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 2).await;
+    let batch = |from: usize| -> Vec<Rec> {
+        (from..from + 20)
+            .map(|i| {
+                let mut r = event("tenant-a", "ledger", "transaction", "posted");
+                r.partition = Some((i % 2) as i32);
+                r
+            })
+            .collect()
+    };
+    let p = producer();
+    produce(&p, &topic, &batch(0));
+    let env = hub_env(&prefix, &follow_exactly(&topic));
+    let group = format!("{prefix}-group");
+    let inbox = format!("{prefix}.inbox");
+    let mut a = Hub::start(&env);
+    wait_until(Duration::from_secs(60), "the first 20 ingested", || {
+        group_caught_up(&group, &topic).then_some(())
+    });
+    a.terminate();
+
+    // A zombie of the ingest group: it joins, sends offsets of both partitions into a
+    // transaction, leaves the group and never ends the transaction until told to.
+    let zombie_consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &group)
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .expect("zombie consumer");
+    zombie_consumer.subscribe(&[&topic]).unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the zombie owns both partitions",
+        || {
+            zombie_consumer.poll(Duration::from_millis(100));
+            (zombie_consumer.assignment().ok()?.count() == 2).then_some(())
+        },
+    );
+    let zombie: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", format!("{prefix}.zombie"))
+        .create()
+        .expect("zombie producer");
+    zombie.init_transactions(Duration::from_secs(30)).unwrap();
+    zombie.begin_transaction().unwrap();
+    let mut offsets = TopicPartitionList::new();
+    for part in 0..2 {
+        offsets
+            .add_partition_offset(&topic, part, Offset::Offset(5))
+            .unwrap();
+    }
+    zombie
+        .send_offsets_to_transaction(
+            &offsets,
+            &zombie_consumer.group_metadata().unwrap(),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    zombie_consumer.unsubscribe();
+    drop(zombie_consumer); // leaves the group; the transaction stays open
+
+    produce(&p, &topic, &batch(20));
+    // The first instance in the group is assigned both partitions and waits for the
+    // transaction; the second joins, which takes one partition away while it waits.
+    let mut a = Hub::start(&env);
+    let mut b = Hub::start(&another_instance(&env, "2"));
+    let members = || -> Option<usize> {
+        let probe: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .ok()?;
+        let groups = probe
+            .fetch_group_list(Some(&group), Duration::from_secs(5))
+            .ok()?;
+        Some(groups.groups().first()?.members().len())
+    };
+    wait_until(
+        Duration::from_secs(60),
+        "both instances in the ingest group",
+        || (members()? == 2).then_some(()),
+    );
+    // The transaction ends only once an instance met the assignment change while waiting: it
+    // either served a revocation, or still waits for stable offsets (and serves it after).
+    wait_until(
+        Duration::from_secs(60),
+        "an instance revoked a partition or waits for stable offsets",
+        || {
+            [&a, &b]
+                .iter()
+                .any(|h| {
+                    let log = h.log_text();
+                    log.contains(r#"stage="ingest" kind="revoke""#)
+                        || log.lines().any(|l| {
+                            l.contains("committed offsets not stable yet") && l.contains(&topic)
+                        })
+                })
+                .then_some(())
+        },
+    );
+    zombie.abort_transaction(Duration::from_secs(30)).unwrap();
+
+    wait_until(Duration::from_secs(120), "all 40 ingested", || {
+        group_caught_up(&group, &topic).then_some(())
+    });
+    a.terminate();
+    b.terminate();
+    let got = read_all(&[&inbox], Duration::from_secs(60));
+    let mut seen: HashMap<(String, String), usize> = HashMap::new();
+    for g in &got {
+        let at = (
+            g.rec
+                .header("x-streaming-hub-source-partition")
+                .unwrap()
+                .to_string(),
+            g.rec
+                .header("x-streaming-hub-source-offset")
+                .unwrap()
+                .to_string(),
+        );
+        *seen.entry(at).or_default() += 1;
+    }
+    let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "ingested more than once: {twice:?}");
+    assert_eq!(seen.len(), 40, "every input record once");
+}

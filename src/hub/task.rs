@@ -342,6 +342,19 @@ impl OutcomeRouter {
 }
 
 impl ConsumerContext for HubContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let beat = crate::runtime::liveness::beat_current;
+        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, |e| {
+            tracing::error!(error = %e, "assigned partitions could not be started");
+            self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal = Some(fatal_or_kafka(e));
+        });
+    }
+
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
@@ -361,7 +374,7 @@ impl ConsumerContext for HubContext {
         }
     }
 
-    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
             telemetry::Rebalance {
@@ -372,18 +385,26 @@ impl ConsumerContext for HubContext {
             .emit();
             let n = RESTORING.fetch_add(parts.len(), Ordering::SeqCst) + parts.len();
             telemetry::restoring(n);
-            // The committed offsets first: the broker holds them back while a transaction that
-            // carries an offset of these partitions is still open (a previous owner's), and every
-            // transaction that writes a task's state carries one (`Task::next_offset`). Restoring
-            // before they are stable could miss that transaction's changelog records, which may
-            // not even have reached the brokers yet (a tenant sequence number given twice, found
-            // by the fault suite).
-            let restored = committed_offsets(consumer, &self.env.inbox, &parts).and_then(|next| {
-                let (mut tasks, n) = open_and_restore(&self.env, &parts)?;
+            // The committed offsets come first (`kafka::rebalance_at_committed` reads them as
+            // stable and starts the partitions there): the broker holds them back while a
+            // transaction that carries an offset of these partitions is still open (a previous
+            // owner's), and every transaction that writes a task's state carries one
+            // (`Task::next_offset`). Restoring before they are stable could miss that
+            // transaction's changelog records, which may not even have reached the brokers yet
+            // (a tenant sequence number given twice, found by the fault suite).
+            let next: HashMap<i32, Option<i64>> = tpl
+                .elements()
+                .iter()
+                .map(|e| match e.offset() {
+                    Offset::Offset(o) => (e.partition(), Some(o)),
+                    _ => (e.partition(), None),
+                })
+                .collect();
+            let restored = open_and_restore(&self.env, &parts).map(|(mut tasks, n)| {
                 for (p, task) in tasks.iter_mut() {
                     task.next_offset = next.get(p).copied().flatten();
                 }
-                Ok((tasks, n))
+                (tasks, n)
             });
             let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
             telemetry::restoring(n);
@@ -404,55 +425,6 @@ impl ConsumerContext for HubContext {
             }
         }
     }
-}
-
-/// The committed inbox offsets of newly assigned partitions, read as stable (`read_committed`
-/// consumers ask with `require_stable`: the answer waits for open transactions that carry offsets
-/// of these partitions to end). None for a partition nothing was committed for yet.
-fn committed_offsets(
-    consumer: &BaseConsumer<HubContext>,
-    inbox: &str,
-    partitions: &[i32],
-) -> Result<HashMap<i32, Option<i64>>, HubError> {
-    if partitions.is_empty() {
-        return Ok(HashMap::new());
-    }
-    let mut tpl = TopicPartitionList::new();
-    for p in partitions {
-        tpl.add_partition(inbox, *p);
-    }
-    // A previous owner's transaction ends within the transaction timeout (60 s) at the latest.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let committed = loop {
-        crate::runtime::liveness::beat_current();
-        let answer = consumer
-            .committed_offsets(tpl.clone(), Duration::from_secs(10))
-            .and_then(|c| {
-                // A partition's own error (e.g. still unstable) fails the whole answer.
-                c.elements().iter().try_for_each(|e| e.error())?;
-                Ok(c)
-            });
-        match answer {
-            Ok(c) => break c,
-            Err(e) if Instant::now() < deadline => {
-                tracing::warn!(error = %e, "committed inbox offsets not readable yet; retrying");
-                std::thread::sleep(Duration::from_millis(250));
-            }
-            Err(e) => return Err(fatal_or_kafka(e)),
-        }
-    };
-    Ok(partitions
-        .iter()
-        .map(|p| {
-            let next = committed
-                .find_partition(inbox, *p)
-                .and_then(|e| match e.offset() {
-                    Offset::Offset(o) => Some(o),
-                    _ => None,
-                });
-            (*p, next)
-        })
-        .collect())
 }
 
 pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {

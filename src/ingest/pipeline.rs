@@ -67,6 +67,9 @@ pub enum IngestError {
 #[derive(Default)]
 struct IngestContext {
     revoked: std::sync::Mutex<std::collections::HashSet<(String, i32)>>,
+    /// Set when newly assigned partitions could not be started (their committed offsets stayed
+    /// unreadable): the loop stops so the process restarts.
+    fatal: std::sync::Mutex<Option<RdKafkaError>>,
 }
 
 impl ClientContext for IngestContext {
@@ -76,6 +79,18 @@ impl ClientContext for IngestContext {
 }
 
 impl ConsumerContext for IngestContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let beat = || crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
+        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, |e| {
+            tracing::error!(error = %e, "assigned partitions could not be started");
+            *self.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        });
+    }
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             log_rebalance("revoke", rebalance);
@@ -231,6 +246,15 @@ impl Ingest {
             }
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST); // idle is alive
             let polled = consumer.poll(wait);
+            let fatal = consumer
+                .context()
+                .fatal
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            if let Some(e) = fatal {
+                return Err(fatal_or_kafka(e));
+            }
             forget_revoked(consumer, batch, &mut last);
             match polled {
                 None => {

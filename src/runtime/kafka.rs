@@ -6,11 +6,12 @@
 //! `spawn_blocking`, never on an async worker.
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, RebalanceProtocol};
 use rdkafka::producer::Producer;
-use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::config::Config;
 
@@ -71,6 +72,7 @@ pub fn base(config: &Config) -> ClientConfig {
     }
     // librdkafka logs through the `log` facade otherwise; its own level is enough.
     c.set_log_level(rdkafka::config::RDKafkaLogLevel::Warning);
+
     c
 }
 
@@ -294,4 +296,131 @@ pub const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn millis(d: Duration) -> String {
     d.as_millis().to_string()
+}
+
+/// How long a newly assigned partition may wait for its committed offset to become stable: the
+/// open transaction that holds it back (a previous owner's) ends within the transaction timeout
+/// (60 s), by fencing or by expiry.
+const STABLE_OFFSETS_PATIENCE: Duration = Duration::from_secs(120);
+
+/// The rebalance of a `read_committed` consume-process-produce loop: newly assigned partitions
+/// start at their committed offsets, read by us as stable, never by librdkafka.
+///
+/// Why: librdkafka 2.12 asks for the committed offsets of an assignment itself, and when the
+/// answer is `UNSTABLE_OFFSET_COMMIT` (another producer's open transaction carries offsets of
+/// the partition) and the assignment changed while the question was out, it starts the
+/// partition with the answer's offset, -1, i.e. at `auto.offset.reset`: the beginning. The
+/// fault suite saw a source partition ingested twice that way (`rdkafka_assignment.c`,
+/// `rd_kafka_assignment_apply_offsets`). Explicit start offsets skip that path.
+///
+/// The wait blocks the caller's poll (as a restore does): the group's rebalance waits with it.
+/// If the offsets stay unreadable past the patience, nothing is assigned and `on_fatal` gets the
+/// error: the stage must stop so its process restarts. `beat` keeps the stage's liveness while
+/// it waits. Revocations and errors go as rdkafka's default rebalance sends them.
+pub fn rebalance_at_committed<C: ConsumerContext>(
+    context: &C,
+    consumer: &BaseConsumer<C>,
+    err: RDKafkaRespErr,
+    tpl: &TopicPartitionList,
+    beat: &dyn Fn(),
+    on_fatal: impl FnOnce(rdkafka::error::KafkaError),
+) {
+    let cooperative = matches!(
+        consumer.rebalance_protocol(),
+        RebalanceProtocol::Cooperative
+    );
+    match err {
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+            // `tpl` belongs to librdkafka: it is read, never replaced.
+            let at = match stable_committed(consumer, tpl, beat) {
+                Ok(at) => at,
+                Err(e) => return on_fatal(e),
+            };
+            let rebalance = Rebalance::Assign(&at);
+            context.pre_rebalance(consumer, &rebalance);
+            let assigned = if cooperative {
+                consumer.incremental_assign(&at)
+            } else {
+                consumer.assign(&at)
+            };
+            if let Err(e) = assigned {
+                return on_fatal(e);
+            }
+            context.post_rebalance(consumer, &rebalance);
+        }
+        other => {
+            let rebalance = if other == RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS {
+                Rebalance::Revoke(tpl)
+            } else {
+                let code: RDKafkaErrorCode = other.into();
+                tracing::error!(error = %code, "rebalance error");
+                Rebalance::Error(rdkafka::error::KafkaError::Rebalance(code))
+            };
+            context.pre_rebalance(consumer, &rebalance);
+            let unassigned = if cooperative {
+                consumer.incremental_unassign(tpl)
+            } else {
+                consumer.unassign()
+            };
+            if let Err(e) = unassigned {
+                tracing::error!(error = %e, "unassign failed");
+            }
+            context.post_rebalance(consumer, &rebalance);
+        }
+    }
+}
+
+/// `partitions` with their committed offsets as start offsets (the beginning where the group
+/// never committed one), read with `require_stable` (a `read_committed` consumer asks so): the
+/// answer waits for open transactions that carry offsets of these partitions.
+pub fn stable_committed<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    partitions: &TopicPartitionList,
+    beat: &dyn Fn(),
+) -> Result<TopicPartitionList, rdkafka::error::KafkaError> {
+    if partitions.count() == 0 {
+        return Ok(partitions.clone());
+    }
+    let started = std::time::Instant::now();
+    let mut waiting_said = false;
+    let committed = loop {
+        beat();
+        let answer = consumer
+            .committed_offsets(partitions.clone(), Duration::from_secs(1))
+            .and_then(|c| {
+                // A partition's own error (e.g. still unstable) fails the whole answer.
+                c.elements().iter().try_for_each(|e| e.error())?;
+                Ok(c)
+            });
+        match answer {
+            Ok(c) => break c,
+            Err(e) if started.elapsed() < STABLE_OFFSETS_PATIENCE => {
+                if !waiting_said {
+                    let names: Vec<String> = partitions
+                        .elements()
+                        .iter()
+                        .map(|p| format!("{}[{}]", p.topic(), p.partition()))
+                        .collect();
+                    tracing::warn!(error = %e, partitions = %names.join(","), "committed offsets not stable yet (an open transaction may hold them); waiting");
+                    waiting_said = true;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    if waiting_said {
+        tracing::info!(
+            waited_ms = started.elapsed().as_millis() as u64,
+            "committed offsets stable"
+        );
+    }
+    let mut at = TopicPartitionList::new();
+    for e in committed.elements() {
+        let start = match e.offset() {
+            Offset::Offset(o) => Offset::Offset(o),
+            _ => Offset::Beginning,
+        };
+        at.add_partition_offset(e.topic(), e.partition(), start)?;
+    }
+    Ok(at)
 }
