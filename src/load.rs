@@ -614,6 +614,23 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     }
     let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0;
     let rss = hub.as_ref().map_or(0, |h| peak_rss_mib(h.pid()));
+    // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
+    // outcome) as the run left them, next to the results.
+    if hub.is_some() {
+        let name = match spec.rate {
+            Some(r) => format!("metrics-{}-{r}.prom", spec.name),
+            None => format!("metrics-{}.prom", spec.name),
+        };
+        match http.get(format!("http://{hub_addr}/metrics")).send().await {
+            Ok(r) => {
+                let text = r.text().await.unwrap_or_default();
+                if let Err(e) = std::fs::write(opts.out.join(&name), text) {
+                    eprintln!("load: could not write {name}: {e}");
+                }
+            }
+            Err(e) => eprintln!("load: could not read the hub's metrics: {e}"),
+        }
+    }
     drop(hub);
     server.abort();
     let bytes1 = data_dir.as_deref().and_then(|d| kafka_bytes(d, &prefix));

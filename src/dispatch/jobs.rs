@@ -19,6 +19,7 @@ use rand::Rng;
 use crate::dispatch::curve;
 use crate::dispatch::worker::Outcome;
 use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::fast_avro;
 use crate::runtime::records::{
     AttemptOutcome, AttemptRecord, DeadLetterReason, DeadLetterRecord, EventPayloadRecord,
     HeaderRecord, JobRecord, JobState,
@@ -208,9 +209,7 @@ impl JobStore<'_> {
     pub fn get_job(&self, key: &[u8]) -> Result<Option<JobRecord>, JobError> {
         match self.staged.read(self.store, JOBS, key)? {
             Some(b) => Ok(Some(
-                self.codec
-                    .decode(RecordKind::Job, &b)
-                    .map_err(|e| JobError::Codec(e.to_string()))?,
+                fast_avro::job(self.codec, &b).map_err(|e| JobError::Codec(e.to_string()))?,
             )),
             None => Ok(None),
         }
@@ -219,9 +218,7 @@ impl JobStore<'_> {
     pub fn get_payload(&self, key: &[u8]) -> Result<Option<EventPayloadRecord>, JobError> {
         match self.staged.read(self.store, JOBS, key)? {
             Some(b) => Ok(Some(
-                self.codec
-                    .decode(RecordKind::EventPayload, &b)
-                    .map_err(|e| JobError::Codec(e.to_string()))?,
+                fast_avro::payload(self.codec, &b).map_err(|e| JobError::Codec(e.to_string()))?,
             )),
             None => Ok(None),
         }

@@ -539,16 +539,12 @@ fn restore_one(
     let mut tenant = None;
     if family == JOBS && key.starts_with(b"j/") {
         if let Some(old) = staged.read(store, JOBS, key).map_err(|e| e.to_string())? {
-            if let Ok(old) =
-                codec.decode::<crate::runtime::records::JobRecord>(RecordKind::Job, &old)
-            {
+            if let Ok(old) = crate::runtime::fast_avro::job(codec, &old) {
                 staged.delete(DUE, jobs::due_key(&old.tenant_id, old.due_at, key));
             }
         }
         if let Some(v) = value {
-            let job: crate::runtime::records::JobRecord = codec
-                .decode(RecordKind::Job, v)
-                .map_err(|e| e.to_string())?;
+            let job = crate::runtime::fast_avro::job(codec, v).map_err(|e| e.to_string())?;
             staged.put(
                 DUE,
                 jobs::due_key(&job.tenant_id, job.due_at, key),

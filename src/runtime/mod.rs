@@ -5,6 +5,7 @@
 pub mod avro;
 pub mod changelog;
 pub mod clock;
+pub mod fast_avro;
 pub mod kafka;
 pub mod liveness;
 pub mod records;
