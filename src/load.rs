@@ -43,7 +43,7 @@ pub struct LoadOptions {
     pub warmup: Duration,
     /// Payload bytes.
     pub size: usize,
-    /// Where results.jsonl and latency.png go.
+    /// Where results.jsonl, latency.png and each run's metrics-*.prom (the hub's /metrics) go.
     pub out: PathBuf,
 }
 

@@ -96,7 +96,7 @@ enum Command {
         /// Payload bytes.
         #[arg(long, default_value_t = 1024)]
         size: usize,
-        /// Where results.jsonl and latency.png are written.
+        /// Where results.jsonl, latency.png and each run's metrics-*.prom are written.
         #[arg(long, default_value = "target/load")]
         out: std::path::PathBuf,
     },
