@@ -480,18 +480,7 @@ impl JobStore<'_> {
 /// after.
 pub fn payload_refcount(codec: &Codec, bytes: &[u8]) -> Option<(usize, u32)> {
     use crate::hub::dedup::varint;
-    if bytes.len() < 10
-        || bytes[..2] != [0xC3, 0x01]
-        || bytes[2..10] != codec.fingerprint(RecordKind::EventPayload)
-    {
-        return None;
-    }
-    let mut r = &bytes[10..];
-    let skip = |r: &mut &[u8]| -> Option<()> {
-        let len = usize::try_from(varint(r)?).ok()?;
-        *r = r.get(len..)?;
-        Some(())
-    };
+    let mut r = fast_avro::current_datum(codec, RecordKind::EventPayload, bytes)?;
     loop {
         let mut count = varint(&mut r)?;
         if count == 0 {
@@ -499,18 +488,20 @@ pub fn payload_refcount(codec: &Codec, bytes: &[u8]) -> Option<(usize, u32)> {
         }
         if count < 0 {
             varint(&mut r)?; // the block's size in bytes
-            count = -count;
+            count = count.checked_neg()?;
         }
         for _ in 0..count {
-            skip(&mut r)?; // key
+            fast_avro::raw(&mut r)?; // key
             match varint(&mut r)? {
                 0 => {}
-                1 => skip(&mut r)?,
+                1 => {
+                    fast_avro::raw(&mut r)?;
+                }
                 _ => return None,
             }
         }
     }
-    skip(&mut r)?; // value
+    fast_avro::raw(&mut r)?; // value
     let at = bytes.len() - r.len();
     let n = u32::try_from(varint(&mut r)?).ok()?;
     r.is_empty().then_some((at, n))

@@ -29,7 +29,11 @@ pub fn payload(codec: &Codec, bytes: &[u8]) -> Result<EventPayloadRecord, CodecE
 }
 
 /// The datum after the single-object header, when it names the current schema of `kind`.
-fn current_datum<'b>(codec: &Codec, kind: RecordKind, bytes: &'b [u8]) -> Option<&'b [u8]> {
+pub(crate) fn current_datum<'b>(
+    codec: &Codec,
+    kind: RecordKind,
+    bytes: &'b [u8],
+) -> Option<&'b [u8]> {
     let (header, datum) = bytes.split_first_chunk::<HEADER_LEN>()?;
     (header[..MAGIC.len()] == MAGIC && header[MAGIC.len()..] == codec.fingerprint(kind))
         .then_some(datum)
@@ -39,7 +43,8 @@ fn int(r: &mut &[u8]) -> Option<i32> {
     i32::try_from(varint(r)?).ok()
 }
 
-fn raw<'b>(r: &mut &'b [u8]) -> Option<&'b [u8]> {
+/// An Avro `bytes` or `string`: its length, then that many bytes.
+pub(crate) fn raw<'b>(r: &mut &'b [u8]) -> Option<&'b [u8]> {
     let len = usize::try_from(varint(r)?).ok()?;
     if len > r.len() {
         return None;

@@ -72,7 +72,6 @@ pub fn base(config: &Config) -> ClientConfig {
     }
     // librdkafka logs through the `log` facade otherwise; its own level is enough.
     c.set_log_level(rdkafka::config::RDKafkaLogLevel::Warning);
-
     c
 }
 
@@ -302,6 +301,8 @@ fn millis(d: Duration) -> String {
 /// open transaction that holds it back (a previous owner's) ends within the transaction timeout
 /// (60 s), by fencing or by expiry.
 const STABLE_OFFSETS_PATIENCE: Duration = Duration::from_secs(120);
+/// Shortest time between two questions for those offsets.
+const RETRY_PAUSE: Duration = Duration::from_millis(250);
 
 /// The rebalance of a `read_committed` consume-process-produce loop: newly assigned partitions
 /// start at their committed offsets, read by us as stable, never by librdkafka.
@@ -385,6 +386,7 @@ pub fn stable_committed<C: ConsumerContext>(
     let mut waiting_said = false;
     let committed = loop {
         beat();
+        let asked = std::time::Instant::now();
         let answer = consumer
             .committed_offsets(partitions.clone(), Duration::from_secs(1))
             .and_then(|c| {
@@ -404,6 +406,9 @@ pub fn stable_committed<C: ConsumerContext>(
                     tracing::warn!(error = %e, partitions = %names.join(","), "committed offsets not stable yet (an open transaction may hold them); waiting");
                     waiting_said = true;
                 }
+                // An error answered at once (no coordinator yet) is asked again after a pause,
+                // not in a tight loop.
+                std::thread::sleep(RETRY_PAUSE.saturating_sub(asked.elapsed()));
             }
             Err(e) => return Err(e),
         }
