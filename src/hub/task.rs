@@ -34,7 +34,7 @@ use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
 use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord};
-use crate::runtime::store::{Staged, Store};
+use crate::runtime::store::{FastMap, Staged, Store};
 use crate::runtime::telemetry::{self, HubEvent, Restored};
 use crate::subscriptions::table::SharedTable;
 
@@ -600,7 +600,7 @@ pub struct Dispatch {
     /// Most attempts of one tenant claimed and not finished (fairness: another tenant's next
     /// event waits behind at most this many of a backlogged tenant's attempts).
     pub max_in_flight_per_tenant: usize,
-    in_flight_by_tenant: HashMap<String, usize>,
+    in_flight_by_tenant: FastMap<String, usize>,
     pub lease_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
@@ -617,7 +617,7 @@ pub struct Dispatch {
     /// The hub loop this dispatch belongs to (its part of the instance-wide gauges).
     stage: usize,
     /// Breaker origin per destination URL (see [`cached_origin`]).
-    origins: HashMap<String, String>,
+    origins: FastMap<String, String>,
 }
 
 impl Dispatch {
@@ -641,7 +641,7 @@ impl Dispatch {
             }
             .max(config.dispatch_workers * 4),
             max_in_flight_per_tenant: config.dispatch_workers * 4,
-            in_flight_by_tenant: HashMap::new(),
+            in_flight_by_tenant: FastMap::default(),
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
             poison_threshold: config.poison_threshold,
             done_tx,
@@ -652,7 +652,7 @@ impl Dispatch {
             quiet_until: None,
             pending: Vec::new(),
             stage: 0,
-            origins: HashMap::new(),
+            origins: FastMap::default(),
         }
     }
 
@@ -1067,7 +1067,7 @@ impl HubStage {
         };
         let mut staged: HashMap<i32, Staged> = HashMap::new();
         let mut jobs_changelog: HashMap<i32, ChangelogWrites> = HashMap::new();
-        let mut sequences: HashMap<(i32, String), u64> = HashMap::new();
+        let mut sequences: FastMap<(i32, String), u64> = FastMap::default();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
         let mut fresh: HashMap<i32, Vec<Vec<u8>>> = HashMap::new();
         let mut outputs = Outputs { producer };
@@ -1221,7 +1221,8 @@ impl HubStage {
         for (p, records) in jobs_changelog {
             // A key written twice in one transaction (a job created and claimed) needs only its
             // last record in the compacted changelog.
-            let mut last: HashMap<&[u8], usize> = HashMap::with_capacity(records.len());
+            let mut last: FastMap<&[u8], usize> =
+                FastMap::with_capacity_and_hasher(records.len(), Default::default());
             for (i, (k, _)) in records.iter().enumerate() {
                 last.insert(k.as_slice(), i);
             }
@@ -1299,7 +1300,7 @@ impl HubStage {
 
 /// The breaker origin of a destination URL, parsed once per URL (parsing it on every claim and
 /// outcome was 2% of the hub's CPU under load). Bounded: forgotten wholesale past 10,000 URLs.
-fn cached_origin(origins: &mut HashMap<String, String>, url: Option<&str>) -> String {
+fn cached_origin(origins: &mut FastMap<String, String>, url: Option<&str>) -> String {
     let url = url.unwrap_or("");
     if let Some(o) = origins.get(url) {
         return o.clone();
@@ -1450,7 +1451,7 @@ fn dispatch_work(
         .max_in_flight_per_tenant
         .max(d.max_in_flight / tenants_with_timers.max(1));
     // Claimed in this transaction per tenant (a tenant's events are all in one partition).
-    let mut claimed_here: HashMap<String, usize> = HashMap::new();
+    let mut claimed_here: FastMap<String, usize> = FastMap::default();
     for p in order {
         let Some(task) = tasks.get_mut(&p) else {
             continue;
@@ -1545,7 +1546,7 @@ fn claim(
     now: i64,
     p: i32,
     per_tenant_cap: usize,
-    claimed_here: &mut HashMap<String, usize>,
+    claimed_here: &mut FastMap<String, usize>,
     attempts: &mut Vec<Attempt>,
 ) -> Result<bool, HubError> {
     let busy = d
