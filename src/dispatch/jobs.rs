@@ -26,9 +26,6 @@ use crate::runtime::records::{
 };
 use crate::runtime::store::{Staged, Store, StoreError};
 
-/// Changelog records to send: key, and value or tombstone.
-pub type ChangelogWrites = Vec<(Vec<u8>, Option<Vec<u8>>)>;
-
 pub const JOBS: &str = "jobs";
 pub const DUE: &str = "due";
 
@@ -196,13 +193,12 @@ impl TenantRing {
     }
 }
 
-/// The store operations on jobs for one task inside one transaction. Changelog records to send
-/// are collected in `changelog` (key, value or tombstone).
+/// The store operations on jobs for one task inside one transaction. Its writes are staged; the
+/// hub sends the staging's final job writes as the transaction's changelog records.
 pub struct JobStore<'a> {
     pub store: &'a Store,
     pub staged: &'a mut Staged,
     pub codec: &'a Codec,
-    pub changelog: &'a mut ChangelogWrites,
 }
 
 impl JobStore<'_> {
@@ -259,12 +255,10 @@ impl JobStore<'_> {
     }
 
     fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        self.changelog.push((key.clone(), Some(value.clone())));
         self.staged.put(JOBS, key, value);
     }
 
     fn delete(&mut self, key: Vec<u8>) {
-        self.changelog.push((key.clone(), None));
         self.staged.delete(JOBS, key);
     }
 
@@ -725,12 +719,10 @@ mod tests {
     /// Writes jobs as a committed transaction does: staged, timers noted, applied.
     fn commit_jobs(store: &Store, codec: &Codec, ring: &mut TenantRing, jobs: &[JobRecord]) {
         let mut staged = Staged::default();
-        let mut changelog = Vec::new();
         let mut js = JobStore {
             store,
             staged: &mut staged,
             codec,
-            changelog: &mut changelog,
         };
         for j in jobs {
             js.put_job(&job_key(&j.tenant_id, &j.event_key, "s"), j, None)
@@ -744,12 +736,10 @@ mod tests {
 
     fn due_ids(store: &Store, codec: &Codec, ring: &mut TenantRing, now: i64) -> Vec<String> {
         let mut staged = Staged::default();
-        let mut changelog = Vec::new();
         let js = JobStore {
             store,
             staged: &mut staged,
             codec,
-            changelog: &mut changelog,
         };
         js.due_jobs(ring, now, 100)
             .unwrap()

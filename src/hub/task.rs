@@ -24,7 +24,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
-use crate::dispatch::jobs::{self, ChangelogWrites, DUE, JOBS, JobStore, TenantRing};
+use crate::dispatch::jobs::{self, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
 use crate::dispatch::{breaker, health};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
@@ -184,7 +184,6 @@ pub struct TaskCtx<'a, 'p> {
     pub staged: &'a mut Staged,
     pub ring: &'a mut TenantRing,
     pub codec: &'a Codec,
-    pub jobs_changelog: &'a mut ChangelogWrites,
     pub now: i64,
     /// Keys of the jobs created in this transaction (claimed at its end when there is room).
     pub fresh: &'a mut Vec<Vec<u8>>,
@@ -197,7 +196,6 @@ impl TaskCtx<'_, '_> {
             store: self.store,
             staged: self.staged,
             codec: self.codec,
-            changelog: self.jobs_changelog,
         }
     }
 }
@@ -1066,7 +1064,6 @@ impl HubStage {
             phase = Instant::now();
         };
         let mut staged: HashMap<i32, Staged> = HashMap::new();
-        let mut jobs_changelog: HashMap<i32, ChangelogWrites> = HashMap::new();
         let mut sequences: FastMap<(i32, String), u64> = FastMap::default();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
         let mut fresh: HashMap<i32, Vec<Vec<u8>>> = HashMap::new();
@@ -1164,14 +1161,12 @@ impl HubStage {
                 replay,
                 record: m,
             };
-            let jc = jobs_changelog.entry(p).or_default();
             let mut ctx = TaskCtx {
                 out: &mut outputs,
                 store: &task.store,
                 staged: st,
                 ring: &mut task.ring,
                 codec: &env.codec,
-                jobs_changelog: jc,
                 now,
                 fresh: fresh.entry(p).or_default(),
             };
@@ -1211,25 +1206,18 @@ impl HubStage {
                 d,
                 tasks,
                 &mut staged,
-                &mut jobs_changelog,
                 &mut outputs,
                 now,
                 &fresh,
                 &mut attempts,
             )?;
         }
-        for (p, records) in jobs_changelog {
-            // A key written twice in one transaction (a job created and claimed) needs only its
-            // last record in the compacted changelog.
-            let mut last: FastMap<&[u8], usize> =
-                FastMap::with_capacity_and_hasher(records.len(), Default::default());
-            for (i, (k, _)) in records.iter().enumerate() {
-                last.insert(k.as_slice(), i);
-            }
-            for (i, (k, v)) in records.iter().enumerate() {
-                if last.get(k.as_slice()) == Some(&i) {
-                    outputs.send(&env.jobs_changelog, Some(p), k, v.as_deref())?;
-                }
+        // The jobs changelog is the batch's final job writes: a key written twice in one
+        // transaction (a job created and claimed) needs only its last record in the compacted
+        // changelog, and the staging holds exactly that.
+        for (p, st) in &staged {
+            for (k, v) in st.writes_in(JOBS) {
+                outputs.send(&env.jobs_changelog, Some(*p), k, v)?;
             }
         }
         // Every owned partition's offset goes with the transaction, read or not: the group
@@ -1321,7 +1309,6 @@ fn dispatch_work(
     d: &mut Dispatch,
     tasks: &mut HashMap<i32, Task>,
     staged: &mut HashMap<i32, Staged>,
-    jobs_changelog: &mut HashMap<i32, ChangelogWrites>,
     out: &mut Outputs<'_>,
     now: i64,
     fresh: &HashMap<i32, Vec<Vec<u8>>>,
@@ -1333,12 +1320,10 @@ fn dispatch_work(
             continue;
         };
         let st = staged.entry(o.partition).or_default();
-        let jc = jobs_changelog.entry(o.partition).or_default();
         let mut js = JobStore {
             store: &task.store,
             staged: st,
             codec: &env.codec,
-            changelog: jc,
         };
         if o.not_attempted() {
             let sub = js
@@ -1462,12 +1447,10 @@ fn dispatch_work(
         }
         let capacity_here = share.min(capacity);
         let st = staged.entry(*p).or_default();
-        let jc = jobs_changelog.entry(*p).or_default();
         let mut js = JobStore {
             store: &task.store,
             staged: st,
             codec: &env.codec,
-            changelog: jc,
         };
         let due = js.due_jobs(&mut task.ring, now, capacity_here)?;
         for (key, job) in due {
@@ -1496,12 +1479,10 @@ fn dispatch_work(
             continue;
         };
         let st = staged.entry(*p).or_default();
-        let jc = jobs_changelog.entry(*p).or_default();
         let mut js = JobStore {
             store: &task.store,
             staged: st,
             codec: &env.codec,
-            changelog: jc,
         };
         for key in keys {
             if capacity == 0 {

@@ -249,6 +249,17 @@ impl Staged {
             .map(|(k, _)| k.as_slice())
     }
 
+    /// Every key this batch writes in `family` with its final value (None: a delete).
+    pub fn writes_in<'a>(
+        &'a self,
+        family: &'static str,
+    ) -> impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)> + 'a {
+        self.writes_of(family)
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+    }
+
     /// The staged value if this batch wrote the key (Some(None) = staged delete), else None.
     pub fn get(&self, family: &'static str, key: &[u8]) -> Option<Option<&[u8]>> {
         self.writes_of(family)?.get(key).map(|v| v.as_deref())
