@@ -299,7 +299,7 @@ impl JobStore<'_> {
             Some((at, n)) => {
                 let mut patched = bytes;
                 patched.truncate(at);
-                put_zigzag(&mut patched, i64::from(n - 1));
+                fast_avro::put_long(&mut patched, i64::from(n - 1));
                 self.put(pk, patched);
             }
             None => {
@@ -348,25 +348,38 @@ impl JobStore<'_> {
         Ok(Some(p))
     }
 
-    /// Stores the event's payload once (or adds `jobs` holders to the stored one).
+    /// Stores the event's payload once (or adds `jobs` holders to the stored one). A new payload
+    /// is written by `encode(jobs)` (the bytes, refcount included); a stored one gets its refcount
+    /// patched in place ([`payload_refcount`]), or decoded and re-encoded when written with
+    /// another schema.
     pub fn hold_payload(
         &mut self,
         key: Vec<u8>,
-        make: impl FnOnce() -> EventPayloadRecord,
+        encode: impl FnOnce(u32) -> Vec<u8>,
         jobs: u32,
     ) -> Result<(), JobError> {
-        let mut p = match self.get_payload(&key)? {
-            Some(p) => p,
-            None => EventPayloadRecord {
-                refcount: 0,
-                ..make()
-            },
+        let Some(stored) = self.staged.read(self.store, JOBS, &key)? else {
+            self.put(key, encode(jobs));
+            return Ok(());
         };
-        p.refcount += jobs;
-        let bytes = self
-            .codec
-            .encode(RecordKind::EventPayload, &p)
-            .map_err(|e| JobError::Codec(e.to_string()))?;
+        let held = payload_refcount(self.codec, &stored)
+            .and_then(|(at, n)| Some((at, i32::try_from(n.checked_add(jobs)?).ok()?)));
+        let bytes = match held {
+            Some((at, n)) => {
+                let mut patched = stored;
+                patched.truncate(at);
+                fast_avro::put_long(&mut patched, i64::from(n));
+                patched
+            }
+            None => {
+                let mut p = fast_avro::payload(self.codec, &stored)
+                    .map_err(|e| JobError::Codec(e.to_string()))?;
+                p.refcount = p.refcount.saturating_add(jobs);
+                self.codec
+                    .encode(RecordKind::EventPayload, &p)
+                    .map_err(|e| JobError::Codec(e.to_string()))?
+            }
+        };
         self.put(key, bytes);
         Ok(())
     }
@@ -499,16 +512,6 @@ pub fn payload_refcount(codec: &Codec, bytes: &[u8]) -> Option<(usize, u32)> {
     let at = bytes.len() - r.len();
     let n = u32::try_from(varint(&mut r)?).ok()?;
     r.is_empty().then_some((at, n))
-}
-
-/// Appends one Avro zigzag varint.
-fn put_zigzag(out: &mut Vec<u8>, v: i64) {
-    let mut n = ((v << 1) ^ (v >> 63)) as u64;
-    while n >= 0x80 {
-        out.push((n as u8) | 0x80);
-        n >>= 7;
-    }
-    out.push(n as u8);
 }
 
 /// What the hub writes for one outcome besides the job itself.
@@ -807,7 +810,7 @@ mod tests {
             let (at, n) = payload_refcount(&codec, &bytes).expect("current schema");
             assert_eq!(n, refcount);
             let mut patched = bytes[..at].to_vec();
-            put_zigzag(&mut patched, i64::from(refcount) + 1);
+            fast_avro::put_long(&mut patched, i64::from(refcount) + 1);
             let back: EventPayloadRecord =
                 codec.decode(RecordKind::EventPayload, &patched).unwrap();
             assert_eq!(back.refcount, refcount + 1);
@@ -829,6 +832,56 @@ mod tests {
         let other = codec.encode(RecordKind::Job, &job).unwrap();
         assert_eq!(payload_refcount(&codec, &other), None);
         assert_eq!(payload_refcount(&codec, b"short"), None);
+    }
+
+    #[test]
+    fn a_held_payload_counts_its_holders_and_goes_with_the_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let p = payload(3, 100, 0);
+        let pk = payload_key("t", "e");
+        let stored = |staged: &Staged| -> Option<EventPayloadRecord> {
+            let b = staged.read(&store, JOBS, &pk).unwrap()?;
+            Some(codec.decode(RecordKind::EventPayload, &b).unwrap())
+        };
+        let mut staged = Staged::default();
+        let mut js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        let encode = |n| {
+            let headers = p
+                .headers
+                .iter()
+                .map(|h| (h.key.as_str(), h.value.as_deref()));
+            fast_avro::encode_payload(&codec, headers, &p.value, n)
+        };
+        js.hold_payload(pk.clone(), encode, 2).unwrap();
+        // A replay adds a holder to the payload this batch already holds; `encode` is not used.
+        js.hold_payload(pk.clone(), |_| unreachable!("stored already"), 1)
+            .unwrap();
+        store.apply(staged, &[]).unwrap();
+        let mut staged = Staged::default();
+        let held = stored(&staged).expect("stored once");
+        assert_eq!(held.refcount, 3);
+        assert_eq!((&held.headers, &held.value), (&p.headers, &p.value));
+        for (n, left) in [(1, Some(2)), (2, Some(1)), (3, None)] {
+            let key = job_key("t", "e", &format!("s{n}"));
+            let job = JobRecord {
+                subscription_id: format!("s{n}"),
+                ..job("t", "e", 1)
+            };
+            JobStore {
+                store: &store,
+                staged: &mut staged,
+                codec: &codec,
+            }
+            .finish_job_quietly(&key, &job)
+            .unwrap();
+            assert_eq!(stored(&staged).map(|p| p.refcount), left);
+        }
     }
 
     #[test]

@@ -22,8 +22,9 @@ use rdkafka::message::{Headers, Message};
 
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
+use crate::runtime::fast_avro;
 use crate::runtime::records::{
-    DestinationType, EventPayloadRecord, HeaderRecord, JobRecord, JobState, VerificationState,
+    DestinationType, HeaderRecord, JobRecord, JobState, VerificationState,
 };
 use crate::runtime::telemetry::{Matched, Redelivery};
 use crate::subscriptions::table::SharedTable;
@@ -171,23 +172,28 @@ fn hold_payload(
         return Ok(());
     }
     let record = event.record;
-    let make = || EventPayloadRecord {
-        headers: record
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|x| HeaderRecord {
-                        key: x.key.to_string(),
-                        value: x.value.map(<[u8]>::to_vec),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        value: record.payload().unwrap_or_default().to_vec(),
-        refcount: 0,
+    let codec = ctx.codec;
+    let encode = |refcount| {
+        let headers = record.headers();
+        let pairs = headers
+            .into_iter()
+            .flat_map(|h| h.iter())
+            .map(|h| (h.key, h.value));
+        // `ExactSizeIterator` for the array's block count.
+        let pairs: Vec<(&str, Option<&[u8]>)> = pairs.collect();
+        fast_avro::encode_payload(
+            codec,
+            pairs.into_iter(),
+            record.payload().unwrap_or_default(),
+            refcount,
+        )
     };
     ctx.jobs()
-        .hold_payload(jobs::payload_key(event.tenant, event.ce_id), make, created)
+        .hold_payload(
+            jobs::payload_key(event.tenant, event.ce_id),
+            encode,
+            created,
+        )
         .map_err(HubError::from)?;
     ctx.ring.add(event.tenant);
     Ok(())

@@ -1,5 +1,6 @@
 //! Hand-written readers for the two records the hub decodes on every delivery: a job on each
-//! claim and each outcome, a payload on each claim.
+//! claim and each outcome, a payload on each claim; and a writer for the payload the hub stores
+//! for every new event ([`encode_payload`], byte for byte what the [`Codec`] writes).
 //!
 //! apache-avro decodes into a [`apache_avro::types::Value`] tree first and then copies it into the
 //! struct (every header key, value and the body allocated twice). These read the current schema's
@@ -26,6 +27,54 @@ pub fn payload(codec: &Codec, bytes: &[u8]) -> Result<EventPayloadRecord, CodecE
         Some(p) => Ok(p),
         None => codec.decode(RecordKind::EventPayload, bytes),
     }
+}
+
+/// Encodes an event payload record (current schema, with its single-object header) straight
+/// from the inbox record's headers and value, without building an [`EventPayloadRecord`] first:
+/// the same bytes as `Codec::encode(RecordKind::EventPayload, ..)` (the tests compare them).
+pub fn encode_payload<'h>(
+    codec: &Codec,
+    headers: impl ExactSizeIterator<Item = (&'h str, Option<&'h [u8]>)>,
+    value: &[u8],
+    refcount: u32,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + value.len() + 64 * (headers.len() + 1));
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&codec.fingerprint(RecordKind::EventPayload));
+    // One array block holding every header, then the empty block that ends the array.
+    if headers.len() > 0 {
+        put_long(&mut out, headers.len() as i64);
+        for (key, v) in headers {
+            put_bytes(&mut out, key.as_bytes());
+            match v {
+                None => put_long(&mut out, 0),
+                Some(v) => {
+                    put_long(&mut out, 1);
+                    put_bytes(&mut out, v);
+                }
+            }
+        }
+    }
+    put_long(&mut out, 0);
+    put_bytes(&mut out, value);
+    put_long(&mut out, i64::from(refcount));
+    out
+}
+
+/// An Avro `int` or `long`: zigzag, then base-128 little-endian groups.
+pub(crate) fn put_long(out: &mut Vec<u8>, v: i64) {
+    let mut n = ((v << 1) ^ (v >> 63)) as u64;
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+/// An Avro `bytes` or `string`: its length, then the bytes.
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_long(out, b.len() as i64);
+    out.extend_from_slice(b);
 }
 
 /// The datum after the single-object header, when it names the current schema of `kind`.
@@ -225,6 +274,14 @@ mod tests {
             let bytes = codec().encode(RecordKind::EventPayload, &p).unwrap();
             let datum = current_datum(codec(), RecordKind::EventPayload, &bytes).unwrap();
             prop_assert_eq!(read_payload(datum), Some(p.clone()));
+            prop_assert_eq!(payload(codec(), &bytes).unwrap(), p);
+        }
+
+        #[test]
+        fn a_payload_is_written_byte_for_byte_as_the_codec_writes_it(p in payload_strategy()) {
+            let headers = p.headers.iter().map(|h| (h.key.as_str(), h.value.as_deref()));
+            let bytes = encode_payload(codec(), headers, &p.value, p.refcount);
+            prop_assert_eq!(&bytes, &codec().encode(RecordKind::EventPayload, &p).unwrap());
             prop_assert_eq!(payload(codec(), &bytes).unwrap(), p);
         }
 
