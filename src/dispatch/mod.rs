@@ -173,20 +173,17 @@ fn hold_payload(
     }
     let record = event.record;
     let codec = ctx.codec;
-    let encode = |refcount| {
-        let headers = record.headers();
-        let pairs = headers
-            .into_iter()
-            .flat_map(|h| h.iter())
-            .map(|h| (h.key, h.value));
-        // `ExactSizeIterator` for the array's block count.
-        let pairs: Vec<(&str, Option<&[u8]>)> = pairs.collect();
-        fast_avro::encode_payload(
-            codec,
-            pairs.into_iter(),
-            record.payload().unwrap_or_default(),
-            refcount,
-        )
+    let value = record.payload().unwrap_or_default();
+    // Indexed, so the encoder knows the header count up front (the array's block count).
+    let encode = |refcount| match record.headers() {
+        Some(h) => {
+            let pairs = (0..h.count()).map(|i| {
+                let x = h.get(i);
+                (x.key, x.value)
+            });
+            fast_avro::encode_payload(codec, pairs, value, refcount)
+        }
+        None => fast_avro::encode_payload(codec, std::iter::empty(), value, refcount),
     };
     ctx.jobs()
         .hold_payload(
