@@ -23,8 +23,10 @@ use rdkafka::message::{Headers, Message};
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
 use crate::runtime::fast_avro;
+use std::sync::Arc;
+
 use crate::runtime::records::{
-    DestinationType, HeaderRecord, JobRecord, JobState, VerificationState,
+    DestinationType, EventPayloadRecord, JobRecord, JobState, VerificationState,
 };
 use crate::runtime::telemetry::{Matched, Redelivery};
 use crate::subscriptions::table::SharedTable;
@@ -158,7 +160,7 @@ fn create_job(
         state: JobState::Pending,
     };
     js.put_job(&key, &job, None).map_err(HubError::from)?;
-    ctx.fresh.push(key);
+    ctx.fresh.push((key, event.batch_index));
     Ok(true)
 }
 
@@ -196,16 +198,128 @@ fn hold_payload(
     Ok(())
 }
 
-/// `<resource>.<event>` of a stored payload's headers.
-pub fn event_type_of(headers: &[HeaderRecord]) -> String {
-    let get = |k: &str| {
-        headers
-            .iter()
-            .find(|h| h.key == k)
-            .and_then(|h| h.value.as_deref())
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .unwrap_or("")
-            .to_string()
-    };
-    format!("{}.{}", get("ce-resourcetype"), get("ce-eventtype"))
+/// What an attempt sends of its event: its `ce-*` headers, `<resource>.<event>` type, body and
+/// ingest time. Read once per event and shared by the attempts of its jobs (a fan-out event's
+/// claims in one transaction share one), from the inbox record when the job was created in the
+/// same transaction, else from the stored payload.
+#[derive(Clone, Debug)]
+pub struct EventView {
+    pub event_type: Arc<str>,
+    /// `ce-*` headers of the event, in order (values that are not UTF-8 are left out).
+    pub ce_headers: Arc<[(String, String)]>,
+    pub body: bytes::Bytes,
+    /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
+    pub ingest_ms: Option<i64>,
+}
+
+impl EventView {
+    pub fn new<'h>(
+        headers: impl IntoIterator<Item = (&'h str, Option<&'h [u8]>)>,
+        body: bytes::Bytes,
+    ) -> EventView {
+        let mut ce_headers = Vec::new();
+        let (mut resource, mut event, mut ingest) = (None, None, None);
+        for (key, value) in headers {
+            let text = value.and_then(|v| std::str::from_utf8(v).ok());
+            match key {
+                "ce-resourcetype" => {
+                    resource.get_or_insert(text.unwrap_or(""));
+                }
+                "ce-eventtype" => {
+                    event.get_or_insert(text.unwrap_or(""));
+                }
+                crate::ingest::pipeline::H_INGEST_TIME => {
+                    ingest.get_or_insert(text);
+                }
+                _ => {}
+            }
+            if let (true, Some(v)) = (key.starts_with("ce-"), text) {
+                ce_headers.push((key.to_string(), v.to_string()));
+            }
+        }
+        EventView {
+            event_type: format!("{}.{}", resource.unwrap_or(""), event.unwrap_or("")).into(),
+            ce_headers: ce_headers.into(),
+            body,
+            ingest_ms: ingest
+                .flatten()
+                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+                .map(|t| t.timestamp_millis()),
+        }
+    }
+
+    /// From an inbox record.
+    pub fn of_record(record: &rdkafka::message::BorrowedMessage<'_>) -> EventView {
+        let body = bytes::Bytes::copy_from_slice(record.payload().unwrap_or_default());
+        match record.headers() {
+            Some(h) => EventView::new(h.iter().map(|x| (x.key, x.value)), body),
+            None => EventView::new(std::iter::empty(), body),
+        }
+    }
+
+    /// From a stored payload.
+    pub fn of_payload(payload: EventPayloadRecord) -> EventView {
+        EventView::new(
+            payload
+                .headers
+                .iter()
+                .map(|h| (h.key.as_str(), h.value.as_deref())),
+            bytes::Bytes::from(payload.value),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::records::HeaderRecord;
+
+    fn header(key: &str, value: Option<&[u8]>) -> HeaderRecord {
+        HeaderRecord {
+            key: key.into(),
+            value: value.map(<[u8]>::to_vec),
+        }
+    }
+
+    #[test]
+    fn an_event_view_reads_the_same_from_a_record_and_from_its_stored_payload() {
+        let headers = vec![
+            header("ce-id", Some(b"0193-id")),
+            header("ce-resourcetype", Some(b"transaction")),
+            header("ce-eventtype", Some(b"created")),
+            header("ce-binary", Some(&[0xff, 0xfe])), // not UTF-8: not sent
+            header("ce-subject", None),
+            header("x-other", Some(b"kept out")),
+            header("ce-eventtype", Some(b"second")), // repeated: the first counts
+            header(
+                crate::ingest::pipeline::H_INGEST_TIME,
+                Some(b"2026-12-01T10:00:00.250Z"),
+            ),
+        ];
+        let from_record = EventView::new(
+            headers.iter().map(|h| (h.key.as_str(), h.value.as_deref())),
+            bytes::Bytes::from_static(b"{\"amount\":1}"),
+        );
+        let from_payload = EventView::of_payload(EventPayloadRecord {
+            headers: headers.clone(),
+            value: b"{\"amount\":1}".to_vec(),
+            refcount: 2,
+        });
+        for v in [&from_record, &from_payload] {
+            assert_eq!(&*v.event_type, "transaction.created");
+            assert_eq!(
+                &*v.ce_headers,
+                &[
+                    ("ce-id".to_string(), "0193-id".to_string()),
+                    ("ce-resourcetype".to_string(), "transaction".to_string()),
+                    ("ce-eventtype".to_string(), "created".to_string()),
+                    ("ce-eventtype".to_string(), "second".to_string()),
+                ]
+            );
+            assert_eq!(v.body.as_ref(), b"{\"amount\":1}");
+            assert_eq!(v.ingest_ms, Some(1_796_119_200_250));
+        }
+        let bare = EventView::new(std::iter::empty(), bytes::Bytes::new());
+        assert_eq!((&*bare.event_type, bare.ingest_ms), (".", None));
+    }
 }

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures::FutureExt;
 
 use crate::delivery::{client, signing};
@@ -40,13 +39,9 @@ pub struct Attempt {
     pub lease_until: i64,
     pub event_id: String,
     pub tenant: String,
-    pub event_type: String,
     pub subscription: Sub,
-    /// `ce-*` headers of the event, in order.
-    pub ce_headers: Vec<(String, String)>,
-    pub body: Bytes,
-    /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
-    pub ingest_ms: Option<i64>,
+    /// Headers, type, body and ingest time of the event.
+    pub event: crate::dispatch::EventView,
 }
 
 /// What happened to one attempt.
@@ -115,7 +110,7 @@ impl Workers {
                     error_kind: Some(NOT_ATTEMPTED.into()),
                     retry_after_ms: None,
                     response_body: None,
-                    ingest_ms: a.ingest_ms,
+                    ingest_ms: a.event.ingest_ms,
                     tenant: a.tenant.clone(),
                 });
                 return;
@@ -134,7 +129,7 @@ impl Workers {
                 error_kind: None,
                 retry_after_ms: None,
                 response_body: None,
-                ingest_ms: a.ingest_ms,
+                ingest_ms: a.event.ingest_ms,
                 tenant: a.tenant.clone(),
             };
             let t0 = Instant::now();
@@ -165,13 +160,14 @@ impl Workers {
             }
         };
         let timestamp = self.clock.now_ms() / 1000;
-        let signature = match signing::signature_header(&secrets, &a.event_id, timestamp, &a.body) {
-            Ok(s) => s,
-            Err(_) => {
-                out.error_kind = Some("signing_failed".into());
-                return out;
-            }
-        };
+        let signature =
+            match signing::signature_header(&secrets, &a.event_id, timestamp, &a.event.body) {
+                Ok(s) => s,
+                Err(_) => {
+                    out.error_kind = Some("signing_failed".into());
+                    return out;
+                }
+            };
         let mut req = match client::post(&self.http, url, self.allow_private, self.allow_insecure) {
             Ok(r) => r,
             Err(e) => {
@@ -194,7 +190,7 @@ impl Workers {
                 }
             }
         }
-        for (k, v) in &a.ce_headers {
+        for (k, v) in a.event.ce_headers.iter() {
             if k == "ce-datacontenttype" {
                 content_type = v.clone();
             } else {
@@ -205,12 +201,12 @@ impl Workers {
             .header("content-type", content_type)
             .header("x-lerian-event-id", &a.event_id)
             .header("x-lerian-delivery-id", &out.delivery_id)
-            .header("x-lerian-event-type", &a.event_type)
+            .header("x-lerian-event-type", &*a.event.event_type)
             .header("x-lerian-attempt", a.attempt.to_string())
             .header("webhook-id", &a.event_id)
             .header("webhook-timestamp", timestamp.to_string())
             .header("webhook-signature", signature)
-            .body(a.body.clone());
+            .body(a.event.body.clone());
         match req.send().await {
             Ok(resp) => {
                 let status = resp.status();

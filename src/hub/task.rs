@@ -26,7 +26,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use crate::config::Config;
 use crate::dispatch::jobs::{self, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
-use crate::dispatch::{breaker, health};
+use crate::dispatch::{EventView, breaker, health};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
@@ -90,6 +90,8 @@ pub struct SequencedEvent<'a> {
     /// Processed again after an offset reset.
     pub replay: bool,
     pub record: &'a BorrowedMessage<'a>,
+    /// The record's place in the transaction's batch.
+    pub batch_index: usize,
 }
 
 /// The narrow hand-off to matching and jobs: called for each event inside the transaction.
@@ -185,8 +187,9 @@ pub struct TaskCtx<'a, 'p> {
     pub ring: &'a mut TenantRing,
     pub codec: &'a Codec,
     pub now: i64,
-    /// Keys of the jobs created in this transaction (claimed at its end when there is room).
-    pub fresh: &'a mut Vec<Vec<u8>>,
+    /// Jobs created in this transaction (claimed at its end when there is room): key, and the
+    /// batch index of the event's record.
+    pub fresh: &'a mut Vec<(Vec<u8>, usize)>,
 }
 
 impl TaskCtx<'_, '_> {
@@ -1066,9 +1069,9 @@ impl HubStage {
         let mut staged: HashMap<i32, Staged> = HashMap::new();
         let mut sequences: FastMap<(i32, String), u64> = FastMap::default();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
-        let mut fresh: HashMap<i32, Vec<Vec<u8>>> = HashMap::new();
+        let mut fresh: HashMap<i32, Vec<(Vec<u8>, usize)>> = HashMap::new();
         let mut outputs = Outputs { producer };
-        for m in batch {
+        for (batch_index, m) in batch.iter().enumerate() {
             let p = m.partition();
             offsets.insert(p, m.offset() + 1);
             let Some(task) = tasks.get_mut(&p) else {
@@ -1160,6 +1163,7 @@ impl HubStage {
                 offset: m.offset(),
                 replay,
                 record: m,
+                batch_index,
             };
             let mut ctx = TaskCtx {
                 out: &mut outputs,
@@ -1208,6 +1212,7 @@ impl HubStage {
                 &mut staged,
                 &mut outputs,
                 now,
+                batch,
                 &fresh,
                 &mut attempts,
             )?;
@@ -1311,7 +1316,8 @@ fn dispatch_work(
     staged: &mut HashMap<i32, Staged>,
     out: &mut Outputs<'_>,
     now: i64,
-    fresh: &HashMap<i32, Vec<Vec<u8>>>,
+    batch: &[BorrowedMessage<'_>],
+    fresh: &HashMap<i32, Vec<(Vec<u8>, usize)>>,
     attempts: &mut Vec<Attempt>,
 ) -> Result<(), HubError> {
     let mut rng = rand::thread_rng();
@@ -1466,6 +1472,7 @@ fn dispatch_work(
                 per_tenant_cap,
                 &mut claimed_here,
                 attempts,
+                None,
             )? {
                 capacity -= 1;
             }
@@ -1474,6 +1481,7 @@ fn dispatch_work(
     // Then jobs this transaction created, with what capacity is left (older due jobs first): a
     // new event's attempt starts after this commit, not the next one's (one transaction less
     // between an event and its delivery).
+    let mut views = BatchViews { batch, last: None };
     for (p, keys) in fresh.iter() {
         let Some(task) = tasks.get(p) else {
             continue;
@@ -1484,7 +1492,7 @@ fn dispatch_work(
             staged: st,
             codec: &env.codec,
         };
-        for key in keys {
+        for (key, batch_index) in keys {
             if capacity == 0 {
                 return Ok(());
             }
@@ -1506,12 +1514,34 @@ fn dispatch_work(
                 per_tenant_cap,
                 &mut claimed_here,
                 attempts,
+                Some((&mut views, *batch_index)),
             )? {
                 capacity -= 1;
             }
         }
     }
     Ok(())
+}
+
+/// Event views of the batch's records, for the attempts of jobs created in this transaction: a
+/// fresh job's event is read from its inbox record (no stored payload decoded), once for all
+/// its jobs (they are created, and claimed, one after another).
+struct BatchViews<'b, 'm> {
+    batch: &'b [BorrowedMessage<'m>],
+    last: Option<(usize, EventView)>,
+}
+
+impl BatchViews<'_, '_> {
+    fn of(&mut self, index: usize) -> Option<EventView> {
+        match &self.last {
+            Some((i, v)) if *i == index => Some(v.clone()),
+            _ => {
+                let v = EventView::of_record(self.batch.get(index)?);
+                self.last = Some((index, v.clone()));
+                Some(v)
+            }
+        }
+    }
 }
 
 /// Claims one due job: leases it and queues its attempt (true), or sheds, finishes or
@@ -1529,6 +1559,7 @@ fn claim(
     per_tenant_cap: usize,
     claimed_here: &mut FastMap<String, usize>,
     attempts: &mut Vec<Attempt>,
+    fresh: Option<(&mut BatchViews<'_, '_>, usize)>,
 ) -> Result<bool, HubError> {
     let busy = d
         .in_flight_by_tenant
@@ -1581,42 +1612,32 @@ fn claim(
             return Ok(false);
         }
     }
-    let Some(payload_key) = jobs::payload_key_of(&key) else {
-        return Ok(false);
-    };
-    let Some(payload) = js.get_payload(&payload_key)? else {
-        js.finish_job(&key, &job)?;
-        return Ok(false);
+    let event = match fresh.and_then(|(views, i)| views.of(i)) {
+        Some(event) => event,
+        None => {
+            let Some(payload_key) = jobs::payload_key_of(&key) else {
+                return Ok(false);
+            };
+            let Some(payload) = js.get_payload(&payload_key)? else {
+                js.finish_job(&key, &job)?;
+                return Ok(false);
+            };
+            EventView::of_payload(payload)
+        }
     };
     job.state = JobState::Leased;
     job.lease_until = Some(now + d.lease_ms);
     job.due_at = now + d.lease_ms;
     js.put_job(&key, &job, Some(old_due))?;
-    let ce_headers = payload
-        .headers
-        .iter()
-        .filter(|h| h.key.starts_with("ce-"))
-        .filter_map(|h| Some((h.key.clone(), String::from_utf8(h.value.clone()?).ok()?)))
-        .collect();
     attempts.push(Attempt {
         partition: p,
-        job_key: key.clone(),
+        job_key: key,
         attempt: job.attempt,
         lease_until: job.due_at,
         event_id: job.event_key.clone(),
         tenant: job.tenant_id.clone(),
-        event_type: crate::dispatch::event_type_of(&payload.headers),
         subscription: sub,
-        ce_headers,
-        ingest_ms: payload
-            .headers
-            .iter()
-            .find(|h| h.key == crate::ingest::pipeline::H_INGEST_TIME)
-            .and_then(|h| h.value.as_deref())
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
-            .map(|t| t.timestamp_millis()),
-        body: bytes::Bytes::from(payload.value),
+        event,
     });
     Ok(true)
 }
