@@ -644,6 +644,27 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     }
     let delivered = unique.len() as u64;
     let duplicates = got.len() as u64 - delivered;
+    if delivered < expected {
+        // Which events, so a miss can be traced (inbox, jobs changelog, DLQ) while the topics
+        // are still there.
+        let mut per_event: HashMap<&str, usize> = HashMap::new();
+        for (event, _) in unique.keys() {
+            *per_event.entry(event.as_str()).or_default() += 1;
+        }
+        let short: Vec<(&str, usize)> = produced
+            .iter()
+            .filter(|(id, t, _)| {
+                *t >= spec.failing_tenants
+                    && per_event.get(id.as_str()).copied().unwrap_or(0) < spec.subs_per_tenant
+            })
+            .map(|(id, t, _)| (id.as_str(), *t))
+            .take(20)
+            .collect();
+        eprintln!(
+            "load: {} deliveries missing (topic prefix {prefix}); events short of a delivery (ce-id, tenant index; first 20): {short:?}",
+            expected - delivered
+        );
+    }
     let measure_from_us = now_us() - measure_from.elapsed().as_micros() as i64;
     let measure_to_us = measure_from_us + opts.duration.as_micros() as i64;
     let mut all =
@@ -714,7 +735,26 @@ fn dirs_kafka_data() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
-fn producer(config: &Config) -> Result<BaseProducer, String> {
+/// Counts the load producer's records the broker did not take (failed delivery reports): an
+/// event counted as produced but never written would otherwise read as a delivery the hub lost.
+#[derive(Default)]
+struct Acks {
+    failed: AtomicU64,
+}
+
+impl rdkafka::ClientContext for Acks {}
+
+impl rdkafka::producer::ProducerContext for Acks {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, report: &rdkafka::message::DeliveryResult<'_>, _: ()) {
+        if report.is_err() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn producer(config: &Config) -> Result<BaseProducer<Acks>, String> {
     kafka::base(config)
         .set("linger.ms", "5")
         .set("batch.num.messages", "10000")
@@ -722,7 +762,7 @@ fn producer(config: &Config) -> Result<BaseProducer, String> {
         .set("queue.buffering.max.messages", "200000")
         .set("partitioner", "murmur2_random")
         .set("enable.idempotence", "true")
-        .create()
+        .create_with_context(Acks::default())
         .map_err(|e| e.to_string())
 }
 
@@ -790,7 +830,14 @@ fn produce_loop(
             p.poll(Duration::ZERO);
         }
     }
-    p.flush(Duration::from_secs(60)).map_err(|e| e.to_string())
+    p.flush(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    match p.context().failed.load(Ordering::Relaxed) {
+        0 => Ok(()),
+        n => Err(format!(
+            "the load producer could not write {n} of its records: this run's counts are void"
+        )),
+    }
 }
 
 /// The broker's produce→consume rate for this record size through the same client library.
