@@ -772,6 +772,19 @@ impl HubStage {
             k => format!("{}-{k}", config.instance()),
         };
         crate::runtime::liveness::run_on_this_thread(self.liveness());
+        // Matching and claims read the subscription table: before it has caught up with the
+        // control topic (a restart), a new event would match nothing and a due job would look
+        // like one of a deleted subscription, and both would be dropped. No partition is taken
+        // until then.
+        if let Some(d) = &self.dispatch {
+            while !d.table.is_caught_up() {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                crate::runtime::liveness::beat(self.liveness());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let shared = Arc::new(Mutex::new(Shared::default()));
         let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(
             &config,
