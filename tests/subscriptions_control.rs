@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
+use rdkafka::producer::Producer;
 use streaming_hub::config::Config;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::SubscriptionRecord;
@@ -166,4 +167,81 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
             "secret key material in the control topic"
         );
     }
+}
+
+/// The control topic also carries transactions (the hub's auto-disable writes are transactional,
+/// any producer may use them): the table counts as caught up only once the reader has passed
+/// every committed record, with the log ending in a commit marker and an aborted transaction,
+/// and the aborted record never shows. Nothing about it rests on a quiet spell of the topic.
+#[tokio::test]
+async fn the_table_catches_up_past_transaction_markers_with_every_committed_record() {
+    require_broker();
+    let prefix = unique("ctlx");
+    let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
+    Topology::load(&config.topology_file, &config)
+        .unwrap()
+        .apply(&config, false)
+        .await
+        .unwrap();
+    let codec = Arc::new(Codec::new().unwrap());
+    let topic = control::topic(&config);
+    let encoded = |r: &SubscriptionRecord| Rec {
+        key: Some(r.id.clone().into_bytes()),
+        value: Some(codec.encode(RecordKind::Subscription, r).unwrap()),
+        ..Default::default()
+    };
+
+    // Plain writes, then a committed transaction, then an aborted one: the log ends in markers.
+    let plain: Vec<SubscriptionRecord> = (0..3_000)
+        .map(|i| record(&format!("{prefix}-p{i}"), "t1", &["*"], 1))
+        .collect();
+    let p = producer();
+    produce(&p, &topic, &plain.iter().map(encoded).collect::<Vec<_>>());
+    p.flush(Duration::from_secs(30)).unwrap();
+    let tx: TestProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("ctlx-tid"))
+        .create_with_context(FailOnError::default())
+        .unwrap();
+    tx.init_transactions(Duration::from_secs(30)).unwrap();
+    let committed = [
+        record(&format!("{prefix}-c0"), "t2", &["*"], 1),
+        record(&format!("{prefix}-c1"), "t2", &["*"], 1),
+    ];
+    tx.begin_transaction().unwrap();
+    produce(&tx, &topic, &committed.iter().map(encoded).collect::<Vec<_>>());
+    tx.commit_transaction(Duration::from_secs(30)).unwrap();
+    let aborted = record(&format!("{prefix}-a0"), "t3", &["*"], 1);
+    tx.begin_transaction().unwrap();
+    produce(&tx, &topic, &[encoded(&aborted)]);
+    tx.flush(Duration::from_secs(30)).unwrap();
+    tx.abort_transaction(Duration::from_secs(30)).unwrap();
+
+    let table = SharedTable::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    // The table's size at the moment it reports caught up (the reader goes on after it).
+    let at_catch_up = {
+        let table = table.clone();
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while !table.is_caught_up() {
+                assert!(std::time::Instant::now() < deadline, "never caught up");
+                std::thread::yield_now();
+            }
+            table.read().len()
+        })
+    };
+    let reader = {
+        let (config, codec, table, stop) =
+            (config.clone(), codec.clone(), table.clone(), stop.clone());
+        std::thread::spawn(move || control::follow(&config, codec, table, stop))
+    };
+    let size = at_catch_up.join().expect("the table catches up");
+    assert_eq!(size, plain.len() + committed.len(), "caught up with a partial table");
+    let t = table.read();
+    assert!(plain.iter().chain(&committed).all(|r| t.get(&r.id).is_some()));
+    assert!(t.get(&aborted.id).is_none(), "an aborted write is not a subscription");
+    drop(t);
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap().unwrap();
 }

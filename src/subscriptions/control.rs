@@ -6,11 +6,13 @@
 //!   and skipped; it never stops the reader.
 //! - [`Subscriptions`]: the API's and CLI's handle. A write produces to the topic and returns once
 //!   this instance's table shows it (read-your-writes). Any other producer may write the topic too.
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
@@ -56,12 +58,14 @@ pub fn follow(
         .set("group.id", format!("{}.control", config.group_id))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
-        .set("enable.partition.eof", "false")
+        // The end of a partition as the consumer sees it (its last stable offset, past the
+        // markers of committed and aborted transactions): the only signal of "caught up".
+        .set("enable.partition.eof", "true")
         .set("fetch.wait.max.ms", "50")
         .create()
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
-    // The topic may have been created a moment ago: wait until its partitions and ends are known.
-    let (tpl, ends) = loop {
+    // The topic may have been created a moment ago: wait until its partitions are known.
+    let tpl = loop {
         match start_positions(&consumer, &topic) {
             Ok(found) => break found,
             Err(e) => {
@@ -74,12 +78,12 @@ pub fn follow(
         }
     };
     consumer.assign(&tpl)?;
-    let mut caught_up = false;
-    let mut idle = 0u32;
+    // Partitions not yet read to their end. The table is caught up once every one has reported
+    // its end: never on a quiet spell, which a slow broker or a leader election also produces.
+    let mut reading: BTreeSet<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
     while !stop.load(Ordering::Relaxed) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
-                idle = 0;
                 let Some(id) = m.key().and_then(|k| std::str::from_utf8(k).ok()) else {
                     tracing::warn!(
                         offset = m.offset(),
@@ -116,37 +120,24 @@ pub fn follow(
                     }
                 }
             }
-            Some(Err(e)) => tracing::warn!(error = %e, "control topic read error"),
-            None => idle += 1,
-        }
-        if !caught_up {
-            let Ok(pos) = consumer.position() else {
-                continue;
-            };
-            let done = ends.iter().all(|(p, high)| {
-                *high == 0
-                    || matches!(pos.find_partition(&topic, *p).map(|e| e.offset()), Some(Offset::Offset(o)) if o >= *high)
-            });
-            // Markers of aborted or committed transactions may leave the position short of the
-            // end; an idle second there means nothing committed is left.
-            if done || idle >= 10 {
-                caught_up = true;
-                table.set_caught_up();
-                tracing::info!(
-                    subscriptions = table.read().len(),
-                    "subscription table caught up"
-                );
+            Some(Err(RdKafkaError::PartitionEOF(p))) => {
+                if reading.remove(&p) && reading.is_empty() {
+                    table.set_caught_up();
+                    tracing::info!(
+                        subscriptions = table.read().len(),
+                        "subscription table caught up"
+                    );
+                }
             }
+            Some(Err(e)) => tracing::warn!(error = %e, "control topic read error"),
+            None => {}
         }
     }
     Ok(())
 }
 
-/// Every partition of the control topic from the beginning, and each one's current end.
-fn start_positions(
-    consumer: &BaseConsumer,
-    topic: &str,
-) -> Result<(TopicPartitionList, Vec<(i32, i64)>), KafkaError> {
+/// Every partition of the control topic, from the beginning.
+fn start_positions(consumer: &BaseConsumer, topic: &str) -> Result<TopicPartitionList, KafkaError> {
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
     let parts = md
         .topics()
@@ -159,13 +150,10 @@ fn start_positions(
         )));
     }
     let mut tpl = TopicPartitionList::new();
-    let mut ends = Vec::new();
     for p in parts {
         tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
-        let (_, high) = consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
-        ends.push((p.id(), high));
     }
-    Ok((tpl, ends))
+    Ok(tpl)
 }
 
 /// The subscriptions as the API and CLI see them.
