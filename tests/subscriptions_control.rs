@@ -209,7 +209,11 @@ async fn the_table_catches_up_past_transaction_markers_with_every_committed_reco
         record(&format!("{prefix}-c1"), "t2", &["*"], 1),
     ];
     tx.begin_transaction().unwrap();
-    produce(&tx, &topic, &committed.iter().map(encoded).collect::<Vec<_>>());
+    produce(
+        &tx,
+        &topic,
+        &committed.iter().map(encoded).collect::<Vec<_>>(),
+    );
     tx.commit_transaction(Duration::from_secs(30)).unwrap();
     let aborted = record(&format!("{prefix}-a0"), "t3", &["*"], 1);
     tx.begin_transaction().unwrap();
@@ -237,10 +241,22 @@ async fn the_table_catches_up_past_transaction_markers_with_every_committed_reco
         std::thread::spawn(move || control::follow(&config, codec, table, stop))
     };
     let size = at_catch_up.join().expect("the table catches up");
-    assert_eq!(size, plain.len() + committed.len(), "caught up with a partial table");
+    assert_eq!(
+        size,
+        plain.len() + committed.len(),
+        "caught up with a partial table"
+    );
     let t = table.read();
-    assert!(plain.iter().chain(&committed).all(|r| t.get(&r.id).is_some()));
-    assert!(t.get(&aborted.id).is_none(), "an aborted write is not a subscription");
+    assert!(
+        plain
+            .iter()
+            .chain(&committed)
+            .all(|r| t.get(&r.id).is_some())
+    );
+    assert!(
+        t.get(&aborted.id).is_none(),
+        "an aborted write is not a subscription"
+    );
     drop(t);
     stop.store(true, Ordering::Relaxed);
     reader.join().unwrap().unwrap();

@@ -776,13 +776,17 @@ impl HubStage {
         // control topic (a restart), a new event would match nothing and a due job would look
         // like one of a deleted subscription, and both would be dropped. No partition is taken
         // until then.
-        if let Some(d) = &self.dispatch {
-            while !d.table.is_caught_up() {
-                if stop.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
+        if let Some(d) = self.dispatch.as_ref().filter(|d| !d.table.is_caught_up()) {
+            let waiting = metrics::gauge!("streaming_hub_hub_loops_waiting_for_subscriptions");
+            waiting.increment(1.0);
+            tracing::info!(hub_loop = %instance, "waiting for the subscription table to catch up before taking partitions");
+            while !d.table.is_caught_up() && !stop.load(Ordering::Relaxed) {
                 crate::runtime::liveness::beat(self.liveness());
                 std::thread::sleep(Duration::from_millis(20));
+            }
+            waiting.decrement(1.0);
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
             }
         }
         let shared = Arc::new(Mutex::new(Shared::default()));

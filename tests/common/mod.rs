@@ -380,6 +380,13 @@ pub fn free_port() -> u16 {
 
 impl Hub {
     pub fn start(env: &BTreeMap<String, String>) -> Hub {
+        let hub = Hub::spawn(env);
+        hub.wait_ready();
+        hub
+    }
+
+    /// Starts the binary without waiting for it to be ready (it may not become ready).
+    pub fn spawn(env: &BTreeMap<String, String>) -> Hub {
         let log = std::env::temp_dir().join(format!(
             "{}-{}.log",
             env["STREAMING_HUB_INSTANCE_ID"],
@@ -395,13 +402,11 @@ impl Hub {
             .stderr(file)
             .spawn()
             .expect("start hub");
-        let hub = Hub {
+        Hub {
             child,
             env: env.clone(),
             log,
-        };
-        hub.wait_ready();
-        hub
+        }
     }
 
     pub fn addr(&self) -> String {
