@@ -68,6 +68,23 @@ async fn metric(http: &reqwest::Client, hub: &Hub, name: &str) -> Option<u64> {
     Some(metric_sum(&text, name))
 }
 
+/// A broker of the cluster killed for the test; restarted when dropped, also when the test
+/// fails, so that the tests after it find the cluster whole.
+struct BrokerDown(i32);
+
+impl BrokerDown {
+    fn kill(node: i32) -> BrokerDown {
+        cluster_kafka_sh(&["kill", &node.to_string()]);
+        BrokerDown(node)
+    }
+}
+
+impl Drop for BrokerDown {
+    fn drop(&mut self) {
+        cluster_kafka_sh(&["restart-node", &self.0.to_string()]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_claiming() {
     let port = cluster_port();
@@ -154,7 +171,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     hub.kill();
 
     // The control topic's only broker goes down; the hub restarts and a new event comes in.
-    cluster_kafka_sh(&["kill", &victim.to_string()]);
+    let down = BrokerDown::kill(victim);
     let hub = Hub::spawn(&env);
     let fresh = event("t1", "ledger", "transaction", "created");
     produce(&p, &topic, std::slice::from_ref(&fresh));
@@ -194,7 +211,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     assert_eq!(sink.count(&retried.id()), 1);
 
     // The broker returns: the table catches up and both deliveries are made.
-    cluster_kafka_sh(&["restart-node", &victim.to_string()]);
+    drop(down);
     wait_until(
         Duration::from_secs(120),
         "the new event and the retried one delivered after the catch-up",
