@@ -402,7 +402,7 @@ settings! {
     hub_stages: usize = "1";
     /// Longest a batch stays open before it commits; a batch also closes after 5 ms without a new
     /// record, so light load commits at once and a steady stream gets large batches. 10 ms wrote
-    /// 4-9% fewer Kafka bytes per delivery than 100 ms in every measured pair, but its
+    /// 2-9% fewer Kafka bytes per delivery than 100 ms in every measured pair, but its
     /// deliveries/s and CPU per delivery stayed within the spread between runs (BENCHMARKS.md,
     /// sessions 10-11); it loses nothing either (recovery and fault-suite runs, session 11).
     commit_interval: std::time::Duration = "100ms";

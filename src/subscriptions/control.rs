@@ -6,7 +6,7 @@
 //!   and skipped; it never stops the reader.
 //! - [`Subscriptions`]: the API's and CLI's handle. A write produces to the topic and returns once
 //!   this instance's table shows it (read-your-writes). Any other producer may write the topic too.
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -61,11 +61,12 @@ pub fn follow(
         // The end of a partition as the consumer sees it (its last stable offset, past the
         // markers of committed and aborted transactions): the only signal of "caught up".
         .set("enable.partition.eof", "true")
+        .set("auto.offset.reset", "earliest")
         .set("fetch.wait.max.ms", "50")
         .create()
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
-    // The topic may have been created a moment ago: wait until its partitions are known.
-    let tpl = loop {
+    // The topic may have been created a moment ago: wait until its partitions and ends are known.
+    let (tpl, ends) = loop {
         match start_positions(&consumer, &topic) {
             Ok(found) => break found,
             Err(e) => {
@@ -79,8 +80,10 @@ pub fn follow(
     };
     consumer.assign(&tpl)?;
     // Partitions not yet read to their end. The table is caught up once every one has reported
-    // its end: never on a quiet spell, which a slow broker or a leader election also produces.
-    let mut reading: BTreeSet<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+    // its end (a fetch reached the last stable offset) at or past the end asked for at start:
+    // never on a quiet spell, which a slow broker or a leader election also produces, and not
+    // on the end a newly elected leader reports before its high watermark has caught up.
+    let mut reading: BTreeMap<i32, Ends> = ends.into_iter().collect();
     while !stop.load(Ordering::Relaxed) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
@@ -120,8 +123,13 @@ pub fn follow(
                     }
                 }
             }
-            Some(Err(RdKafkaError::PartitionEOF(p))) => {
-                if reading.remove(&p) && reading.is_empty() {
+            Some(Err(RdKafkaError::PartitionEOF(p)))
+                if reading
+                    .get(&p)
+                    .is_some_and(|e| read_through(&consumer, &topic, p, e)) =>
+            {
+                reading.remove(&p);
+                if reading.is_empty() {
                     table.set_caught_up();
                     tracing::info!(
                         subscriptions = table.read().len(),
@@ -129,6 +137,7 @@ pub fn follow(
                     );
                 }
             }
+            Some(Err(RdKafkaError::PartitionEOF(_))) => {}
             Some(Err(e)) => tracing::warn!(error = %e, "control topic read error"),
             None => {}
         }
@@ -136,8 +145,31 @@ pub fn follow(
     Ok(())
 }
 
-/// Every partition of the control topic, from the beginning.
-fn start_positions(consumer: &BaseConsumer, topic: &str) -> Result<TopicPartitionList, KafkaError> {
+/// Whether partition `p` has been read up to its end asked for at start-up.
+fn read_through(consumer: &BaseConsumer, topic: &str, p: i32, e: &Ends) -> bool {
+    e.high <= e.low
+        || matches!(
+            consumer
+                .position()
+                .ok()
+                .and_then(|pos| pos.find_partition(topic, p).map(|x| x.offset())),
+            Some(Offset::Offset(o)) if o >= e.high
+        )
+}
+
+/// A control partition's offsets at start-up, as a `read_committed` client is told them (the
+/// end is the last stable offset; asked by ListOffsets, which a leader answers only once its
+/// high watermark is current).
+struct Ends {
+    low: i64,
+    high: i64,
+}
+
+/// Every partition of the control topic, from the beginning, and its ends.
+fn start_positions(
+    consumer: &BaseConsumer,
+    topic: &str,
+) -> Result<(TopicPartitionList, Vec<(i32, Ends)>), KafkaError> {
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
     let parts = md
         .topics()
@@ -150,10 +182,13 @@ fn start_positions(consumer: &BaseConsumer, topic: &str) -> Result<TopicPartitio
         )));
     }
     let mut tpl = TopicPartitionList::new();
+    let mut ends = Vec::new();
     for p in parts {
         tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
+        let (low, high) = consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
+        ends.push((p.id(), Ends { low, high }));
     }
-    Ok(tpl)
+    Ok((tpl, ends))
 }
 
 /// The subscriptions as the API and CLI see them.

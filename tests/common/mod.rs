@@ -476,9 +476,12 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
         for p in md.topics()[0].partitions() {
             tpl.add_partition_offset(t, p.id(), Offset::Beginning)
                 .unwrap();
-            let (_, high) = consumer
-                .fetch_watermarks(t, p.id(), Duration::from_secs(10))
-                .unwrap();
+            // A topic created a moment ago may not have its leader yet.
+            let (_, high) = wait_until(timeout, &format!("the end of {t}/{}", p.id()), || {
+                consumer
+                    .fetch_watermarks(t, p.id(), Duration::from_secs(10))
+                    .ok()
+            });
             ends.push((t.to_string(), p.id(), high));
         }
     }
