@@ -105,15 +105,7 @@ impl Drop for BrokerDown {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_claiming() {
-    let port = cluster_port();
-    let bootstrap = format!(
-        "127.0.0.1:{port},127.0.0.1:{},127.0.0.1:{}",
-        port + 1,
-        port + 2
-    );
-    // SAFETY: this binary has one test; nothing else reads the environment concurrently yet.
-    unsafe { std::env::set_var("TEST_KAFKA_BROKERS", &bootstrap) };
-    require_broker();
+    use_cluster();
     let md = admin()
         .inner()
         .fetch_metadata(None, Duration::from_secs(10))

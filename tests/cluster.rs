@@ -15,12 +15,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 #[tokio::test]
 async fn replicated_topic_survives_its_leader_broker_being_killed() {
-    let port = cluster_port();
-    let bootstrap = format!(
-        "127.0.0.1:{port},127.0.0.1:{},127.0.0.1:{}",
-        port + 1,
-        port + 2
-    );
+    let bootstrap = cluster_bootstrap();
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .create()

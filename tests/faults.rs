@@ -290,15 +290,7 @@ fn supervise(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
-    let port = cluster_port();
-    let bootstrap = format!(
-        "127.0.0.1:{port},127.0.0.1:{},127.0.0.1:{}",
-        port + 1,
-        port + 2
-    );
-    // SAFETY: this binary has one test; nothing else reads the environment concurrently yet.
-    unsafe { std::env::set_var("TEST_KAFKA_BROKERS", &bootstrap) };
-    require_broker();
+    let bootstrap = use_cluster();
 
     let prefix = unique("faults");
     let topic = format!("lerian.streaming.{prefix}");

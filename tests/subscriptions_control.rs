@@ -40,18 +40,23 @@ fn matches(table: &SharedTable, tenant: &str) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test]
-async fn control_topic_drives_the_table_and_skips_garbage() {
+/// A fresh prefix with its topics applied: (prefix, config, codec, control topic).
+async fn fresh_control(tag: &str) -> (String, Config, Arc<Codec>, String) {
     require_broker();
-    let prefix = unique("ctl");
+    let prefix = unique(tag);
     let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
     Topology::load(&config.topology_file, &config)
         .unwrap()
         .apply(&config, false)
         .await
         .unwrap();
-    let codec = Arc::new(Codec::new().unwrap());
     let topic = control::topic(&config);
+    (prefix, config, Arc::new(Codec::new().unwrap()), topic)
+}
+
+#[tokio::test]
+async fn control_topic_drives_the_table_and_skips_garbage() {
+    let (prefix, config, codec, topic) = fresh_control("ctl").await;
 
     // One subscription exists before the reader starts: read at start-up.
     let p = producer();
@@ -175,16 +180,7 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
 /// and the aborted record never shows. Nothing about it rests on a quiet spell of the topic.
 #[tokio::test]
 async fn the_table_catches_up_past_transaction_markers_with_every_committed_record() {
-    require_broker();
-    let prefix = unique("ctlx");
-    let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
-    Topology::load(&config.topology_file, &config)
-        .unwrap()
-        .apply(&config, false)
-        .await
-        .unwrap();
-    let codec = Arc::new(Codec::new().unwrap());
-    let topic = control::topic(&config);
+    let (prefix, config, codec, topic) = fresh_control("ctlx").await;
     let encoded = |r: &SubscriptionRecord| Rec {
         key: Some(r.id.clone().into_bytes()),
         value: Some(codec.encode(RecordKind::Subscription, r).unwrap()),

@@ -730,6 +730,26 @@ pub fn cluster_port() -> u16 {
         .unwrap()
 }
 
+/// The 3-broker cluster's bootstrap list (`TEST_KAFKA_CLUSTER_PORT` and the next two ports).
+pub fn cluster_bootstrap() -> String {
+    let port = cluster_port();
+    format!(
+        "127.0.0.1:{port},127.0.0.1:{},127.0.0.1:{}",
+        port + 1,
+        port + 2
+    )
+}
+
+/// Points the shared helpers (`brokers()`, hubs started after) at the 3-broker cluster, for a
+/// test binary that holds one test: `TEST_KAFKA_BROKERS` is process-wide.
+pub fn use_cluster() -> String {
+    let bootstrap = cluster_bootstrap();
+    // SAFETY: the calling binary has one test; nothing else reads the environment concurrently.
+    unsafe { std::env::set_var("TEST_KAFKA_BROKERS", &bootstrap) };
+    require_broker();
+    bootstrap
+}
+
 /// `scripts/kafka.sh <args>` on the 3-broker cluster (e.g. `kill 2`, `restart-node 2`).
 pub fn cluster_kafka_sh(args: &[&str]) {
     let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
