@@ -154,15 +154,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     );
     let body = json!({"event_types": ["transaction.*"], "retry_schedule": ["1s", "1s", "1s"],
                       "destination": {"type": "webhook", "url": url}});
-    let r = http
-        .post(format!("http://{}/v1/subscriptions", hub.addr()))
-        .bearer_auth(&token)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+    post_subscription(&http, &hub.addr(), &token, &body).await;
 
     // A delivery that works, then one whose first attempt fails: its retry is due in the store
     // when the hub dies.

@@ -363,16 +363,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
             json!({"event_types": ["transaction.*", "account.*"], "destination": {"type": "pull"}}),
         ];
         for (which, body) in ["a", "b", "p"].into_iter().zip(bodies) {
-            let r = http
-                .post(format!("http://{}/v1/subscriptions", hubs[0].addr()))
-                .bearer_auth(token(tenant))
-                .header("content-type", "application/json")
-                .body(body.to_string())
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 201, "{:?}", r.text().await);
-            let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+            let v = post_subscription(&http, &hubs[0].addr(), &token(tenant), &body).await;
             assert_eq!(v["verification_state"], "active", "{v}");
             sub_ids.push((tenant, v["id"].as_str().unwrap().to_string()));
             sub_names.insert(

@@ -108,20 +108,7 @@ async fn get_json(s: &ApiHub, addr: &str, path: &str, token: &str) -> (u16, Valu
 }
 
 async fn post_json(s: &ApiHub, path: &str, token: &str, body: Value) -> (u16, Value) {
-    let r = s
-        .http
-        .post(format!("http://{}{path}", s.hub.addr()))
-        .bearer_auth(token)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (
-        status,
-        serde_json::from_slice(&r.bytes().await.unwrap()).unwrap_or(Value::Null),
-    )
+    post_json_to(&s.http, &s.hub.addr(), path, token, &body).await
 }
 
 fn now_rfc3339() -> String {

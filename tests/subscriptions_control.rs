@@ -56,7 +56,7 @@ async fn fresh_control(tag: &str) -> (String, Config, Arc<Codec>, String) {
 
 #[tokio::test]
 async fn control_topic_drives_the_table_and_skips_garbage() {
-    let (prefix, config, codec, topic) = fresh_control("ctl").await;
+    let (_, config, codec, topic) = fresh_control("ctl").await;
 
     // One subscription exists before the reader starts: read at start-up.
     let p = producer();
