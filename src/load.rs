@@ -10,7 +10,7 @@
 //! row; `all` runs every scenario, measures the machine's limits beside them (raw Kafka
 //! produce→consume and the sink's request rate with the same clients) and draws
 //! `<out>/latency.png` (percentiles against rate).
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -85,6 +85,8 @@ pub struct RunResult {
     pub hub_cpu_s_per_1k: f64,
     pub hub_peak_rss_mib: u64,
     pub kafka_bytes_per_delivery: Option<f64>,
+    /// The same, per topic of the hub (name after the prefix); its values sum to the above.
+    pub kafka_bytes_per_delivery_by_topic: Option<BTreeMap<String, f64>>,
     pub recovery_s: Option<f64>,
 }
 
@@ -192,20 +194,30 @@ fn peak_rss_mib(pid: u32) -> u64 {
         / 1024
 }
 
-/// Bytes on the broker's disk under topics of `prefix` (write amplification).
-fn kafka_bytes(data_dir: &std::path::Path, prefix: &str) -> Option<u64> {
-    let mut total = 0;
+/// Bytes on the broker's disk per topic of `prefix` (write amplification), keyed by the topic's
+/// name after the prefix (`hub.jobs.changelog`, `attempts`, …).
+fn kafka_bytes(data_dir: &std::path::Path, prefix: &str) -> Option<BTreeMap<String, u64>> {
+    let mut by_topic = BTreeMap::new();
     for e in std::fs::read_dir(data_dir).ok()?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(prefix) {
-            for f in std::fs::read_dir(e.path()).ok()?.flatten() {
-                if f.file_name().to_string_lossy().ends_with(".log") {
-                    total += f.metadata().map(|m| m.len()).unwrap_or(0);
-                }
+        // A partition's directory is `<topic>-<partition>`.
+        let Some(topic) = name
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('.'))
+            .and_then(|rest| rest.rsplit_once('-'))
+            .map(|(topic, _)| topic.to_string())
+        else {
+            continue;
+        };
+        let mut bytes = 0;
+        for f in std::fs::read_dir(e.path()).ok()?.flatten() {
+            if f.file_name().to_string_lossy().ends_with(".log") {
+                bytes += f.metadata().map(|m| m.len()).unwrap_or(0);
             }
         }
+        *by_topic.entry(topic).or_insert(0) += bytes;
     }
-    Some(total)
+    Some(by_topic)
 }
 
 struct HubProcess {
@@ -693,12 +705,22 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         }
     };
     let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
-    let kafka_bytes_per_delivery = match (bytes0, bytes1) {
-        (Some(a), Some(b)) if delivered > 0 => {
-            Some((b.saturating_sub(a)) as f64 / delivered as f64)
-        }
+    let kafka_bytes_by_topic = match (bytes0, bytes1) {
+        (Some(a), Some(b)) if delivered > 0 => Some(
+            b.iter()
+                .map(|(t, n)| {
+                    let before = a.get(t).copied().unwrap_or(0);
+                    (
+                        t.clone(),
+                        n.saturating_sub(before) as f64 / delivered as f64,
+                    )
+                })
+                .filter(|(_, per)| *per > 0.0)
+                .collect::<BTreeMap<String, f64>>(),
+        ),
         _ => None,
     };
+    let kafka_bytes_per_delivery = kafka_bytes_by_topic.as_ref().map(|m| m.values().sum());
     Ok(RunResult {
         scenario: spec.name.clone(),
         target_rate: spec.rate,
@@ -721,6 +743,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         },
         hub_peak_rss_mib: rss,
         kafka_bytes_per_delivery,
+        kafka_bytes_per_delivery_by_topic: kafka_bytes_by_topic,
         recovery_s,
     })
 }
