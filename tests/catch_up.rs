@@ -57,15 +57,7 @@ impl Sink {
 }
 
 async fn metric(http: &reqwest::Client, hub: &Hub, name: &str) -> Option<u64> {
-    let text = http
-        .get(format!("http://{}/metrics", hub.addr()))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    Some(metric_sum(&text, name))
+    Some(metric_sum(&hub.metrics_text(http).await.ok()?, name))
 }
 
 /// A broker of the cluster killed for the test; restarted when dropped, also when the test

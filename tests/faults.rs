@@ -817,14 +817,10 @@ async fn explain_stall(
     }
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     for hub in hubs {
-        let metrics = match http
-            .get(format!("http://{}/metrics", hub.addr()))
-            .send()
+        let metrics = hub
+            .metrics_text(&http)
             .await
-        {
-            Ok(r) => r.text().await.unwrap_or_default(),
-            Err(e) => format!("no answer: {e}"),
-        };
+            .unwrap_or_else(|e| format!("no answer: {e}"));
         let gauges: Vec<&str> = metrics
             .lines()
             .filter(|l| !l.starts_with('#'))

@@ -421,6 +421,15 @@ impl Hub {
         self.env["STREAMING_HUB_HTTP_LISTEN_ADDR"].clone()
     }
 
+    /// The hub's `/metrics` page as it is now.
+    pub async fn metrics_text(&self, http: &reqwest::Client) -> reqwest::Result<String> {
+        http.get(format!("http://{}/metrics", self.addr()))
+            .send()
+            .await?
+            .text()
+            .await
+    }
+
     fn wait_ready(&self) {
         let addr = self.addr();
         let log = self.log.clone();
@@ -696,14 +705,7 @@ impl ApiHub {
 
     /// The hub's `/metrics` page as it is now.
     pub async fn metrics_text(&self) -> String {
-        self.http
-            .get(format!("http://{}/metrics", self.hub.addr()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        self.hub.metrics_text(&self.http).await.unwrap()
     }
 
     pub async fn wait_metric(&self, name: &str, at_least: u64) {
