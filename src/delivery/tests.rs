@@ -427,3 +427,61 @@ async fn sequential_requests_to_one_host_reuse_the_connection() {
     assert_eq!(peers.len(), 3);
     assert!(peers.iter().all(|p| *p == peers[0]), "{peers:?}");
 }
+
+/// A connection is kept for every worker: two bursts of 64 requests in flight at once (the default
+/// worker count) go over the same connections. With 32 kept idle, as before, the second burst
+/// opened 32 new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_as_wide_as_the_workers_reuses_its_connections() {
+    const WIDTH: usize = 64;
+    let all_in = Arc::new(tokio::sync::Barrier::new(WIDTH));
+    let sink = Sink::start(move |body: Bytes| {
+        let all_in = all_in.clone();
+        async move {
+            // Every request of a burst is held until all of them are in: 64 connections at once.
+            all_in.wait().await;
+            body.into_response()
+        }
+    })
+    .await;
+    let config = Config::from_vars([
+        (
+            "STREAMING_HUB_ALLOW_PRIVATE_SINKS".to_string(),
+            "true".to_string(),
+        ),
+        (
+            "STREAMING_HUB_DISPATCH_WORKERS".to_string(),
+            WIDTH.to_string(),
+        ),
+    ])
+    .unwrap();
+    let client = build_client(&config).unwrap();
+    for _ in 0..2 {
+        let burst: Vec<_> = (0..WIDTH)
+            .map(|_| {
+                let (client, url) = (client.clone(), sink.url());
+                tokio::spawn(async move {
+                    let resp = client.post(url).body("x").send().await.unwrap();
+                    read_capped(resp, 1024).await.unwrap();
+                })
+            })
+            .collect();
+        for request in burst {
+            request.await.unwrap();
+        }
+    }
+    let peers: Vec<SocketAddr> = sink.seen().iter().map(|s| s.peer).collect();
+    assert_eq!(peers.len(), 2 * WIDTH);
+    // A request is recorded when it arrives, and the second burst starts after the first ended.
+    let first: std::collections::HashSet<SocketAddr> = peers[..WIDTH].iter().copied().collect();
+    assert_eq!(
+        first.len(),
+        WIDTH,
+        "the first burst holds 64 connections at once"
+    );
+    let opened_again = peers[WIDTH..].iter().filter(|p| !first.contains(p)).count();
+    assert!(
+        opened_again < WIDTH / 2,
+        "the second burst opened {opened_again} new connections; the pool kept too few"
+    );
+}
