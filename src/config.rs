@@ -427,6 +427,7 @@ settings! {
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
     /// Concurrent delivery attempts per instance. A tenant gets at least 4x this of the claims.
+    /// Also the idle keep-alive connections kept per destination host (at least 32).
     dispatch_workers: usize = "64";
     /// Attempts claimed ahead of the workers (each holds its payload in memory until it ends);
     /// `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the workers.
