@@ -19,6 +19,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
+use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
 
 use crate::config::Config;
@@ -245,7 +246,7 @@ impl Forensics {
         stop: Arc<AtomicBool>,
     ) -> Result<(), kafka::KafkaError> {
         let group = format!("{}-{}", config.dlq_group(), config.instance());
-        let consumer: BaseConsumer = kafka::base(config)
+        let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(config)
             .set("group.id", &group)
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
@@ -254,7 +255,7 @@ impl Forensics {
                 "topic.metadata.refresh.interval.ms",
                 config.follow_refresh_interval.as_millis().to_string(),
             )
-            .create()
+            .create_with_context(kafka::ReaderContext)
             .map_err(|e| kafka::KafkaError::Setup(e.to_string()))?;
         let quarantine = format!("{}.quarantine", config.topic_prefix);
         let dead = format!("{}.dlq", config.topic_prefix);
@@ -274,6 +275,13 @@ impl Forensics {
                         Kind::ProducerDlq
                     };
                     self.add(kind, &m, &codec);
+                }
+                // No producer has a DLQ topic yet: the pattern matches nothing, which is normal.
+                Some(Err(e))
+                    if e.rdkafka_error_code()
+                        == Some(RDKafkaErrorCode::UnknownTopicOrPartition) =>
+                {
+                    tracing::debug!(error = %e, "forensics: a followed topic does not exist yet")
                 }
                 Some(Err(e)) => tracing::warn!(error = %e, "forensics consumer error"),
             }

@@ -217,6 +217,39 @@ where
     }
 }
 
+/// The context of a reader whose normal course makes librdkafka report "errors": the end of a
+/// partition (`enable.partition.eof`, the control-topic reader's caught-up signal) and a pattern
+/// subscription that matches no topic yet (the forensics reader's producers' DLQs). rdkafka's
+/// default context logs each at ERROR on every start; this one logs those two at DEBUG and
+/// everything else at ERROR, as before.
+#[derive(Default)]
+pub struct ReaderContext;
+
+impl ReaderContext {
+    /// Whether librdkafka's error is part of a reader's normal course (see the type's doc).
+    pub fn is_expected(error: &rdkafka::error::KafkaError, reason: &str) -> bool {
+        match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::PartitionEOF) => true,
+            Some(RDKafkaErrorCode::UnknownTopicOrPartition) => {
+                reason.starts_with("Subscribed topic not available: ^")
+            }
+            _ => false,
+        }
+    }
+}
+
+impl rdkafka::ClientContext for ReaderContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        if ReaderContext::is_expected(&error, reason) {
+            tracing::debug!(error = %error, reason, "librdkafka");
+        } else {
+            tracing::error!("librdkafka: {error}: {reason}");
+        }
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
+
 /// What librdkafka reported last for a client (its error callback runs when the client is polled).
 #[derive(Default)]
 struct ErrorTrap(std::sync::Mutex<Option<(Option<RDKafkaErrorCode>, String)>>);

@@ -54,7 +54,7 @@ pub fn follow(
     stop: Arc<AtomicBool>,
 ) -> Result<(), KafkaError> {
     let topic = topic(config);
-    let consumer: BaseConsumer = kafka::base(config)
+    let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(config)
         .set("group.id", format!("{}.control", config.group_id))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
@@ -63,7 +63,7 @@ pub fn follow(
         .set("enable.partition.eof", "true")
         .set("auto.offset.reset", "earliest")
         .set("fetch.wait.max.ms", "50")
-        .create()
+        .create_with_context(kafka::ReaderContext)
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
     // The topic may have been created a moment ago: wait until its partitions and ends are known.
     let (tpl, ends) = loop {
@@ -146,7 +146,12 @@ pub fn follow(
 }
 
 /// Whether partition `p` has been read up to its end asked for at start-up.
-fn read_through(consumer: &BaseConsumer, topic: &str, p: i32, e: &Ends) -> bool {
+fn read_through(
+    consumer: &BaseConsumer<kafka::ReaderContext>,
+    topic: &str,
+    p: i32,
+    e: &Ends,
+) -> bool {
     e.high <= e.low
         || matches!(
             consumer
@@ -167,7 +172,7 @@ struct Ends {
 
 /// Every partition of the control topic, from the beginning, and its ends.
 fn start_positions(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
 ) -> Result<(TopicPartitionList, Vec<(i32, Ends)>), KafkaError> {
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
