@@ -19,7 +19,6 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
-use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
 
 use crate::config::Config;
@@ -275,13 +274,6 @@ impl Forensics {
                         Kind::ProducerDlq
                     };
                     self.add(kind, &m, &codec);
-                }
-                // No producer has a DLQ topic yet: the pattern matches nothing, which is normal.
-                Some(Err(e))
-                    if e.rdkafka_error_code()
-                        == Some(RDKafkaErrorCode::UnknownTopicOrPartition) =>
-                {
-                    tracing::debug!(error = %e, "forensics: a followed topic does not exist yet")
                 }
                 Some(Err(e)) => tracing::warn!(error = %e, "forensics consumer error"),
             }
