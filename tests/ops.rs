@@ -257,6 +257,19 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     let headers = limited.expect("the pull rate limit answered 429");
     let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
     assert!(retry >= 1);
+    // Reads reached the end of inbox partitions: normal, so not logged as an error.
+    assert_no_eof_errors(&s.hub.log_text());
+    assert_no_eof_errors(&other.log_text());
+}
+
+/// The readers that stop at a partition's end (pull, redelivery) see it as a librdkafka "error";
+/// it must not reach the log as an ERROR line (rdkafka's default context logged one per end).
+fn assert_no_eof_errors(log: &str) {
+    let eof: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" ERROR ") && l.contains("PartitionEOF"))
+        .collect();
+    assert!(eof.is_empty(), "end of partition logged as ERROR: {eof:#?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,6 +426,7 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
         a_before,
         "replay of B never reaches A"
     );
+    assert_no_eof_errors(&s.hub.log_text());
 }
 
 /// Runs a future to completion from synchronous test code (inside `wait_until`).

@@ -76,6 +76,11 @@ impl ClientContext for IngestContext {
     fn stats_raw(&self, statistics: &[u8]) {
         crate::runtime::telemetry::lag_from_stats("ingest", statistics);
     }
+
+    /// A follow pattern that matches no topic yet is normal (no producer has written one).
+    fn error(&self, error: RdKafkaError, reason: &str) {
+        kafka::log_client_error(error, reason);
+    }
 }
 
 impl ConsumerContext for IngestContext {

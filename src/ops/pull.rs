@@ -127,13 +127,13 @@ impl PullReader {
         limit: usize,
     ) -> Result<EventPage, PullError> {
         let k = |e: RdKafkaError| PullError::Kafka(e.to_string());
-        let consumer: BaseConsumer = kafka::base(&self.config)
+        let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(&self.config)
             .set("group.id", format!("{}.pull-reader", self.config.group_id))
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "true")
             .set("fetch.wait.max.ms", "50")
-            .create()
+            .create_with_context(kafka::ReaderContext)
             .map_err(k)?;
         let metadata = consumer
             .fetch_metadata(Some(&self.topic), TIMEOUT)

@@ -97,13 +97,13 @@ impl Redeliverer {
         })
     }
 
-    fn consumer(&self) -> Result<BaseConsumer, RedeliverError> {
+    fn consumer(&self) -> Result<BaseConsumer<kafka::ReaderContext>, RedeliverError> {
         kafka::base(&self.config)
             .set("group.id", format!("{}.ops-reader", self.config.group_id))
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "true")
-            .create()
+            .create_with_context(kafka::ReaderContext)
             .map_err(k)
     }
 
@@ -360,7 +360,7 @@ fn owned_headers(m: &impl Message) -> Vec<(String, Option<Vec<u8>>)> {
 /// For each partition of `topic`: the offsets of the first record at or after `from_ms` and of the
 /// first at or after `to_ms` (the high watermark when none), as half-open ranges; empty ones left out.
 fn ranges_for_times(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
     from_ms: i64,
     to_ms: i64,
@@ -404,7 +404,7 @@ fn ranges_for_times(
 
 /// Reads each `(partition, start, end)` range of `topic`, calling `f` for each record.
 fn scan(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
     ranges: &[(i32, i64, i64)],
     mut f: impl FnMut(&rdkafka::message::BorrowedMessage<'_>) -> Result<(), RedeliverError>,

@@ -218,8 +218,9 @@ where
 }
 
 /// The context of a reader whose normal course makes librdkafka report "errors": the end of a
-/// partition (`enable.partition.eof`, the control-topic reader's caught-up signal) and a pattern
-/// subscription that matches no topic yet (the forensics reader's producers' DLQs). rdkafka's
+/// partition (`enable.partition.eof`: the control-topic reader's caught-up signal, the pull and
+/// redelivery readers' "nothing more") and a pattern subscription that matches no topic yet (the
+/// forensics reader's producers' DLQs, ingest's follow pattern). rdkafka's
 /// default context logs each at ERROR on every start; this one logs those two at DEBUG and
 /// everything else at ERROR, as before.
 #[derive(Default)]
@@ -240,11 +241,17 @@ impl ReaderContext {
 
 impl rdkafka::ClientContext for ReaderContext {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
-        if ReaderContext::is_expected(&error, reason) {
-            tracing::debug!(error = %error, reason, "librdkafka");
-        } else {
-            tracing::error!("librdkafka: {error}: {reason}");
-        }
+        log_client_error(error, reason);
+    }
+}
+
+/// What a client context's `error` callback does: the errors of a reader's normal course
+/// ([`ReaderContext::is_expected`]) at DEBUG, every other one at ERROR.
+pub fn log_client_error(error: rdkafka::error::KafkaError, reason: &str) {
+    if ReaderContext::is_expected(&error, reason) {
+        tracing::debug!(error = %error, reason, "librdkafka");
+    } else {
+        tracing::error!("librdkafka: {error}: {reason}");
     }
 }
 
