@@ -38,6 +38,7 @@ pub const POOL_MAX_IDLE_PER_HOST: usize = 32;
 pub fn pool_max_idle_per_host(config: &Config) -> usize {
     config.dispatch_workers.max(POOL_MAX_IDLE_PER_HOST)
 }
+
 /// How long an idle pooled connection is kept.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// TCP keep-alive probes on pooled connections, so dead peers are noticed.

@@ -220,10 +220,8 @@ where
 /// The context of a reader whose normal course makes librdkafka report "errors": the end of a
 /// partition (`enable.partition.eof`: the control-topic reader's caught-up signal, the pull and
 /// redelivery readers' "nothing more") and a pattern subscription that matches no topic yet (the
-/// forensics reader's producers' DLQs, ingest's follow pattern). rdkafka's
-/// default context logs each at ERROR on every start; this one logs those two at DEBUG and
-/// everything else at ERROR, as before.
-#[derive(Default)]
+/// forensics reader's producers' DLQs, ingest's follow pattern). rdkafka's default context logs
+/// each at ERROR; this one logs those two at DEBUG and everything else at ERROR, as before.
 pub struct ReaderContext;
 
 impl ReaderContext {
