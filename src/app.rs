@@ -43,8 +43,16 @@ pub enum AppError {
 }
 
 pub fn init_tracing(config: &Config) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&config.log)
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&config.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if config.kafka_debug.is_some() {
+        // Asked for: shown whatever the filter says about other targets.
+        filter = filter.add_directive(
+            "librdkafka=debug"
+                .parse()
+                .expect("a constant directive parses"),
+        );
+    }
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -16,6 +16,31 @@ use crate::runtime::secret::Secret;
 
 pub const PREFIX: &str = "STREAMING_HUB_";
 pub const CONFIG_FILE_VAR: &str = "STREAMING_HUB_CONFIG_FILE";
+/// librdkafka's debug contexts (`STREAMING_HUB_KAFKA_DEBUG`), as librdkafka 2.12 names them.
+pub const KAFKA_DEBUG_CONTEXTS: &[&str] = &[
+    "generic",
+    "broker",
+    "topic",
+    "metadata",
+    "feature",
+    "queue",
+    "msg",
+    "protocol",
+    "cgrp",
+    "security",
+    "fetch",
+    "interceptor",
+    "plugin",
+    "consumer",
+    "admin",
+    "eos",
+    "mock",
+    "assignor",
+    "conf",
+    "telemetry",
+    "all",
+];
+
 /// Most hub loops one instance runs (`STREAMING_HUB_HUB_STAGES`).
 pub const MAX_HUB_STAGES: usize = 8;
 
@@ -203,6 +228,9 @@ macro_rules! upper {
     (kafka_ssl_key_password) => {
         "KAFKA_SSL_KEY_PASSWORD"
     };
+    (kafka_debug) => {
+        "KAFKA_DEBUG"
+    };
     (topic_prefix) => {
         "TOPIC_PREFIX"
     };
@@ -356,6 +384,11 @@ settings! {
     kafka_ssl_key_location: Option<String> = "";
     /// Password of the client private key (secret).
     kafka_ssl_key_password: Secret = "";
+    /// librdkafka debug contexts for every Kafka client of the hub, comma separated (e.g.
+    /// `eos,protocol`: each transaction's requests and their round trips; `cgrp`: group
+    /// membership). Their lines are logged at DEBUG under the target `librdkafka`, shown whatever
+    /// `STREAMING_HUB_LOG` says. Empty = none. Verbose: for a diagnosis, not for everyday use.
+    kafka_debug: Option<String> = "";
     /// Prefix of every topic the hub owns (`<prefix>.inbox`, …); letters, digits, `.`, `_`, `-`.
     topic_prefix: String = "streaming-hub";
     /// The topology file: the hub's topics and their settings.
@@ -572,6 +605,21 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if let Some(debug) = &self.kafka_debug {
+            if let Some(bad) = debug
+                .split(',')
+                .map(str::trim)
+                .find(|c| !KAFKA_DEBUG_CONTEXTS.contains(c))
+            {
+                return Err(invalid(
+                    "STREAMING_HUB_KAFKA_DEBUG",
+                    &format!(
+                        "{bad:?} is not a librdkafka debug context (one of {})",
+                        KAFKA_DEBUG_CONTEXTS.join(", ")
+                    ),
+                ));
+            }
+        }
         match self.kafka_security_protocol.as_str() {
             "plaintext" | "ssl" => {}
             "sasl_plaintext" | "sasl_ssl" => {
@@ -772,6 +820,20 @@ mod tests {
         assert!(
             e.to_string()
                 .starts_with("STREAMING_HUB_KAFKA_SASL_USERNAME is required"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kafka_debug_takes_librdkafka_contexts_only() {
+        let c = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_DEBUG", "eos, protocol")])).unwrap();
+        assert_eq!(c.kafka_debug.as_deref(), Some("eos, protocol"));
+        assert!(Config::from_vars(vars(&[])).unwrap().kafka_debug.is_none());
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_DEBUG", "eos,txn")])).unwrap_err();
+        assert!(
+            e.to_string().starts_with("STREAMING_HUB_KAFKA_DEBUG")
+                && e.to_string()
+                    .contains("\"txn\" is not a librdkafka debug context"),
             "{e}"
         );
     }

@@ -632,3 +632,43 @@ async fn ingest_and_delivery_roles_run_apart_and_together_deliver() {
     );
     assert!(text.contains("streaming_hub_breakers_open"), "{text}");
 }
+
+/// `STREAMING_HUB_KAFKA_DEBUG` turns librdkafka's debug output on for the hub's Kafka clients and
+/// lets it through the log filter by itself: with the filter at `warn`, the transactional
+/// producers' `eos` lines (their `init_transactions` at start) reach the log, and the filter
+/// still holds for everything else. A hub without the setting, at `debug`, logs no such line:
+/// the setting, not the filter, is what turns them on.
+#[test]
+fn kafka_debug_shows_librdkafka_lines_whatever_the_log_filter() {
+    require_broker();
+    let eos_line = |log: &str| {
+        log.lines()
+            .any(|l| l.contains("librdkafka: TXNAPI") && l.contains("init_transactions"))
+    };
+    let prefix = unique("kafka-debug");
+    let mut env = hub_env(&prefix, "^unused$");
+    env.insert("STREAMING_HUB_LOG".into(), "warn".into());
+    env.insert("STREAMING_HUB_KAFKA_DEBUG".into(), "eos".into());
+    let mut hub = Hub::start(&env);
+    wait_until(Duration::from_secs(60), "librdkafka's eos lines", || {
+        eos_line(&hub.log_text()).then_some(())
+    });
+    hub.terminate();
+    let log = hub.log_text();
+    assert!(
+        !log.lines().any(|l| l.contains(" INFO ")),
+        "the filter still holds for the hub's own lines"
+    );
+
+    let mut env = hub_env(&unique("kafka-debug-off"), "^unused$");
+    env.insert("STREAMING_HUB_LOG".into(), "debug".into());
+    let mut hub = Hub::start(&env);
+    wait_until(Duration::from_secs(60), "the hub's own debug lines", || {
+        hub.log_text().contains(" DEBUG ").then_some(())
+    });
+    hub.terminate();
+    assert!(
+        !eos_line(&hub.log_text()),
+        "librdkafka's debug output is off unless asked for"
+    );
+}

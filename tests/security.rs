@@ -285,6 +285,11 @@ async fn hub_delivers_through(listener: &Listener, tag: &str) {
     let mut env = api_hub_env(&prefix, &topic);
     listener.hub_settings(&mut env);
     env.insert("STREAMING_HUB_LOG".into(), "debug".into());
+    // librdkafka's own debug output too, with its configuration dump and the SASL handshake.
+    env.insert(
+        "STREAMING_HUB_KAFKA_DEBUG".into(),
+        "conf,security,broker".into(),
+    );
     let api = ApiHub {
         prefix,
         topic: topic.clone(),
@@ -310,6 +315,10 @@ async fn hub_delivers_through(listener: &Listener, tag: &str) {
     assert_eq!(d.body, ev.value.clone().unwrap());
     let log = api.hub.log_text();
     assert!(log.contains("DEBUG"), "the log really was at debug level");
+    assert!(
+        log.contains("librdkafka: CONF") && log.contains("sasl.password = [redacted]"),
+        "librdkafka's configuration dump is in the log, its SASL password redacted"
+    );
     assert!(
         !log.contains(&listener.password),
         "the SASL password is in the log"

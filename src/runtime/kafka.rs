@@ -70,8 +70,18 @@ pub fn base(config: &Config) -> ClientConfig {
     if !config.kafka_ssl_key_password.is_empty() {
         c.set("ssl.key.password", config.kafka_ssl_key_password.expose());
     }
-    // librdkafka logs through the `log` facade otherwise; its own level is enough.
-    c.set_log_level(rdkafka::config::RDKafkaLogLevel::Warning);
+    match &config.kafka_debug {
+        // librdkafka logs through the `log` facade (target `librdkafka`), which `init_tracing`
+        // lets through at DEBUG when this is set.
+        Some(contexts) => {
+            c.set("debug", contexts.replace(' ', ""));
+            c.set_log_level(rdkafka::config::RDKafkaLogLevel::Debug);
+        }
+        // Its own level is enough otherwise.
+        None => {
+            c.set_log_level(rdkafka::config::RDKafkaLogLevel::Warning);
+        }
+    }
     c
 }
 
