@@ -12,9 +12,10 @@ use common::*;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
+use streaming_hub::dispatch::jobs::JOBS;
 use streaming_hub::hub::dedup::DEDUP;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::DedupEntry;
+use streaming_hub::runtime::records::{DedupEntry, SequenceRecord};
 use streaming_hub::runtime::store::Store;
 
 /// Latest value and offset per (partition, key) of a changelog.
@@ -92,15 +93,17 @@ impl Run {
         });
     }
 
-    /// The dedup changelog, read committed: latest value per (partition, key) with its offset.
+    /// The dedup store's records on the state changelog (the jobs changelog, keys `d/` + the
+    /// store key), read committed: latest value per (partition, store key) with its offset.
     fn changelog(&self) -> ChangelogState {
-        let topic = format!("{}.hub.dedup.changelog", self.prefix);
+        let topic = format!("{}.hub.jobs.changelog", self.prefix);
         let mut state = BTreeMap::new();
         for g in read_all(&[&topic], Duration::from_secs(120)) {
-            state.insert(
-                (g.partition, g.rec.key.clone().unwrap()),
-                (g.rec.value.clone(), g.offset),
-            );
+            let key = g.rec.key.clone().unwrap();
+            let Some(key) = key.strip_prefix(b"d/") else {
+                continue;
+            };
+            state.insert((g.partition, key.to_vec()), (g.rec.value.clone(), g.offset));
         }
         state
     }
@@ -168,7 +171,7 @@ fn check_stores_match_changelog(
                 .parse()
                 .unwrap();
             let store = Store::open(&path, &streaming_hub::hub::task::FAMILIES).unwrap();
-            let Some(upto) = store.changelog_offset(DEDUP).unwrap() else {
+            let Some(upto) = store.changelog_offset(JOBS).unwrap() else {
                 continue;
             };
             // The changelog's state of partition p as of `upto`, compared key by key.
@@ -324,4 +327,107 @@ async fn restore_from_an_empty_state_dir_rebuilds_stores_from_changelogs() {
         "restored {restored} records, changelog had {}",
         before.len()
     );
+}
+
+/// Stores written by an earlier version, with a changelog per store, are still restored: the old
+/// dedup and sequence changelogs first, then the state changelog (the jobs changelog, which now
+/// carries all three stores), whose records are the newer ones. An earlier version saw event
+/// of `tenant-legacy` and gave out its sequence numbers up to 40: a copy of that event
+/// is a duplicate, and the tenant's next events get 41, then (after a second restore from
+/// nothing) 42. Had the old sequence changelog been read after the state changelog, the second
+/// restore would have handed out 41 again.
+#[tokio::test]
+async fn restore_reads_an_earlier_versions_changelogs_before_the_state_changelog() {
+    let run = Run::new("legacy").await;
+    let state = tempfile::tempdir().unwrap();
+    let env = run.env(1, state.path());
+    // The first start creates the topics; nothing is written for tenant-legacy.
+    let mut hub = Hub::start(&env);
+    hub.terminate();
+    let _ = std::fs::remove_dir_all(state.path().join(&run.prefix));
+
+    let tenant = "tenant-legacy";
+    let [legacy_id, new_1, new_2] = [(); 3].map(|_| uuid::Uuid::now_v7().hyphenated().to_string());
+    let codec = Codec::new().unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    // What the earlier version left, in every partition (whichever the tenant's is).
+    let mut legacy_dedup = Vec::new();
+    let mut legacy_sequence = Vec::new();
+    for p in 0..6 {
+        let entry = DedupEntry {
+            tenant_id: tenant.into(),
+            ce_id: legacy_id.clone(),
+            inbox_partition: p,
+            first_offset: 1_000_000,
+            sequence: 40,
+            expires_at: now_ms + 86_400_000,
+        };
+        legacy_dedup.push(Rec {
+            key: Some(streaming_hub::hub::dedup::dedup_key(tenant, &legacy_id)),
+            value: Some(codec.encode(RecordKind::DedupEntry, &entry).unwrap()),
+            partition: Some(p),
+            ..Default::default()
+        });
+        let seq = SequenceRecord {
+            tenant_id: tenant.into(),
+            next_sequence: 41,
+        };
+        legacy_sequence.push(Rec {
+            key: Some(tenant.as_bytes().to_vec()),
+            value: Some(codec.encode(RecordKind::Sequence, &seq).unwrap()),
+            partition: Some(p),
+            ..Default::default()
+        });
+    }
+    let p = producer();
+    produce(
+        &p,
+        &format!("{}.hub.dedup.changelog", run.prefix),
+        &legacy_dedup,
+    );
+    produce(
+        &p,
+        &format!("{}.hub.sequence.changelog", run.prefix),
+        &legacy_sequence,
+    );
+
+    let with_id = |id: &str| {
+        let mut r = event(tenant, "ledger", "transaction", "posted");
+        r = r.set("ce-id", Some(id.as_bytes()));
+        r.key = Some(tenant.as_bytes().to_vec());
+        r
+    };
+    let mut hub = Hub::start(&env);
+    produce(&p, &run.topic, &[with_id(&legacy_id), with_id(&new_1)]);
+    run.wait_caught_up(Duration::from_secs(120));
+    hub.terminate();
+
+    std::fs::remove_dir_all(state.path().join(&run.prefix)).unwrap();
+    let mut hub = Hub::start(&env);
+    produce(&p, &run.topic, &[with_id(&new_2)]);
+    run.wait_caught_up(Duration::from_secs(120));
+    hub.terminate();
+
+    let sequence_of = |id: &str| -> Option<u64> {
+        let key = streaming_hub::hub::dedup::dedup_key(tenant, id);
+        run.changelog()
+            .into_iter()
+            .find(|((_, k), _)| *k == key)
+            .map(|(_, (v, _))| {
+                codec
+                    .decode::<DedupEntry>(RecordKind::DedupEntry, &v.unwrap())
+                    .unwrap()
+                    .sequence
+            })
+    };
+    assert_eq!(
+        sequence_of(&legacy_id),
+        None,
+        "the copy of an event the earlier version saw was a duplicate: nothing written"
+    );
+    assert_eq!(sequence_of(&new_1), Some(41));
+    assert_eq!(sequence_of(&new_2), Some(42));
 }

@@ -1,7 +1,8 @@
 //! Jobs, payloads and timers, in the hub task's store; claims and outcomes, in its transaction.
 //!
-//! Layout (family `jobs`, changelogged to `<prefix>.hub.jobs.changelog`; keys are the changelog
-//! keys): `j/<tenant>\0<ce-id>\0<subscription id>` → Avro job (attempt, due time, lease, reclaims,
+//! Layout (family `jobs`, changelogged to `<prefix>.hub.jobs.changelog`, the hub task's state
+//! changelog, which also carries the dedup and sequence stores behind `d/` and `s/`; keys are the
+//! changelog keys): `j/<tenant>\0<ce-id>\0<subscription id>` → Avro job (attempt, due time, lease, reclaims,
 //! last outcome); `p/<tenant>\0<ce-id>` → Avro payload (headers and value, stored once per event,
 //! with the number of jobs still holding it). Family `due` (local, rebuilt on restore):
 //! `<tenant>\0<due_at big-endian>\0<job key>` → empty: each tenant's jobs in due order, so the

@@ -11,7 +11,8 @@
 //! per event. An expired entry not yet purged counts as absent.
 //!
 //! Keys: dedup = `tenant 0x00 ce-id` (a tenant id cannot contain NUL: ingest quarantines control
-//! characters); sequence = `tenant`.
+//! characters); sequence = `tenant`. On the state changelog (the jobs changelog) they are written
+//! behind `d/` and `s/` (see `hub::task`).
 use crate::runtime::records::DedupEntry;
 
 /// The store families of this module.

@@ -40,6 +40,32 @@ use crate::subscriptions::table::SharedTable;
 
 /// The stores backed by a changelog (`dedup_expiry` is a local index rebuilt on restore).
 const CHANGELOGGED: [&str; 3] = [DEDUP, SEQUENCE, JOBS];
+/// Where the dedup and sequence stores' records go on the one state changelog (the jobs
+/// changelog, whose own keys start `j/`, `p/` or `h/`): the store key behind this prefix.
+///
+/// One changelog for all three stores, because the broker checks each partition a transaction
+/// writes with the transaction coordinator before it appends (KIP-890, on by default): with a
+/// changelog per store, a hub transaction wrote 24 partitions (dedup, sequence, jobs, attempts)
+/// and that check was half the light-load latency (BENCHMARKS.md, session 13). The dedup and
+/// sequence changelogs of earlier versions are still read at restore, before this one.
+const DEDUP_ON_STATE_CHANGELOG: &[u8] = b"d/";
+const SEQUENCE_ON_STATE_CHANGELOG: &[u8] = b"s/";
+
+/// A dedup or sequence store key as it is written to the state changelog.
+fn on_state_changelog(prefix: &[u8], key: &[u8]) -> Vec<u8> {
+    [prefix, key].concat()
+}
+
+/// The store family and store key of a state changelog record's key.
+fn from_state_changelog(key: &[u8]) -> (&'static str, &[u8]) {
+    if let Some(k) = key.strip_prefix(DEDUP_ON_STATE_CHANGELOG) {
+        (DEDUP, k)
+    } else if let Some(k) = key.strip_prefix(SEQUENCE_ON_STATE_CHANGELOG) {
+        (SEQUENCE, k)
+    } else {
+        (JOBS, key)
+    }
+}
 /// Every store family of a hub task (open a task's RocksDB with all of them).
 pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -231,6 +257,9 @@ struct Env {
 }
 
 impl Env {
+    /// The changelog a family is restored from and its store offset counts in: the jobs family's
+    /// is the state changelog, written for all three families; dedup's and sequence's are the
+    /// ones earlier versions wrote, only read (see `DEDUP_ON_STATE_CHANGELOG`).
     fn changelog_of(&self, family: &str) -> &str {
         match family {
             DEDUP => &self.dedup_changelog,
@@ -469,29 +498,40 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
     }
     let mut tenants: Vec<std::collections::BTreeSet<String>> =
         vec![Default::default(); tasks.len()];
-    let plain: Vec<changelog::RestoreSpec> = specs.iter().map(|s| s.2.clone()).collect();
-    let stats = changelog::restore(&env.config, &plain, |i, records| {
-        let (task_index, family, _) = &specs[i];
-        let store = &tasks[*task_index].1.store;
-        let mut staged = Staged::default();
-        for (key, value, _) in records {
-            if let Some(t) = restore_one(store, &env.codec, &mut staged, family, key, *value)? {
-                tenants[*task_index].insert(t);
+    // The dedup and sequence changelogs of earlier versions first, then the state changelog:
+    // its records are newer than theirs for the same key (an entry written again after it
+    // expired, a purge's tombstone). Once a store holds their ends, they add nothing.
+    let (mut records, mut took) = (0, Duration::ZERO);
+    for legacy in [true, false] {
+        let pass: Vec<usize> = (0..specs.len())
+            .filter(|&i| (specs[i].1 != JOBS) == legacy)
+            .collect();
+        let plain: Vec<changelog::RestoreSpec> = pass.iter().map(|&i| specs[i].2.clone()).collect();
+        let stats = changelog::restore(&env.config, &plain, |j, records| {
+            let (task_index, family, _) = &specs[pass[j]];
+            let store = &tasks[*task_index].1.store;
+            let mut staged = Staged::default();
+            for (key, value, _) in records {
+                if let Some(t) = restore_one(store, &env.codec, &mut staged, family, key, *value)? {
+                    tenants[*task_index].insert(t);
+                }
             }
-        }
-        let last = records.last().map(|r| r.2).unwrap_or_default();
-        store
-            .apply(staged, &[(family, last)])
-            .map_err(|e| e.to_string())
-    })
-    .map_err(|e| HubError::Restore {
-        partition: partitions.first().copied().unwrap_or(-1),
-        why: e.to_string(),
-    })?;
+            let last = records.last().map(|r| r.2).unwrap_or_default();
+            store
+                .apply(staged, &[(family, last)])
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|e| HubError::Restore {
+            partition: partitions.first().copied().unwrap_or(-1),
+            why: e.to_string(),
+        })?;
+        records += stats.records;
+        took += stats.took;
+    }
     Restored {
         partitions: partitions.len(),
-        records: stats.records,
-        took: stats.took,
+        records,
+        took,
     }
     .emit();
     for (i, (_, task)) in tasks.iter_mut().enumerate() {
@@ -509,7 +549,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             task.ring.add(&t);
         }
     }
-    Ok((tasks, stats.records))
+    Ok((tasks, records))
 }
 
 /// Opens and restores the stores of `partitions`, then closes them; returns the records read.
@@ -537,6 +577,10 @@ fn restore_one(
     key: &[u8],
     value: Option<&[u8]>,
 ) -> Result<Option<String>, String> {
+    let (family, key) = match family {
+        JOBS => from_state_changelog(key),
+        legacy => (legacy, key),
+    };
     let mut tenant = None;
     if family == JOBS && key.starts_with(b"j/") {
         if let Some(old) = staged.read(store, JOBS, key).map_err(|e| e.to_string())? {
@@ -1153,7 +1197,12 @@ impl HubStage {
                             .codec
                             .encode(RecordKind::DedupEntry, &entry)
                             .map_err(|e| HubError::Codec(e.to_string()))?;
-                        outputs.send(&env.dedup_changelog, Some(p), &key, Some(&bytes))?;
+                        outputs.send(
+                            &env.jobs_changelog,
+                            Some(p),
+                            &on_state_changelog(DEDUP_ON_STATE_CHANGELOG, &key),
+                            Some(&bytes),
+                        )?;
                         st.put(
                             DEDUP_EXPIRY,
                             dedup::expiry_key(entry.expires_at, &key),
@@ -1206,9 +1255,9 @@ impl HubStage {
                 .encode(RecordKind::Sequence, &rec)
                 .map_err(|e| HubError::Codec(e.to_string()))?;
             outputs.send(
-                &env.sequence_changelog,
+                &env.jobs_changelog,
                 Some(p),
-                tenant.as_bytes(),
+                &on_state_changelog(SEQUENCE_ON_STATE_CHANGELOG, tenant.as_bytes()),
                 Some(&bytes),
             )?;
             staged
@@ -1760,7 +1809,12 @@ fn purge_expired(
             })
             .is_some_and(|e| e.expires_at == expires_at);
         if still {
-            out.send(&env.dedup_changelog, Some(partition), key, None)?;
+            out.send(
+                &env.jobs_changelog,
+                Some(partition),
+                &on_state_changelog(DEDUP_ON_STATE_CHANGELOG, key),
+                None,
+            )?;
             st.delete(DEDUP, key.to_vec());
             telemetry::DedupExpired { partition }.emit();
         }
