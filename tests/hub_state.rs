@@ -403,6 +403,16 @@ async fn restore_reads_an_earlier_versions_changelogs_before_the_state_changelog
     let mut hub = Hub::start(&env);
     produce(&p, &run.topic, &[with_id(&legacy_id), with_id(&new_1)]);
     run.wait_caught_up(Duration::from_secs(120));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let metrics = hub.metrics_text(&http).await.unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("streaming_hub_hub_events_total{")
+                && l.contains(r#"outcome="duplicate""#)
+                && l.ends_with(" 1")),
+        "the copy was judged a duplicate:\n{metrics}"
+    );
     hub.terminate();
 
     std::fs::remove_dir_all(state.path().join(&run.prefix)).unwrap();
@@ -426,7 +436,7 @@ async fn restore_reads_an_earlier_versions_changelogs_before_the_state_changelog
     assert_eq!(
         sequence_of(&legacy_id),
         None,
-        "the copy of an event the earlier version saw was a duplicate: nothing written"
+        "the copy of an event the earlier version saw wrote no dedup entry"
     );
     assert_eq!(sequence_of(&new_1), Some(41));
     assert_eq!(sequence_of(&new_2), Some(42));

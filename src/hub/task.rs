@@ -1931,6 +1931,26 @@ mod tests {
     }
 
     #[test]
+    fn state_changelog_keys_go_back_to_the_family_and_key_they_came_from() {
+        let dedup = dedup::dedup_key("tenant-1", "0190-id");
+        let on = on_state_changelog(DEDUP_ON_STATE_CHANGELOG, &dedup);
+        assert_eq!(from_state_changelog(&on), (DEDUP, dedup.as_slice()));
+        let on = on_state_changelog(SEQUENCE_ON_STATE_CHANGELOG, b"tenant-1");
+        assert_eq!(
+            from_state_changelog(&on),
+            (SEQUENCE, b"tenant-1".as_slice())
+        );
+        // Every key the jobs family writes stays a jobs key.
+        for key in [
+            jobs::job_key("tenant-1", "0190-id", "sub-1"),
+            jobs::payload_key("tenant-1", "0190-id"),
+            crate::dispatch::health::health_key("sub-1"),
+        ] {
+            assert_eq!(from_state_changelog(&key), (JOBS, key.as_slice()));
+        }
+    }
+
+    #[test]
     fn an_outcome_goes_to_the_loop_that_owns_its_partition_now() {
         let router = OutcomeRouter::default();
         let (rx0, rx1) = (router.join(0), router.join(1));

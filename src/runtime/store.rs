@@ -12,8 +12,12 @@
 //! writes (data with its offsets) and the restore replays the rest, at most the memtable budget.
 //! A clean close flushes the memtables, so a rebalance or a stop replays nothing.
 //!
-//! Key layout: store families are named after their changelog (`dedup`, `sequence`, ...); keys are
-//! the changelog keys byte for byte. `meta` keys are `offset/<family>` → big-endian i64.
+//! Key layout: store families are named after the stores (`dedup`, `sequence`, `jobs`, ...). The
+//! hub task changelogs all three to one topic, the jobs changelog: a jobs key is its changelog key
+//! byte for byte, a dedup or sequence key is its changelog key without the `d/` or `s/` in front
+//! (see `hub::task`). `meta` keys are `offset/<family>` → big-endian i64: how far the family's
+//! changelog has been applied (the jobs family's offset counts for all three; the dedup and
+//! sequence families' for the changelogs earlier versions wrote).
 use std::path::Path;
 
 use std::sync::LazyLock;
