@@ -1341,15 +1341,14 @@ impl HubStage {
                 continue;
             };
             task.ring.note_timers(&st);
-            let mut marks: Vec<(&str, i64)> = Vec::new();
-            for family in CHANGELOGGED {
-                if let Some(o) = delivered
-                    .get(env.changelog_of(family))
-                    .and_then(|m| m.get(&p))
-                {
-                    marks.push((family, *o));
-                }
-            }
+            // The state changelog is the only one written (for all three stores); its offset is
+            // kept with the jobs family (see `Env::changelog_of`).
+            let marks: Vec<(&str, i64)> = delivered
+                .get(env.jobs_changelog.as_str())
+                .and_then(|m| m.get(&p))
+                .map(|o| (JOBS, *o))
+                .into_iter()
+                .collect();
             task.store.apply(st, &marks)?;
         }
         phase_done("apply");
