@@ -202,8 +202,10 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 .map_err(|e| AppError::Http(e.to_string()))?,
             kek,
             clock: clock.clone(),
-            allow_private: config.allow_private_sinks,
-            allow_insecure: config.allow_insecure_sinks,
+            urls: crate::delivery::client::CheckedUrls::new(
+                config.allow_private_sinks,
+                config.allow_insecure_sinks,
+            ),
             permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
             http_timeout_ms: config.http_timeout.as_millis() as i64,
         };

@@ -184,8 +184,7 @@ async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<Stri
         http: crate::delivery::client::build_client(&config).map_err(|e| e.to_string())?,
         kek: Some(kek),
         clock: clock.clone(),
-        allow_private: true,
-        allow_insecure: true,
+        urls: crate::delivery::client::CheckedUrls::new(true, true),
         permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
         http_timeout_ms: config.http_timeout.as_millis() as i64,
     };

@@ -111,6 +111,71 @@ pub fn post(
     Ok(client.post(url))
 }
 
+/// Destination URLs checked once, for the delivery workers: [`post`] parsed and checked the URL
+/// of every attempt again, a few per cent of the workers' CPU under load. The verdict (the
+/// parsed URL or why it is refused) is kept per URL string under the two settings it was
+/// checked with; the connect-time check (the resolver) still runs on every new connection.
+/// At most [`CHECKED_URLS`] entries: a full map is emptied and filled again.
+#[derive(Clone)]
+pub struct CheckedUrls {
+    allow_private: bool,
+    allow_insecure: bool,
+    verdicts: std::sync::Arc<std::sync::Mutex<crate::runtime::store::FastMap<String, CheckedUrl>>>,
+}
+
+type CheckedUrl = Result<reqwest::Url, UrlError>;
+
+/// How many destination URLs [`CheckedUrls`] keeps.
+pub const CHECKED_URLS: usize = 4096;
+
+impl CheckedUrls {
+    pub fn new(allow_private: bool, allow_insecure: bool) -> CheckedUrls {
+        CheckedUrls {
+            allow_private,
+            allow_insecure,
+            verdicts: Default::default(),
+        }
+    }
+
+    /// [`post`], with the URL's check kept for the next attempt.
+    pub fn post(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+    ) -> Result<reqwest::RequestBuilder, UrlError> {
+        let verdict = {
+            let mut verdicts = self
+                .verdicts
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match verdicts.get(url) {
+                Some(v) => v.clone(),
+                None => {
+                    let v = check_url(url, self.allow_private, self.allow_insecure);
+                    if verdicts.len() >= CHECKED_URLS {
+                        verdicts.clear();
+                    }
+                    verdicts.insert(url.to_string(), v.clone());
+                    v
+                }
+            }
+        };
+        Ok(client.post(verdict?))
+    }
+
+    /// URLs kept (for tests).
+    pub fn len(&self) -> usize {
+        self.verdicts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Reads at most `cap` bytes of a response body; `true` when the body was longer (the rest is
 /// not read and the connection is dropped rather than drained).
 ///
@@ -208,6 +273,38 @@ mod tests {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>>
     {
         Box::pin(async move { Ok(addrs) })
+    }
+
+    #[tokio::test]
+    async fn checked_urls_keep_each_verdict_under_their_own_settings() {
+        let (port, accepted) = loopback_sink().await;
+        let http = build_client(&config(true)).unwrap();
+        let strict = CheckedUrls::new(false, false);
+        let open = CheckedUrls::new(true, true);
+        let url = format!("http://127.0.0.1:{port}/hook");
+        // Twice each: the second answer comes from the kept verdict and must be the same.
+        for round in 1..=2 {
+            assert_eq!(strict.post(&http, &url).err(), Some(UrlError::Insecure));
+            let https = format!("https://127.0.0.1:{port}/hook");
+            assert!(matches!(
+                strict.post(&http, &https).err(),
+                Some(UrlError::PrivateAddress(_))
+            ));
+            assert!(matches!(
+                open.post(&http, "ftp://127.0.0.1/x").err(),
+                Some(UrlError::Scheme(_))
+            ));
+            let request = open.post(&http, &url).unwrap();
+            if round == 1 {
+                assert_eq!(request.send().await.unwrap().status(), 200);
+                assert_eq!(accepted.load(Ordering::SeqCst), 1);
+            }
+        }
+        assert_eq!((strict.len(), open.len()), (2, 2));
+        for i in 0..CHECKED_URLS + 10 {
+            let _ = open.post(&http, &format!("http://127.0.0.1:{port}/{i}"));
+        }
+        assert!(open.len() <= CHECKED_URLS, "kept {} URLs", open.len());
     }
 
     /// A public address (not routed in tests: nothing may depend on reaching it).

@@ -81,8 +81,8 @@ pub struct Workers {
     pub http: reqwest::Client,
     pub kek: Option<Arc<Kek>>,
     pub clock: SharedClock,
-    pub allow_private: bool,
-    pub allow_insecure: bool,
+    /// Destination URLs, checked once (under the private/insecure sink settings).
+    pub urls: client::CheckedUrls,
     /// The worker slots, granted round-robin across tenants.
     pub permits: FairPermits,
     /// `STREAMING_HUB_HTTP_TIMEOUT`: an attempt starts only with at least this much lease left.
@@ -168,7 +168,7 @@ impl Workers {
                     return out;
                 }
             };
-        let mut req = match client::post(&self.http, url, self.allow_private, self.allow_insecure) {
+        let mut req = match self.urls.post(&self.http, url) {
             Ok(r) => r,
             Err(e) => {
                 out.error_kind = Some(e.code().into());
