@@ -34,6 +34,8 @@ struct Sink {
     script: Arc<Vec<u16>>,
     /// How long each delivery takes to answer.
     delay: Duration,
+    /// Instead of the script: every first attempt fails (500), every later one succeeds.
+    fail_first_attempts: bool,
 }
 
 async fn sink_handler(
@@ -59,7 +61,16 @@ async fn sink_handler(
     if !s.delay.is_zero() {
         tokio::time::sleep(s.delay).await; // a slow receiver (the request is recorded on arrival)
     }
-    let status = *s.script.get(n).or(s.script.last()).unwrap();
+    let status = if s.fail_first_attempts {
+        let got = s.got.lock().unwrap();
+        if got[n].headers.get("x-lerian-attempt").map(String::as_str) == Some("1") {
+            500
+        } else {
+            200
+        }
+    } else {
+        *s.script.get(n).or(s.script.last()).unwrap()
+    };
     (
         StatusCode::from_u16(status).unwrap(),
         Bytes::from_static(b"sink says hi"),
@@ -75,6 +86,7 @@ async fn start_slow_sink(script: Vec<u16>, delay: Duration) -> (String, Sink) {
         got: Arc::default(),
         script: Arc::new(script),
         delay,
+        fail_first_attempts: false,
     };
     let app = Router::new()
         .route("/hook", post(sink_handler))
@@ -217,6 +229,52 @@ async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
         read_all(&[&format!("{}.dlq", s.prefix)], Duration::from_secs(30)).len(),
         0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retried_fan_out_deliveries_each_carry_their_own_events_body() {
+    // Every first attempt fails, so every second one is a due job whose event is read from the
+    // stored payload, and kept for the other jobs of that event claimed in the same transaction:
+    // six events, three subscriptions each, their retries due within the same second.
+    let s = setup("fanout-retry").await;
+    let sink = Sink {
+        got: Arc::default(),
+        script: Arc::new(vec![]),
+        delay: Duration::ZERO,
+        fail_first_attempts: true,
+    };
+    let app = Router::new()
+        .route("/hook", post(sink_handler))
+        .with_state(sink.clone());
+    let url = format!("http://{}/hook", serve(app).await);
+    let mut subs = Vec::new();
+    for _ in 0..3 {
+        subs.push(subscribe(&s, "tenant-f", &url, Some(vec!["1s"])).await.0);
+    }
+    let events: Vec<Rec> = (0..6)
+        .map(|_| event("tenant-f", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    let got = wait_for_deliveries(&sink, 36, Duration::from_secs(60));
+    let body_of: BTreeMap<String, Vec<u8>> = events
+        .iter()
+        .map(|e| (e.id(), e.value.clone().unwrap()))
+        .collect();
+    let mut retried: BTreeMap<&str, usize> = BTreeMap::new();
+    for d in &got {
+        let id = d.headers["x-lerian-event-id"].as_str();
+        assert_eq!(d.headers["ce-id"], id, "ce-id of another event");
+        assert_eq!(
+            d.body, body_of[id],
+            "attempt {} of {id} carried another event's body",
+            d.headers["x-lerian-attempt"]
+        );
+        if d.headers["x-lerian-attempt"] == "2" {
+            *retried.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(retried.len(), 6, "every event retried: {retried:?}");
+    assert!(retried.values().all(|&n| n == subs.len()), "{retried:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
