@@ -235,7 +235,9 @@ async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
 async fn retried_fan_out_deliveries_each_carry_their_own_events_body() {
     // Every first attempt fails, so every second one is a due job whose event is read from the
     // stored payload, and kept for the other jobs of that event claimed in the same transaction:
-    // six events, three subscriptions each, their retries due within the same second.
+    // six events, three subscriptions each, their retries due within the same second. A guard
+    // on what each retry carries, not a count of how often a view was reused (it passed before
+    // the views were kept; with them keyed wrongly it fails).
     let s = setup("fanout-retry").await;
     let sink = Sink {
         got: Arc::default(),

@@ -4,7 +4,9 @@
 //! Its settings are the delivery contract of DESIGN.md §4 and issue 6 item 4:
 //! - DNS through [`GuardedResolver`], which drops private, loopback and link-local addresses unless
 //!   `allow_private_sinks` (the connect-time SSRF check); IP-literal hosts skip any resolver, so
-//!   requests are started only through [`post`], which runs [`check_url`] first;
+//!   requests are started only through [`post`] or [`CheckedUrls::post`], which run [`check_url`]
+//!   first (the latter once per URL string: the verdict depends on the string and the two
+//!   settings alone, no DNS);
 //! - redirects never followed (a 3xx comes back as the response and counts as a failure);
 //! - system proxy variables ignored (`no_proxy`);
 //! - `http_timeout` covers the whole exchange, connect to the last body byte; success is decided

@@ -14,7 +14,9 @@
 //!   `STREAMING_HUB_ALLOW_PRIVATE_SINKS`: IP literals are refused by [`ssrf::check_url`] (reqwest
 //!   does not consult the resolver for them), names are filtered by [`ssrf::GuardedResolver`] at
 //!   connect time, so the address connected to is the one that was checked (no DNS rebinding).
-//!   Every request goes through [`client::post`], which runs `check_url` first.
+//!   Every request goes through [`client::post`] or, for deliveries, [`client::CheckedUrls::post`]:
+//!   both run `check_url` first (the latter once per URL string; its verdict depends on nothing
+//!   else), and the resolver runs on every new connection.
 //! - Signing secrets are [`crate::runtime::secret::Secret`]s; no error or log line carries one.
 pub mod client;
 pub mod signing;

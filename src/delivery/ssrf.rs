@@ -2,7 +2,9 @@
 //! `STREAMING_HUB_ALLOW_PRIVATE_SINKS` (DESIGN.md §4).
 //!
 //! Two checks, because reqwest takes two paths to an address:
-//! - [`check_url`] runs before every request (and at validation time in the API). It refuses bad
+//! - [`check_url`] runs before every request (for deliveries once per URL string, kept by
+//!   `client::CheckedUrls`: it looks nothing up, so its verdict never changes), and at validation
+//!   time in the API. It refuses bad
 //!   schemes, credentials in the URL, `localhost` names and forbidden IP literals. reqwest connects
 //!   to an IP-literal host without asking the resolver, so this is the only check those get. The
 //!   WHATWG parser normalises the other IPv4 notations (`2130706433`, `0177.0.0.1`, `0x7f.1`,

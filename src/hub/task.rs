@@ -1597,15 +1597,18 @@ fn dispatch_work(
 /// The events of one transaction's attempts, each read once for all its jobs.
 /// - A job created in this transaction has its event read from its inbox record (no stored
 ///   payload decoded); its jobs are created, and claimed, one after another.
-/// - A due job has its event read from the stored payload, kept by payload key for the other
-///   jobs of the same event claimed in this transaction: the due jobs of a fan-out event come
-///   interleaved with other tenants' (round-robin), and each read its payload and decoded it
-///   (5% of the hub's CPU in `fanout`). A kept view cannot go stale: a payload only changes
-///   its holder count, and while a job of the event is being claimed it still holds it.
+/// - A due job has its event read from the stored payload, kept (by inbox partition and payload
+///   key) for the other jobs of the same event claimed in this transaction: the due jobs of a
+///   fan-out event come interleaved with other tenants' (round-robin), and each read its payload
+///   and decoded it (5% of the hub's CPU in `fanout`). A kept view cannot go stale: a payload
+///   only changes its holder count, and while a job of the event is being claimed it still
+///   holds it.
 struct EventViews<'b, 'm> {
     batch: &'b [BorrowedMessage<'m>],
     last: Option<(usize, EventView)>,
-    stored: FastMap<Vec<u8>, EventView>,
+    /// By inbox partition and payload key: after a change of the inbox's partition count one
+    /// (tenant, ce-id) may be stored in two partitions' stores, possibly with different bodies.
+    stored: FastMap<(i32, Vec<u8>), EventView>,
 }
 
 impl EventViews<'_, '_> {
@@ -1613,19 +1616,21 @@ impl EventViews<'_, '_> {
     fn stored(
         &mut self,
         js: &JobStore<'_>,
+        partition: i32,
         payload_key: Vec<u8>,
     ) -> Result<Option<EventView>, HubError> {
-        if let Some(v) = self.stored.get(&payload_key) {
+        let key = (partition, payload_key);
+        if let Some(v) = self.stored.get(&key) {
             return Ok(Some(v.clone()));
         }
-        let Some(payload) = js.get_payload(&payload_key)? else {
+        let Some(payload) = js.get_payload(&key.1)? else {
             return Ok(None);
         };
         // Kept only when another job holds it too: an event with one subscription is read once.
         let shared = payload.refcount > 1;
         let v = EventView::of_payload(payload);
         if shared {
-            self.stored.insert(payload_key, v.clone());
+            self.stored.insert(key, v.clone());
         }
         Ok(Some(v))
     }
@@ -1717,7 +1722,7 @@ fn claim(
             let Some(payload_key) = jobs::payload_key_of(&key) else {
                 return Ok(false);
             };
-            let Some(event) = views.stored(js, payload_key)? else {
+            let Some(event) = views.stored(js, p, payload_key)? else {
                 js.finish_job(&key, &job)?;
                 return Ok(false);
             };
