@@ -50,6 +50,7 @@ async fn sink_handler(
     if h.get("x-lerian-event-type").map(String::as_str) == Some("streaming_hub.verification") {
         return (StatusCode::OK, body); // echo the challenge
     }
+    let first_attempt = h.get("x-lerian-attempt").map(String::as_str) == Some("1");
     let n = {
         let mut got = s.got.lock().unwrap();
         got.push(Received {
@@ -62,12 +63,7 @@ async fn sink_handler(
         tokio::time::sleep(s.delay).await; // a slow receiver (the request is recorded on arrival)
     }
     let status = if s.fail_first_attempts {
-        let got = s.got.lock().unwrap();
-        if got[n].headers.get("x-lerian-attempt").map(String::as_str) == Some("1") {
-            500
-        } else {
-            200
-        }
+        if first_attempt { 500 } else { 200 }
     } else {
         *s.script.get(n).or(s.script.last()).unwrap()
     };

@@ -165,16 +165,12 @@ impl CheckedUrls {
         Ok(client.post(verdict?))
     }
 
-    /// URLs kept (for tests).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.verdicts
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
