@@ -4,7 +4,10 @@
 #
 #   scripts/bench.sh                 # ingest, hub (dedup + sequence + restore), match
 #   scripts/bench.sh jobs            # 1,000,000 pending jobs: peak memory
-#   scripts/bench.sh load            # end to end: every load scenario + the machine's limits
+#   scripts/bench.sh deliver         # the delivery workers alone (no Kafka): CPU per attempt
+#   scripts/bench.sh load            # end to end: every load scenario + the machine's limits,
+#                                    # after 120 s of unmeasured runs warm the fresh broker
+#   WARM_BROKER=0s scripts/bench.sh load
 #   SCENARIO=latency scripts/bench.sh load
 #   RECORDS=500000 scripts/bench.sh ingest
 set -euo pipefail
@@ -23,7 +26,8 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     match) "$bin" bench match --records 2000000 ;;
     jobs) "$bin" bench jobs --records 1000000 --size 256 ;;
-    load) "$bin" load "${SCENARIO:-all}" --out "${OUT:-target/load}" ;;
+    deliver) "$bin" bench deliver --records "${RECORDS:-200000}" --size 1024 ;;
+    load) "$bin" load "${SCENARIO:-all}" --warm-broker "${WARM_BROKER:-120s}" --out "${OUT:-target/load}" ;;
     *) "$bin" bench "$stage" --records "$records" --size 1024 --broker-pid-file "$pidfile" ;;
   esac
 done

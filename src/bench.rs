@@ -43,6 +43,15 @@ pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
         println!("{}", bench_match(opts.records));
         return Ok(());
     }
+    if opts.stage == "deliver" {
+        // Its own runtimes are started, blocked on and dropped: not on this async one.
+        let (config, records, size) = (config.clone(), opts.records, opts.size);
+        let out = std::thread::spawn(move || bench_deliver(&config, records, size))
+            .join()
+            .map_err(|_| "the deliver bench panicked".to_string())??;
+        println!("{out}");
+        return Ok(());
+    }
     let run_id = match &opts.prefix {
         Some(p) => p.trim_start_matches("bench").to_string(),
         None => uuid::Uuid::now_v7().simple().to_string()[20..].to_string(),
@@ -67,7 +76,7 @@ pub async fn run(config: &Config, opts: BenchOptions) -> Result<(), String> {
         "jobs" => bench_pending_jobs(&config, &opts).await?,
         other => {
             return Err(format!(
-                "unknown stage {other:?}: ingest, hub, jobs or match"
+                "unknown stage {other:?}: ingest, hub, jobs, match or deliver"
             ));
         }
     };
@@ -284,6 +293,22 @@ pub(crate) async fn create_topic(
 }
 
 /// Writes `n` records: CloudEvents keyed by tenant, or inbox-shaped records when `inbox`.
+/// The platform's header set for a bench event (`ledger`'s `transaction.posted`).
+fn event_headers<'a>(id: &'a str, tenant: &'a str, now: &'a str) -> [(&'static str, &'a str); 10] {
+    [
+        ("ce-specversion", "1.0"),
+        ("ce-id", id),
+        ("ce-source", "ledger"),
+        ("ce-type", "studio.lerian.ledger.transaction.posted"),
+        ("ce-time", now),
+        ("ce-schemaversion", "1.0.0"),
+        ("ce-resourcetype", "transaction"),
+        ("ce-eventtype", "posted"),
+        ("ce-datacontenttype", "application/json"),
+        ("ce-tenantid", tenant),
+    ]
+}
+
 fn produce(config: &Config, topic: &str, n: usize, size: usize, inbox: bool) -> Result<(), String> {
     let producer: BaseProducer = kafka::base(config)
         .set("linger.ms", "20")
@@ -299,18 +324,7 @@ fn produce(config: &Config, topic: &str, n: usize, size: usize, inbox: bool) -> 
         let tenant = format!("tenant-{}", i % 100);
         let id = uuid::Uuid::now_v7().to_string();
         let mut h = OwnedHeaders::new_with_capacity(12);
-        for (k, v) in [
-            ("ce-specversion", "1.0"),
-            ("ce-id", id.as_str()),
-            ("ce-source", "ledger"),
-            ("ce-type", "studio.lerian.ledger.transaction.posted"),
-            ("ce-time", now.as_str()),
-            ("ce-schemaversion", "1.0.0"),
-            ("ce-resourcetype", "transaction"),
-            ("ce-eventtype", "posted"),
-            ("ce-datacontenttype", "application/json"),
-            ("ce-tenantid", tenant.as_str()),
-        ] {
+        for (k, v) in event_headers(&id, &tenant, &now) {
             h = h.insert(Header {
                 key: k,
                 value: Some(v),
@@ -400,6 +414,173 @@ pub(crate) fn cpu_seconds(pid: &str) -> f64 {
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0 // utime, stime (fields 14, 15), USER_HZ = 100
+}
+
+/// The delivery workers alone: `records` attempts of `size`-byte events (the platform's header
+/// set, 100 tenants with one webhook each) through [`Workers`](crate::dispatch::worker::Workers)
+/// on their own runtime (`STREAMING_HUB_DISPATCH_WORKERS` permits, at most 4,096 claimed ahead),
+/// to a sink on 127.0.0.1 that answers 200 at once, on a runtime of its own. No Kafka: what an
+/// attempt costs in CPU, per thread group (the workers' runtime, the caller building the
+/// attempts as the hub loop does, the sink), read from `/proc/self/task`.
+fn bench_deliver(config: &Config, records: usize, size: usize) -> Result<String, String> {
+    use crate::dispatch::EventView;
+    use crate::dispatch::worker::{Attempt, Workers};
+    use crate::runtime::records::{DestinationType, SubscriptionRecord};
+    use crate::subscriptions::secrets::{Kek, generate_signing_secret};
+    use base64::Engine;
+
+    let sink_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-sink")
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let listener = sink_rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .map_err(|e| e.to_string())?; // (a plain thread: no runtime around it)
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let app = axum::Router::new().route(
+        "/hook/{tenant}",
+        axum::routing::post(|_body: axum::body::Bytes| async { axum::http::StatusCode::OK }),
+    );
+    sink_rt.spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let workers_rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("bench-workers")
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+
+    let kek = Arc::new(
+        Kek::new(
+            "bench",
+            &base64::engine::general_purpose::STANDARD.encode([7u8; 32]),
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    let subs: Vec<crate::subscriptions::table::Sub> = (0..100)
+        .map(|i| {
+            let id = format!("sub-{i}");
+            let mut sub = SubscriptionRecord::pull(&id, &format!("tenant-{i}"), &["*"]);
+            sub.destination.kind = DestinationType::Webhook;
+            sub.destination.url = Some(format!("http://{addr}/hook/tenant-{i}"));
+            sub.signing_secrets = vec![kek.seal_secret(&generate_signing_secret(), &id, None)];
+            Arc::new(sub)
+        })
+        .collect();
+    let clock: crate::runtime::clock::SharedClock = Arc::new(SystemClock);
+    let workers = Workers {
+        http: crate::delivery::client::build_client(&Config {
+            allow_private_sinks: true,
+            allow_insecure_sinks: true,
+            ..config.clone()
+        })
+        .map_err(|e| e.to_string())?,
+        kek: Some(kek),
+        clock: clock.clone(),
+        urls: crate::delivery::client::CheckedUrls::new(true, true),
+        permits: crate::dispatch::fair::FairPermits::new(config.dispatch_workers),
+        http_timeout_ms: config.http_timeout.as_millis() as i64,
+    };
+    let body = bytes::Bytes::from(vec![b'x'; size]);
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let ahead = (config.dispatch_workers * 64).min(4096);
+    let cpu0 = thread_cpu_seconds();
+    let started = Instant::now();
+    let (mut sent, mut done, mut delivered) = (0usize, 0usize, 0usize);
+    let mut last_outcome = Instant::now();
+    while done < records {
+        while sent < records && sent - done < ahead {
+            let i = sent % subs.len();
+            let id = uuid::Uuid::now_v7().to_string();
+            let tenant = format!("tenant-{i}");
+            let headers = event_headers(&id, &tenant, &now)
+                .into_iter()
+                .chain([(crate::ingest::pipeline::H_INGEST_TIME, now.as_str())]);
+            let event = EventView::new(headers.map(|(k, v)| (k, Some(v.as_bytes()))), body.clone());
+            let a = Attempt {
+                partition: 0,
+                job_key: id.as_bytes().to_vec(),
+                attempt: 1,
+                lease_until: clock.now_ms() + 3_600_000,
+                event_id: id,
+                tenant,
+                subscription: subs[i].clone(),
+                event,
+            };
+            workers.spawn(workers_rt.handle(), a, done_tx.clone());
+            sent += 1;
+        }
+        // As the hub loop does: outcomes are taken when it comes round, never waited for on
+        // the channel (a blocked receiver costs every worker a wake-up call per outcome).
+        let mut got = 0;
+        while let Ok(o) = done_rx.try_recv() {
+            got += 1;
+            delivered += usize::from(o.success());
+        }
+        done += got;
+        if got == 0 {
+            if last_outcome.elapsed() > Duration::from_secs(60) {
+                return Err(format!("no outcome within 60 s ({done} of {sent} back)"));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        } else {
+            last_outcome = Instant::now();
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu1 = thread_cpu_seconds();
+    if delivered < records {
+        return Err(format!(
+            "{} of {} attempts failed",
+            records - delivered,
+            records
+        ));
+    }
+    let per = |group: &str| {
+        let used =
+            cpu1.get(group).copied().unwrap_or(0.0) - cpu0.get(group).copied().unwrap_or(0.0);
+        used * 1e6 / records as f64
+    };
+    Ok(format!(
+        r#"{{"bench":"deliver","attempts":{},"body_bytes":{},"workers":{},"seconds":{secs:.2},"attempts_per_s":{:.0},"cpu_us_per_attempt":{{"workers":{:.1},"caller":{:.1},"sink":{:.1}}}}}"#,
+        records,
+        size,
+        config.dispatch_workers,
+        records as f64 / secs,
+        per("bench-workers"),
+        per("caller"),
+        per("bench-sink"),
+    ))
+}
+
+/// CPU seconds of this process's threads by group: the named runtimes' threads under their
+/// name, every other thread as `caller`.
+fn thread_cpu_seconds() -> std::collections::HashMap<String, f64> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let group = match comm.trim() {
+            c if c.starts_with("bench-workers") => "bench-workers",
+            c if c.starts_with("bench-sink") => "bench-sink",
+            _ => "caller",
+        };
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        *out.entry(group.to_string()).or_default() += (ticks(11) + ticks(12)) / 100.0;
+    }
+    out
 }
 
 /// Matching cost: 100,000 subscriptions over 1,000 tenants (100 each, over 100 event types, a

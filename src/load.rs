@@ -41,6 +41,8 @@ pub struct LoadOptions {
     /// Measured time of each run (after the warm-up).
     pub duration: Duration,
     pub warmup: Duration,
+    /// Unmeasured throughput runs first, for at least this long (0: none).
+    pub warm_broker: Duration,
     /// Payload bytes.
     pub size: usize,
     /// Where results.jsonl, latency.png and each run's metrics-*.prom (the hub's /metrics) go.
@@ -88,6 +90,9 @@ pub struct RunResult {
     /// The same, per topic of the hub (name after the prefix); its values sum to the above.
     pub kafka_bytes_per_delivery_by_topic: Option<BTreeMap<String, f64>>,
     pub recovery_s: Option<f64>,
+    /// Seconds of unmeasured throughput runs on the broker before this run's scenarios
+    /// (`--warm-broker`; 0 = the broker as the run found it).
+    pub broker_warmed_s: f64,
 }
 
 /// The sink: verifies signatures, records (event, subscription, latency).
@@ -315,6 +320,11 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         events: 200_000,
         ..at(0)
     };
+    let warm_up = Spec {
+        name: "broker-warm-up".into(),
+        events: 100_000,
+        ..throughput.clone()
+    };
     let fanout = Spec {
         name: "fanout".into(),
         rate: None,
@@ -368,6 +378,23 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
             ));
         }
     };
+    // The broker's JVM compiles its hot code during the first minutes of load: on this 2-core
+    // machine a freshly started broker spent as much CPU compiling as serving (BENCHMARKS.md).
+    let warming = Instant::now();
+    let mut warm_runs = 0;
+    while warming.elapsed() < opts.warm_broker {
+        let r = run_one(config, &opts, &warm_up).await?;
+        warm_runs += 1;
+        println!(
+            "broker warm-up run {warm_runs}: {} of {} delivered, {:.0}/s (not recorded)",
+            r.delivered, r.expected_deliveries, r.deliveries_per_s
+        );
+    }
+    let broker_warmed_s = if warm_runs > 0 {
+        warming.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
     let mut results = Vec::new();
     println!(
         "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8} {:>8} {:>9} {:>6}",
@@ -385,7 +412,8 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         "rss"
     );
     for spec in specs {
-        let r = run_one(config, &opts, &spec).await?;
+        let mut r = run_one(config, &opts, &spec).await?;
+        r.broker_warmed_s = broker_warmed_s;
         println!(
             "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>9.3} {:>6}",
             r.scenario,
@@ -745,6 +773,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         kafka_bytes_per_delivery,
         kafka_bytes_per_delivery_by_topic: kafka_bytes_by_topic,
         recovery_s,
+        broker_warmed_s: 0.0,
     })
 }
 

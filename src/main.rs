@@ -65,7 +65,7 @@ enum Command {
     },
     /// Measure one stage against the real broker (see BENCHMARKS.md).
     Bench {
-        /// `ingest` or `hub`.
+        /// `ingest`, `hub`, `jobs`, `match` or `deliver`.
         stage: String,
         /// Records to push through.
         #[arg(long, default_value_t = 200_000)]
@@ -93,6 +93,11 @@ enum Command {
         duration: std::time::Duration,
         #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
         warmup: std::time::Duration,
+        /// Before the scenarios, run the throughput pipeline unmeasured for at least this long,
+        /// so a freshly started broker's JVM has compiled its hot code (a cold broker spent a
+        /// quarter of this 2-core machine compiling during the first runs; BENCHMARKS.md).
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+        warm_broker: std::time::Duration,
         /// Payload bytes.
         #[arg(long, default_value_t = 1024)]
         size: usize,
@@ -252,8 +257,15 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Load { scenario, duration, warmup, size, out } => {
-                let opts = streaming_hub::load::LoadOptions { scenario, duration, warmup, size, out };
+            Command::Load { scenario, duration, warmup, warm_broker, size, out } => {
+                let opts = streaming_hub::load::LoadOptions {
+                    scenario,
+                    duration,
+                    warmup,
+                    warm_broker,
+                    size,
+                    out,
+                };
                 match streaming_hub::load::run(&config, opts).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {

@@ -135,8 +135,12 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
     let s = setup("dlv").await;
     let (url, sink) = start_sink(vec![200]).await;
     let (sub_id, secret) = subscribe(&s, "tenant-a", &url, None).await;
-    let ev =
-        event("tenant-a", "ledger", "transaction", "created").set("ce-subject", Some(b"acc-7"));
+    let ev = event("tenant-a", "ledger", "transaction", "created")
+        .set("ce-subject", Some(b"acc-7"))
+        .set(
+            "ce-datacontenttype",
+            Some(b"application/vnd.lerian.ledger+json; charset=utf-8"),
+        );
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     let got = wait_for_deliveries(&sink, 1, Duration::from_secs(60));
     let d = &got[0];
@@ -146,7 +150,14 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
         ev.value.clone().unwrap(),
         "body = payload bytes unchanged"
     );
-    assert_eq!(h["content-type"], "application/json");
+    assert_eq!(
+        h["content-type"], "application/vnd.lerian.ledger+json; charset=utf-8",
+        "Content-Type = ce-datacontenttype"
+    );
+    assert!(
+        !h.contains_key("ce-datacontenttype"),
+        "binary mode: the content type travels as Content-Type only"
+    );
     assert_eq!(h["x-lerian-event-id"], ev.id());
     assert_eq!(h["x-lerian-event-type"], "transaction.created");
     assert_eq!(h["x-lerian-attempt"], "1");

@@ -184,3 +184,52 @@ async fn restore_waits_for_an_open_transaction_and_reads_what_was_committed_afte
          the aborted record"
     );
 }
+
+/// The hub's and ingest's producers hold records back (`linger.ms`) to send fewer, larger produce
+/// requests; a transaction about to commit must not wait that out. `wait_delivered` makes the
+/// producer send what lingers: with a 20-second linger the records are acknowledged well inside
+/// its timeout, and without that push the same wait runs out.
+#[tokio::test]
+async fn waiting_for_delivery_sends_what_lingers_at_once() {
+    use streaming_hub::runtime::kafka::{flush_for, wait_delivered};
+    require_broker();
+    let topic = unique("linger");
+    create_topic(&topic, 2).await;
+    let p: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("tid"))
+        .set("linger.ms", "20000")
+        .create()
+        .expect("transactional producer");
+    p.init_transactions(Duration::from_secs(30))
+        .expect("init_transactions");
+    p.begin_transaction().unwrap();
+    for i in 0..10 {
+        p.send(
+            BaseRecord::<str, str>::to(&topic)
+                .key(&format!("k{i}"))
+                .payload("lingering"),
+        )
+        .unwrap();
+    }
+    // Without the push the records stay queued for the linger: the wait runs out.
+    let held = wait_delivered(
+        || p.in_flight_count(),
+        |d| p.poll(d),
+        std::thread::sleep,
+        Duration::from_secs(2),
+    );
+    assert!(held.is_err(), "the linger holds the records back");
+    assert!(p.in_flight_count() > 0);
+    wait_delivered(
+        || p.in_flight_count(),
+        |d| p.poll(d),
+        |d| flush_for(p.client(), d),
+        Duration::from_secs(10), // half the linger
+    )
+    .expect("records sent and acknowledged long before the 20-second linger");
+    assert_eq!(p.in_flight_count(), 0);
+    p.commit_transaction(Duration::from_secs(30)).unwrap();
+    let got = read_until(&[&topic], Duration::from_secs(30), |r| r.len() >= 10);
+    assert_eq!(got.len(), 10);
+}

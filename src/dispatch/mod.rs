@@ -201,12 +201,19 @@ fn hold_payload(
 /// What an attempt sends of its event: its `ce-*` headers, `<resource>.<event>` type, body and
 /// ingest time. Read once per event and shared by the attempts of its jobs (a fan-out event's
 /// claims in one transaction share one), from the inbox record when the job was created in the
-/// same transaction, else from the stored payload.
+/// same transaction, else from the stored payload. The headers are parsed into HTTP header names
+/// and values here, once per event: each attempt parsed and validated every one again (a few
+/// per cent of the workers' CPU under load).
 #[derive(Clone, Debug)]
 pub struct EventView {
-    pub event_type: Arc<str>,
-    /// `ce-*` headers of the event, in order (values that are not UTF-8 are left out).
-    pub ce_headers: Arc<[(String, String)]>,
+    /// `<resource>.<event>`, as `X-Lerian-Event-Type` sends it.
+    pub event_type: reqwest::header::HeaderValue,
+    /// `ce-*` headers of the event, in order, except `ce-datacontenttype` (sent as the
+    /// `Content-Type`). A header that cannot go on the wire as it is (a value that is not UTF-8
+    /// or has control characters, a name HTTP does not allow) is left out.
+    pub ce_headers: Arc<[(reqwest::header::HeaderName, reqwest::header::HeaderValue)]>,
+    /// `ce-datacontenttype` (the last one), else `application/json`.
+    pub content_type: reqwest::header::HeaderValue,
     pub body: bytes::Bytes,
     /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
     pub ingest_ms: Option<i64>,
@@ -218,6 +225,7 @@ impl EventView {
         body: bytes::Bytes,
     ) -> EventView {
         let mut ce_headers = Vec::new();
+        let mut content_type = None;
         let (mut resource, mut event, mut ingest) = (None, None, None);
         for (key, value) in headers {
             let text = value.and_then(|v| std::str::from_utf8(v).ok());
@@ -233,13 +241,25 @@ impl EventView {
                 }
                 _ => {}
             }
-            if let (true, Some(v)) = (key.starts_with("ce-"), text) {
-                ce_headers.push((key.to_string(), v.to_string()));
+            let (true, Some(v)) = (key.starts_with("ce-"), text) else {
+                continue;
+            };
+            let Ok(v) = reqwest::header::HeaderValue::from_str(v) else {
+                continue;
+            };
+            if key == "ce-datacontenttype" {
+                content_type = Some(v);
+            } else if let Ok(k) = reqwest::header::HeaderName::from_bytes(key.as_bytes()) {
+                ce_headers.push((k, v));
             }
         }
+        let event_type = format!("{}.{}", resource.unwrap_or(""), event.unwrap_or(""));
         EventView {
-            event_type: format!("{}.{}", resource.unwrap_or(""), event.unwrap_or("")).into(),
+            event_type: reqwest::header::HeaderValue::from_str(&event_type)
+                .unwrap_or_else(|_| reqwest::header::HeaderValue::from_static(".")),
             ce_headers: ce_headers.into(),
+            content_type: content_type
+                .unwrap_or_else(|| reqwest::header::HeaderValue::from_static("application/json")),
             body,
             ingest_ms: ingest
                 .flatten()
@@ -289,6 +309,10 @@ mod tests {
             header("ce-eventtype", Some(b"created")),
             header("ce-binary", Some(&[0xff, 0xfe])), // not UTF-8: not sent
             header("ce-subject", None),
+            header("ce-datacontenttype", Some(b"application/xml")),
+            header("ce-datacontenttype", Some(b"text/plain")), // the last one counts
+            header("ce-title", Some(b"two\nlines")),           // not a valid header value: not sent
+            header("ce-bad name", Some(b"x")),                 // not a valid header name: not sent
             header("x-other", Some(b"kept out")),
             header("ce-eventtype", Some(b"second")), // repeated: the first counts
             header(
@@ -306,20 +330,28 @@ mod tests {
             refcount: 2,
         });
         for v in [&from_record, &from_payload] {
-            assert_eq!(&*v.event_type, "transaction.created");
+            assert_eq!(v.event_type, "transaction.created");
+            let sent: Vec<(&str, &str)> = v
+                .ce_headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+                .collect();
             assert_eq!(
-                &*v.ce_headers,
-                &[
-                    ("ce-id".to_string(), "0193-id".to_string()),
-                    ("ce-resourcetype".to_string(), "transaction".to_string()),
-                    ("ce-eventtype".to_string(), "created".to_string()),
-                    ("ce-eventtype".to_string(), "second".to_string()),
+                sent,
+                [
+                    ("ce-id", "0193-id"),
+                    ("ce-resourcetype", "transaction"),
+                    ("ce-eventtype", "created"),
+                    ("ce-eventtype", "second"),
                 ]
             );
+            assert_eq!(v.content_type, "text/plain");
             assert_eq!(v.body.as_ref(), b"{\"amount\":1}");
             assert_eq!(v.ingest_ms, Some(1_796_119_200_250));
         }
         let bare = EventView::new(std::iter::empty(), bytes::Bytes::new());
-        assert_eq!((&*bare.event_type, bare.ingest_ms), (".", None));
+        assert_eq!(bare.event_type, ".");
+        assert_eq!(bare.content_type, "application/json");
+        assert_eq!(bare.ingest_ms, None);
     }
 }

@@ -16,6 +16,7 @@ use std::sync::mpsc::Sender;
 use std::time::Instant;
 
 use futures::FutureExt;
+use reqwest::header::{CONTENT_TYPE, HeaderName, HeaderValue};
 
 use crate::delivery::{client, signing};
 use crate::dispatch::fair::FairPermits;
@@ -30,6 +31,15 @@ pub const NOT_ATTEMPTED: &str = "not_attempted";
 /// Response bytes kept in the attempt record.
 pub const BODY_CAP: usize = 64 * 1024;
 const KEPT_IN_RECORD: usize = 1024;
+
+// The headers every attempt carries besides the event's (DESIGN.md, "Contract with subscribers").
+const X_LERIAN_EVENT_ID: HeaderName = HeaderName::from_static("x-lerian-event-id");
+const X_LERIAN_DELIVERY_ID: HeaderName = HeaderName::from_static("x-lerian-delivery-id");
+const X_LERIAN_EVENT_TYPE: HeaderName = HeaderName::from_static("x-lerian-event-type");
+const X_LERIAN_ATTEMPT: HeaderName = HeaderName::from_static("x-lerian-attempt");
+const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
+const WEBHOOK_TIMESTAMP: HeaderName = HeaderName::from_static("webhook-timestamp");
+const WEBHOOK_SIGNATURE: HeaderName = HeaderName::from_static("webhook-signature");
 
 /// One claimed job, ready to send.
 pub struct Attempt {
@@ -175,7 +185,6 @@ impl Workers {
                 return out;
             }
         };
-        let mut content_type = "application/json".to_string();
         for (k, v) in &sub.destination.headers {
             req = req.header(k.as_str(), v.as_str());
         }
@@ -190,24 +199,43 @@ impl Workers {
                 }
             }
         }
-        for (k, v) in a.event.ce_headers.iter() {
-            if k == "ce-datacontenttype" {
-                content_type = v.clone();
-            } else {
-                req = req.header(k.as_str(), v.as_str());
+        // The event's headers come parsed (once per event); this attempt's own are built here
+        // under names known at compile time.
+        let (client, req) = req.build_split();
+        let mut req = match req {
+            Ok(r) => r,
+            Err(_) => {
+                out.error_kind = Some("bad_request".into());
+                return out;
             }
+        };
+        let headers = req.headers_mut();
+        headers.reserve(a.event.ce_headers.len() + 8);
+        for (k, v) in a.event.ce_headers.iter() {
+            headers.append(k.clone(), v.clone());
         }
-        let req = req
-            .header("content-type", content_type)
-            .header("x-lerian-event-id", &a.event_id)
-            .header("x-lerian-delivery-id", &out.delivery_id)
-            .header("x-lerian-event-type", &*a.event.event_type)
-            .header("x-lerian-attempt", a.attempt.to_string())
-            .header("webhook-id", &a.event_id)
-            .header("webhook-timestamp", timestamp.to_string())
-            .header("webhook-signature", signature)
-            .body(a.event.body.clone());
-        match req.send().await {
+        let value = |s: &str| HeaderValue::from_str(s).ok();
+        let event_id = value(&a.event_id);
+        let own = [
+            (CONTENT_TYPE, Some(a.event.content_type.clone())),
+            (X_LERIAN_EVENT_ID, event_id.clone()),
+            (X_LERIAN_DELIVERY_ID, value(&out.delivery_id)),
+            (X_LERIAN_EVENT_TYPE, Some(a.event.event_type.clone())),
+            (X_LERIAN_ATTEMPT, Some(HeaderValue::from(a.attempt))),
+            (WEBHOOK_ID, event_id),
+            (WEBHOOK_TIMESTAMP, Some(HeaderValue::from(timestamp))),
+            (WEBHOOK_SIGNATURE, value(&signature)),
+        ];
+        for (k, v) in own {
+            let Some(v) = v else {
+                out.error_kind = Some("bad_request".into());
+                return out;
+            };
+            headers.append(k, v);
+        }
+        *req.body_mut() = Some(a.event.body.clone().into());
+        let req = client.execute(req);
+        match req.await {
             Ok(resp) => {
                 let status = resp.status();
                 out.status = Some(status.as_u16());
