@@ -1308,9 +1308,6 @@ impl HubStage {
             let metadata = consumer
                 .group_metadata()
                 .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
-            // The changelog records linger (`linger.ms`) to fill larger produce requests; they
-            // go now, beside the offsets' round trip, not after it.
-            kafka::flush_for(producer.client(), Duration::from_millis(1));
             producer
                 .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
                 .map_err(fatal_or_kafka)?;
@@ -1320,7 +1317,6 @@ impl HubStage {
         kafka::wait_delivered(
             || producer.in_flight_count(),
             |d| producer.poll(d),
-            |d| kafka::flush_for(producer.client(), d),
             TXN_TIMEOUT,
         )
         .map_err(fatal_or_kafka)?;

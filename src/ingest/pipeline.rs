@@ -322,19 +322,11 @@ impl Ingest {
             RdKafkaError::Subscription("consumer has no group metadata yet".into())
         })?;
         phase_done("work");
-        // The inbox records linger (`linger.ms`) to fill larger produce requests; they go now,
-        // beside the offsets' round trip, not after it.
-        kafka::flush_for(producer.client(), std::time::Duration::from_millis(1));
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         phase_done("offsets");
         // The polling thread serves the delivery reports; committing with none in flight skips
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
-        kafka::wait_delivered(
-            || producer.in_flight_count(),
-            |_| {},
-            |d| kafka::flush_for(producer.client(), d),
-            TXN_TIMEOUT,
-        )?;
+        kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
         producer.commit_transaction(TXN_TIMEOUT)?;
         phase_done("commit");

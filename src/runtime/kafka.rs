@@ -132,13 +132,7 @@ pub fn transactional_producer(config: &Config, transactional_id: &str) -> Client
         // this backoff (100 ms by default, which was the floor of every commit). Backoffs grow
         // exponentially up to `retry.backoff.max.ms` for real failures.
         .set("retry.backoff.ms", "5")
-        // Records linger up to 50 ms to fill larger produce requests: a transaction under load
-        // sent one request per partition every 5 ms, and each costs the broker a request and
-        // a transaction check. A transaction never waits the linger out: before its offsets and
-        // while it waits for its acknowledgements the producer is told to send what lingers
-        // (`flush_for`). 50 ms against 5 ms: 13-24% more deliveries/s and a lower light-load
-        // latency in alternating pairs (BENCHMARKS.md, session 15).
-        .set("linger.ms", "50")
+        .set("linger.ms", "5")
         .set("batch.num.messages", "10000")
         .set("compression.type", "lz4")
         // murmur2 is what Java clients use: any producer keying the inbox by tenant agrees with us.
@@ -182,13 +176,11 @@ where
 /// rdkafka's `flush` (also called by `commit_transaction`) polls in 100 ms slices that always run
 /// to their end, so every transaction with a record in flight cost at least 100 ms: measured as
 /// the floor of each ingest commit and of the end-to-end latency. Here `poll(ZERO)` serves what
-/// is queued, and `flush_for` (see [`flush_for`]) waits 1 ms between polls (a short blocking poll
-/// would spin: rdkafka's poll loops until its deadline) while it makes the producer send what
-/// still lingers.
+/// is queued, and the thread sleeps 0.5 ms when nothing moved (a short blocking poll would spin:
+/// rdkafka's poll loops until its deadline).
 pub fn wait_delivered(
     in_flight: impl Fn() -> i32,
     poll: impl Fn(Duration),
-    flush_for: impl Fn(Duration),
     timeout: Duration,
 ) -> Result<(), rdkafka::error::KafkaError> {
     let deadline = std::time::Instant::now() + timeout;
@@ -202,24 +194,10 @@ pub fn wait_delivered(
                 RDKafkaErrorCode::OperationTimedOut,
             ));
         }
-        // While a flush call is under way librdkafka sends what lingers: the records of a
-        // transaction go out at once, whatever `linger.ms` says.
-        flush_for(Duration::from_millis(1));
         poll(Duration::ZERO);
-    }
-}
-
-/// Sends what the producer holds back for `linger.ms` now: librdkafka treats the linger as over
-/// while a flush call is under way. Blocks up to `wait` (less when nothing is queued).
-pub fn flush_for<C: rdkafka::client::ClientContext>(
-    client: &rdkafka::client::Client<C>,
-    wait: Duration,
-) {
-    let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
-    // SAFETY: the pointer is the live client's own handle, borrowed for the call; rd_kafka_flush
-    // is thread-safe and only waits (delivery reports are served by `poll`).
-    unsafe {
-        rdkafka::bindings::rd_kafka_flush(client.native_ptr(), ms);
+        if in_flight() == before {
+            std::thread::sleep(Duration::from_micros(500));
+        }
     }
 }
 
