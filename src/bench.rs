@@ -292,7 +292,6 @@ pub(crate) async fn create_topic(
     Ok(())
 }
 
-/// Writes `n` records: CloudEvents keyed by tenant, or inbox-shaped records when `inbox`.
 /// The platform's header set for a bench event (`ledger`'s `transaction.posted`).
 fn event_headers<'a>(id: &'a str, tenant: &'a str, now: &'a str) -> [(&'static str, &'a str); 10] {
     [
@@ -309,6 +308,7 @@ fn event_headers<'a>(id: &'a str, tenant: &'a str, now: &'a str) -> [(&'static s
     ]
 }
 
+/// Writes `n` records: CloudEvents keyed by tenant, or inbox-shaped records when `inbox`.
 fn produce(config: &Config, topic: &str, n: usize, size: usize, inbox: bool) -> Result<(), String> {
     let producer: BaseProducer = kafka::base(config)
         .set("linger.ms", "20")
@@ -423,6 +423,9 @@ pub(crate) fn cpu_seconds(pid: &str) -> f64 {
 /// attempt costs in CPU, per thread group (the workers' runtime, the caller building the
 /// attempts as the hub loop does, the sink), read from `/proc/self/task`.
 fn bench_deliver(config: &Config, records: usize, size: usize) -> Result<String, String> {
+    if records == 0 {
+        return Err("--records must be at least 1".into());
+    }
     use crate::dispatch::EventView;
     use crate::dispatch::worker::{Attempt, Workers};
     use crate::runtime::records::{DestinationType, SubscriptionRecord};

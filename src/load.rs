@@ -386,7 +386,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         let r = run_one(config, &opts, &warm_up).await?;
         warm_runs += 1;
         println!(
-            "broker warm-up run {warm_runs}: {} of {} delivered, {:.0}/s (not recorded)",
+            "broker warm-up run {warm_runs}: {} of {} delivered, {:.0}/s (not in results.jsonl)",
             r.delivered, r.expected_deliveries, r.deliveries_per_s
         );
     }
@@ -437,7 +437,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
     if matches!(opts.scenario.as_str(), "limits" | "all") {
         let kafka = kafka_limit(config, opts.size, 300_000).await?;
         let sink = sink_limit(Duration::from_secs(5)).await?;
-        let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "size": opts.size}).to_string();
+        let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "size": opts.size, "broker_warmed_s": broker_warmed_s}).to_string();
         println!("limits: Kafka produce→consume {kafka:.0} records/s; sink {sink:.0} requests/s");
         if let Some(t) = results.iter().find(|r| r.scenario == "throughput") {
             println!(

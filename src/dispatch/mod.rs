@@ -209,8 +209,9 @@ pub struct EventView {
     /// `<resource>.<event>`, as `X-Lerian-Event-Type` sends it.
     pub event_type: reqwest::header::HeaderValue,
     /// `ce-*` headers of the event, in order, except `ce-datacontenttype` (sent as the
-    /// `Content-Type`). A header that cannot go on the wire as it is (a value that is not UTF-8
-    /// or has control characters, a name HTTP does not allow) is left out.
+    /// `Content-Type`). Ingest quarantines what could not go on the wire (a value that is not
+    /// UTF-8 or has control characters, a name HTTP does not allow); such a header in a record
+    /// that bypassed it is left out.
     pub ce_headers: Arc<[(reqwest::header::HeaderName, reqwest::header::HeaderValue)]>,
     /// `ce-datacontenttype` (the last one), else `application/json`.
     pub content_type: reqwest::header::HeaderValue,

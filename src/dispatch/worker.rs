@@ -205,7 +205,7 @@ impl Workers {
         let mut req = match req {
             Ok(r) => r,
             Err(_) => {
-                out.error_kind = Some("bad_request".into());
+                out.error_kind = Some("invalid_request".into());
                 return out;
             }
         };
@@ -228,7 +228,7 @@ impl Workers {
         ];
         for (k, v) in own {
             let Some(v) = v else {
-                out.error_kind = Some("bad_request".into());
+                out.error_kind = Some("invalid_request".into());
                 return out;
             };
             headers.append(k, v);

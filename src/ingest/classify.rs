@@ -7,8 +7,9 @@
 //!
 //! Checks run in this order; the first failure is the verdict:
 //! 1. **Header structure** — over every header named `ce-*` (names are case-sensitive: `CE-Id` is not
-//!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8
-//!    or a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1) →
+//!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8,
+//!    a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1), or a name
+//!    that is not an HTTP token (it could not be sent as a header of a delivery) →
 //!    `invalid_header_encoding`; a value over 8 KiB (it becomes an HTTP header of every delivery)
 //!    → `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
 //!    (`traceparent`, …) are carried, never judged.
@@ -234,6 +235,11 @@ fn shown(s: &str) -> String {
     out
 }
 
+/// A byte of an HTTP field name (RFC 9110 `tchar`).
+fn is_http_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 fn has_control(s: &str) -> bool {
     if s.is_ascii() {
         s.bytes().any(|b| b < 0x20 || b == 0x7f)
@@ -256,6 +262,13 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
         let encoding = |what| Err(quarantine(Reason::InvalidHeaderEncoding, at(name, what)));
         if has_control(name) {
             return encoding(format_args!("control character in the header name"));
+        }
+        // Every `ce-*` header becomes an HTTP request header of each delivery: a name HTTP does
+        // not allow could never be sent.
+        if !name.bytes().all(is_http_token_byte) {
+            return encoding(format_args!(
+                "the header name is not an HTTP token, so it cannot be sent to subscribers"
+            ));
         }
         let Some(value) = value else {
             return encoding(format_args!("null value"));
@@ -1193,6 +1206,16 @@ mod tests {
             name.classify(&cfg),
             Reason::InvalidHeaderEncoding,
             "ce-x\\n",
+        );
+        // A name HTTP does not allow could never go out as a header of a delivery.
+        for bad in ["ce-foo bar", "ce-a/b", "ce-é", "ce-a:b"] {
+            let name = Rec::ledger().push(bad, "1");
+            assert_quarantined(name.classify(&cfg), Reason::InvalidHeaderEncoding, bad);
+        }
+        let token = Rec::ledger().push("ce-Trace_Id.v2", "1");
+        assert!(
+            matches!(token.classify(&cfg), Verdict::Accept(_)),
+            "any HTTP token is a fine extension name"
         );
         // Non-ce headers are carried, never judged.
         let other = Rec::ledger()
