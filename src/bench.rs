@@ -404,7 +404,13 @@ fn pid_of(file: &str) -> Option<String> {
 
 /// User + system CPU seconds of a process (`self` or a pid), from /proc.
 pub(crate) fn cpu_seconds(pid: &str) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    stat_cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+/// User + system CPU seconds in a `/proc/.../stat` file (a process's or a thread's); 0 when
+/// unreadable.
+fn stat_cpu_seconds(path: &str) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(path) else {
         return 0.0;
     };
     // Fields after the command name (which may contain spaces) start after the last ')'.
@@ -573,15 +579,8 @@ fn thread_cpu_seconds() -> std::collections::HashMap<String, f64> {
             c if c.starts_with("bench-sink") => "bench-sink",
             _ => "caller",
         };
-        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
-            continue;
-        };
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-        *out.entry(group.to_string()).or_default() += (ticks(11) + ticks(12)) / 100.0;
+        let stat = t.path().join("stat");
+        *out.entry(group.to_string()).or_default() += stat_cpu_seconds(&stat.to_string_lossy());
     }
     out
 }

@@ -234,8 +234,7 @@ impl Workers {
             headers.append(k, v);
         }
         *req.body_mut() = Some(a.event.body.clone().into());
-        let req = client.execute(req);
-        match req.await {
+        match client.execute(req).await {
             Ok(resp) => {
                 let status = resp.status();
                 out.status = Some(status.as_u16());
