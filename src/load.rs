@@ -437,13 +437,24 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
     if matches!(opts.scenario.as_str(), "limits" | "all") {
         let kafka = kafka_limit(config, opts.size, 300_000).await?;
         let sink = sink_limit(Duration::from_secs(5)).await?;
-        let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "size": opts.size, "broker_warmed_s": broker_warmed_s}).to_string();
+        let ceiling_throughput = ceiling(kafka, sink, 1);
+        let ceiling_fanout = ceiling(kafka, sink, 10);
+        let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "ceiling_deliveries_per_s": {"throughput": ceiling_throughput, "fanout": ceiling_fanout}, "size": opts.size, "broker_warmed_s": broker_warmed_s}).to_string();
         println!("limits: Kafka produce→consume {kafka:.0} records/s; sink {sink:.0} requests/s");
-        if let Some(t) = results.iter().find(|r| r.scenario == "throughput") {
-            println!(
-                "throughput is {:.0}% of the lower limit",
-                100.0 * t.deliveries_per_s / kafka.min(sink)
-            );
+        println!(
+            "ceiling from these limits (two produce→consume trips per event, one request per delivery, nothing else): throughput {ceiling_throughput:.0}/s, fanout {ceiling_fanout:.0}/s"
+        );
+        for (scenario, ceiling) in [
+            ("throughput", ceiling_throughput),
+            ("fanout", ceiling_fanout),
+        ] {
+            if let Some(t) = results.iter().find(|r| r.scenario == scenario) {
+                println!(
+                    "{scenario}: {:.0}% of the lower limit, {:.0}% of its ceiling",
+                    100.0 * t.deliveries_per_s / kafka.min(sink),
+                    100.0 * t.deliveries_per_s / ceiling
+                );
+            }
         }
         append(&opts.out.join("results.jsonl"), &line)?;
     }
@@ -892,6 +903,21 @@ fn produce_loop(
     }
 }
 
+/// The most deliveries/s this machine could make if a delivery cost only what the design cannot
+/// do without, priced by the limits measured beside it: every event crosses the broker twice
+/// (producer → source topic → ingest, ingest → inbox → hub task), each crossing at least what one
+/// record of the Kafka limit run cost the whole machine (1 / `kafka` s), and every delivery is
+/// one request, at least what one request of the sink limit run cost (1 / `sink` s); an event
+/// with `deliveries_per_event` matching subscriptions shares its two crossings among them. Dedup,
+/// jobs, claims, attempts, transactions and signing are priced at zero, so the hub's real
+/// figure can only be lower.
+fn ceiling(kafka: f64, sink: f64, deliveries_per_event: u32) -> f64 {
+    if kafka <= 0.0 || sink <= 0.0 || deliveries_per_event == 0 {
+        return 0.0;
+    }
+    1.0 / (1.0 / sink + 2.0 / (kafka * f64::from(deliveries_per_event)))
+}
+
 /// The broker's produce→consume rate for this record size through the same client library.
 async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, String> {
     let topic = format!(
@@ -1059,4 +1085,23 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ceiling;
+
+    #[test]
+    fn the_ceiling_prices_two_broker_crossings_per_event_and_one_request_per_delivery() {
+        // 200 records/s and 100 requests/s: an event costs 2/200 s of crossings + 1/100 s of
+        // request, so 50 deliveries/s; two deliveries share one event's crossings.
+        assert!((ceiling(200.0, 100.0, 1) - 50.0).abs() < 1e-9);
+        assert!((ceiling(200.0, 100.0, 2) - 200.0 / 3.0).abs() < 1e-9);
+        // Never above the sink's own rate, and nearing it as fan-out grows.
+        assert!(ceiling(84_179.0, 25_750.0, 10) < 25_750.0);
+        assert!(ceiling(84_179.0, 25_750.0, 1000) > 25_000.0);
+        // No limit measured: no ceiling.
+        assert_eq!(ceiling(0.0, 25_750.0, 1), 0.0);
+        assert_eq!(ceiling(84_179.0, 25_750.0, 0), 0.0);
+    }
 }
