@@ -299,6 +299,9 @@ impl Drop for HubProcess {
     }
 }
 
+/// Subscriptions per event in the `fanout` scenario (its tenants' events each match them all).
+const FANOUT_SUBSCRIPTIONS: usize = 10;
+
 /// Runs the scenario(s) named in `opts`.
 pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
     std::fs::create_dir_all(&opts.out).map_err(|e| e.to_string())?;
@@ -329,7 +332,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         name: "fanout".into(),
         rate: None,
         tenants: 10,
-        subs_per_tenant: 10,
+        subs_per_tenant: FANOUT_SUBSCRIPTIONS,
         events: 20_000,
         ..at(0)
     };
@@ -438,7 +441,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         let kafka = kafka_limit(config, opts.size, 300_000).await?;
         let sink = sink_limit(Duration::from_secs(5)).await?;
         let ceiling_throughput = ceiling(kafka, sink, 1);
-        let ceiling_fanout = ceiling(kafka, sink, 10);
+        let ceiling_fanout = ceiling(kafka, sink, FANOUT_SUBSCRIPTIONS as u32);
         let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "ceiling_deliveries_per_s": {"throughput": ceiling_throughput, "fanout": ceiling_fanout}, "size": opts.size, "broker_warmed_s": broker_warmed_s}).to_string();
         println!("limits: Kafka produce→consume {kafka:.0} records/s; sink {sink:.0} requests/s");
         println!(
