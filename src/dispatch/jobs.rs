@@ -420,6 +420,9 @@ impl JobStore<'_> {
             let mut any = false;
             let mut first_live: Option<Vec<u8>> = None;
             let mut next_due: Option<i64> = None;
+            // Due timers this call returned already: the caller may leave them unclaimed (a
+            // tenant at its in-flight cap), so they are still due after this scan.
+            let mut passed_over = false;
             let staged = &*self.staged;
             self.store.visit_from(DUE, &start, usize::MAX, |k| {
                 let Some((due, job)) = split_due_key(k, &tenant) else {
@@ -433,7 +436,9 @@ impl JobStore<'_> {
                     next_due = Some(due);
                     return false;
                 }
-                if !taken.contains(&job) && staged.get(DUE, k).is_none() {
+                if taken.contains(&job) {
+                    passed_over = true;
+                } else if staged.get(DUE, k).is_none() {
                     found.push(job);
                 }
                 found.len() < want
@@ -442,9 +447,12 @@ impl JobStore<'_> {
                 ring.marks.insert(tenant.clone(), k);
             }
             // Nothing due before `next_due` unless a commit writes a timer (which lowers it);
-            // a tenant that yielded jobs or none at all is scanned again next round.
+            // a tenant that yielded jobs or none at all is scanned again next round. Nor is a
+            // tenant whose due jobs an earlier scan of this call returned put to sleep: the ones
+            // left unclaimed stay due, and sleeping until its next timer (a lease, 25 s away)
+            // stranded them there (the last deliveries of a `throughput` run, 24 s late).
             match (found.is_empty(), next_due) {
-                (true, Some(t)) if !ring.fresh.contains(&tenant) => {
+                (true, Some(t)) if !ring.fresh.contains(&tenant) && !passed_over => {
                     ring.not_before.insert(tenant.clone(), t);
                 }
                 _ => {
@@ -781,6 +789,44 @@ mod tests {
             due_ids(&store, &codec, &mut ring, 1_000),
             vec!["now", "later"]
         );
+    }
+
+    #[test]
+    fn due_jobs_left_unclaimed_are_due_again_next_round() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let mut ring = TenantRing::default();
+        // Tenant t: two jobs due and a lease running; tenant u: only a timer not due yet.
+        commit_jobs(
+            &store,
+            &codec,
+            &mut ring,
+            &[
+                job("t", "a", 5),
+                job("t", "b", 5),
+                job("t", "leased", 1_000),
+            ],
+        );
+        commit_jobs(&store, &codec, &mut ring, &[job("u", "later", 1_000)]);
+        // A limit of 4 over two tenants: t's share (2) is its whole due set, so t is scanned a
+        // second time in the same call and finds only what the first scan returned.
+        let mut staged = Staged::default();
+        let js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        let first: Vec<String> = js
+            .due_jobs(&mut ring, 10, 4)
+            .unwrap()
+            .into_iter()
+            .map(|(_, j)| j.event_key)
+            .collect();
+        assert_eq!(first, vec!["a", "b"]);
+        // Nothing was claimed (t at its in-flight cap) and nothing committed: both are still
+        // due, and the next round returns them without waiting for t's lease.
+        assert_eq!(due_ids(&store, &codec, &mut ring, 11), vec!["a", "b"]);
     }
 
     fn payload(headers: usize, value: usize, refcount: u32) -> EventPayloadRecord {
