@@ -135,6 +135,11 @@ impl Store {
         let mut batch = WriteBatch::with_capacity_bytes(bytes);
         for (family, writes) in staged.families {
             let cf = self.cf(family)?;
+            // In key order: the memtable's skip list starts each insert from where the last one
+            // went in, so ascending keys skip most of the search from the top that a hash map's
+            // order costs on every insert.
+            let mut writes: Vec<_> = writes.into_iter().collect();
+            writes.sort_unstable_by(|a, b| a.0.cmp(&b.0));
             for (key, value) in writes {
                 match value {
                     Some(v) => batch.put_cf(cf, key, v),
