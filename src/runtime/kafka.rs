@@ -114,6 +114,13 @@ pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> Cli
         )
         .set("fetch.wait.max.ms", "20")
         .set("queued.max.messages.kbytes", "16384")
+        // Small fetches per partition: a read_committed consumer of a backlog got one partition's
+        // records for seconds at a time (1 MiB per fetch, the default, up to the 16 MiB queue),
+        // so ingest wrote, and the hub took in, one partition after another, and the tenants of
+        // the others waited: in a `throughput` run a whole partition's tenants got nothing for
+        // 6-7 s. At 64 KiB that gap was about 1 s and the prefetch holds less (BENCHMARKS.md,
+        // session 17). A record larger than this still comes whole.
+        .set("max.partition.fetch.bytes", "65536")
         // Consumer lag per partition reaches /metrics through the context's statistics callback.
         .set("statistics.interval.ms", "10000");
     c
