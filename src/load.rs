@@ -90,6 +90,11 @@ pub struct RunResult {
     /// The same, per topic of the hub (name after the prefix); its values sum to the above.
     pub kafka_bytes_per_delivery_by_topic: Option<BTreeMap<String, f64>>,
     pub recovery_s: Option<f64>,
+    /// The longest time one healthy tenant went without a delivery between its first and its
+    /// last one (ms): a tenant, or a whole inbox partition's tenants, left waiting while the
+    /// others were served shows here (session 17: 5.6-7.5 s in `throughput` before the fetch
+    /// size, 24 s for jobs stranded until a lease).
+    pub longest_tenant_wait_ms: Option<f64>,
     /// Seconds of unmeasured throughput runs on the broker before this run's scenarios
     /// (`--warm-broker`; 0 = the broker as the run found it).
     pub broker_warmed_s: f64,
@@ -746,6 +751,16 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
                 / opts.duration.as_secs_f64()
         }
     };
+    let tenant_of: HashMap<&str, usize> = produced
+        .iter()
+        .filter(|(_, t, _)| *t >= spec.failing_tenants)
+        .map(|(id, t, _)| (id.as_str(), *t))
+        .collect();
+    let longest_tenant_wait_ms = longest_tenant_wait(
+        got.iter()
+            .filter_map(|g| tenant_of.get(g.event.as_str()).map(|t| (*t, g.received_us))),
+    )
+    .map(|us| us as f64 / 1000.0);
     let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let kafka_bytes_by_topic = match (bytes0, bytes1) {
         (Some(a), Some(b)) if delivered > 0 => Some(
@@ -787,8 +802,25 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         kafka_bytes_per_delivery,
         kafka_bytes_per_delivery_by_topic: kafka_bytes_by_topic,
         recovery_s,
+        longest_tenant_wait_ms,
         broker_warmed_s: 0.0,
     })
+}
+
+/// The longest gap between two consecutive deliveries of one tenant, over `(tenant, receive
+/// time in µs)` pairs in any order; None without two deliveries of one tenant.
+fn longest_tenant_wait(deliveries: impl IntoIterator<Item = (usize, i64)>) -> Option<i64> {
+    let mut by_tenant: HashMap<usize, Vec<i64>> = HashMap::new();
+    for (tenant, at) in deliveries {
+        by_tenant.entry(tenant).or_default().push(at);
+    }
+    by_tenant
+        .into_values()
+        .filter_map(|mut at| {
+            at.sort_unstable();
+            at.windows(2).map(|w| w[1] - w[0]).max()
+        })
+        .max()
 }
 
 /// The single broker's data directory from `scripts/kafka.sh` (write amplification), if present.
@@ -1092,6 +1124,26 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_longest_tenant_wait_is_the_largest_gap_between_one_tenants_deliveries() {
+        use super::longest_tenant_wait;
+        // Listed out of order (as the sink's threads record them): tenant 1 received at 100,
+        // 200 and 900 µs, so it waited 700 (not 800, the gap in listing order); tenant 2's are
+        // at most 200 apart; tenant 3 has a single delivery.
+        let got = [
+            (1, 100),
+            (2, 400),
+            (1, 900),
+            (2, 100),
+            (3, 5_000),
+            (1, 200),
+            (2, 300),
+        ];
+        assert_eq!(longest_tenant_wait(got), Some(700));
+        assert_eq!(longest_tenant_wait([(3, 5_000)]), None);
+        assert_eq!(longest_tenant_wait([]), None);
+    }
+
     use super::ceiling;
 
     #[test]
