@@ -1124,9 +1124,10 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    use super::{ceiling, longest_tenant_wait};
+
     #[test]
     fn the_longest_tenant_wait_is_the_largest_gap_between_one_tenants_deliveries() {
-        use super::longest_tenant_wait;
         // Listed out of order (as the sink's threads record them): tenant 1 received at 100,
         // 200 and 900 µs, so it waited 700 (not 800, the gap in listing order); tenant 2's are
         // at most 200 apart; tenant 3 has a single delivery.
@@ -1143,8 +1144,6 @@ mod tests {
         assert_eq!(longest_tenant_wait([(3, 5_000)]), None);
         assert_eq!(longest_tenant_wait([]), None);
     }
-
-    use super::ceiling;
 
     #[test]
     fn the_ceiling_prices_two_broker_crossings_per_event_and_one_request_per_delivery() {

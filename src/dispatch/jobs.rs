@@ -747,13 +747,24 @@ mod tests {
     }
 
     fn due_ids(store: &Store, codec: &Codec, ring: &mut TenantRing, now: i64) -> Vec<String> {
+        due_ids_up_to(store, codec, ring, now, 100)
+    }
+
+    /// One `due_jobs` call, at most `limit` jobs, in a transaction that writes nothing.
+    fn due_ids_up_to(
+        store: &Store,
+        codec: &Codec,
+        ring: &mut TenantRing,
+        now: i64,
+        limit: usize,
+    ) -> Vec<String> {
         let mut staged = Staged::default();
         let js = JobStore {
             store,
             staged: &mut staged,
             codec,
         };
-        js.due_jobs(ring, now, 100)
+        js.due_jobs(ring, now, limit)
             .unwrap()
             .into_iter()
             .map(|(_, j)| j.event_key)
@@ -811,19 +822,10 @@ mod tests {
         commit_jobs(&store, &codec, &mut ring, &[job("u", "later", 1_000)]);
         // A limit of 4 over two tenants: t's share (2) is its whole due set, so t is scanned a
         // second time in the same call and finds only what the first scan returned.
-        let mut staged = Staged::default();
-        let js = JobStore {
-            store: &store,
-            staged: &mut staged,
-            codec: &codec,
-        };
-        let first: Vec<String> = js
-            .due_jobs(&mut ring, 10, 4)
-            .unwrap()
-            .into_iter()
-            .map(|(_, j)| j.event_key)
-            .collect();
-        assert_eq!(first, vec!["a", "b"]);
+        assert_eq!(
+            due_ids_up_to(&store, &codec, &mut ring, 10, 4),
+            vec!["a", "b"]
+        );
         // Nothing was claimed (t at its in-flight cap) and nothing committed: both are still
         // due, and the next round returns them without waiting for t's lease.
         assert_eq!(due_ids(&store, &codec, &mut ring, 11), vec!["a", "b"]);
