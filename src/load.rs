@@ -307,10 +307,8 @@ impl Drop for HubProcess {
 /// Subscriptions per event in the `fanout` scenario (its tenants' events each match them all).
 const FANOUT_SUBSCRIPTIONS: usize = 10;
 
-/// Runs the scenario(s) named in `opts`.
-pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
-    std::fs::create_dir_all(&opts.out).map_err(|e| e.to_string())?;
-    let d = opts.duration;
+/// The runs a scenario name stands for (and the broker's warm-up run), or why the name is wrong.
+fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
     let at = |rate: u32| Spec {
         name: "latency".into(),
         rate: Some(rate),
@@ -361,7 +359,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         kill_after: Some(d / 3),
         ..at(1000)
     };
-    let specs: Vec<Spec> = match opts.scenario.as_str() {
+    let specs: Vec<Spec> = match scenario {
         "throughput" => vec![throughput],
         "latency" => vec![at(1000), at(5000), at(10_000)],
         "fanout" => vec![fanout],
@@ -369,6 +367,15 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         "noisy-neighbour" => vec![noisy],
         "recovery" => vec![recovery],
         "limits" => vec![],
+        // One rate of the latency curve, for A/B runs of a setting at that rate.
+        one if one.starts_with("latency=") => match one["latency=".len()..].parse::<u32>() {
+            Ok(rate) if rate > 0 => vec![at(rate)],
+            _ => {
+                return Err(format!(
+                    "bad scenario {one:?}: latency=<events per second>, e.g. latency=5000"
+                ));
+            }
+        },
         "all" => vec![
             throughput,
             at(1000),
@@ -382,10 +389,17 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         ],
         other => {
             return Err(format!(
-                "unknown scenario {other:?}: throughput, latency, fanout, slow-sink, noisy-neighbour, recovery, limits or all"
+                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, noisy-neighbour, recovery, limits or all"
             ));
         }
     };
+    Ok((specs, warm_up))
+}
+
+/// Runs the scenario(s) named in `opts`.
+pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
+    let (specs, warm_up) = specs_of(&opts.scenario, opts.duration)?;
+    std::fs::create_dir_all(&opts.out).map_err(|e| e.to_string())?;
     // The broker's JVM compiles its hot code during the first minutes of load: on this 2-core
     // machine a freshly started broker spent as much CPU compiling as serving (BENCHMARKS.md).
     let warming = Instant::now();
@@ -1124,7 +1138,29 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ceiling, longest_tenant_wait};
+    use super::{ceiling, longest_tenant_wait, specs_of};
+    use std::time::Duration;
+
+    #[test]
+    fn latency_at_one_rate_runs_that_rate_alone_and_bad_rates_are_refused() {
+        let d = Duration::from_secs(15);
+        let (specs, _) = specs_of("latency=5000", d).unwrap();
+        let rates: Vec<_> = specs.iter().map(|s| (s.name.as_str(), s.rate)).collect();
+        assert_eq!(rates, [("latency", Some(5000))]);
+        let (curve, _) = specs_of("latency", d).unwrap();
+        let rates: Vec<_> = curve.iter().map(|s| s.rate).collect();
+        assert_eq!(rates, [Some(1000), Some(5000), Some(10_000)]);
+        for bad in [
+            "latency=",
+            "latency=0",
+            "latency=fast",
+            "latency=-5",
+            "nonsense",
+        ] {
+            let e = specs_of(bad, d).err().unwrap_or_default();
+            assert!(e.contains(bad), "{bad:?}: {e:?}");
+        }
+    }
 
     #[test]
     fn the_longest_tenant_wait_is_the_largest_gap_between_one_tenants_deliveries() {

@@ -84,8 +84,8 @@ enum Command {
         input_only: bool,
     },
     /// End-to-end load harness: starts the hub, a verifying sink and a producer; prints JSON and a
-    /// table (scenarios: throughput, latency, fanout, slow-sink, noisy-neighbour, recovery,
-    /// limits, all).
+    /// table (scenarios: throughput, latency, latency=<rate> (one rate of the curve), fanout,
+    /// slow-sink, noisy-neighbour, recovery, limits, all).
     Load {
         scenario: String,
         /// Measured time per run, after the warm-up.
