@@ -437,7 +437,9 @@ settings! {
     /// record, so light load commits at once and a steady stream gets large batches. 10 ms wrote
     /// 2-9% fewer Kafka bytes per delivery than 100 ms in every measured pair, but its
     /// deliveries/s and CPU per delivery stayed within the spread between runs (BENCHMARKS.md,
-    /// sessions 10-11); it loses nothing either (recovery and fault-suite runs, session 11).
+    /// sessions 10-11); it loses nothing either (recovery and fault-suite runs, session 11). At
+    /// 5,000 events/s it was worse in three of three pairs: p99 953-3,117 ms against 219-620 ms,
+    /// with more CPU per delivery (session 18).
     commit_interval: std::time::Duration = "100ms";
     /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time.
     idempotency_ttl: std::time::Duration = "24h";
