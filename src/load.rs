@@ -47,6 +47,9 @@ pub struct LoadOptions {
     pub size: usize,
     /// Where results.jsonl, latency.png and each run's metrics-*.prom (the hub's /metrics) go.
     pub out: PathBuf,
+    /// Leave each run's topics on the broker (by default they are deleted after a run that
+    /// missed nothing; a run that missed deliveries always leaves them, for tracing).
+    pub keep_topics: bool,
 }
 
 /// One run's shape.
@@ -738,6 +741,11 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
             expected - delivered
         );
     }
+    if delivered < expected || opts.keep_topics {
+        println!("load: the run's topics stay on the broker (prefix {prefix})");
+    } else if let Err(e) = delete_run_topics(config, &prefix).await {
+        eprintln!("load: could not delete the run's topics (prefix {prefix}): {e}");
+    }
     let measure_from_us = now_us() - measure_from.elapsed().as_micros() as i64;
     let measure_to_us = measure_from_us + opts.duration.as_micros() as i64;
     let mut all =
@@ -968,6 +976,52 @@ fn ceiling(kafka: f64, sink: f64, deliveries_per_event: u32) -> f64 {
 }
 
 /// The broker's produce→consume rate for this record size through the same client library.
+/// The topics of the run with topic prefix `prefix` among `topics`: its producers' topic
+/// (`lerian.streaming.<prefix>`, and its `.dlq` if any) and every topic under the prefix.
+fn topics_of_run<'a>(topics: impl IntoIterator<Item = &'a str>, prefix: &str) -> Vec<String> {
+    let source = format!("lerian.streaming.{prefix}");
+    let (under, under_source) = (format!("{prefix}."), format!("{source}."));
+    topics
+        .into_iter()
+        .filter(|t| *t == source || t.starts_with(&under) || t.starts_with(&under_source))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Deletes the topics a run made. Every run makes its own (about 60 partitions, a third of them
+/// compacted), and a broker that had kept those of a day's runs (5,212 partitions) measured
+/// slower at 5,000 events/s than after they were deleted (BENCHMARKS.md, session 19).
+async fn delete_run_topics(config: &Config, prefix: &str) -> Result<usize, String> {
+    let admin = kafka::admin(config).map_err(|e| e.to_string())?;
+    let names: Vec<String> = {
+        let md = admin
+            .inner()
+            .fetch_metadata(None, kafka::ADMIN_TIMEOUT)
+            .map_err(|e| e.to_string())?;
+        topics_of_run(md.topics().iter().map(|t| t.name()), prefix)
+    };
+    delete_topics(&admin, &names).await?;
+    Ok(names.len())
+}
+
+async fn delete_topics(
+    admin: &rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>,
+    names: &[String],
+) -> Result<(), String> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    for r in admin
+        .delete_topics(&refs, &rdkafka::admin::AdminOptions::new())
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        r.map_err(|(t, e)| format!("{t}: {e}"))?;
+    }
+    Ok(())
+}
+
 async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, String> {
     let topic = format!(
         "load-limit-{}",
@@ -1018,7 +1072,13 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
     .await
     .map_err(|e| e.to_string())?;
     producer.join().map_err(|_| "limit producer panicked")??;
-    Ok(consumed as f64 / started.elapsed().as_secs_f64())
+    let rate = consumed as f64 / started.elapsed().as_secs_f64();
+    if let Ok(admin) = kafka::admin(config) {
+        if let Err(e) = delete_topics(&admin, std::slice::from_ref(&topic)).await {
+            eprintln!("load: could not delete {topic}: {e}");
+        }
+    }
+    Ok(rate)
 }
 
 /// The sink's request rate from the hub's HTTP client (reqwest, keep-alive), 64 in flight.
@@ -1138,8 +1198,31 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ceiling, longest_tenant_wait, specs_of};
+    use super::{ceiling, longest_tenant_wait, specs_of, topics_of_run};
     use std::time::Duration;
+
+    #[test]
+    fn a_runs_topics_are_its_source_and_those_under_its_prefix_only() {
+        let all = [
+            "lerian.streaming.loadab12",
+            "loadab12.inbox",
+            "loadab12.hub.jobs.changelog",
+            "loadab12x.inbox",
+            "lerian.streaming.loadab12x",
+            "lerian.streaming.loadab12.dlq",
+            "loadab1.inbox",
+            "__consumer_offsets",
+        ];
+        assert_eq!(
+            topics_of_run(all, "loadab12"),
+            vec![
+                "lerian.streaming.loadab12",
+                "loadab12.inbox",
+                "loadab12.hub.jobs.changelog",
+                "lerian.streaming.loadab12.dlq"
+            ]
+        );
+    }
 
     #[test]
     fn latency_at_one_rate_runs_that_rate_alone_and_bad_rates_are_refused() {

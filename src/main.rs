@@ -104,6 +104,10 @@ enum Command {
         /// Where results.jsonl, latency.png and each run's metrics-*.prom are written.
         #[arg(long, default_value = "target/load")]
         out: std::path::PathBuf,
+        /// Leave each run's topics on the broker (deleted by default after a run that missed
+        /// nothing; a run that missed deliveries leaves them for tracing).
+        #[arg(long)]
+        keep_topics: bool,
     },
     /// Produce sample platform events and show what a running hub does with them.
     Demo {
@@ -257,7 +261,7 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Load { scenario, duration, warmup, warm_broker, size, out } => {
+            Command::Load { scenario, duration, warmup, warm_broker, size, out, keep_topics } => {
                 let opts = streaming_hub::load::LoadOptions {
                     scenario,
                     duration,
@@ -265,6 +269,7 @@ fn main() -> ExitCode {
                     warm_broker,
                     size,
                     out,
+                    keep_topics,
                 };
                 match streaming_hub::load::run(&config, opts).await {
                     Ok(()) => ExitCode::SUCCESS,
