@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A/B runs of the load harness: two or more builds or settings, rotated run by run (one run of
+# each per round, so the broker's and the machine's drift lands on all of them alike), against
+# the broker already running on 9092 (start it with scripts/kafka.sh; it is not restarted, so a
+# warm broker stays warm).
+#
+#   scripts/ab.sh [-r ROUNDS] [-o DIR] <scenario> <variant> <variant>...
+#     scenario  a `streaming-hub load` scenario: throughput, fanout, latency=5000, ...
+#     variant   <binary>[:VAR=value[,VAR=value...]]; a name for it is made from the binary's
+#               file name and its settings
+#
+#   cp "$CARGO_TARGET_DIR/release/streaming-hub" /tmp/hub-before    # then build the change
+#   scripts/ab.sh -r 3 throughput /tmp/hub-before "$CARGO_TARGET_DIR/release/streaming-hub"
+#   scripts/ab.sh latency=5000 /tmp/hub-before /tmp/hub-before:STREAMING_HUB_COMMIT_INTERVAL=10ms
+#
+# Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
+# --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's
+# output in run.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
+# CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=3
+out="target/ab/$(date +%Y%m%d-%H%M%S)"
+while getopts "r:o:" opt; do
+  case "$opt" in
+    r) rounds="$OPTARG" ;;
+    o) out="$OPTARG" ;;
+    *) sed -n '2,20p' "$0"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+if (($# < 2)); then
+  sed -n '2,20p' "$0"
+  exit 2
+fi
+scenario="$1"
+shift
+variants=("$@")
+name_of() {
+  local bin="${1%%:*}" settings=""
+  [[ "$1" == *:* ]] && settings="${1#*:}"
+  local name
+  name="$(basename "$bin")"
+  [[ -n "$settings" ]] && name="$name+$(tr ',=' '+-' <<<"$settings")"
+  printf '%s' "$name"
+}
+for v in "${variants[@]}"; do
+  bin="${v%%:*}"
+  [[ -x "$bin" ]] || { echo "ab.sh: $bin is not an executable" >&2; exit 2; }
+done
+mkdir -p "$out"
+echo "variant round deliveries_per_s p50_ms p99_ms cpu_s_per_1k rss_mib missing dup bad_sig" | tee "$out/summary.txt"
+for r in $(seq 1 "$rounds"); do
+  for v in "${variants[@]}"; do
+    bin="${v%%:*}"
+    settings=()
+    if [[ "$v" == *:* ]]; then IFS=',' read -r -a settings <<<"${v#*:}"; fi
+    dir="$out/$(name_of "$v")-r$r"
+    mkdir -p "$dir"
+    if ! env "${settings[@]}" STREAMING_HUB_LOG=warn "$bin" load "$scenario" \
+      --duration 15s --warmup 5s --out "$dir" >"$dir/run.log" 2>&1; then
+      echo "ab.sh: $(name_of "$v") round $r failed; see $dir/run.log" >&2
+      continue
+    fi
+    python3 - "$dir/results.jsonl" "$(name_of "$v")" "$r" <<'EOF' | tee -a "$out/summary.txt"
+import json, sys
+path, name, rnd = sys.argv[1:]
+for line in open(path):
+    d = json.loads(line)
+    if "scenario" not in d:
+        continue
+    print(name, rnd, round(d["deliveries_per_s"]), d["p50_ms"], d["p99_ms"],
+          round(d["hub_cpu_s_per_1k"], 3), d["hub_peak_rss_mib"], d["missing"],
+          d["duplicates"], d["bad_signatures"])
+EOF
+  done
+done
+echo "ab.sh: results under $out"
