@@ -975,7 +975,6 @@ fn ceiling(kafka: f64, sink: f64, deliveries_per_event: u32) -> f64 {
     1.0 / (1.0 / sink + 2.0 / (kafka * f64::from(deliveries_per_event)))
 }
 
-/// The broker's produce→consume rate for this record size through the same client library.
 /// The topics of the run with topic prefix `prefix` among `topics`: its producers' topic
 /// (`lerian.streaming.<prefix>`, and its `.dlq` if any) and every topic under the prefix.
 fn topics_of_run<'a>(topics: impl IntoIterator<Item = &'a str>, prefix: &str) -> Vec<String> {
@@ -988,10 +987,10 @@ fn topics_of_run<'a>(topics: impl IntoIterator<Item = &'a str>, prefix: &str) ->
         .collect()
 }
 
-/// Deletes the topics a run made. Every run makes its own (about 60 partitions, a third of them
+/// Deletes the topics a run made. Every run makes its own (about 60 partitions, the changelogs
 /// compacted), and a broker that had kept those of a day's runs (5,212 partitions) measured
 /// slower at 5,000 events/s than after they were deleted (BENCHMARKS.md, session 19).
-async fn delete_run_topics(config: &Config, prefix: &str) -> Result<usize, String> {
+async fn delete_run_topics(config: &Config, prefix: &str) -> Result<(), String> {
     let admin = kafka::admin(config).map_err(|e| e.to_string())?;
     let names: Vec<String> = {
         let md = admin
@@ -1000,8 +999,7 @@ async fn delete_run_topics(config: &Config, prefix: &str) -> Result<usize, Strin
             .map_err(|e| e.to_string())?;
         topics_of_run(md.topics().iter().map(|t| t.name()), prefix)
     };
-    delete_topics(&admin, &names).await?;
-    Ok(names.len())
+    delete_topics(&admin, &names).await
 }
 
 async fn delete_topics(
@@ -1022,6 +1020,7 @@ async fn delete_topics(
     Ok(())
 }
 
+/// The broker's produce→consume rate for this record size through the same client library.
 async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, String> {
     let topic = format!(
         "load-limit-{}",
