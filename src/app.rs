@@ -214,10 +214,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         let stages = config.hub_stage_count();
         let router = Arc::new(crate::hub::task::OutcomeRouter::default());
         for stage in 0..stages {
-            let handler = DispatchJobs {
-                table: table.clone(),
-                pull_topic: format!("{}.pull", config.topic_prefix),
-            };
+            let handler = DispatchJobs::new(table.clone(), format!("{}.pull", config.topic_prefix));
             let dispatch = Dispatch::new(
                 table.clone(),
                 workers.clone(),

@@ -203,10 +203,7 @@ async fn bench_pending_jobs(config: &Config, opts: &BenchOptions) -> Result<Stri
         tokio::runtime::Handle::current(),
         &config,
     );
-    let handler = DispatchJobs {
-        table,
-        pull_topic: format!("{}.pull", config.topic_prefix),
-    };
+    let handler = DispatchJobs::new(table, format!("{}.pull", config.topic_prefix));
     let mut stage = HubStage::new(&config, codec, clock, Box::new(handler)).with_dispatch(dispatch);
     let m = measure(&config, opts, &inbox, &config.hub_group_id(), move |stop| {
         stage.run(stop).map_err(|e| e.to_string())
@@ -518,6 +515,7 @@ fn bench_deliver(config: &Config, records: usize, size: usize) -> Result<String,
                 tenant,
                 subscription: subs[i].clone(),
                 event,
+                sole_payload: None,
             };
             workers.spawn(workers_rt.handle(), a, done_tx.clone());
             sent += 1;

@@ -1,7 +1,8 @@
 //! Operations against the real binary and broker: the pull API (order, cursor across a restart
 //! and across instances, rate limit), recover / redrive / per-subscription replay (each redelivers
-//! to one subscription only), the forensics index of producers' DLQs and the quarantine (never
-//! delivered), and SIGTERM during deliveries (every attempt a sink saw is recorded).
+//! to one subscription only; a payload that gains a holder while an attempt is in flight outlives
+//! that attempt), the forensics index of producers' DLQs and the quarantine (never delivered), and
+//! SIGTERM during deliveries (every attempt a sink saw is recorded).
 mod common;
 
 use std::collections::BTreeMap;
@@ -428,6 +429,88 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
     );
     assert_no_eof_errors(&s.hub.log_text());
 }
+
+/// A sink that takes each event delivery and answers 200 only once the test opens its gate
+/// (verification probes pass at once).
+async fn start_gated_sink() -> (String, Arc<Mutex<Vec<String>>>, Arc<tokio::sync::Semaphore>) {
+    let got: Arc<Mutex<Vec<String>>> = Arc::default();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (g, o) = (got.clone(), gate.clone());
+    let app = Router::new().route(
+        "/hook",
+        post(move |headers: HeaderMap, body: Bytes| {
+            let (got, gate) = (g.clone(), o.clone());
+            async move {
+                let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("");
+                if h("x-lerian-event-type") == "streaming_hub.verification" {
+                    return (StatusCode::OK, body); // the challenge echoed
+                }
+                got.lock().unwrap().push(h("x-lerian-event-id").to_string());
+                let _ = gate.acquire().await.map(|p| p.forget());
+                (StatusCode::OK, Bytes::new())
+            }
+        }),
+    );
+    (format!("http://{}/hook", serve(app).await), got, gate)
+}
+
+/// A delivery whose job was its event's only holder when claimed deletes the stored payload
+/// with it, unread; a holder added while that attempt was in flight (here a replay to a second
+/// subscription) must keep the payload for the second job's later attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_gaining_a_holder_during_an_attempt_outlives_that_attempt() {
+    // A minute for the held attempt: the steps below happen while it is in flight.
+    let s = ApiHub::start("sole", &[("STREAMING_HUB_HTTP_TIMEOUT", "60s")]).await;
+    let (url_a, got_a, gate_a) = start_gated_sink().await;
+    let (url_b, sink_b) = start_sink(500, Duration::ZERO).await;
+    let tenant = "tenant-s";
+    let a = s
+        .create_subscription(
+            tenant,
+            json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url_a}}),
+        )
+        .await;
+    assert_eq!(a["verification_state"], "active", "{a}");
+    let t0 = now_rfc3339();
+    let e = event(tenant, "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&e));
+    // A's attempt is in flight, claimed while its job was the payload's only holder.
+    wait_until(Duration::from_secs(60), "A holds e", || {
+        (got_a.lock().unwrap().as_slice() == [e.id()]).then_some(())
+    });
+    let b = s
+        .create_subscription(
+            tenant,
+            json!({"event_types": ["transaction.*"], "retry_schedule": ["1s", "1s", "1s", "1s", "1s", "1s"],
+                   "destination": {"type": "webhook", "url": url_b}}),
+        )
+        .await;
+    assert_eq!(b["verification_state"], "active", "{b}");
+    let admin = admin_token();
+    let (st, body) = post_json(
+        &s,
+        "/admin/replay",
+        &admin,
+        json!({"subscription_id": b["id"], "from": t0}),
+    )
+    .await;
+    assert_eq!(st, 202, "{body}");
+    // B's job holds the payload too, and its first attempt failed: it will need the payload again.
+    s.wait_metric("streaming_hub_redeliveries_total{outcome=\"queued\"", 1)
+        .await;
+    sink_b.wait_count(&e.id(), 1);
+    assert_eq!(s.metric(ATTEMPTS_DELIVERED).await, 0, "A is still held");
+    gate_a.add_permits(1);
+    s.wait_metric(ATTEMPTS_DELIVERED, 1).await;
+    // A is done. B's next attempts read the payload A no longer holds.
+    sink_b.status.store(200, Ordering::SeqCst);
+    s.wait_metric(ATTEMPTS_DELIVERED, 2).await;
+    let bodies = sink_b.count(&e.id());
+    assert!(bodies >= 2, "B got e {bodies} times");
+    assert_eq!(got_a.lock().unwrap().len(), 1, "A got e once");
+}
+
+const ATTEMPTS_DELIVERED: &str = "streaming_hub_attempts_total{outcome=\"delivered\"";
 
 /// Runs a future to completion from synchronous test code (inside `wait_until`).
 fn futures_block<F: std::future::Future>(f: F) -> F::Output {

@@ -14,6 +14,7 @@
 //! curve or dead-letters it when the curve is exhausted; a lease that expires with no outcome is
 //! reclaimed, and after `STREAMING_HUB_POISON_THRESHOLD` reclaims the job is dead-lettered as poison.
 use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rand::Rng;
 
@@ -29,6 +30,26 @@ use crate::runtime::store::{Staged, Store, StoreError};
 
 pub const JOBS: &str = "jobs";
 pub const DUE: &str = "due";
+
+/// Moves whenever a stored payload may have gained a holder this process did not see claimed:
+/// a holder added to a payload already stored (a replay or a redelivery of its event), and a
+/// task's stores opened and restored (another instance may have added holders meanwhile).
+/// A claim that finds its job the payload's only holder notes the count
+/// ([`Attempt::sole_payload`](crate::dispatch::worker::Attempt)); while it has not moved, that
+/// job's success deletes the payload without reading it (the read was the hub loop's most
+/// frequent look into RocksDB's files under a backlog: the payload was written seconds before,
+/// and flushed). One count for the process: a move anywhere only sends outcomes the reading way.
+static PAYLOAD_HOLDS: AtomicU64 = AtomicU64::new(0);
+
+/// The current [`PAYLOAD_HOLDS`] count.
+pub fn payload_holds() -> u64 {
+    PAYLOAD_HOLDS.load(Ordering::SeqCst)
+}
+
+/// Moves [`PAYLOAD_HOLDS`]: outcomes of attempts claimed before now read their payload.
+pub fn payload_holds_moved() {
+    PAYLOAD_HOLDS.fetch_add(1, Ordering::SeqCst);
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -310,6 +331,21 @@ impl JobStore<'_> {
         Ok(())
     }
 
+    /// Deletes a job, its timer, and its payload, unread: for a job that was its payload's only
+    /// holder when claimed, no holder having been added since ([`PAYLOAD_HOLDS`]).
+    pub fn finish_sole_job(&mut self, key: &[u8], job: &JobRecord) {
+        self.delete_job(key, job);
+        if let Some(pk) = payload_key_of(key) {
+            self.delete(pk);
+        }
+    }
+
+    /// The holder count of a payload this transaction wrote (None: not written here, or deleted).
+    pub fn staged_refcount(&self, key: &[u8]) -> Option<u32> {
+        let bytes = self.staged.get(JOBS, key)??;
+        payload_refcount(self.codec, bytes).map(|(_, n)| n)
+    }
+
     /// Deletes a job, its timer, and its payload when no other job holds it; returns the payload
     /// as it was (dead letters carry it).
     pub fn finish_job(
@@ -363,6 +399,7 @@ impl JobStore<'_> {
             self.put(key, encode(jobs));
             return Ok(());
         };
+        payload_holds_moved();
         let held = payload_refcount(self.codec, &stored)
             .and_then(|(at, n)| Some((at, i32::try_from(n.checked_add(jobs)?).ok()?)));
         let bytes = match held {
@@ -578,7 +615,11 @@ pub fn apply_outcome(
         response_body_truncated: o.response_body.clone(),
     };
     if o.success() {
-        js.finish_job_quietly(&o.job_key, &job)?;
+        if o.sole_payload.is_some_and(|n| n == payload_holds()) {
+            js.finish_sole_job(&o.job_key, &job);
+        } else {
+            js.finish_job_quietly(&o.job_key, &job)?;
+        }
         return Ok(Some(OutcomeRecords {
             attempt,
             dead_letter: None,

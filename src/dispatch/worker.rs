@@ -52,6 +52,9 @@ pub struct Attempt {
     pub subscription: Sub,
     /// Headers, type, body and ingest time of the event.
     pub event: crate::dispatch::EventView,
+    /// When the claim found this job its payload's only holder: the payload holds count then
+    /// ([`jobs::payload_holds`](crate::dispatch::jobs::payload_holds)); else None.
+    pub sole_payload: Option<u64>,
 }
 
 /// What happened to one attempt.
@@ -71,6 +74,8 @@ pub struct Outcome {
     pub response_body: Option<Vec<u8>>,
     pub ingest_ms: Option<i64>,
     pub tenant: String,
+    /// The attempt's [`Attempt::sole_payload`].
+    pub sole_payload: Option<u64>,
 }
 
 impl Outcome {
@@ -122,6 +127,7 @@ impl Workers {
                     response_body: None,
                     ingest_ms: a.event.ingest_ms,
                     tenant: a.tenant.clone(),
+                    sole_payload: a.sole_payload,
                 });
                 return;
             }
@@ -141,6 +147,7 @@ impl Workers {
                 response_body: None,
                 ingest_ms: a.event.ingest_ms,
                 tenant: a.tenant.clone(),
+                sole_payload: a.sole_payload,
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))

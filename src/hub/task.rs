@@ -134,6 +134,9 @@ pub trait EventHandler: Send {
         0
     }
 
+    /// A new batch starts filling: what `weight` kept for the last one may go.
+    fn batch_started(&self) {}
+
     /// A redelivery request for one subscription (see `ops::redeliver`); ignored by default.
     fn on_redeliver(
         &mut self,
@@ -467,6 +470,8 @@ pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
 /// Opens the stores of newly assigned partitions and brings them up to date with their
 /// changelogs (one consumer for all of them) before any of their records is processed.
 fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, u64), HubError> {
+    // Another instance may have added holders to these stores' payloads since we last had them.
+    jobs::payload_holds_moved();
     let mut tasks = Vec::new();
     let mut specs = Vec::new();
     for &partition in partitions {
@@ -1039,6 +1044,7 @@ impl HubStage {
             Duration::from_millis(100)
         };
         let mut jobs = 0usize;
+        self.handler.batch_started();
         while batch.len() < config.hub_batch_max && jobs < config.hub_batch_jobs {
             let wait = match deadline {
                 None => idle_wait,
@@ -1612,16 +1618,17 @@ struct EventViews<'b, 'm> {
 }
 
 impl EventViews<'_, '_> {
-    /// The event of a due job (None: its payload is gone).
+    /// The event of a due job (None: its payload is gone), and whether the job is the payload's
+    /// only holder.
     fn stored(
         &mut self,
         js: &JobStore<'_>,
         partition: i32,
         payload_key: Vec<u8>,
-    ) -> Result<Option<EventView>, HubError> {
+    ) -> Result<Option<(EventView, bool)>, HubError> {
         let key = (partition, payload_key);
         if let Some(v) = self.stored.get(&key) {
-            return Ok(Some(v.clone()));
+            return Ok(Some((v.clone(), false)));
         }
         let Some(payload) = js.get_payload(&key.1)? else {
             return Ok(None);
@@ -1632,7 +1639,7 @@ impl EventViews<'_, '_> {
         if shared {
             self.stored.insert(key, v.clone());
         }
-        Ok(Some(v))
+        Ok(Some((v, !shared)))
     }
 
     fn of(&mut self, index: usize) -> Option<EventView> {
@@ -1716,17 +1723,18 @@ fn claim(
             return Ok(false);
         }
     }
-    let event = match fresh.and_then(|i| views.of(i)) {
-        Some(event) => event,
+    let Some(payload_key) = jobs::payload_key_of(&key) else {
+        return Ok(false);
+    };
+    let (event, sole) = match fresh.and_then(|i| views.of(i)) {
+        // Created in this transaction: its payload's holders are in the staging.
+        Some(event) => (event, js.staged_refcount(&payload_key) == Some(1)),
         None => {
-            let Some(payload_key) = jobs::payload_key_of(&key) else {
-                return Ok(false);
-            };
-            let Some(event) = views.stored(js, p, payload_key)? else {
+            let Some(stored) = views.stored(js, p, payload_key)? else {
                 js.finish_job(&key, &job)?;
                 return Ok(false);
             };
-            event
+            stored
         }
     };
     job.state = JobState::Leased;
@@ -1742,6 +1750,7 @@ fn claim(
         tenant: job.tenant_id.clone(),
         subscription: sub,
         event,
+        sole_payload: sole.then(jobs::payload_holds),
     });
     Ok(true)
 }
@@ -1965,6 +1974,7 @@ mod tests {
             response_body: None,
             ingest_ms: None,
             tenant: "t".into(),
+            sole_payload: None,
         }
     }
 
