@@ -296,10 +296,8 @@ impl JobStore<'_> {
         }
         self.staged
             .put(DUE, due_key(&job.tenant_id, job.due_at, key), Vec::new());
-        let bytes = self
-            .codec
-            .encode(RecordKind::Job, job)
-            .map_err(|e| JobError::Codec(e.to_string()))?;
+        let bytes =
+            fast_avro::encode_job(self.codec, job).map_err(|e| JobError::Codec(e.to_string()))?;
         self.put(key.to_vec(), bytes);
         Ok(())
     }
