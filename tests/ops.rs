@@ -510,6 +510,62 @@ async fn a_payload_gaining_a_holder_during_an_attempt_outlives_that_attempt() {
     assert_eq!(got_a.lock().unwrap().len(), 1, "A got e once");
 }
 
+/// A producer sending an event again after its dedup window, while the first delivery of it is
+/// still in flight, gets no second job (nor delivery) for it: the event's stored payload tells the
+/// hub a job may exist, and it looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_sent_again_after_its_dedup_window_during_its_delivery_gets_no_second_job() {
+    let s = ApiHub::start(
+        "again",
+        &[
+            ("STREAMING_HUB_DANGEROUS_TEST_CLOCK", "true"),
+            ("STREAMING_HUB_IDEMPOTENCY_TTL", "1s"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
+        ],
+    )
+    .await;
+    let (url_a, got_a, gate_a) = start_gated_sink().await;
+    let (url_b, sink_b) = start_sink(200, Duration::ZERO).await;
+    let tenant = "tenant-g";
+    for (ty, url) in [
+        ("transaction.created", &url_a),
+        ("transaction.posted", &url_b),
+    ] {
+        let v = s
+            .create_subscription(
+                tenant,
+                json!({"event_types": [ty], "destination": {"type": "webhook", "url": url}}),
+            )
+            .await;
+        assert_eq!(v["verification_state"], "active", "{v}");
+    }
+    let e = event(tenant, "ledger", "transaction", "created");
+    let p = producer();
+    produce(&p, &s.topic, std::slice::from_ref(&e));
+    wait_until(Duration::from_secs(60), "A holds e", || {
+        (got_a.lock().unwrap().as_slice() == [e.id()]).then_some(())
+    });
+    // e's dedup entry has expired; its job is leased for 70 s of the same clock.
+    s.advance("2s").await;
+    let f = event(tenant, "ledger", "transaction", "posted");
+    produce(&p, &s.topic, &[e.clone(), f.clone()]);
+    sink_b.wait_count(&f.id(), 1);
+    // B's outcome is applied in a transaction after the one that took e again.
+    s.wait_metric(ATTEMPTS_DELIVERED, 1).await;
+    assert_eq!(got_a.lock().unwrap().len(), 1, "A still holds e");
+    assert_eq!(
+        s.metric("streaming_hub_hub_events_total{outcome=\"new\"")
+            .await,
+        3,
+        "e was judged new again (its dedup window over), then f"
+    );
+    // A second job of e would have replaced the first: the first attempt's outcome is then stale
+    // and only a second request to A could count as A's delivery.
+    gate_a.add_permits(2);
+    s.wait_metric(ATTEMPTS_DELIVERED, 2).await;
+    assert_eq!(got_a.lock().unwrap().len(), 1, "A got e once");
+}
+
 const ATTEMPTS_DELIVERED: &str = "streaming_hub_attempts_total{outcome=\"delivered\"";
 
 /// Runs a future to completion from synchronous test code (inside `wait_until`).

@@ -233,6 +233,11 @@ impl JobStore<'_> {
         }
     }
 
+    /// A record's bytes as this transaction sees them, undecoded.
+    pub fn get_raw(&self, key: &[u8]) -> Result<Option<Vec<u8>>, JobError> {
+        Ok(self.staged.read(self.store, JOBS, key)?)
+    }
+
     pub fn get_payload(&self, key: &[u8]) -> Result<Option<EventPayloadRecord>, JobError> {
         match self.staged.read(self.store, JOBS, key)? {
             Some(b) => Ok(Some(
@@ -387,13 +392,19 @@ impl JobStore<'_> {
     /// is written by `encode(jobs)` (the bytes, refcount included); a stored one gets its refcount
     /// patched in place ([`payload_refcount`]), or decoded and re-encoded when written with
     /// another schema.
+    /// `stored`: its stored bytes if the caller read them already (`Some(None)`: none stored).
     pub fn hold_payload(
         &mut self,
         key: Vec<u8>,
+        stored: Option<Option<Vec<u8>>>,
         encode: impl FnOnce(u32) -> Vec<u8>,
         jobs: u32,
     ) -> Result<(), JobError> {
-        let Some(stored) = self.staged.read(self.store, JOBS, &key)? else {
+        let stored = match stored {
+            Some(bytes) => bytes,
+            None => self.staged.read(self.store, JOBS, &key)?,
+        };
+        let Some(stored) = stored else {
             self.put(key, encode(jobs));
             return Ok(());
         };
@@ -946,9 +957,9 @@ mod tests {
                 .map(|h| (h.key.as_str(), h.value.as_deref()));
             fast_avro::encode_payload(&codec, headers, &p.value, n)
         };
-        js.hold_payload(pk.clone(), encode, 2).unwrap();
+        js.hold_payload(pk.clone(), None, encode, 2).unwrap();
         // A replay adds a holder to the payload this batch already holds; `encode` is not used.
-        js.hold_payload(pk.clone(), |_| unreachable!("stored already"), 1)
+        js.hold_payload(pk.clone(), None, |_| unreachable!("stored already"), 1)
             .unwrap();
         store.apply(staged, &[]).unwrap();
         let mut staged = Staged::default();

@@ -79,6 +79,20 @@ impl EventHandler for DispatchJobs {
         }
         let record = event.record;
         let mut created = 0u32;
+        // Every job holds its event's payload: with no payload stored, no job of this event
+        // exists, and its jobs are created without looking each one up first (a point read per
+        // job, ten per event in a ten-subscription fan-out). The payload's bytes go on to
+        // `hold_payload`, which would read them otherwise.
+        let stored = if subs
+            .iter()
+            .any(|s| s.destination.kind == DestinationType::Webhook)
+        {
+            let key = jobs::payload_key(event.tenant, event.ce_id);
+            Some(ctx.jobs().get_raw(&key).map_err(HubError::from)?)
+        } else {
+            None
+        };
+        let unseen = matches!(stored, Some(None));
         for sub in &subs {
             match sub.destination.kind {
                 DestinationType::Pull => {
@@ -97,13 +111,13 @@ impl EventHandler for DispatchJobs {
                     )?;
                 }
                 DestinationType::Webhook => {
-                    if create_job(ctx, event, &sub.id)? {
+                    if create_job(ctx, event, &sub.id, !unseen)? {
                         created += 1;
                     }
                 }
             }
         }
-        hold_payload(ctx, event, created)
+        hold_payload(ctx, event, created, stored)
     }
 
     fn weight(&self, record: &rdkafka::message::BorrowedMessage<'_>) -> usize {
@@ -146,8 +160,8 @@ impl EventHandler for DispatchJobs {
                 "inactive"
             }
             Some(_) => {
-                if create_job(ctx, event, subscription_id)? {
-                    hold_payload(ctx, event, 1)?;
+                if create_job(ctx, event, subscription_id, true)? {
+                    hold_payload(ctx, event, 1, None)?;
                     "queued"
                 } else {
                     "pending"
@@ -165,16 +179,18 @@ impl EventHandler for DispatchJobs {
 }
 
 /// A new job for (event, subscription), due now; false when that job exists already (a replay
-/// or redelivery while the first delivery is still pending).
+/// or redelivery while the first delivery is still pending). `check`: look for it first (false
+/// only when the event has no stored payload, so no job either).
 fn create_job(
     ctx: &mut TaskCtx<'_, '_>,
     event: &SequencedEvent<'_>,
     subscription_id: &str,
+    check: bool,
 ) -> Result<bool, HubError> {
     let key = jobs::job_key(event.tenant, event.ce_id, subscription_id);
     let now = ctx.now;
     let mut js = ctx.jobs();
-    if js.get_job(&key).map_err(HubError::from)?.is_some() {
+    if check && js.get_job(&key).map_err(HubError::from)?.is_some() {
         return Ok(false);
     }
     let job = JobRecord {
@@ -195,10 +211,12 @@ fn create_job(
 }
 
 /// Stores the event's payload for `created` new jobs (once per event) and arms its tenant's timers.
+/// `stored`: the payload's stored bytes when the caller read them already (`Some(None)`: none).
 fn hold_payload(
     ctx: &mut TaskCtx<'_, '_>,
     event: &SequencedEvent<'_>,
     created: u32,
+    stored: Option<Option<Vec<u8>>>,
 ) -> Result<(), HubError> {
     if created == 0 {
         return Ok(());
@@ -220,6 +238,7 @@ fn hold_payload(
     ctx.jobs()
         .hold_payload(
             jobs::payload_key(event.tenant, event.ce_id),
+            stored,
             encode,
             created,
         )
