@@ -756,6 +756,14 @@ impl Dispatch {
         }
     }
 
+    /// Starts the attempts of a committed transaction's claims.
+    fn launch(&mut self, attempts: Vec<Attempt>) {
+        for a in attempts {
+            self.started(&a);
+            self.workers.spawn(&self.runtime, a, self.done_tx.clone());
+        }
+    }
+
     fn started(&mut self, a: &Attempt) {
         self.in_flight += 1;
         *self
@@ -923,9 +931,9 @@ impl HubStage {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
             match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
-                Ok((n, attempts)) => {
+                Ok((n, launched)) => {
                     last_txn_at = Instant::now();
-                    if n > 0 || !attempts.is_empty() {
+                    if n > 0 || launched > 0 {
                         telemetry::HubCommit {
                             records: n,
                             took: started.elapsed(),
@@ -933,13 +941,9 @@ impl HubStage {
                         .emit();
                     }
                     if let Some(d) = &mut self.dispatch {
-                        d.quiet_until = (n == 0 && attempts.is_empty() && d.pending.is_empty())
+                        d.quiet_until = (n == 0 && launched == 0 && d.pending.is_empty())
                             .then(|| Instant::now() + QUIET_CLAIMS);
                         d.pending.clear();
-                        for a in attempts {
-                            d.started(&a);
-                            d.workers.spawn(&d.runtime, a, d.done_tx.clone());
-                        }
                     }
                 }
                 Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
@@ -1101,14 +1105,14 @@ impl HubStage {
     }
 
     /// One transaction: the inbox records, then the workers' outcomes, then new claims.
-    /// Returns the records processed and the claimed attempts to start once committed.
+    /// Returns the records processed and the attempts started (the claims', once committed).
     fn process_batch(
         &mut self,
         producer: &BaseProducer<TrackingContext>,
         consumer: &BaseConsumer<HubContext>,
         tasks: &mut HashMap<i32, Task>,
         batch: &[BorrowedMessage<'_>],
-    ) -> Result<(usize, Vec<Attempt>), HubError> {
+    ) -> Result<(usize, usize), HubError> {
         let env = &self.env;
         let now = self.clock.now_ms();
         let ttl = env.config.idempotency_ttl.as_millis() as i64;
@@ -1335,6 +1339,13 @@ impl HubStage {
             .commit_transaction(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
         phase_done("commit");
+        // The claims are durable: their attempts start now, not after the stores below have
+        // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
+        // this thread, which handles them in a later transaction, after this one's writes.
+        let launched = attempts.len();
+        if let Some(d) = self.dispatch.as_mut() {
+            d.launch(attempts);
+        }
         // Committed: now the local stores may move, each with its changelog offsets.
         for (p, task) in tasks.iter_mut() {
             task.ring.committed();
@@ -1358,7 +1369,7 @@ impl HubStage {
             task.store.apply(st, &marks)?;
         }
         phase_done("apply");
-        Ok((batch.len(), attempts))
+        Ok((batch.len(), launched))
     }
 }
 
