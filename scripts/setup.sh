@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(libclang-dev clang libsasl2-dev libzstd-dev libssl-dev pkg-config cmake make g++ python3)
+packages=(libclang-dev clang libsasl2-dev libzstd-dev libssl-dev pkg-config cmake make g++ python3 python3-venv openssl curl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
