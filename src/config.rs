@@ -740,9 +740,19 @@ fn read_file(path: &str) -> Result<BTreeMap<String, String>, ConfigError> {
         why,
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| err(e.to_string()))?;
+    // toml's own message quotes the offending line, which may hold a secret (an unquoted or
+    // unterminated `kek = ...`): only its position and kind are shown.
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        err(match e.span() {
+            Some(span) => {
+                let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                format!(
+                    "not valid TOML at line {line} (the line is not shown: it may hold a secret)"
+                )
+            }
+            None => "not valid TOML".to_string(),
+        })
+    })?;
     let mut out = BTreeMap::new();
     for (key, value) in table {
         let var = format!("{PREFIX}{}", key.to_ascii_uppercase());
@@ -752,7 +762,8 @@ fn read_file(path: &str) -> Result<BTreeMap<String, String>, ConfigError> {
             toml::Value::Boolean(b) => b.to_string(),
             other => {
                 return Err(err(format!(
-                    "{key}: expected a string, number or boolean, got {other}"
+                    "{key}: expected a string, number or boolean, got {} (a list of values goes in one comma-separated string)",
+                    other.type_str()
                 )));
             }
         };
@@ -868,6 +879,31 @@ mod tests {
         let c =
             Config::from_vars(vars(&[("STREAMING_HUB_KAFKA_SASL_PASSWORD", "pa55word")])).unwrap();
         assert!(!format!("{c:?}").contains("pa55word"));
+    }
+
+    #[test]
+    fn config_file_errors_never_quote_a_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hub.toml");
+        let secret = "c2VjcmV0c2VjcmV0c2VjcmV0";
+        for (text, names) in [
+            // unquoted: not valid TOML, and toml's message quotes the line
+            (format!("group_id = \"g\"\nkek = {secret}\n"), "line 2"),
+            // unterminated string
+            (format!("jwt_secret = \"{secret}\n"), "line 1"),
+            // a list where one comma-separated string is expected
+            (
+                format!("signature_keys = [\"k1@ledger:{secret}\"]\n"),
+                "signature_keys: expected a string, number or boolean, got array",
+            ),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let e = Config::from_vars(vars(&[(CONFIG_FILE_VAR, path.to_str().unwrap())]))
+                .unwrap_err()
+                .to_string();
+            assert!(!e.contains(secret), "{e}");
+            assert!(e.contains(names), "{e}");
+        }
     }
 
     #[test]

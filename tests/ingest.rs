@@ -275,6 +275,56 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
     assert!(missing.contains("ce-source"), "{missing}");
 }
 
+/// rdkafka's `Headers::iter` panics on a header name that is not UTF-8; read through it, such a
+/// record killed the ingest thread, and after every restart again, so nothing behind it got in.
+#[tokio::test]
+async fn a_header_name_that_is_not_utf8_is_quarantined_and_the_records_behind_it_get_in() {
+    require_broker();
+    let prefix = unique("ingraw");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let _hub = Hub::start(&hub_env(&prefix, &follow_exactly(&topic)));
+
+    let bad = event("tenant-a", "ledger", "transaction", "created");
+    produce_with_raw_header_name(&topic, &bad, b"x-\xff\xfe");
+    let next = event("tenant-a", "ledger", "transaction", "created");
+    produce(&producer(), &topic, std::slice::from_ref(&next));
+
+    let inbox = format!("{prefix}.inbox");
+    let quarantine = format!("{prefix}.quarantine");
+    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
+        r.len() >= 2
+    });
+    assert_eq!(got.len(), 2, "both records came out: {got:?}");
+    let q = got
+        .iter()
+        .find(|g| g.topic == quarantine)
+        .expect("the record with the bad name is quarantined");
+    assert_eq!(
+        q.rec.header("x-streaming-hub-reason"),
+        Some("invalid_header_encoding")
+    );
+    assert_eq!(q.rec.header("x-lerian-dlq-source-offset"), Some("0"));
+    let message = q.rec.header("x-lerian-dlq-error-message").unwrap();
+    let at = format!("header #{}", bad.headers.len());
+    assert!(
+        message.contains(&at) && message.contains("not UTF-8"),
+        "{message}"
+    );
+    assert_eq!(
+        &q.rec.headers[..bad.headers.len()],
+        &bad.headers[..],
+        "its other headers kept, in order"
+    );
+    assert_eq!(q.rec.value, bad.value, "its payload kept");
+    let a = got
+        .iter()
+        .find(|g| g.topic == inbox)
+        .expect("the record behind it is accepted");
+    assert_eq!(a.rec.header("ce-id"), next.header("ce-id"));
+    assert_eq!(a.rec.header("x-streaming-hub-source-offset"), Some("1"));
+}
+
 #[tokio::test]
 async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
     require_broker();

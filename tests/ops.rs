@@ -591,7 +591,9 @@ async fn producer_dead_letters_are_searchable_and_never_delivered() {
         .add("x-lerian-dlq-error-class", b"validation_error")
         .add("x-lerian-dlq-error-message", b"amount must be positive")
         .add("x-lerian-dlq-retry-count", b"3");
-    produce(&producer(), &dlq, std::slice::from_ref(&dead));
+    // A producer's header name need not be UTF-8 (Kafka takes any bytes): the index shows it
+    // lossily instead of its thread dying on it (rdkafka's `Headers::iter` panics there).
+    produce_with_raw_header_name(&dlq, &dead, b"x-\xff-raw");
     let bad =
         event("tenant-f", "ledger", "transaction", "created").set("ce-specversion", Some(b"0.3"));
     let live = event("tenant-f", "ledger", "transaction", "created");
@@ -619,6 +621,14 @@ async fn producer_dead_letters_are_searchable_and_never_delivered() {
     assert_eq!(r["dlq"]["error-message"], "amount must be positive");
     assert_eq!(r["dlq"]["retry-count"], "3");
     assert_eq!(r["dlq"]["source-topic"], s.topic.as_str());
+    let keys: Vec<&str> = r["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|h| h["key"].as_str())
+        .collect();
+    assert!(keys.contains(&"x-\u{fffd}-raw"), "{keys:?}");
+    assert_eq!(keys.len(), dead.headers.len() + 1, "{keys:?}");
     assert_eq!(
         r["payload"],
         serde_json::from_slice::<Value>(dead.value.as_ref().unwrap()).unwrap()

@@ -344,10 +344,21 @@ impl Ingest {
         let count = raw.map_or(0, |h| h.count());
         let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(count.min(MAX_HEADERS));
         let mut header_bytes = 0usize;
+        // The position of the first header whose name is not UTF-8: such a header cannot be
+        // named or carried, so the record is quarantined (without it) instead of classified.
+        let mut bad_name = None;
         if let Some(h) = raw {
-            for hdr in h.iter().take(MAX_HEADERS + 1) {
-                header_bytes += hdr.key.len() + hdr.value.map_or(0, <[u8]>::len);
-                headers.push((hdr.key, hdr.value));
+            for idx in 0..count.min(MAX_HEADERS + 1) {
+                let Some((name, value)) = kafka::raw_header(h, idx) else {
+                    break;
+                };
+                header_bytes += name.len() + value.map_or(0, <[u8]>::len);
+                match std::str::from_utf8(name) {
+                    Ok(name) => headers.push((name, value)),
+                    Err(_) => {
+                        bad_name.get_or_insert(idx);
+                    }
+                }
             }
         }
         let oversized_headers = count > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES;
@@ -357,6 +368,13 @@ impl Ingest {
                 reason: Reason::PayloadTooLarge,
                 message: format!(
                     "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes)"
+                ),
+            })
+        } else if let Some(idx) = bad_name {
+            Verdict::Quarantine(crate::ingest::classify::Quarantined {
+                reason: Reason::InvalidHeaderEncoding,
+                message: format!(
+                    "header #{idx}: its name is not UTF-8 (the header is left out of this record)"
                 ),
             })
         } else {

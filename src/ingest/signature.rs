@@ -192,8 +192,11 @@ pub enum KeySpecError {
     EmptyEntry { index: usize },
     #[error("signature key entry {index}: expected <kid>@<source>:<base64 secret>")]
     Malformed { index: usize },
-    #[error("signature key entry {index}: key id {kid:?} must match ^[a-z0-9][a-z0-9._-]{{0,63}}$")]
-    InvalidKid { index: usize, kid: String },
+    /// The key id is not shown: in an entry written in the wrong order it is the secret.
+    #[error(
+        "signature key entry {index}: the key id (before the '@') must match ^[a-z0-9][a-z0-9._-]{{0,63}}$"
+    )]
+    InvalidKid { index: usize },
     #[error("signature key {kid:?}: source {source_name:?} must match ^[a-z0-9][a-z0-9_-]*$")]
     InvalidSource { kid: String, source_name: String },
     #[error("signature key {kid:?}: secret is not valid standard base64")]
@@ -245,10 +248,7 @@ impl SignatureKeys {
                 .split_once(':')
                 .ok_or(KeySpecError::Malformed { index })?;
             if !is_valid_kid(kid) {
-                return Err(KeySpecError::InvalidKid {
-                    index,
-                    kid: kid.to_owned(),
-                });
+                return Err(KeySpecError::InvalidKid { index });
             }
             let secret =
                 SECRET_B64
@@ -266,7 +266,6 @@ impl SignatureKeys {
         if !is_valid_kid(kid) {
             return Err(KeySpecError::InvalidKid {
                 index: self.keys.len(),
-                kid: kid.to_owned(),
             });
         }
         if !is_valid_source(source) {
@@ -514,6 +513,8 @@ mod tests {
             format!("k1@ledger:{secret},k1@tracer:{secret}"),
             format!("k1@ledger:{secret},,k2@tracer:{secret}"),
             format!("{}@ledger:{secret}", "k".repeat(65)),
+            // In the wrong order the secret stands where the key id belongs.
+            format!("{secret}@ledger:k1"),
         ];
         for spec in &cases {
             let err = SignatureKeys::parse(spec).expect_err(spec);

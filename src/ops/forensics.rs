@@ -18,7 +18,7 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use serde::Serialize;
 
 use crate::config::Config;
@@ -181,7 +181,7 @@ impl Forensics {
         }
     }
 
-    fn add(&self, kind: Kind, m: &impl Message, codec: &Codec) {
+    fn add(&self, kind: Kind, m: &BorrowedMessage<'_>, codec: &Codec) {
         let time = m
             .timestamp()
             .to_millis()
@@ -317,20 +317,20 @@ fn query(q: &VecDeque<(i64, ForensicRecord)>, f: &Filter) -> Vec<ForensicRecord>
         .collect()
 }
 
-fn forensic_record(m: &impl Message, time: i64, kind: Kind) -> ForensicRecord {
+fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> ForensicRecord {
     let mut headers = Vec::new();
     let mut dlq = BTreeMap::new();
     if let Some(h) = m.headers() {
-        for x in h.iter() {
-            let value = x.value.map(|v| String::from_utf8_lossy(v).into_owned());
-            let lower = x.key.to_ascii_lowercase();
+        // Producers write these topics: a header name that is not UTF-8 is shown lossily, never
+        // read through rdkafka's `Headers::iter`, which panics on it (see `kafka::raw_header`).
+        for (key, value) in (0..h.count()).map_while(|i| kafka::raw_header(h, i)) {
+            let key = String::from_utf8_lossy(key).into_owned();
+            let value = value.map(|v| String::from_utf8_lossy(v).into_owned());
+            let lower = key.to_ascii_lowercase();
             if let (Some(name), Some(v)) = (lower.strip_prefix("x-lerian-dlq-"), &value) {
                 dlq.insert(name.to_string(), v.clone());
             }
-            headers.push(HeaderText {
-                key: x.key.to_string(),
-                value,
-            });
+            headers.push(HeaderText { key, value });
         }
     }
     let header = |name: &str| {

@@ -484,3 +484,34 @@ pub fn stable_committed<C: ConsumerContext>(
     }
     Ok(at)
 }
+
+/// The header at `idx` of a consumed record, its name as raw bytes (None past the last one).
+///
+/// rdkafka's `Headers::iter`, `get` and `try_get` on a consumed record unwrap the name's UTF-8
+/// check, so a record whose header name is not UTF-8 (which Kafka accepts from any client) would
+/// panic the thread reading it, and again after every restart. Records producers wrote are read
+/// through this instead, and a name that is not UTF-8 gets a typed outcome.
+pub fn raw_header(
+    headers: &rdkafka::message::BorrowedHeaders,
+    idx: usize,
+) -> Option<(&[u8], Option<&[u8]>)> {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut value: *const std::ffi::c_void = std::ptr::null();
+    let mut size = 0usize;
+    let native = headers as *const rdkafka::message::BorrowedHeaders
+        as *const rdkafka::bindings::rd_kafka_headers_t;
+    // SAFETY: a `&BorrowedHeaders` is a pointer to librdkafka's headers of a message that outlives
+    // the borrow (rdkafka casts it the same way); on success librdkafka points `name` at a
+    // NUL-terminated string and `value` at `size` bytes (or null), both owned by those headers.
+    let err = unsafe {
+        rdkafka::bindings::rd_kafka_header_get_all(native, idx, &mut name, &mut value, &mut size)
+    };
+    if err != rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+        return None;
+    }
+    // SAFETY: as above; the lifetimes are tied to `headers`.
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+    let value =
+        (!value.is_null()).then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) });
+    Some((name, value))
+}

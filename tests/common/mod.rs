@@ -204,6 +204,48 @@ pub fn produce(producer: &TestProducer, topic: &str, recs: &[Rec]) {
     }
 }
 
+/// Produces `rec` with one more header named by the raw bytes `name`: rdkafka's safe API takes
+/// only `&str` names, while Kafka and other clients accept any bytes.
+pub fn produce_with_raw_header_name(topic: &str, rec: &Rec, name: &[u8]) {
+    use rdkafka::message::{BorrowedHeaders, Header, OwnedHeaders};
+    use rdkafka::producer::{BaseRecord, Producer};
+    let p = producer();
+    let mut headers = OwnedHeaders::new();
+    for (k, v) in &rec.headers {
+        headers = headers.insert(Header {
+            key: k,
+            value: v.as_deref(),
+        });
+    }
+    let native = headers.as_borrowed() as *const BorrowedHeaders
+        as *mut rdkafka::bindings::rd_kafka_headers_t;
+    let value = b"1";
+    // SAFETY: `native` is the header list `headers` owns, alive and used by nothing else here;
+    // librdkafka copies the name and the value.
+    let err = unsafe {
+        rdkafka::bindings::rd_kafka_header_add(
+            native,
+            name.as_ptr().cast(),
+            name.len() as isize,
+            value.as_ptr().cast(),
+            value.len() as isize,
+        )
+    };
+    assert_eq!(
+        err,
+        rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+    );
+    let mut record = BaseRecord::<[u8], [u8]>::to(topic).headers(headers);
+    if let Some(k) = &rec.key {
+        record = record.key(k);
+    }
+    if let Some(v) = &rec.value {
+        record = record.payload(v);
+    }
+    p.send(record).map_err(|(e, _)| e).expect("send");
+    p.flush(Duration::from_secs(60)).expect("flush");
+}
+
 /// A record read back, with where it was.
 #[derive(Clone, Debug)]
 pub struct Got {
