@@ -122,10 +122,24 @@ macro_rules! from_var_number {
 }
 from_var_number!(u16, u32, u64, usize, i32);
 
+/// The largest `STREAMING_HUB_MAX_PAYLOAD_BYTES`: an accepted payload is copied into the inbox,
+/// the payload changelog and the pull topic with headers around it, each topic taking at most
+/// 2 MiB a record (`topology/topics.toml`); a larger one would fail every transaction it is in.
+const MAX_PAYLOAD_BYTES: usize = 1_572_864;
+
+/// The longest duration a setting takes: deadlines are `Instant::now() + setting`, which panics
+/// past the clock's range (e.g. `18446744073709551615s`).
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 impl FromVar for Duration {
     fn from_var(text: &str) -> Result<Self, String> {
-        humantime::parse_duration(text.trim())
-            .map_err(|e| format!("expected a duration such as 30s, 5m or 24h, got {text:?} ({e})"))
+        let d = humantime::parse_duration(text.trim()).map_err(|e| {
+            format!("expected a duration such as 30s, 5m or 24h, got {text:?} ({e})")
+        })?;
+        if d > MAX_DURATION {
+            return Err(format!("expected at most 100 years, got {text:?}"));
+        }
+        Ok(d)
     }
 }
 
@@ -412,7 +426,7 @@ settings! {
     follow_refresh_interval: std::time::Duration = "10s";
     /// `ce-id` must be a UUIDv7; `false` accepts any id of at most 256 bytes without control characters.
     require_uuidv7: bool = "true";
-    /// Largest record value accepted; larger ones are quarantined as `payload_too_large`.
+    /// Largest record value accepted; larger ones are quarantined as `payload_too_large`. At most 1572864 (1.5 MiB): the hub's topics take records up to 2 MiB and its copies of an event add headers.
     max_payload_bytes: usize = "1048576";
     /// Quarantine records without a valid producer envelope signature (`ce-sig`).
     require_signatures: bool = "false";
@@ -603,10 +617,10 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        if self.max_payload_bytes == 0 {
+        if self.max_payload_bytes == 0 || self.max_payload_bytes > MAX_PAYLOAD_BYTES {
             return Err(invalid(
                 "STREAMING_HUB_MAX_PAYLOAD_BYTES",
-                "must be at least 1",
+                "must be 1 to 1572864 (the hub's topics take records up to 2 MiB)",
             ));
         }
         if let Some(debug) = &self.kafka_debug {
@@ -654,8 +668,16 @@ impl Config {
             ));
         }
         if !self.kek.is_empty() {
-            crate::subscriptions::secrets::Kek::from_config(self)
-                .map_err(|e| invalid("STREAMING_HUB_KEK", &e.to_string()))?;
+            use crate::subscriptions::secrets::{Kek, SecretError};
+            Kek::from_config(self).map_err(|e| {
+                let var = match e {
+                    SecretError::BadKekList(_) | SecretError::DuplicateKekId(_) => {
+                        "STREAMING_HUB_KEK_PREVIOUS"
+                    }
+                    _ => "STREAMING_HUB_KEK",
+                };
+                invalid(var, &e.to_string())
+            })?;
         }
         if !self.jwt_secret.is_empty() && self.jwt_secret.expose().len() < 32 {
             return Err(invalid(
@@ -805,6 +827,16 @@ mod tests {
         let e = Config::from_vars(vars(&[("STREAMING_HUB_REQUIRE_UUIDV7", "maybe")])).unwrap_err();
         assert!(
             e.to_string().contains("STREAMING_HUB_REQUIRE_UUIDV7"),
+            "{e}"
+        );
+        let e = Config::from_vars(vars(&[(
+            "STREAMING_HUB_COMMIT_INTERVAL",
+            "18446744073709551615s",
+        )]))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL")
+                && e.to_string().contains("at most 100 years"),
             "{e}"
         );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_COMMIT_INTERVAL", "soon")])).unwrap_err();

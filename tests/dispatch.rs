@@ -199,6 +199,39 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_record_with_a_header_name_that_is_not_utf8_is_delivered_not_a_panic() {
+    let s = setup("rawinbox").await;
+    let (url, sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-a", &url, None).await;
+    // Ingest never writes such a name, but anyone with access to the inbox can: rdkafka's header
+    // iterator panics on it, which killed the hub loop (and again after every restart).
+    let odd = event("tenant-a", "ledger", "transaction", "created");
+    produce_with_raw_header_name(&format!("{}.inbox", s.prefix), &odd, b"x-\xff\xfe");
+    let next = event("tenant-a", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&next));
+
+    let got = wait_for_deliveries(&sink, 2, Duration::from_secs(60));
+    let ids: std::collections::BTreeSet<&str> = got
+        .iter()
+        .map(|d| d.headers["x-lerian-event-id"].as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        [odd.id(), next.id()].iter().map(String::as_str).collect(),
+        "both events delivered"
+    );
+    let delivered = got
+        .iter()
+        .find(|d| d.headers["x-lerian-event-id"] == odd.id())
+        .unwrap();
+    assert_eq!(delivered.body, odd.value.clone().unwrap());
+    assert_eq!(
+        delivered.headers["ce-type"],
+        "studio.lerian.ledger.transaction.created"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
     let s = setup("retry").await;
     let (url, sink) = start_sink(vec![500, 503, 200]).await;

@@ -326,6 +326,54 @@ async fn a_header_name_that_is_not_utf8_is_quarantined_and_the_records_behind_it
 }
 
 #[tokio::test]
+async fn a_large_record_quarantined_for_its_headers_leaves_payload_and_key_out_and_ingest_goes_on()
+{
+    require_broker();
+    let prefix = unique("ingbig");
+    let topic = format!("lerian.streaming.{prefix}");
+    // The producer's topic takes records up to 4 MiB; the hub's quarantine topic up to 2 MiB.
+    create_topic_configured(&admin(), &topic, 1, &[("max.message.bytes", "4194304")]).await;
+    let _hub = Hub::start(&hub_env(&prefix, &follow_exactly(&topic)));
+
+    // Headers are judged before the size: this one is quarantined as a duplicate header, and its
+    // 2.5 MB payload copied as it is would not fit the quarantine topic (the transaction failed
+    // again after every retry: ingest stopped for every topic); nor should a 20 kB key go along.
+    let mut big = event("tenant-a", "ledger", "transaction", "created").add("ce-type", b"x");
+    // Random bytes: the size limits apply to compressed batches, and a run of one byte shrinks.
+    let mut payload = vec![0u8; 2_500_000];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
+    big.value = Some(payload);
+    big.key = Some(vec![b'k'; 20_000]);
+    let next = event("tenant-a", "ledger", "transaction", "created");
+    produce(&producer(), &topic, &[big, next.clone()]);
+
+    let inbox = format!("{prefix}.inbox");
+    let quarantine = format!("{prefix}.quarantine");
+    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
+        r.len() >= 2
+    });
+    assert_eq!(got.len(), 2, "both records came out: {got:?}");
+    let q = got
+        .iter()
+        .find(|g| g.topic == quarantine)
+        .expect("the large record is quarantined");
+    assert_eq!(
+        q.rec.header("x-streaming-hub-reason"),
+        Some("duplicate_header")
+    );
+    assert_eq!(q.rec.header("x-lerian-dlq-payload-omitted"), Some("true"));
+    assert_eq!(q.rec.header("x-lerian-dlq-payload-bytes"), Some("2500000"));
+    assert_eq!(q.rec.header("x-lerian-dlq-key-omitted"), Some("true"));
+    assert!(q.rec.value.as_deref().unwrap_or_default().is_empty());
+    assert_eq!(q.rec.key, None);
+    let a = got
+        .iter()
+        .find(|g| g.topic == inbox)
+        .expect("the record behind it is accepted");
+    assert_eq!(a.rec.header("ce-id"), next.header("ce-id"));
+}
+
+#[tokio::test]
 async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
     require_broker();
     let prefix = unique("sig");

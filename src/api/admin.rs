@@ -9,6 +9,7 @@ use serde::Deserialize;
 use crate::api::ApiState;
 use crate::api::auth::Admin;
 use crate::api::errors::ApiError;
+use crate::api::extract::JsonBody;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -20,7 +21,7 @@ pub struct Advance {
 pub async fn advance_clock(
     State(state): State<ApiState>,
     _admin: Admin,
-    Json(body): Json<Advance>,
+    JsonBody(body): JsonBody<Advance>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Some(clock) = &state.test_clock else {
         return Err(ApiError::not_found());

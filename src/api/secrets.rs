@@ -4,7 +4,9 @@
 //! Rotation: the new secret goes first in `signing_secrets` with no expiry; the previous current
 //! one gets `expires_at = now + grace` (deliveries carry both signatures until then); secrets of
 //! earlier rotations that are still in their grace stay, those already expired are dropped. Only
-//! the new secret is ever in plaintext, in the response; the others are not even opened.
+//! the new secret is ever in plaintext, in the response; the others are not even opened. At most
+//! [`MAX_LIVE_SECRETS`] are live at once: every delivery carries one signature per live secret, so
+//! rotating without end would grow every request's headers (and the control record) without end.
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -25,6 +27,10 @@ use crate::subscriptions::secrets::generate_signing_secret;
 
 /// The longest grace a rotated-out secret may get.
 pub const MAX_GRACE: Duration = Duration::from_secs(7 * 86_400);
+
+/// The most signing secrets one subscription holds at once: the current one and those of earlier
+/// rotations still in their grace.
+pub const MAX_LIVE_SECRETS: usize = 5;
 
 /// Seals a webhook's sensitive headers (a JSON object) for subscription `id`; none → `None`.
 pub fn seal_sensitive(
@@ -103,7 +109,7 @@ fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Durati
         (status = 400, description = "Bad `grace`", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "A pull destination has no signing secret", body = ErrorBody),
+        (status = 409, description = "A pull destination has no signing secret, or `too_many_secrets`: five are live, wait for the oldest grace to end", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn rotate(
     State(state): State<ApiState>,
@@ -144,6 +150,23 @@ pub async fn rotate(
                 }),
         )
         .collect();
+    if rec.signing_secrets.len() > MAX_LIVE_SECRETS {
+        let first_free = current
+            .signing_secrets
+            .iter()
+            .filter_map(|s| s.expires_at.filter(|t| *t > now))
+            .min()
+            .unwrap_or(now);
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            codes::TOO_MANY_SECRETS,
+            format!(
+                "{MAX_LIVE_SECRETS} signing secrets are live (the current one and those still in \
+                 their grace); rotate again after {}, when the oldest grace ends",
+                rfc3339(first_free)
+            ),
+        ));
+    }
     rec.version += 1;
     rec.updated_at = now;
     state.subs.put(rec.clone()).await?;

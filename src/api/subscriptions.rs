@@ -31,8 +31,8 @@ use crate::runtime::records::{
 };
 use crate::subscriptions::model::{
     CreateSubscription, DestinationPatch, FieldError, PatchSubscription, SubscriptionView,
-    ValidDestination, check_webhook_url, parse_retry_schedule, validate_event_types,
-    validate_header_map, validate_header_sets, validate_origin,
+    ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule,
+    validate_event_types, validate_header_map, validate_header_sets, validate_origin,
 };
 use crate::subscriptions::secrets::generate_signing_secret;
 use crate::subscriptions::table::Sub;
@@ -58,21 +58,6 @@ pub fn view_of(state: &ApiState, rec: &SubscriptionRecord) -> SubscriptionView {
     SubscriptionView::of(rec, names)
 }
 
-/// The largest `schema_major` a subscription can hold: the control topic stores it as an Avro
-/// `int`, so a larger one would fail to encode (a `500`) instead of being refused.
-pub const MAX_SCHEMA_MAJOR: u32 = i32::MAX as u32;
-
-fn check_schema_major(major: Option<u32>) -> Result<(), FieldError> {
-    match major {
-        Some(m) if m > MAX_SCHEMA_MAJOR => Err(FieldError::new(
-            "schema_major",
-            "invalid",
-            format!("schema_major is at most {MAX_SCHEMA_MAJOR}"),
-        )),
-        _ => Ok(()),
-    }
-}
-
 fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
     [(
         header::ETAG,
@@ -94,7 +79,6 @@ pub async fn create(
     JsonBody(body): JsonBody<CreateSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
-    check_schema_major(body.schema_major)?;
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();
     let now = state.clock.now_ms();

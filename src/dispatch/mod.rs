@@ -18,11 +18,11 @@ pub mod health;
 pub mod jobs;
 pub mod worker;
 
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
-use crate::runtime::fast_avro;
+use crate::runtime::{fast_avro, kafka};
 use std::sync::Arc;
 
 use crate::runtime::records::{
@@ -99,7 +99,7 @@ impl EventHandler for DispatchJobs {
                     let seq = event.sequence.to_string();
                     let mut headers: Vec<(&str, Option<&[u8]>)> = record
                         .headers()
-                        .map(|h| h.iter().map(|x| (x.key, x.value)).collect())
+                        .map(|h| kafka::utf8_headers(h).collect())
                         .unwrap_or_default();
                     headers.push((H_SEQUENCE, Some(seq.as_bytes())));
                     ctx.out.send_with_headers(
@@ -125,8 +125,7 @@ impl EventHandler for DispatchJobs {
             return 0;
         };
         if record.headers().is_some_and(|h| {
-            h.iter()
-                .any(|x| x.key == crate::ops::redeliver::H_REDELIVER)
+            kafka::utf8_headers(h).any(|(key, _)| key == crate::ops::redeliver::H_REDELIVER)
         }) {
             return 1;
         }
@@ -227,11 +226,8 @@ fn hold_payload(
     // Indexed, so the encoder knows the header count up front (the array's block count).
     let encode = |refcount| match record.headers() {
         Some(h) => {
-            let pairs = (0..h.count()).map(|i| {
-                let x = h.get(i);
-                (x.key, x.value)
-            });
-            fast_avro::encode_payload(codec, pairs, value, refcount)
+            let pairs: Vec<_> = kafka::utf8_headers(h).collect();
+            fast_avro::encode_payload(codec, pairs.into_iter(), value, refcount)
         }
         None => fast_avro::encode_payload(codec, std::iter::empty(), value, refcount),
     };
@@ -322,7 +318,7 @@ impl EventView {
     pub fn of_record(record: &rdkafka::message::BorrowedMessage<'_>) -> EventView {
         let body = bytes::Bytes::copy_from_slice(record.payload().unwrap_or_default());
         match record.headers() {
-            Some(h) => EventView::new(h.iter().map(|x| (x.key, x.value)), body),
+            Some(h) => EventView::new(kafka::utf8_headers(h), body),
             None => EventView::new(std::iter::empty(), body),
         }
     }

@@ -4,7 +4,7 @@
 //!
 //! Matching reads only headers ingest already validated (`ce-source`, `ce-resourcetype`,
 //! `ce-eventtype`, `ce-schemaversion`); the payload is never parsed.
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 
 use crate::ingest::classify::schema_major;
 use crate::subscriptions::table::{EventRef, SharedTable, Sub};
@@ -20,9 +20,9 @@ pub struct Attributes<'a> {
 pub fn attributes<'a>(record: &'a rdkafka::message::BorrowedMessage<'a>) -> Option<Attributes<'a>> {
     let headers = record.headers()?;
     let (mut source, mut resource, mut event, mut major) = (None, None, None, None);
-    for h in headers.iter() {
-        let value = || h.value.and_then(|v| std::str::from_utf8(v).ok());
-        match h.key {
+    for (key, v) in crate::runtime::kafka::utf8_headers(headers) {
+        let value = || v.and_then(|v| std::str::from_utf8(v).ok());
+        match key {
             "ce-source" => source = value(),
             "ce-resourcetype" => resource = value(),
             "ce-eventtype" => event = value(),

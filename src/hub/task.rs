@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError as RdKafkaError;
-use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -1889,12 +1889,11 @@ fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<
     let headers = m.headers()?;
     let mut ce_id = None;
     let mut ingest = None;
-    for h in headers.iter() {
-        match h.key {
-            "ce-id" => ce_id = h.value.and_then(|v| std::str::from_utf8(v).ok()),
+    for (key, value) in kafka::utf8_headers(headers) {
+        match key {
+            "ce-id" => ce_id = value.and_then(|v| std::str::from_utf8(v).ok()),
             crate::ingest::pipeline::H_INGEST_TIME => {
-                ingest = h
-                    .value
+                ingest = value
                     .and_then(|v| std::str::from_utf8(v).ok())
                     .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
                     .map(|t| t.timestamp_millis())
@@ -1907,10 +1906,9 @@ fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<
 
 /// The subscription id of a redelivery request (`x-streaming-hub-redeliver`), if the record is one.
 fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
-    m.headers()?
-        .iter()
-        .find(|h| h.key == crate::ops::redeliver::H_REDELIVER)
-        .and_then(|h| h.value)
+    kafka::utf8_headers(m.headers()?)
+        .find(|(key, _)| *key == crate::ops::redeliver::H_REDELIVER)
+        .and_then(|(_, value)| value)
         .and_then(|v| std::str::from_utf8(v).ok())
         .filter(|s| !s.is_empty())
 }

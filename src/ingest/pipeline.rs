@@ -45,6 +45,10 @@ pub const H_REASON: &str = "x-streaming-hub-reason";
 const MAX_HEADERS: usize = 256;
 /// Largest total size of a record's headers we copy to an output record.
 const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// The largest producer key a quarantined record keeps (a larger one is left out, and
+/// `x-lerian-dlq-key-omitted` says so): with the payload (at most `max_payload_bytes`) and the
+/// headers (at most `MAX_HEADER_BYTES`) it stays inside the quarantine topic's 2 MiB.
+const MAX_QUARANTINE_KEY_BYTES: usize = 16 * 1024;
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an abort may keep being retried while a partition leader fails over.
 const ABORT_PATIENCE: Duration = Duration::from_secs(60);
@@ -456,7 +460,13 @@ impl Ingest {
                     message: &q.message,
                 }
                 .emit();
-                let omit = q.reason == Reason::PayloadTooLarge;
+                // A record quarantined for another reason may be too large as well (the headers
+                // are checked first): its payload is left out then too, or the quarantine topic
+                // (2 MiB) would refuse it and the transaction would fail again after every retry.
+                let omit = q.reason == Reason::PayloadTooLarge
+                    || value.map_or(0, <[u8]>::len) > self.classify.max_payload_bytes;
+                let key = msg.key().filter(|k| k.len() <= MAX_QUARANTINE_KEY_BYTES);
+                let key_omitted = msg.key().is_some() && key.is_none();
                 let size = value.map_or(0, <[u8]>::len).to_string();
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 12);
                 if !oversized_headers {
@@ -464,7 +474,7 @@ impl Ingest {
                         out = out.insert(Header { key: k, value: *v });
                     }
                 }
-                let forensic: [(&str, &str); 12] = [
+                let forensic: [(&str, &str); 13] = [
                     ("x-lerian-dlq-source-topic", msg.topic()),
                     ("x-lerian-dlq-source-partition", &partition),
                     ("x-lerian-dlq-source-offset", &offset),
@@ -479,6 +489,10 @@ impl Ingest {
                         if omit { "true" } else { "false" },
                     ),
                     ("x-lerian-dlq-payload-bytes", &size),
+                    (
+                        "x-lerian-dlq-key-omitted",
+                        if key_omitted { "true" } else { "false" },
+                    ),
                     (H_REASON, q.reason.code()),
                 ];
                 for (k, v) in forensic {
@@ -488,7 +502,7 @@ impl Ingest {
                     });
                 }
                 let mut record = BaseRecord::<[u8], [u8]>::to(&self.quarantine).headers(out);
-                if let Some(k) = msg.key() {
+                if let Some(k) = key {
                     record = record.key(k);
                 }
                 if let (Some(v), false) = (value, omit) {

@@ -15,7 +15,7 @@ use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdKafkaError;
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 
@@ -210,12 +210,12 @@ impl PullReader {
     }
 }
 
-fn event_of(m: &impl Message) -> PulledEvent {
+fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> PulledEvent {
     let header = |name: &str| -> Option<String> {
         m.headers().and_then(|h| {
-            h.iter()
-                .find(|x| x.key.eq_ignore_ascii_case(name))
-                .and_then(|x| x.value)
+            crate::runtime::kafka::utf8_headers(h)
+                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .and_then(|(_, value)| value)
                 .map(|v| String::from_utf8_lossy(v).into_owned())
         })
     };

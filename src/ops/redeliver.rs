@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdKafkaError;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
@@ -347,11 +347,13 @@ pub fn check_redeliverable(sub: &SubscriptionRecord) -> Result<(), RedeliverErro
     Ok(())
 }
 
-fn owned_headers(m: &impl Message) -> Vec<(String, Option<Vec<u8>>)> {
+fn owned_headers(
+    m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>,
+) -> Vec<(String, Option<Vec<u8>>)> {
     m.headers()
         .map(|h| {
-            h.iter()
-                .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec)))
+            crate::runtime::kafka::utf8_headers(h)
+                .map(|(key, value)| (key.to_string(), value.map(<[u8]>::to_vec)))
                 .collect()
         })
         .unwrap_or_default()

@@ -485,6 +485,19 @@ pub fn stable_committed<C: ConsumerContext>(
     Ok(at)
 }
 
+/// The headers of a consumed record whose names are UTF-8, in order; any other is skipped.
+/// Every reader of consumed headers goes through this or [`raw_header`], never rdkafka's
+/// `Headers::iter` / `get` (see [`raw_header`]): the hub's own topics can be written by others.
+pub fn utf8_headers(
+    headers: &rdkafka::message::BorrowedHeaders,
+) -> impl Iterator<Item = (&str, Option<&[u8]>)> + '_ {
+    use rdkafka::message::Headers;
+    (0..headers.count()).filter_map(move |i| {
+        let (name, value) = raw_header(headers, i)?;
+        Some((std::str::from_utf8(name).ok()?, value))
+    })
+}
+
 /// The header at `idx` of a consumed record, its name as raw bytes (None past the last one).
 ///
 /// rdkafka's `Headers::iter`, `get` and `try_get` on a consumed record unwrap the name's UTF-8

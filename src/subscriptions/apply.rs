@@ -802,6 +802,8 @@ mod tests {
              "destination": {"type": "webhook", "url": "http://127.0.0.1/h", "bogus": true}},
             {"id": A.to_uppercase(), "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
             7,
+            {"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b21", "tenant_id": "t1", "event_types": ["a.b"],
+             "schema_major": 3_000_000_000u64, "destination": pull},
         ]);
         let (r, out) = run(&t, &file).await;
         assert_eq!(
@@ -816,6 +818,7 @@ mod tests {
                 (7, "destination.bogus".into(), "unknown_field"),
                 (8, "id".into(), "duplicate"),
                 (9, "".into(), "invalid"),
+                (10, "schema_major".into(), "invalid"),
             ]
         );
         assert!(out.is_empty());

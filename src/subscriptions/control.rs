@@ -103,6 +103,15 @@ pub fn follow(
                     }
                     Some(bytes) => {
                         match codec.decode::<SubscriptionRecord>(RecordKind::Subscription, bytes) {
+                            // A version with no successor (the next write would not encode as
+                            // an Avro long) would freeze the subscription: no PATCH could pass.
+                            Ok(rec) if rec.id == id && rec.version >= i64::MAX as u64 => {
+                                tracing::warn!(
+                                    subscription_id = id,
+                                    offset = m.offset(),
+                                    "control record whose version has no successor skipped"
+                                )
+                            }
                             Ok(rec) if rec.id == id => {
                                 tracing::debug!(
                                     subscription_id = id,

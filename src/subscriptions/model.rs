@@ -45,6 +45,15 @@ const RESERVED_HEADERS: &[&str] = &[
     "tracestate",
 ];
 const RESERVED_PREFIXES: &[&str] = &["webhook-", "x-lerian-", "ce-"];
+/// Headers that carry a credential: only as `sensitive_headers` (sealed, never shown), never as
+/// plain `headers` (stored as written and returned by every read of the subscription).
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "x-auth-token",
+];
 
 /// One input that breaks a rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -427,6 +436,14 @@ pub fn validate_header_map(
                 "this header is set by the hub or the connection",
             ));
         }
+        if which == "headers" && CREDENTIAL_HEADERS.contains(&lower.as_str()) {
+            return Err(FieldError::new(
+                field,
+                "sensitive",
+                "this header carries a credential: put it in destination.sensitive_headers, \
+                 which is stored encrypted and never shown",
+            ));
+        }
         if value.contains(['\r', '\n'])
             || value.len() > MAX_HEADER_VALUE_BYTES
             || axum::http::HeaderValue::from_str(value).is_err()
@@ -517,8 +534,25 @@ pub struct ValidCreate {
     pub enabled: bool,
 }
 
+/// The largest `schema_major` a subscription can hold: the control topic stores it as an Avro
+/// `int`, so a larger one would fail to encode (a `500`, or a failed `subscriptions apply`)
+/// instead of being refused.
+pub const MAX_SCHEMA_MAJOR: u32 = i32::MAX as u32;
+
+pub fn check_schema_major(major: Option<u32>) -> Result<(), FieldError> {
+    match major {
+        Some(m) if m > MAX_SCHEMA_MAJOR => Err(FieldError::new(
+            "schema_major",
+            "invalid",
+            format!("schema_major is at most {MAX_SCHEMA_MAJOR}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl CreateSubscription {
     pub async fn validate(self, policy: SinkPolicy) -> Result<ValidCreate, FieldError> {
+        check_schema_major(self.schema_major)?;
         if let Some(o) = &self.origin {
             validate_origin(o)?;
         }
@@ -654,6 +688,14 @@ mod tests {
                 (e.field.as_str(), e.code),
                 (format!("destination.headers.{name}").as_str(), "reserved")
             );
+        }
+        for name in ["Authorization", "cookie", "X-Api-Key"] {
+            let e = validate_header_map("headers", &map(name, "v")).unwrap_err();
+            assert_eq!(
+                (e.field.as_str(), e.code),
+                (format!("destination.headers.{name}").as_str(), "sensitive")
+            );
+            assert!(validate_header_map("sensitive_headers", &map(name, "v")).is_ok());
         }
         assert_eq!(
             validate_header_map("headers", &map("bad name", "v"))

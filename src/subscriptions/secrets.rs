@@ -24,6 +24,12 @@ pub enum SecretError {
     BadKekList(usize),
     #[error("no key-encryption key with id {0:?} is configured")]
     UnknownKeyId(String),
+    /// A `STREAMING_HUB_KEK_PREVIOUS` entry (1-based) reuses the current key's id or an earlier
+    /// entry's: one of the two keys would silently replace the other.
+    #[error(
+        "key list entry {0}: its key id is already taken by STREAMING_HUB_KEK_ID or an earlier entry"
+    )]
+    DuplicateKekId(usize),
     #[error("ciphertext does not open (wrong key, wrong subscription or tampered)")]
     Open,
 }
@@ -70,6 +76,9 @@ impl Kek {
             let (id, key) = entry
                 .split_once(':')
                 .ok_or(SecretError::BadKekList(i + 1))?;
+            if kek.keys.contains_key(id) {
+                return Err(SecretError::DuplicateKekId(i + 1));
+            }
             kek.keys.insert(id.to_string(), decode_key(key)?);
         }
         Ok(kek)
@@ -225,6 +234,34 @@ mod tests {
         assert_eq!(
             kek.open_secret(&tampered, "sub-a").unwrap_err(),
             SecretError::Open
+        );
+    }
+
+    #[test]
+    fn a_previous_kek_reusing_a_key_id_is_refused_not_silently_replacing_it() {
+        let with_previous = |previous: String| {
+            let vars = [
+                ("STREAMING_HUB_KEK".to_string(), key(2)),
+                ("STREAMING_HUB_KEK_ID".to_string(), "k2".to_string()),
+                ("STREAMING_HUB_KEK_PREVIOUS".to_string(), previous),
+            ];
+            Config::from_vars(vars).map(|c| Kek::from_config(&c).is_ok())
+        };
+        let refused = |previous: String| with_previous(previous).unwrap_err().to_string();
+        let e = refused(format!("k2:{}", key(1)));
+        assert!(
+            e.contains("STREAMING_HUB_KEK_PREVIOUS") && e.contains("entry 1: its key id"),
+            "the current key's id: {e}"
+        );
+        let e = refused(format!("k1:{},k1:{}", key(1), key(3)));
+        assert!(
+            e.contains("entry 2: its key id"),
+            "an earlier entry's id: {e}"
+        );
+        assert!(!e.contains(&key(3)), "{e}");
+        assert_eq!(
+            with_previous(format!("k1:{},k0:{}", key(1), key(3))).ok(),
+            Some(true)
         );
     }
 

@@ -51,7 +51,20 @@ pub async fn create_topic(name: &str, partitions: i32) {
 
 /// Creates a topic through `a` (any broker, any listener) and waits until it has leaders.
 pub async fn create_topic_with(a: &AdminClient<DefaultClientContext>, name: &str, partitions: i32) {
-    let t = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    create_topic_configured(a, name, partitions, &[]).await;
+}
+
+/// Creates a topic with topic configs (`max.message.bytes`, ...) and waits until it has leaders.
+pub async fn create_topic_configured(
+    a: &AdminClient<DefaultClientContext>,
+    name: &str,
+    partitions: i32,
+    configs: &[(&str, &str)],
+) {
+    let mut t = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    for (k, v) in configs {
+        t = t.set(k, v);
+    }
     let r = a
         .create_topics(&[t], &AdminOptions::new())
         .await

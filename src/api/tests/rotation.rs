@@ -159,6 +159,57 @@ async fn rotate_puts_the_new_secret_first_and_keeps_the_old_one_until_its_grace_
 }
 
 #[tokio::test]
+async fn rotate_refuses_a_sixth_live_secret_until_the_oldest_grace_ends() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let created = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    let id = created.body["id"].as_str().unwrap().to_string();
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+    // Four rotations: the current secret and four in their grace, the first of them ending first.
+    for grace in ["1h", "2h", "3h", "4h"] {
+        let a = h.post(&uri, &token, json!({ "grace": grace })).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    }
+    let before = h.state.subs.get(&id).unwrap();
+    assert_eq!(
+        before.signing_secrets.len(),
+        super::super::secrets::MAX_LIVE_SECRETS
+    );
+    let refused = h.post(&uri, &token, json!({"grace": "1h"})).await;
+    assert_eq!(
+        (refused.status, refused.body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("too_many_secrets")),
+        "{}",
+        refused.text
+    );
+    let first_free = crate::subscriptions::model::rfc3339(START_MS + 3_600_000);
+    assert!(
+        refused.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&first_free),
+        "{}",
+        refused.text
+    );
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().version,
+        before.version,
+        "nothing written"
+    );
+    // Once the first grace has ended that secret is dropped and a rotation goes through.
+    h.clock.advance(Duration::from_secs(3_601));
+    let a = h.post(&uri, &h.token("acme"), json!({"grace": "1h"})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().signing_secrets.len(),
+        super::super::secrets::MAX_LIVE_SECRETS
+    );
+}
+
+#[tokio::test]
 async fn rotate_refuses_a_grace_over_seven_days_and_pull_destinations() {
     let h = Harness::new();
     let hook = Hook::start(true).await;
@@ -241,7 +292,8 @@ async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
     assert_eq!(headers["authorization"], "Bearer sk_live_topsecret");
     assert_eq!(headers["x-team"], "payments");
 
-    // Replacing the plain headers keeps the sealed ones; naming one in both is refused.
+    // Replacing the plain headers keeps the sealed ones; a credential as a plain header is
+    // refused (it would be stored and shown as written).
     let patch = json!({"destination": {"type": "webhook", "headers": {"x-env": "prod"}}});
     let p = h
         .call(
@@ -269,7 +321,17 @@ async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
         )
         .await;
     assert_eq!(
-        p.body["error"]["field"],
-        "destination.sensitive_headers.authorization"
+        (
+            p.status,
+            &p.body["error"]["field"],
+            &p.body["error"]["code"]
+        ),
+        (
+            StatusCode::BAD_REQUEST,
+            &json!("destination.headers.authorization"),
+            &json!("sensitive")
+        ),
+        "{}",
+        p.text
     );
 }
