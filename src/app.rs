@@ -138,15 +138,6 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     // A stage that ends while nobody asked it to (a fatal error) takes the process down, so that
     // it is restarted instead of answering HTTP while delivering nothing.
     let stage_down = Arc::new(tokio::sync::Notify::new());
-    let ended = |stage: &'static str, stop: &AtomicBool, down: &tokio::sync::Notify| {
-        if !stop.load(Ordering::SeqCst) {
-            tracing::error!(
-                stage,
-                "a stage stopped on its own; the process shuts down so it can be restarted"
-            );
-            down.notify_one();
-        }
-    };
     let mut ingest_thread = None;
     if matches!(config.role, Role::All | Role::Ingest) {
         let ingest = Ingest::new(&config, clock.clone())?;
@@ -155,11 +146,11 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             std::thread::Builder::new()
                 .name("ingest".into())
                 .spawn(move || {
-                    let result = ingest.run(stop.clone());
+                    let _end = StageEnd("ingest", stop.clone(), down);
+                    let result = ingest.run(stop);
                     if let Err(e) = &result {
                         tracing::error!(error = %e, "ingest stage failed");
                     }
-                    ended("ingest", &stop, &down);
                     result
                 })
                 .map_err(|e| AppError::Http(e.to_string()))?,
@@ -179,11 +170,11 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
-                let result = control::follow(&config, codec, table, stop.clone());
+                let _end = StageEnd("control", stop.clone(), down);
+                let result = control::follow(&config, codec, table, stop);
                 if let Err(e) = &result {
                     tracing::error!(error = %e, "control topic reader stopped: the subscription table no longer follows");
                 }
-                ended("control", &stop, &down);
                 result
             })
             .map_err(|e| AppError::Http(e.to_string()))?
@@ -234,11 +225,11 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                         format!("hub-{stage}")
                     })
                     .spawn(move || {
-                        let result = hub.run(stop.clone());
+                        let _end = StageEnd("hub", stop.clone(), down);
+                        let result = hub.run(stop);
                         if let Err(e) = &result {
                             tracing::error!(error = %e, stage, "hub stage failed");
                         }
-                        ended("hub", &stop, &down);
                         result
                     })
                     .map_err(|e| AppError::Http(e.to_string()))?,
@@ -356,9 +347,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     });
     let served = server.await.map_err(|e| AppError::Http(e.to_string()));
     stop.store(true, Ordering::SeqCst);
+    // Every thread is joined before the first error is returned: the hub loops drain their
+    // in-flight attempts and commit their outcomes on the way out, which a return here cut off.
+    let mut ingest_error = None;
     if let Some(handle) = ingest_thread {
         match tokio::task::spawn_blocking(move || handle.join()).await {
-            Ok(Ok(result)) => result?,
+            Ok(Ok(result)) => ingest_error = result.err(),
             _ => tracing::error!("ingest thread panicked"),
         }
     }
@@ -378,10 +372,31 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             _ => tracing::error!("hub thread panicked"),
         }
     }
+    if let Some(e) = ingest_error {
+        return Err(e.into());
+    }
     if let Some(e) = first_error {
         return Err(e.into());
     }
     served
+}
+
+/// Dropped when a stage's thread ends, by returning or by panicking: a stage that ends while the
+/// process is not stopping shuts the process down, so it is restarted instead of running on
+/// without it (a panicked control reader left the subscription table frozen, unnoticed).
+struct StageEnd(&'static str, Arc<AtomicBool>, Arc<tokio::sync::Notify>);
+
+impl Drop for StageEnd {
+    fn drop(&mut self) {
+        if !self.1.load(Ordering::SeqCst) {
+            tracing::error!(
+                stage = self.0,
+                panicked = std::thread::panicking(),
+                "a stage stopped on its own; the process shuts down so it can be restarted"
+            );
+            self.2.notify_one();
+        }
+    }
 }
 
 /// 200 once started, with the subscription table caught up, no store being restored and the

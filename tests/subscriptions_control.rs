@@ -90,8 +90,15 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
     assert_eq!(matches(&table, "t1"), std::slice::from_ref(&first.id));
     assert!(matches(&table, "t2").is_empty());
 
-    // Garbage, then a valid record: the garbage is skipped and the reader goes on.
+    // Garbage, then a valid record: the garbage is skipped and the reader goes on. So is a
+    // record whose version has no successor (no later write of it could be encoded).
     let second = record(&uuid::Uuid::now_v7().to_string(), "t2", &["*"], 1);
+    let frozen = record(
+        &uuid::Uuid::now_v7().to_string(),
+        "t2",
+        &["*"],
+        i64::MAX as u64,
+    );
     produce(
         &p,
         &topic,
@@ -102,6 +109,11 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
                 ..Default::default()
             },
             // (A record without a key cannot exist here: the broker refuses it on a compacted topic.)
+            Rec {
+                key: Some(frozen.id.clone().into_bytes()),
+                value: Some(codec.encode(RecordKind::Subscription, &frozen).unwrap()),
+                ..Default::default()
+            },
             Rec {
                 key: Some(second.id.clone().into_bytes()),
                 value: Some(codec.encode(RecordKind::Subscription, &second).unwrap()),
@@ -116,6 +128,10 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
     );
     assert_eq!(matches(&table, "t2"), std::slice::from_ref(&second.id));
     assert!(table.read().get("junk").is_none());
+    assert!(
+        table.read().get(&frozen.id).is_none(),
+        "read in order: skipped"
+    );
 
     // A tombstone removes it.
     let tombstone = Rec {

@@ -39,22 +39,35 @@ struct State {
     open_until: Option<i64>,
     /// When the half-open probe in flight was admitted.
     probing: Option<i64>,
+    /// The last admit or outcome of this destination.
+    seen_at: i64,
 }
 
+/// An open breaker not asked about for this long is not counted as open (its destination has no
+/// due job: the subscription was deleted, its URL moved, or its partition went to another loop).
+const QUIET_MS: i64 = PROBE_LOST_MS;
+/// A breaker not asked about for this long is forgotten (longer than the longest retry step, so
+/// the consecutive failures of a destination retried hours apart still add up).
+const FORGET_MS: i64 = 24 * 3600 * 1000;
+
+/// Breakers by tenant, then origin: looked up without allocating. Only destinations that failed
+/// since their last success have an entry; a success removes it.
 #[derive(Debug, Default)]
 pub struct Breakers {
-    states: HashMap<(String, String), State>,
+    states: HashMap<String, HashMap<String, State>>,
 }
 
 impl Breakers {
+    fn get_mut(&mut self, tenant: &str, origin: &str) -> Option<&mut State> {
+        self.states.get_mut(tenant)?.get_mut(origin)
+    }
+
     /// May a due job to this destination be attempted now?
     pub fn admit(&mut self, tenant: &str, origin: &str, now: i64) -> Admit {
-        let Some(s) = self
-            .states
-            .get_mut(&(tenant.to_string(), origin.to_string()))
-        else {
+        let Some(s) = self.get_mut(tenant, origin) else {
             return Admit::Go;
         };
+        s.seen_at = now;
         match s.open_until {
             None => Admit::Go,
             Some(t) if now < t => Admit::Shed { until: t },
@@ -76,15 +89,21 @@ impl Breakers {
         success: bool,
         now: i64,
     ) -> Option<Transition> {
-        let s = self
-            .states
-            .entry((tenant.to_string(), origin.to_string()))
-            .or_default();
         if success {
-            let was_open = s.open_until.is_some();
-            *s = State::default();
+            let per_tenant = self.states.get_mut(tenant)?;
+            let was_open = per_tenant.remove(origin)?.open_until.is_some();
+            if per_tenant.is_empty() {
+                self.states.remove(tenant);
+            }
             return was_open.then_some(Transition::Closed);
         }
+        let s = self
+            .states
+            .entry(tenant.to_string())
+            .or_default()
+            .entry(origin.to_string())
+            .or_default();
+        s.seen_at = now;
         s.consecutive += 1;
         if s.probing.is_some() || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
             let opened = s.open_until.is_none();
@@ -98,26 +117,36 @@ impl Breakers {
     /// An admitted attempt was never sent (it waited past its lease): if it was the half-open
     /// probe, the next due job may probe instead. Counts as neither success nor failure.
     pub fn unsent(&mut self, tenant: &str, origin: &str) {
-        if let Some(s) = self
-            .states
-            .get_mut(&(tenant.to_string(), origin.to_string()))
-        {
+        if let Some(s) = self.get_mut(tenant, origin) {
             s.probing = None;
         }
     }
 
-    /// Breakers open now (open or waiting for their half-open probe).
-    pub fn open_count(&self) -> usize {
+    /// Breakers open now (open or waiting for their half-open probe) whose destination was asked
+    /// about lately; forgets those not asked about for a day.
+    pub fn open_count(&mut self, now: i64) -> usize {
+        self.states.retain(|_, per_tenant| {
+            per_tenant.retain(|_, s| now - s.seen_at < FORGET_MS);
+            !per_tenant.is_empty()
+        });
         self.states
             .values()
-            .filter(|s| s.open_until.is_some())
+            .flat_map(HashMap::values)
+            .filter(|s| s.open_until.is_some() && now - s.seen_at < QUIET_MS)
             .count()
     }
 
     pub fn is_open(&self, tenant: &str, origin: &str) -> bool {
         self.states
-            .get(&(tenant.to_string(), origin.to_string()))
+            .get(tenant)
+            .and_then(|m| m.get(origin))
             .is_some_and(|s| s.open_until.is_some())
+    }
+
+    /// Destinations with an entry (failing since their last success).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.states.values().map(HashMap::len).sum()
     }
 }
 
@@ -137,6 +166,30 @@ pub const INVALID_URL_ORIGIN: &str = "invalid-url";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_success_forgets_the_destination_and_a_quiet_open_one_stops_counting() {
+        let mut b = Breakers::default();
+        for _ in 0..OPEN_AFTER {
+            b.record("t", "https://a", false, 0);
+        }
+        b.record("t", "https://b", false, 0);
+        assert_eq!((b.len(), b.open_count(0)), (2, 1));
+        assert_eq!(b.record("t", "https://b", true, 1), None);
+        assert_eq!(b.len(), 1, "a success removes the entry");
+        // Nobody asks about the open one (its subscription was deleted): not counted as open...
+        assert_eq!(b.open_count(QUIET_MS), 0);
+        assert!(b.is_open("t", "https://a"));
+        // ...and forgotten after a day.
+        assert_eq!(b.open_count(FORGET_MS), 0);
+        assert_eq!(b.len(), 0);
+        // Asked about, it counts again.
+        for _ in 0..OPEN_AFTER {
+            b.record("t", "https://a", false, FORGET_MS);
+        }
+        b.admit("t", "https://a", FORGET_MS + QUIET_MS - 1);
+        assert_eq!(b.open_count(FORGET_MS + QUIET_MS), 1);
+    }
 
     #[test]
     fn an_unparsable_url_never_becomes_an_origin_that_is_logged() {

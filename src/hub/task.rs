@@ -1500,7 +1500,7 @@ fn dispatch_work(
             emit_dead_letter(env, out, &dl)?;
         }
     }
-    telemetry::breakers_open(d.stage, d.breakers.open_count());
+    telemetry::breakers_open(d.stage, d.breakers.open_count(now));
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
     // Fair across tasks too: each task with timers gets an equal share of this round's capacity
     // (and the order rotates), so one partition's backlog cannot starve another's tenants.

@@ -387,7 +387,8 @@ impl Ingest {
         let ce_id = headers
             .iter()
             .find(|(k, _)| *k == "ce-id")
-            .and_then(|(_, v)| v.and_then(|v| std::str::from_utf8(v).ok()));
+            .and_then(|(_, v)| v.and_then(|v| std::str::from_utf8(v).ok()))
+            .map(clip_id);
         let partition = msg.partition().to_string();
         let offset = msg.offset().to_string();
         match verdict {
@@ -514,6 +515,16 @@ impl Ingest {
     }
 }
 
+/// A `ce-id` as logged and counted: an accepted one is at most 256 bytes, a quarantined one may be
+/// up to the 64 KiB of headers, and one log line per quarantined record must stay a line.
+fn clip_id(id: &str) -> &str {
+    let mut end = id.len().min(256);
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    &id[..end]
+}
+
 /// Sends into the open transaction, waiting while the local queue is full.
 fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
     producer: &ThreadedProducer<DefaultProducerContext>,
@@ -609,4 +620,18 @@ pub fn rfc3339_ms(ms: i64) -> String {
     chrono::DateTime::from_timestamp_millis(ms)
         .unwrap_or_default()
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clip_id;
+
+    #[test]
+    fn a_long_ce_id_is_clipped_at_a_character_boundary() {
+        let short = "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1e";
+        assert_eq!(clip_id(short), short);
+        let long = format!("a{}", "é".repeat(30_000));
+        assert_eq!(clip_id(&long).len(), 255);
+        assert!(long.starts_with(clip_id(&long)));
+    }
 }
