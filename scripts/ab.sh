@@ -12,6 +12,7 @@
 #   cp "$CARGO_TARGET_DIR/release/streaming-hub" /tmp/hub-before    # then build the change
 #   scripts/ab.sh -r 3 throughput /tmp/hub-before "$CARGO_TARGET_DIR/release/streaming-hub"
 #   scripts/ab.sh latency=5000 /tmp/hub-before /tmp/hub-before:STREAMING_HUB_COMMIT_INTERVAL=10ms
+#   scripts/ab.sh throughput /tmp/hub /tmp/hub:LOAD_HUB_LOG=info   # the hub logging at info
 #
 # Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
 # --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's

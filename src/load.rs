@@ -565,7 +565,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         ("STREAMING_HUB_ALLOW_PRIVATE_SINKS".into(), "true".into()),
         ("STREAMING_HUB_ALLOW_INSECURE_SINKS".into(), "true".into()),
         ("STREAMING_HUB_SESSION_TIMEOUT".into(), "6s".into()),
-        ("STREAMING_HUB_LOG".into(), "warn".into()),
+        // The hub logs at warn unless `LOAD_HUB_LOG` says otherwise (what the default `info`,
+        // a line per delivery attempt, costs: BENCHMARKS.md, session 23).
+        (
+            "STREAMING_HUB_LOG".into(),
+            std::env::var("LOAD_HUB_LOG").unwrap_or_else(|_| "warn".into()),
+        ),
     ];
     if let Some(w) = spec.workers {
         env.push(("STREAMING_HUB_DISPATCH_WORKERS".into(), w.to_string()));
