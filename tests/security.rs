@@ -9,7 +9,8 @@
 //! - Secrets: the webhook signing secrets, a sensitive header, the KEKs and the JWT secret are in
 //!   no byte of any topic the hub used and nowhere in its trace-level log, across a KEK rotation
 //!   after which old records still open (deliveries verify with the same secret) and new ones are
-//!   sealed under the new key.
+//!   sealed under the new key. Sealed headers copied onto another URL through the control topic
+//!   are not sent there; headers sealed before that binding still open and a PATCH binds them.
 //! - Tenant isolation: another tenant's token gets `404` (indistinguishable from an unknown id) on
 //!   every tenant route that names a subscription, never sees its subscriptions or events, and
 //!   every `/admin/*` route refuses tenant tokens with `403`. The routes come from
@@ -740,6 +741,112 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         records.len(),
         topics.len(),
         logs.iter().map(Vec::len).sum::<usize>()
+    );
+}
+
+/// Writes `rec` to the control topic as any producer with write access to it could, and waits
+/// until the hub's table shows its URL.
+async fn write_control_record(api: &ApiHub, rec: &SubscriptionRecord) {
+    let bytes = Codec::new()
+        .unwrap()
+        .encode(RecordKind::Subscription, rec)
+        .unwrap();
+    let control = format!("{}.subscriptions", api.prefix);
+    let r = Rec {
+        key: Some(rec.id.clone().into_bytes()),
+        value: Some(bytes),
+        ..Default::default()
+    };
+    produce(&producer(), &control, &[r]);
+    let want = rec.destination.url.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = api.get_subscription(&rec.tenant_id, &rec.id).await;
+        if v["destination"]["url"] == want.as_str() && v["version"] == rec.version {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the table never showed {want}: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_headers_moved_to_another_url_are_not_sent_there_and_old_ones_are_sealed_again() {
+    let api = ApiHub::start("bound", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
+    let tenant = "tenant-bound";
+    let (url_a, sink_a) = Sink::start().await;
+    let (url_b, sink_b) = Sink::start().await;
+    let credential = format!("Bearer {}", unique("cred"));
+    let (id, _) = subscribe_webhook(
+        &api,
+        tenant,
+        &url_a,
+        json!({"sensitive_headers": {"Authorization": credential}}),
+    )
+    .await;
+    let p = producer();
+    let deliver = |sink: &Sink| {
+        let ev = event(tenant, "ledger", "transaction", "created");
+        produce(&p, &api.topic, std::slice::from_ref(&ev));
+        sink.wait_for(&ev.id())
+    };
+    assert_eq!(deliver(&sink_a).header("authorization"), credential);
+
+    // Someone who can write the control topic, without the KEK, points the subscription (its
+    // sealed headers copied as they are) at a URL of theirs.
+    let stored = control_records(&api.prefix)[&id].clone();
+    let mut moved = stored.clone();
+    moved.destination.url = Some(url_b.clone());
+    moved.version += 1;
+    write_control_record(&api, &moved).await;
+    let d = deliver(&sink_b);
+    assert_eq!(
+        d.header("authorization"),
+        "",
+        "the credential went to a URL it was not sealed for"
+    );
+
+    // Headers sealed before they were bound to a URL (the subscription id alone) still open...
+    let kek = streaming_hub::subscriptions::secrets::Kek::new("k1", KEK).unwrap();
+    let json = serde_json::to_vec(&json!({"authorization": credential})).unwrap();
+    let mut legacy = stored.clone();
+    legacy.destination.sensitive_headers = Some(kek.seal(&json, &id));
+    legacy.version += 2;
+    write_control_record(&api, &legacy).await;
+    assert_eq!(deliver(&sink_a).header("authorization"), credential);
+    // ...and the next write through the API seals them again, bound to the URL.
+    let r = api
+        .http
+        .patch(format!("http://{}/v1/subscriptions/{id}", api.hub.addr()))
+        .bearer_auth(api.token(tenant))
+        .header("content-type", "application/json")
+        .body(json!({"event_types": ["transaction.*", "account.*"]}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let resealed = wait_until(
+        Duration::from_secs(30),
+        "the PATCH in the control topic",
+        || {
+            control_records(&api.prefix)
+                .remove(&id)
+                .filter(|r| r.version > legacy.version)
+        },
+    );
+    let blob = resealed.destination.sensitive_headers.as_ref().unwrap();
+    let (plain, binding) = kek.open_bound(blob, &id, &url_a).unwrap();
+    assert_eq!(binding, streaming_hub::subscriptions::secrets::Binding::Url);
+    assert_eq!(plain, json);
+    assert!(kek.open_bound(blob, &id, &url_b).is_err());
+    assert_eq!(deliver(&sink_a).header("authorization"), credential);
+    assert_eq!(
+        sink_b.ids().len(),
+        1,
+        "only the delivery while it pointed there"
     );
 }
 

@@ -23,7 +23,7 @@ use super::subscriptions::{load, view_of};
 use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
 use crate::runtime::secret::Secret;
 use crate::subscriptions::model::{FieldError, rfc3339};
-use crate::subscriptions::secrets::generate_signing_secret;
+use crate::subscriptions::secrets::{Binding, generate_signing_secret};
 
 /// The longest grace a rotated-out secret may get.
 pub const MAX_GRACE: Duration = Duration::from_secs(7 * 86_400);
@@ -32,10 +32,12 @@ pub const MAX_GRACE: Duration = Duration::from_secs(7 * 86_400);
 /// rotations still in their grace.
 pub const MAX_LIVE_SECRETS: usize = 5;
 
-/// Seals a webhook's sensitive headers (a JSON object) for subscription `id`; none → `None`.
+/// Seals a webhook's sensitive headers (a JSON object) for subscription `id` and its
+/// destination `url` (see [`crate::subscriptions::secrets`]); none → `None`.
 pub fn seal_sensitive(
     state: &ApiState,
     id: &str,
+    url: &str,
     headers: &BTreeMap<String, String>,
 ) -> Result<Option<EncryptedBlob>, ApiError> {
     if headers.is_empty() {
@@ -43,23 +45,26 @@ pub fn seal_sensitive(
     }
     let json = serde_json::to_vec(headers)
         .map_err(|e| ApiError::internal("sensitive headers do not serialize", &e))?;
-    Ok(Some(state.kek.seal(&json, id)))
+    Ok(Some(state.kek.seal_bound(&json, id, url)))
 }
 
-/// Opens a subscription's sensitive headers (empty when it has none).
+/// Opens a subscription's sensitive headers (empty when it has none), and whether they were
+/// sealed before headers were bound to their URL (to be sealed again).
 pub fn open_sensitive(
     state: &ApiState,
     rec: &SubscriptionRecord,
-) -> Result<BTreeMap<String, String>, ApiError> {
+) -> Result<(BTreeMap<String, String>, bool), ApiError> {
     let Some(blob) = &rec.destination.sensitive_headers else {
-        return Ok(BTreeMap::new());
+        return Ok((BTreeMap::new(), false));
     };
-    let plain = state
+    let url = rec.destination.url.as_deref().unwrap_or_default();
+    let (plain, binding) = state
         .kek
-        .open(blob, &rec.id)
+        .open_bound(blob, &rec.id, url)
         .map_err(|e| ApiError::internal("sensitive headers do not open", &e))?;
-    serde_json::from_slice(&plain)
-        .map_err(|e| ApiError::internal("sensitive headers are not a JSON object", &e))
+    let headers = serde_json::from_slice(&plain)
+        .map_err(|e| ApiError::internal("sensitive headers are not a JSON object", &e))?;
+    Ok((headers, binding == Binding::SubscriptionOnly))
 }
 
 /// The signing secrets that still sign at `now`, current first.

@@ -49,7 +49,7 @@ pub fn load(state: &ApiState, tenant: &str, id: &str) -> Result<Sub, ApiError> {
 /// The view of `rec`, with the names of its sealed headers.
 pub fn view_of(state: &ApiState, rec: &SubscriptionRecord) -> SubscriptionView {
     let names = match open_sensitive(state, rec) {
-        Ok(map) => map.into_keys().collect(),
+        Ok((map, _)) => map.into_keys().collect(),
         Err(e) => {
             tracing::warn!(subscription_id = %rec.id, error = %e.message, "sensitive headers do not open; shown without names");
             Vec::new()
@@ -88,7 +88,7 @@ pub async fn create(
             headers,
             sensitive_headers,
         } => {
-            let sealed = seal_sensitive(&state, &id, &sensitive_headers)?;
+            let sealed = seal_sensitive(&state, &id, &url, &sensitive_headers)?;
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
                 url: Some(url),
@@ -280,16 +280,20 @@ fn apply(
             }
             let sensitive = match &sensitive_headers {
                 Some(s) => validate_header_map("sensitive_headers", s)?,
-                None => open_sensitive(state, &rec)?,
+                None => open_sensitive(state, &rec)?.0,
             };
             validate_header_sets(&rec.destination.headers, &sensitive)?;
-            if sensitive_headers.is_some() {
-                rec.destination.sensitive_headers = seal_sensitive(state, &rec.id, &sensitive)?;
-            }
             if let Some(url) = p.url.filter(|u| rec.destination.url.as_ref() != Some(u)) {
                 rec.destination.url = Some(url);
                 rec.verification_state = VerificationState::Pending;
                 url_changed = true;
+            }
+            // Sealed again when they change and when the URL they are bound to changes (and,
+            // below, when they were sealed before that binding existed).
+            if sensitive_headers.is_some() || url_changed {
+                let url = rec.destination.url.as_deref().unwrap_or_default();
+                rec.destination.sensitive_headers =
+                    seal_sensitive(state, &rec.id, url, &sensitive)?;
             }
         }
         _ => {
@@ -300,6 +304,12 @@ fn apply(
             );
             return Err(e.into());
         }
+    }
+    // Headers sealed before they were bound to their URL are sealed again, bound, by any PATCH
+    // (one that cannot open them changes what it was asked to and leaves them as they are).
+    if let Ok((sensitive, true)) = open_sensitive(state, &rec) {
+        let url = rec.destination.url.as_deref().unwrap_or_default();
+        rec.destination.sensitive_headers = seal_sensitive(state, &rec.id, url, &sensitive)?;
     }
     Ok((rec, url_changed))
 }

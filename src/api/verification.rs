@@ -42,7 +42,7 @@ async fn run(
     }
     let secrets = open_secrets(state, rec, state.clock.now_ms())?;
     let mut headers = rec.destination.headers.clone();
-    headers.extend(open_sensitive(state, rec)?);
+    headers.extend(open_sensitive(state, rec)?.0);
     let url = rec.destination.url.as_deref().unwrap_or_default();
     let sinks = state.sinks;
     Ok(probe(

@@ -196,7 +196,9 @@ impl Workers {
             req = req.header(k.as_str(), v.as_str());
         }
         if let (Some(blob), Some(kek)) = (&sub.destination.sensitive_headers, &self.kek) {
-            if let Ok(plain) = kek.open(blob, &sub.id) {
+            // Bound to this subscription and this URL: a sealed blob copied onto another
+            // subscription or URL does not open, and the attempt goes without it.
+            if let Ok((plain, _)) = kek.open_bound(blob, &sub.id, url) {
                 if let Ok(map) =
                     serde_json::from_slice::<std::collections::BTreeMap<String, String>>(&plain)
                 {

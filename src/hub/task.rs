@@ -398,6 +398,10 @@ impl ConsumerContext for HubContext {
             }
             self.router.gave_up(self.stage, &parts);
             telemetry::partitions_owned(self.stage, &parts, false);
+            telemetry::lag_gone(
+                "hub",
+                tpl.elements().iter().map(|e| (e.topic(), e.partition())),
+            );
             telemetry::Rebalance {
                 stage: "hub",
                 kind: "revoke",

@@ -107,6 +107,10 @@ impl ConsumerContext for IngestContext {
             for e in tpl.elements() {
                 revoked.insert((e.topic().to_string(), e.partition()));
             }
+            telemetry::lag_gone(
+                "ingest",
+                tpl.elements().iter().map(|e| (e.topic(), e.partition())),
+            );
         }
     }
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

@@ -330,13 +330,39 @@ pub fn due_backlog(stage: usize, top: &[(String, usize, f64)], left: &[String], 
 /// `consumer_lag` counts from the committed offset, which a transactional consumer never learns
 /// (its offsets are committed by the producer's transaction).
 pub fn lag_from_stats(stage: &'static str, raw: &[u8]) {
+    for (topic, partition, lag) in lags(raw) {
+        consumer_lag(stage, &topic, partition, lag);
+    }
+}
+
+/// (topic, partition, lag) of the partitions this consumer is fetching, from one statistics
+/// report. A partition it no longer fetches (revoked: its fetch state is `stopped` or `none`)
+/// is left out even while librdkafka still reports its last position: that stale lag would
+/// otherwise be set again and again, alongside the new owner's.
+fn lags(raw: &[u8]) -> Vec<(String, i32, i64)> {
+    let mut out = Vec::new();
     each_partition_stats(raw, |topic, partition, p| {
+        if p.get("fetch_state")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|s| s != "active")
+        {
+            return;
+        }
         let num = |k: &str| p.get(k).and_then(serde_json::Value::as_i64).unwrap_or(-1);
         let (stable, position) = (num("ls_offset"), num("app_offset"));
         if stable >= 0 && position >= 0 {
-            consumer_lag(stage, topic, partition, (stable - position).max(0));
+            out.push((topic.to_string(), partition, (stable - position).max(0)));
         }
     });
+    out
+}
+
+/// Partitions given up in a rebalance: their lag is this consumer's no more (0, not the last
+/// value it saw, which would stay in `/metrics` for good).
+pub fn lag_gone<'a>(stage: &'static str, partitions: impl IntoIterator<Item = (&'a str, i32)>) {
+    for (topic, partition) in partitions {
+        consumer_lag(stage, topic, partition, 0);
+    }
 }
 
 /// Calls `f(topic, partition, stats)` for every partition of one librdkafka statistics report
@@ -474,5 +500,29 @@ impl AutoDisabled<'_> {
             reason = self.reason,
             "subscription auto-disabled"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lag_is_read_only_for_partitions_this_consumer_is_fetching() {
+        // Shaped like librdkafka's statistics: partition 0 fetched, 1 revoked (stopped, its last
+        // position still reported), 2 another member's (none, no position), -1 the internal one.
+        let raw = br#"{"topics": {"lerian.inbox": {"partitions": {
+            "0": {"partition": 0, "fetch_state": "active", "ls_offset": 120, "app_offset": 100},
+            "1": {"partition": 1, "fetch_state": "stopped", "ls_offset": 90, "app_offset": 40},
+            "2": {"partition": 2, "fetch_state": "none", "ls_offset": 70, "app_offset": -1001},
+            "-1": {"partition": -1, "fetch_state": "none", "ls_offset": -1, "app_offset": -1}
+        }}}}"#;
+        assert_eq!(lags(raw), vec![("lerian.inbox".to_string(), 0, 20)]);
+        // A report without fetch states (older librdkafka) is read by its offsets alone.
+        let raw = br#"{"topics": {"t": {"partitions": {
+            "3": {"partition": 3, "ls_offset": 10, "app_offset": 12}
+        }}}}"#;
+        assert_eq!(lags(raw), vec![("t".to_string(), 3, 0)]);
+        assert!(lags(b"not json").is_empty());
     }
 }

@@ -51,7 +51,7 @@ use serde_json::Value;
 use super::control::{self, RepoError, Subscriptions};
 use super::model::{CreateSubscription, FieldError, SinkPolicy, ValidCreate, ValidDestination};
 use super::pending::{ProbeError, Prober, open_sensitive_headers, seal_sensitive_headers};
-use super::secrets::{Kek, SecretError, generate_signing_secret};
+use super::secrets::{Binding, Kek, SecretError, generate_signing_secret};
 use super::table::{SharedTable, Table};
 use crate::config::Config;
 use crate::runtime::avro::Codec;
@@ -320,11 +320,12 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
             headers,
             sensitive_headers,
         } => {
+            let sealed = seal_sensitive_headers(kek, &d.id, &url, &sensitive_headers);
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
                 url: Some(url),
                 headers,
-                sensitive_headers: seal_sensitive_headers(kek, &d.id, &sensitive_headers),
+                sensitive_headers: sealed,
             };
             (destination, Some(generate_signing_secret()))
         }
@@ -397,16 +398,18 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             DestinationType::Webhook,
         ) => {
             next.destination.headers = headers;
-            let stored = open_sensitive_headers(kek, current)
+            let (stored, binding) = open_sensitive_headers(kek, current)
                 .map_err(|e| Planned::Sealed(current.id.clone(), e))?;
-            if stored != sensitive_headers {
+            url_changed = current.destination.url.as_deref() != Some(url.as_str());
+            // Sealed again when they change, when the URL they are bound to changes, and when
+            // they were sealed before that binding existed.
+            if stored != sensitive_headers || url_changed || binding == Binding::SubscriptionOnly {
                 next.destination.sensitive_headers =
-                    seal_sensitive_headers(kek, &current.id, &sensitive_headers);
+                    seal_sensitive_headers(kek, &current.id, &url, &sensitive_headers);
             }
-            if current.destination.url.as_deref() != Some(url.as_str()) {
+            if url_changed {
                 next.destination.url = Some(url);
                 next.verification_state = VerificationState::Pending;
-                url_changed = true;
             }
         }
         _ => {
@@ -907,6 +910,42 @@ mod tests {
         let v3 = t.subs.get(B).unwrap();
         assert_eq!(v3.destination.url.as_deref(), Some(url2.as_str()));
         assert_eq!(v3.signing_secrets, v1.signing_secrets);
+    }
+
+    #[tokio::test]
+    async fn sealed_headers_follow_a_new_url_and_old_ones_are_sealed_again_bound() {
+        let t = target();
+        let (url, _) = echo().await;
+        let (url2, _) = echo().await;
+        let entry = |url: &str| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                    "destination": {"type": "webhook", "url": url,
+                                    "sensitive_headers": {"x-api-key": "k1"}}}])
+        };
+        let bound_to = |url: &str| {
+            let sub = t.subs.get(B).unwrap();
+            let blob = sub.destination.sensitive_headers.clone().unwrap();
+            t.kek.open_bound(&blob, B, url).map(|(_, b)| b)
+        };
+        run(&t, &entry(&url)).await.0.unwrap();
+        assert_eq!(bound_to(&url), Ok(Binding::Url));
+        // A new URL: the same headers, sealed for it (they would not open there otherwise).
+        run(&t, &entry(&url2)).await.0.unwrap();
+        assert_eq!(bound_to(&url2), Ok(Binding::Url));
+        assert_eq!(bound_to(&url), Err(SecretError::Open));
+
+        // Sealed before headers were bound to their URL: the next apply seals them again.
+        let mut legacy = (*t.subs.get(B).unwrap()).clone();
+        legacy.destination.sensitive_headers = Some(t.kek.seal(br#"{"x-api-key":"k1"}"#, B));
+        legacy.version += 1;
+        t.subs.put(legacy).await.unwrap();
+        assert_eq!(bound_to(&url2), Ok(Binding::SubscriptionOnly));
+        let (r, out) = run(&t, &entry(&url2)).await;
+        r.unwrap();
+        assert_eq!(out, format!("updated {B} v4 active\n"));
+        assert_eq!(bound_to(&url2), Ok(Binding::Url));
+        let (r, _) = run(&t, &entry(&url2)).await;
+        assert_eq!(r.unwrap().unchanged, 1, "and then it is unchanged");
     }
 
     #[tokio::test]

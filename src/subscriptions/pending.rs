@@ -45,7 +45,7 @@ use crate::runtime::records::{
 use crate::runtime::secret::Secret;
 use crate::subscriptions::control::{RepoError, Subscriptions};
 use crate::subscriptions::model::SinkPolicy;
-use crate::subscriptions::secrets::{Kek, SecretError};
+use crate::subscriptions::secrets::{Binding, Kek, SecretError};
 use crate::subscriptions::table::Sub;
 
 /// How often the retrier scans for pending subscriptions. The spacing of attempts is counted in
@@ -124,7 +124,7 @@ impl Prober {
             .map(|s| self.kek.open_secret(s, &rec.id))
             .collect::<Result<Vec<Secret>, _>>()?;
         let mut headers = rec.destination.headers.clone();
-        headers.extend(open_sensitive_headers(&self.kek, rec)?);
+        headers.extend(open_sensitive_headers(&self.kek, rec)?.0);
         let url = rec.destination.url.as_deref().unwrap_or_default();
         probe(
             &self.http,
@@ -139,30 +139,34 @@ impl Prober {
     }
 }
 
-/// Seals a webhook's sensitive headers for subscription `id` as the API does (one JSON object);
-/// none → `None`.
+/// Seals a webhook's sensitive headers for subscription `id` and its destination `url` as the
+/// API does (one JSON object); none → `None`.
 pub fn seal_sensitive_headers(
     kek: &Kek,
     id: &str,
+    url: &str,
     headers: &BTreeMap<String, String>,
 ) -> Option<EncryptedBlob> {
     if headers.is_empty() {
         return None;
     }
     let json = serde_json::to_vec(headers).expect("a map of strings always serializes");
-    Some(kek.seal(&json, id))
+    Some(kek.seal_bound(&json, id, url))
 }
 
-/// Opens a subscription's sensitive headers (empty when it has none).
+/// Opens a subscription's sensitive headers (empty when it has none), and how they are bound
+/// (sealed for its URL, or before headers were bound to one).
 pub fn open_sensitive_headers(
     kek: &Kek,
     rec: &SubscriptionRecord,
-) -> Result<BTreeMap<String, String>, SecretError> {
+) -> Result<(BTreeMap<String, String>, Binding), SecretError> {
     let Some(blob) = &rec.destination.sensitive_headers else {
-        return Ok(BTreeMap::new());
+        return Ok((BTreeMap::new(), Binding::Url));
     };
-    let plain = kek.open(blob, &rec.id)?;
-    serde_json::from_slice(&plain).map_err(|_| SecretError::Open)
+    let url = rec.destination.url.as_deref().unwrap_or_default();
+    let (plain, binding) = kek.open_bound(blob, &rec.id, url)?;
+    let headers = serde_json::from_slice(&plain).map_err(|_| SecretError::Open)?;
+    Ok((headers, binding))
 }
 
 /// Passes to wait after the `tries`-th failed probe before the next one: 2, 4, 8, 16.
@@ -441,7 +445,7 @@ mod tests {
                 kind: DestinationType::Webhook,
                 url: Some(url.to_string()),
                 headers: Default::default(),
-                sensitive_headers: seal_sensitive_headers(kek, &id, &sensitive),
+                sensitive_headers: seal_sensitive_headers(kek, &id, url, &sensitive),
             },
             id,
             tenant_id: "t1".into(),

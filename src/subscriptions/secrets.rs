@@ -3,6 +3,13 @@
 //! another subscription does not open), and the KEK's id stored with each ciphertext so the KEK can
 //! be rotated: new writes use `STREAMING_HUB_KEK`, old records open with `STREAMING_HUB_KEK_PREVIOUS`.
 //!
+//! A webhook's sensitive headers are sent in plaintext to its URL, so they are bound to the URL
+//! too ([`Kek::seal_bound`]): whoever can write the control topic but holds no KEK cannot copy a
+//! subscription's sealed headers into a record pointing at a URL of their own and have the hub
+//! send the credentials there. Headers sealed before this binding (bound to the id only) still
+//! open, reported as [`Binding::SubscriptionOnly`]; any `PATCH /v1/subscriptions/{id}`, or a
+//! `subscriptions apply` listing the subscription, seals them again, bound.
+//!
 //! Plaintext exists only in memory, as [`Secret`]: in the create and rotate responses, and in a
 //! delivery worker while it signs. It never reaches a topic, a log or an error.
 use std::collections::HashMap;
@@ -100,6 +107,10 @@ impl Kek {
 
     /// Encrypts under the current key, bound to `subscription_id`.
     pub fn seal(&self, plaintext: &[u8], subscription_id: &str) -> EncryptedBlob {
+        self.seal_with(plaintext, subscription_id.as_bytes())
+    }
+
+    fn seal_with(&self, plaintext: &[u8], aad: &[u8]) -> EncryptedBlob {
         let cipher = &self.keys[&self.current_id];
         let mut nonce = [0u8; 12];
         rand::thread_rng().fill_bytes(&mut nonce);
@@ -108,7 +119,7 @@ impl Kek {
                 Nonce::from_slice(&nonce),
                 Payload {
                     msg: plaintext,
-                    aad: subscription_id.as_bytes(),
+                    aad,
                 },
             )
             .expect("AES-GCM encryption of an in-memory buffer cannot fail");
@@ -124,7 +135,36 @@ impl Kek {
         blob: &EncryptedBlob,
         subscription_id: &str,
     ) -> Result<Vec<u8>, SecretError> {
-        self.open_parts(&blob.key_id, &blob.nonce, &blob.ciphertext, subscription_id)
+        self.open_parts(
+            &blob.key_id,
+            &blob.nonce,
+            &blob.ciphertext,
+            subscription_id.as_bytes(),
+        )
+    }
+
+    /// Encrypts under the current key, bound to `subscription_id` and the destination `url` the
+    /// plaintext will be sent to (sensitive headers).
+    pub fn seal_bound(&self, plaintext: &[u8], subscription_id: &str, url: &str) -> EncryptedBlob {
+        self.seal_with(plaintext, &bound_aad(subscription_id, url))
+    }
+
+    /// Opens what [`Kek::seal_bound`] sealed for this subscription and URL, or what was sealed
+    /// for the subscription alone before headers were bound to their URL (which says so).
+    pub fn open_bound(
+        &self,
+        blob: &EncryptedBlob,
+        subscription_id: &str,
+        url: &str,
+    ) -> Result<(Vec<u8>, Binding), SecretError> {
+        let (key_id, nonce, ct) = (&blob.key_id, &blob.nonce, &blob.ciphertext);
+        match self.open_parts(key_id, nonce, ct, &bound_aad(subscription_id, url)) {
+            Ok(plain) => Ok((plain, Binding::Url)),
+            Err(SecretError::Open) => self
+                .open_parts(key_id, nonce, ct, subscription_id.as_bytes())
+                .map(|plain| (plain, Binding::SubscriptionOnly)),
+            Err(e) => Err(e),
+        }
     }
 
     fn open_parts(
@@ -132,7 +172,7 @@ impl Kek {
         key_id: &str,
         nonce: &[u8],
         ciphertext: &[u8],
-        aad: &str,
+        aad: &[u8],
     ) -> Result<Vec<u8>, SecretError> {
         let cipher = self
             .keys
@@ -146,7 +186,7 @@ impl Kek {
                 Nonce::from_slice(nonce),
                 Payload {
                     msg: ciphertext,
-                    aad: aad.as_bytes(),
+                    aad,
                 },
             )
             .map_err(|_| SecretError::Open)
@@ -173,7 +213,12 @@ impl Kek {
         s: &EncryptedSecret,
         subscription_id: &str,
     ) -> Result<Secret, SecretError> {
-        let plain = self.open_parts(&s.key_id, &s.nonce, &s.ciphertext, subscription_id)?;
+        let plain = self.open_parts(
+            &s.key_id,
+            &s.nonce,
+            &s.ciphertext,
+            subscription_id.as_bytes(),
+        )?;
         String::from_utf8(plain)
             .map(Secret::new)
             .map_err(|_| SecretError::Open)
@@ -201,6 +246,28 @@ pub fn generate_signing_secret() -> Secret {
         "whsec_{}",
         base64::engine::general_purpose::STANDARD.encode(key)
     ))
+}
+
+/// What a sealed blob of sensitive headers is bound to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// The subscription id and the destination URL.
+    Url,
+    /// The subscription id alone: sealed before headers were bound to their URL.
+    SubscriptionOnly,
+}
+
+/// Associated data of a blob bound to a subscription and a URL. Versioned and NUL-separated (a
+/// NUL is in neither an id nor a URL), so no id and URL pair reads as another pair, nor as a
+/// bare subscription id.
+fn bound_aad(subscription_id: &str, url: &str) -> Vec<u8> {
+    [
+        b"streaming-hub/headers/v2\0",
+        subscription_id.as_bytes(),
+        b"\0",
+        url.as_bytes(),
+    ]
+    .concat()
 }
 
 #[cfg(test)]
@@ -234,6 +301,50 @@ mod tests {
         assert_eq!(
             kek.open_secret(&tampered, "sub-a").unwrap_err(),
             SecretError::Open
+        );
+    }
+
+    #[test]
+    fn sealed_headers_open_only_for_their_subscription_and_url() {
+        let kek = Kek::new("k1", &key(7)).unwrap();
+        let blob = kek.seal_bound(
+            b"{\"authorization\":\"Bearer t\"}",
+            "sub-a",
+            "https://a.example/h",
+        );
+        let (plain, binding) = kek
+            .open_bound(&blob, "sub-a", "https://a.example/h")
+            .unwrap();
+        assert_eq!(plain, b"{\"authorization\":\"Bearer t\"}");
+        assert_eq!(binding, Binding::Url);
+        // Copied onto another URL or another subscription, it does not open.
+        let other_url = kek.open_bound(&blob, "sub-a", "https://evil.example/h");
+        assert_eq!(other_url.unwrap_err(), SecretError::Open);
+        let other_sub = kek.open_bound(&blob, "sub-b", "https://a.example/h");
+        assert_eq!(other_sub.unwrap_err(), SecretError::Open);
+        // Nor as if it were bound to the id alone.
+        assert_eq!(kek.open(&blob, "sub-a").unwrap_err(), SecretError::Open);
+    }
+
+    #[test]
+    fn headers_sealed_before_the_url_binding_still_open_and_say_so() {
+        let kek = Kek::new("k1", &key(7)).unwrap();
+        let legacy = kek.seal(b"{}", "sub-a");
+        let (plain, binding) = kek
+            .open_bound(&legacy, "sub-a", "https://a.example/h")
+            .unwrap();
+        assert_eq!(
+            (plain.as_slice(), binding),
+            (b"{}".as_slice(), Binding::SubscriptionOnly)
+        );
+        let other = kek.open_bound(&legacy, "sub-b", "https://a.example/h");
+        assert_eq!(other.unwrap_err(), SecretError::Open);
+        // An unknown key id is that, not a failed open retried without the URL.
+        let mut unknown = legacy.clone();
+        unknown.key_id = "k9".into();
+        assert_eq!(
+            kek.open_bound(&unknown, "sub-a", "u").unwrap_err(),
+            SecretError::UnknownKeyId("k9".into())
         );
     }
 
