@@ -458,6 +458,51 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     assert_eq!(ids(&got[2..4]), want, "every event delivered again");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_changelog_record_that_does_not_decode_is_skipped_at_restore_not_a_crash_loop() {
+    let mut s = ApiHub::start("garbage", &[]).await;
+    let (url, sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-g", &url, None).await;
+    let p = producer();
+    produce(
+        &p,
+        &s.topic,
+        &[event("tenant-g", "ledger", "transaction", "created")],
+    );
+    wait_for_deliveries(&sink, 1, Duration::from_secs(60));
+    s.hub.terminate();
+
+    // A job key and a dedup key whose values are not hub records, in every partition of the
+    // state changelog (each inbox partition's task restores one).
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let garbage: Vec<Rec> = (0..6)
+        .flat_map(|partition| {
+            [&b"j/tenant-g\0x\0y"[..], &b"d/tenant-g\0x"[..]].map(|key| Rec {
+                key: Some(key.to_vec()),
+                value: Some(b"not a hub record".to_vec()),
+                partition: Some(partition),
+                ..Default::default()
+            })
+        })
+        .collect();
+    produce(&p, &changelog, &garbage);
+
+    // The hub comes back (it exited on every restart before), restores, and delivers.
+    let env = s.hub.env.clone();
+    s.hub = Hub::start(&env);
+    produce(
+        &p,
+        &s.topic,
+        &[event("tenant-g", "ledger", "transaction", "created")],
+    );
+    wait_for_deliveries(&sink, 2, Duration::from_secs(60));
+    assert_eq!(
+        s.metric("streaming_hub_restore_skipped_total").await,
+        garbage.len() as u64,
+        "every record that does not decode counted"
+    );
+}
+
 /// Hub loops of one instance, and which inbox partitions each owns now (the
 /// `streaming_hub_inbox_partition_owned{partition,loop}` gauges at 1).
 async fn partitions_by_loop(s: &ApiHub) -> BTreeMap<String, Vec<String>> {

@@ -28,7 +28,7 @@ use crate::dispatch::jobs::{self, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
 use crate::dispatch::{EventView, breaker, health};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
-use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
@@ -578,6 +578,13 @@ pub fn restore_only(
 }
 
 /// Applies one changelog record to the staging, keeping the expiry index in step.
+///
+/// A record that is not what its key says (not Avro, a record of another kind, a job or dedup
+/// entry that does not decode) is skipped, loudly: its key leaves the store as if deleted, and
+/// `streaming_hub_restore_skipped_total` counts it. Failing instead kept the partition from
+/// coming up anywhere, the process exiting on every instance that took it. A record of a schema
+/// this version does not know (written by a newer one, before a rollback) still fails the
+/// restore: skipping those would drop live jobs.
 fn restore_one(
     store: &Store,
     codec: &Codec,
@@ -590,6 +597,28 @@ fn restore_one(
         JOBS => from_state_changelog(key),
         legacy => (legacy, key),
     };
+    let checked = match value.map(|v| check_state_record(codec, family, key, v)) {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(CodecError::UnknownFingerprint(f))) => {
+            return Err(format!(
+                "a {family} record of a schema this version does not know ({}): written by a \
+                 newer version of the hub? run that version",
+                CodecError::UnknownFingerprint(f)
+            ));
+        }
+        Some(Err(e)) => {
+            metrics::counter!(RESTORE_SKIPPED, "store" => family).increment(1);
+            tracing::error!(
+                store = family,
+                key = %String::from_utf8_lossy(&key[..key.len().min(256)]),
+                error = %e,
+                "a state changelog record that does not decode is skipped: its key is dropped"
+            );
+            None
+        }
+    };
+    let value = checked.as_ref().and(value);
     let mut tenant = None;
     if family == JOBS && key.starts_with(b"j/") {
         if let Some(old) = staged.read(store, JOBS, key).map_err(|e| e.to_string())? {
@@ -597,8 +626,7 @@ fn restore_one(
                 staged.delete(DUE, jobs::due_key(&old.tenant_id, old.due_at, key));
             }
         }
-        if let Some(v) = value {
-            let job = crate::runtime::fast_avro::job(codec, v).map_err(|e| e.to_string())?;
+        if let Some(Checked::Job(job)) = checked {
             staged.put(
                 DUE,
                 jobs::due_key(&job.tenant_id, job.due_at, key),
@@ -606,29 +634,61 @@ fn restore_one(
             );
             tenant = Some(job.tenant_id);
         }
-    }
-    if family == DEDUP {
+    } else if let Some(Checked::Expiry(expires_at)) = checked {
         // The previous entry's index key is not looked up: a stale expiry key is harmless (the
         // purge checks the entry's current expiry before deleting) and skipping the read keeps
         // restore fast.
-        if let Some(v) = value {
-            let expires_at = match dedup::expires_at_fast(codec, v) {
-                Some(t) => t,
-                None => {
-                    codec
-                        .decode::<DedupEntry>(RecordKind::DedupEntry, v)
-                        .map_err(|e| e.to_string())?
-                        .expires_at
-                }
-            };
-            staged.put(DEDUP_EXPIRY, dedup::expiry_key(expires_at, key), Vec::new());
-        }
+        staged.put(DEDUP_EXPIRY, dedup::expiry_key(expires_at, key), Vec::new());
     }
     match value {
         Some(v) => staged.put(family, key.to_vec(), v.to_vec()),
         None => staged.delete(family, key.to_vec()),
     }
     Ok(tenant)
+}
+
+/// Restore counter of state changelog records skipped because they do not decode.
+pub const RESTORE_SKIPPED: &str = "streaming_hub_restore_skipped_total";
+
+/// What a restored state record turned out to be.
+enum Checked {
+    Job(JobRecord),
+    /// A dedup entry and its expiry.
+    Expiry(i64),
+    Other,
+}
+
+/// Checks a state record against what its store and key say it is: jobs and dedup entries are
+/// decoded (their restore needs them), payloads, health and sequence records checked by header.
+fn check_state_record(
+    codec: &Codec,
+    family: &str,
+    key: &[u8],
+    value: &[u8],
+) -> Result<Checked, CodecError> {
+    match family {
+        DEDUP => match dedup::expires_at_fast(codec, value) {
+            Some(t) => Ok(Checked::Expiry(t)),
+            None => Ok(Checked::Expiry(
+                codec
+                    .decode::<DedupEntry>(RecordKind::DedupEntry, value)?
+                    .expires_at,
+            )),
+        },
+        SEQUENCE => codec
+            .check_kind(RecordKind::Sequence, value)
+            .map(|()| Checked::Other),
+        JOBS if key.starts_with(b"j/") => {
+            crate::runtime::fast_avro::job(codec, value).map(Checked::Job)
+        }
+        JOBS if key.starts_with(b"p/") => codec
+            .check_kind(RecordKind::EventPayload, value)
+            .map(|()| Checked::Other),
+        JOBS if key.starts_with(b"h/") => codec
+            .check_kind(RecordKind::Health, value)
+            .map(|()| Checked::Other),
+        _ => Ok(Checked::Other),
+    }
 }
 
 pub struct HubStage {
@@ -1971,6 +2031,59 @@ fn forget_revoked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn restore_skips_a_state_record_that_does_not_decode_and_drops_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &FAMILIES).unwrap();
+        let codec = Codec::new().unwrap();
+        let key = b"j/t1\0e1\0s1".to_vec();
+        let job = JobRecord {
+            event_key: "e1".into(),
+            subscription_id: "s1".into(),
+            tenant_id: "t1".into(),
+            attempt: 1,
+            due_at: 42,
+            lease_until: None,
+            reclaims: 0,
+            last_status: None,
+            last_error: None,
+            state: JobState::Pending,
+        };
+        let good = crate::runtime::fast_avro::encode_job(&codec, &job).unwrap();
+        let mut st = Staged::default();
+        let t = restore_one(&store, &codec, &mut st, JOBS, &key, Some(&good)).unwrap();
+        assert_eq!(t.as_deref(), Some("t1"));
+        store.apply(st, &[]).unwrap();
+        let due = jobs::due_key("t1", 42, &key);
+        assert!(store.get(DUE, &due).unwrap().is_some());
+
+        // The same key again, as bytes that are no job: skipped, the key and its timer gone.
+        let mut st = Staged::default();
+        for garbage in [&b"not avro"[..], &good[..good.len() - 3]] {
+            let t = restore_one(&store, &codec, &mut st, JOBS, &key, Some(garbage)).unwrap();
+            assert_eq!(t, None);
+        }
+        let dedup_key = on_state_changelog(DEDUP_ON_STATE_CHANGELOG, b"t1\0e1");
+        restore_one(&store, &codec, &mut st, JOBS, &dedup_key, Some(&good)).unwrap();
+        restore_one(&store, &codec, &mut st, JOBS, b"p/t1\0e1", Some(&good)).unwrap();
+        store.apply(st, &[]).unwrap();
+        assert_eq!(store.get(JOBS, &key).unwrap(), None);
+        assert_eq!(store.get(DUE, &due).unwrap(), None);
+        assert_eq!(
+            store.get(DEDUP, b"t1\0e1").unwrap(),
+            None,
+            "a job is no dedup entry"
+        );
+        assert_eq!(store.get(JOBS, b"p/t1\0e1").unwrap(), None, "nor a payload");
+
+        // A schema this version does not know fails the restore, saying so.
+        let mut newer = good.clone();
+        newer[2..10].copy_from_slice(&[0xEE; 8]);
+        let mut st = Staged::default();
+        let e = restore_one(&store, &codec, &mut st, JOBS, &key, Some(&newer)).unwrap_err();
+        assert!(e.contains("newer version"), "{e}");
+    }
 
     fn outcome(partition: i32, lease_until: i64) -> Outcome {
         Outcome {
