@@ -145,6 +145,10 @@ enum SubscriptionsAction {
         #[arg(short = 'f', long = "file")]
         file: std::path::PathBuf,
     },
+    /// Binds sensitive headers sealed before headers were bound to their URL to the URL each
+    /// record names now (one-off, on upgrade; until then they are not sent). Exit 0 done, 2 some
+    /// did not open, 3 broker error.
+    Reseal,
 }
 
 /// The C libraries (librdkafka, RocksDB) allocate with glibc's malloc. Its mmap threshold grows
@@ -240,6 +244,9 @@ fn main() -> ExitCode {
                         ExitCode::FAILURE
                     }
                 }
+            }
+            Command::Subscriptions { action: SubscriptionsAction::Reseal } => {
+                ExitCode::from(streaming_hub::subscriptions::apply::reseal_command(&config).await)
             }
             Command::Subscriptions { action: SubscriptionsAction::Apply { file } } => {
                 ExitCode::from(streaming_hub::subscriptions::apply::command(&config, &file).await)

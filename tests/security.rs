@@ -10,7 +10,8 @@
 //!   no byte of any topic the hub used and nowhere in its trace-level log, across a KEK rotation
 //!   after which old records still open (deliveries verify with the same secret) and new ones are
 //!   sealed under the new key. Sealed headers copied onto another URL through the control topic
-//!   are not sent there; headers sealed before that binding still open and a PATCH binds them.
+//!   are not sent there; headers sealed before that binding are not sent until
+//!   `subscriptions reseal` binds them to the URL their record names.
 //! - Tenant isolation: another tenant's token gets `404` (indistinguishable from an unknown id) on
 //!   every tenant route that names a subscription, never sees its subscriptions or events, and
 //!   every `/admin/*` route refuses tenant tokens with `403`. The routes come from
@@ -774,7 +775,7 @@ async fn write_control_record(api: &ApiHub, rec: &SubscriptionRecord) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sealed_headers_moved_to_another_url_are_not_sent_there_and_old_ones_are_sealed_again() {
+async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal_binds_old_ones() {
     let api = ApiHub::start("bound", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
     let tenant = "tenant-bound";
     let (url_a, sink_a) = Sink::start().await;
@@ -809,40 +810,55 @@ async fn sealed_headers_moved_to_another_url_are_not_sent_there_and_old_ones_are
         "the credential went to a URL it was not sealed for"
     );
 
-    // Headers sealed before they were bound to a URL (the subscription id alone) still open...
+    // Headers sealed before they were bound to a URL (the subscription id alone) are not sent,
+    // even to the URL the record names (anyone could have written it next to them)...
     let kek = streaming_hub::subscriptions::secrets::Kek::new("k1", KEK).unwrap();
     let json = serde_json::to_vec(&json!({"authorization": credential})).unwrap();
     let mut legacy = stored.clone();
     legacy.destination.sensitive_headers = Some(kek.seal(&json, &id));
     legacy.version += 2;
     write_control_record(&api, &legacy).await;
-    assert_eq!(deliver(&sink_a).header("authorization"), credential);
-    // ...and the next write through the API seals them again, bound to the URL.
-    let r = api
-        .http
-        .patch(format!("http://{}/v1/subscriptions/{id}", api.hub.addr()))
-        .bearer_auth(api.token(tenant))
-        .header("content-type", "application/json")
-        .body(json!({"event_types": ["transaction.*", "account.*"]}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let resealed = wait_until(
-        Duration::from_secs(30),
-        "the PATCH in the control topic",
-        || {
-            control_records(&api.prefix)
-                .remove(&id)
-                .filter(|r| r.version > legacy.version)
-        },
+    assert_eq!(deliver(&sink_a).header("authorization"), "");
+    assert!(
+        api.metric("streaming_hub_unbound_headers_refused_total")
+            .await
+            >= 1
     );
+
+    // ...until `subscriptions reseal` binds them to the URL the record names (the upgrade step).
+    let reseal = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+            .args(["subscriptions", "reseal"])
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(&api.hub.env)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(reseal(), format!("resealed {id} v{}\n", legacy.version + 1));
+    let resealed = wait_until(Duration::from_secs(30), "the resealed record", || {
+        control_records(&api.prefix)
+            .remove(&id)
+            .filter(|r| r.version > legacy.version)
+    });
     let blob = resealed.destination.sensitive_headers.as_ref().unwrap();
     let (plain, binding) = kek.open_bound(blob, &id, &url_a).unwrap();
     assert_eq!(binding, streaming_hub::subscriptions::secrets::Binding::Url);
     assert_eq!(plain, json);
     assert!(kek.open_bound(blob, &id, &url_b).is_err());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while api.get_subscription(tenant, &id).await["version"] != resealed.version {
+        assert!(
+            Instant::now() < deadline,
+            "the hub never read the resealed record"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(resealed.destination.url.as_deref(), Some(url_a.as_str()));
     assert_eq!(deliver(&sink_a).header("authorization"), credential);
+    assert_eq!(reseal(), "", "nothing left to reseal");
     assert_eq!(
         sink_b.ids().len(),
         1,

@@ -288,8 +288,10 @@ fn apply(
                 rec.verification_state = VerificationState::Pending;
                 url_changed = true;
             }
-            // Sealed again when they change and when the URL they are bound to changes (and,
-            // below, when they were sealed before that binding existed).
+            // Sealed again when they change and when the URL they are bound to changes (the
+            // caller's URL: headers sealed before that binding, by the id alone, are bound to it
+            // then). A PATCH of anything else leaves them as they are: binding old headers to
+            // whatever URL the record names now would bind them to one someone else wrote.
             if sensitive_headers.is_some() || url_changed {
                 let url = rec.destination.url.as_deref().unwrap_or_default();
                 rec.destination.sensitive_headers =
@@ -304,12 +306,6 @@ fn apply(
             );
             return Err(e.into());
         }
-    }
-    // Headers sealed before they were bound to their URL are sealed again, bound, by any PATCH
-    // (one that cannot open them changes what it was asked to and leaves them as they are).
-    if let Ok((sensitive, true)) = open_sensitive(state, &rec) {
-        let url = rec.destination.url.as_deref().unwrap_or_default();
-        rec.destination.sensitive_headers = seal_sensitive(state, &rec.id, url, &sensitive)?;
     }
     Ok((rec, url_changed))
 }

@@ -42,7 +42,11 @@ async fn run(
     }
     let secrets = open_secrets(state, rec, state.clock.now_ms())?;
     let mut headers = rec.destination.headers.clone();
-    headers.extend(open_sensitive(state, rec)?.0);
+    // Headers sealed before they were bound to their URL are not sent (see `secrets`).
+    match open_sensitive(state, rec)? {
+        (sensitive, false) => headers.extend(sensitive),
+        (_, true) => crate::subscriptions::secrets::unbound_headers_refused(&rec.id),
+    }
     let url = rec.destination.url.as_deref().unwrap_or_default();
     let sinks = state.sinks;
     Ok(probe(

@@ -658,14 +658,16 @@ enum Checked {
     Other,
 }
 
-/// Checks a state record against what its store and key say it is: jobs and dedup entries are
-/// decoded (their restore needs them), payloads, health and sequence records checked by header.
+/// Checks a state record against what its store and key say it is, by decoding it as the hub
+/// will when it reads it (a record that passed on its header but not as a whole would fail every
+/// batch that reads it instead).
 fn check_state_record(
     codec: &Codec,
     family: &str,
     key: &[u8],
     value: &[u8],
 ) -> Result<Checked, CodecError> {
+    use crate::runtime::records::HealthRecord;
     match family {
         DEDUP => match dedup::expires_at_fast(codec, value) {
             Some(t) => Ok(Checked::Expiry(t)),
@@ -676,17 +678,17 @@ fn check_state_record(
             )),
         },
         SEQUENCE => codec
-            .check_kind(RecordKind::Sequence, value)
-            .map(|()| Checked::Other),
+            .decode::<SequenceRecord>(RecordKind::Sequence, value)
+            .map(|_| Checked::Other),
         JOBS if key.starts_with(b"j/") => {
             crate::runtime::fast_avro::job(codec, value).map(Checked::Job)
         }
-        JOBS if key.starts_with(b"p/") => codec
-            .check_kind(RecordKind::EventPayload, value)
-            .map(|()| Checked::Other),
+        JOBS if key.starts_with(b"p/") => {
+            crate::runtime::fast_avro::payload(codec, value).map(|_| Checked::Other)
+        }
         JOBS if key.starts_with(b"h/") => codec
-            .check_kind(RecordKind::Health, value)
-            .map(|()| Checked::Other),
+            .decode::<HealthRecord>(RecordKind::Health, value)
+            .map(|_| Checked::Other),
         _ => Ok(Checked::Other),
     }
 }
@@ -2067,7 +2069,16 @@ mod tests {
         let dedup_key = on_state_changelog(DEDUP_ON_STATE_CHANGELOG, b"t1\0e1");
         restore_one(&store, &codec, &mut st, JOBS, &dedup_key, Some(&good)).unwrap();
         restore_one(&store, &codec, &mut st, JOBS, b"p/t1\0e1", Some(&good)).unwrap();
+        // A payload whose header is right but whose body is cut short is no payload either; a
+        // whole one is kept.
+        let payload =
+            crate::runtime::fast_avro::encode_payload(&codec, std::iter::empty(), b"{}", 1);
+        let cut = &payload[..payload.len() - 2];
+        restore_one(&store, &codec, &mut st, JOBS, b"p/t1\0e2", Some(cut)).unwrap();
+        restore_one(&store, &codec, &mut st, JOBS, b"p/t1\0e3", Some(&payload)).unwrap();
         store.apply(st, &[]).unwrap();
+        assert_eq!(store.get(JOBS, b"p/t1\0e2").unwrap(), None);
+        assert_eq!(store.get(JOBS, b"p/t1\0e3").unwrap(), Some(payload));
         assert_eq!(store.get(JOBS, &key).unwrap(), None);
         assert_eq!(store.get(DUE, &due).unwrap(), None);
         assert_eq!(

@@ -262,20 +262,6 @@ impl Codec {
         self.decode(R::KIND, bytes)
     }
 
-    /// Whether `bytes` are a record of `kind` by their header (magic, a known writer schema of
-    /// that kind), without decoding the datum.
-    pub fn check_kind(&self, kind: RecordKind, bytes: &[u8]) -> Result<(), CodecError> {
-        let (fingerprint, _) = split_header(bytes)?;
-        match self.writers.get(&fingerprint) {
-            None => Err(CodecError::UnknownFingerprint(fingerprint)),
-            Some(w) if w.kind != kind => Err(CodecError::Decode(format!(
-                "record is a {:?}, expected a {kind:?}",
-                w.kind
-            ))),
-            Some(_) => Ok(()),
-        }
-    }
-
     /// Fingerprint of the current schema of `kind`, as written in the header.
     pub fn fingerprint(&self, kind: RecordKind) -> [u8; 8] {
         self.readers[kind.index()].fingerprint

@@ -55,7 +55,7 @@ use super::secrets::{Binding, Kek, SecretError, generate_signing_secret};
 use super::table::{SharedTable, Table};
 use crate::config::Config;
 use crate::runtime::avro::Codec;
-use crate::runtime::clock::{SharedClock, SystemClock};
+use crate::runtime::clock::{Clock, SharedClock, SystemClock};
 use crate::runtime::kafka;
 use crate::runtime::records::{
     DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
@@ -689,6 +689,95 @@ pub async fn apply_file(
     result
 }
 
+/// The subscriptions of `table` whose sensitive headers were sealed before they were bound to
+/// their URL, each with them sealed again, bound to the URL its record names now (a new version).
+/// Records whose headers do not open are left out and named in `failed`.
+pub fn reseal_plan(
+    table: &crate::subscriptions::table::Table,
+    kek: &Kek,
+    now: i64,
+    failed: &mut Vec<(String, SecretError)>,
+) -> Vec<SubscriptionRecord> {
+    let mut out = Vec::new();
+    for sub in table.iter() {
+        match open_sensitive_headers(kek, sub) {
+            Ok((headers, Binding::SubscriptionOnly)) => {
+                let mut rec = (**sub).clone();
+                let url = rec.destination.url.clone().unwrap_or_default();
+                rec.destination.sensitive_headers =
+                    seal_sensitive_headers(kek, &rec.id, &url, &headers);
+                rec.version += 1;
+                rec.updated_at = now;
+                out.push(rec);
+            }
+            Ok((_, Binding::Url)) => {}
+            Err(e) => failed.push((sub.id.clone(), e)),
+        }
+    }
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// `streaming-hub subscriptions reseal`: binds every webhook's sensitive headers sealed before
+/// headers were bound to their URL to the URL its record names now (a one-off step of the
+/// upgrade, run while the control topic is trusted: until then such headers are not sent).
+/// Prints `resealed <id> v<version>` per subscription; returns the exit code.
+pub async fn reseal_command(config: &Config) -> u8 {
+    let who = "streaming-hub subscriptions reseal";
+    let mut out = std::io::stdout();
+    match reseal(config, &mut out).await {
+        Ok((n, failed)) => {
+            for (id, e) in &failed {
+                eprintln!("{who}: {id}: sensitive headers do not open: {e}");
+            }
+            eprintln!("{who}: {n} resealed, {} not opened", failed.len());
+            if failed.is_empty() {
+                exit::APPLIED
+            } else {
+                exit::INVALID
+            }
+        }
+        Err(e) => {
+            eprintln!("{who}: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+async fn reseal(
+    config: &Config,
+    out: &mut (dyn Write + Send),
+) -> Result<(usize, Vec<(String, SecretError)>), ApplyError> {
+    if config.kek.is_empty() {
+        return Err(ApplyError::Kek(
+            "not set; it is needed to open sealed headers".into(),
+        ));
+    }
+    let kek = Kek::from_config(config).map_err(|e| ApplyError::Kek(e.to_string()))?;
+    let codec = Arc::new(Codec::new().map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+    require_control_topic(config).await?;
+    let table = SharedTable::default();
+    let mut reader = ControlReader::start(config, codec.clone(), table.clone())?;
+    reader.caught_up(&table).await?;
+    let subs = Subscriptions::kafka(config, codec, table.clone())
+        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    let mut failed = Vec::new();
+    let todo = reseal_plan(&table.read(), &kek, SystemClock.now_ms(), &mut failed);
+    let mut n = 0;
+    let mut result = Ok(());
+    for rec in todo {
+        let (id, version) = (rec.id.clone(), rec.version);
+        if let Err(error) = subs.put(rec).await {
+            result = Err(ApplyError::Write { id, error });
+            break;
+        }
+        n += 1;
+        emit(out, &format!("resealed {id} v{version}"))?;
+    }
+    tokio::task::spawn_blocking(move || drop(reader)).await.ok();
+    result.map(|()| (n, failed))
+}
+
 /// `streaming-hub subscriptions apply -f <path>`: applies, reports on stderr, returns the exit code.
 pub async fn command(config: &Config, path: &Path) -> u8 {
     let mut out = std::io::stdout();
@@ -946,6 +1035,53 @@ mod tests {
         assert_eq!(bound_to(&url2), Ok(Binding::Url));
         let (r, _) = run(&t, &entry(&url2)).await;
         assert_eq!(r.unwrap().unchanged, 1, "and then it is unchanged");
+    }
+
+    #[tokio::test]
+    async fn reseal_binds_only_headers_sealed_before_the_binding_to_the_url_named_now() {
+        let t = target();
+        let (url, _) = echo().await;
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": url, "sensitive_headers": {"x-k": "1"}}},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": url, "sensitive_headers": {"x-k": "2"}}},
+        ]);
+        run(&t, &file).await.0.unwrap();
+        let mut legacy = (*t.subs.get(B).unwrap()).clone();
+        legacy.destination.sensitive_headers = Some(t.kek.seal(br#"{"x-k":"2"}"#, B));
+        legacy.version += 1;
+        t.subs.put(legacy.clone()).await.unwrap();
+
+        let mut failed = Vec::new();
+        let plan = reseal_plan(&t.subs.table().read(), &t.kek, 7, &mut failed);
+        assert!(failed.is_empty());
+        assert_eq!(plan.len(), 1, "A is bound already");
+        let rec = &plan[0];
+        assert_eq!(
+            (rec.id.as_str(), rec.version, rec.updated_at),
+            (B, legacy.version + 1, 7)
+        );
+        let blob = rec.destination.sensitive_headers.as_ref().unwrap();
+        let (plain, binding) = t.kek.open_bound(blob, B, &url).unwrap();
+        assert_eq!(
+            (plain.as_slice(), binding),
+            (br#"{"x-k":"2"}"#.as_slice(), Binding::Url)
+        );
+
+        // Headers that do not open are named, not dropped or rewritten.
+        let mut broken = rec.clone();
+        broken
+            .destination
+            .sensitive_headers
+            .as_mut()
+            .unwrap()
+            .ciphertext[0] ^= 1;
+        broken.version += 1;
+        t.subs.put(broken).await.unwrap();
+        let plan = reseal_plan(&t.subs.table().read(), &t.kek, 8, &mut failed);
+        assert!(plan.is_empty());
+        assert_eq!(failed, [(B.to_string(), SecretError::Open)]);
     }
 
     #[tokio::test]

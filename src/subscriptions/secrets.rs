@@ -7,8 +7,10 @@
 //! too ([`Kek::seal_bound`]): whoever can write the control topic but holds no KEK cannot copy a
 //! subscription's sealed headers into a record pointing at a URL of their own and have the hub
 //! send the credentials there. Headers sealed before this binding (bound to the id only) still
-//! open, reported as [`Binding::SubscriptionOnly`]; any `PATCH /v1/subscriptions/{id}`, or a
-//! `subscriptions apply` listing the subscription, seals them again, bound.
+//! open, reported as [`Binding::SubscriptionOnly`], for the API to show their names and for
+//! `streaming-hub subscriptions reseal` to seal them again bound to the URL the record names
+//! (a one-off step of the upgrade); the delivery workers and verification probes never send
+//! them (any URL could have been written next to them).
 //!
 //! Plaintext exists only in memory, as [`Secret`]: in the create and rotate responses, and in a
 //! delivery worker while it signs. It never reaches a topic, a log or an error.
@@ -257,14 +259,36 @@ pub enum Binding {
     SubscriptionOnly,
 }
 
-/// Associated data of a blob bound to a subscription and a URL. Versioned and NUL-separated (a
-/// NUL is in neither an id nor a URL), so no id and URL pair reads as another pair, nor as a
-/// bare subscription id.
+/// Counts a send of sealed headers refused because they are not bound to their URL
+/// (`streaming_hub_unbound_headers_refused_total`), with a WARN line the first time for each
+/// subscription in this process (at most 10,000 remembered).
+pub fn unbound_headers_refused(subscription_id: &str) {
+    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
+        std::sync::Mutex::new(None);
+    metrics::counter!("streaming_hub_unbound_headers_refused_total").increment(1);
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    let warned = warned.get_or_insert_with(Default::default);
+    if warned.len() >= 10_000 {
+        warned.clear();
+    }
+    if warned.insert(subscription_id.to_string()) {
+        tracing::warn!(
+            subscription_id,
+            "sensitive headers sealed before they were bound to their URL are not sent; run \
+             `streaming-hub subscriptions reseal` (or PATCH them) to bind them"
+        );
+    }
+}
+
+/// Associated data of a blob bound to a subscription and a URL: a version tag, the id's length
+/// (8 bytes, big-endian), the id, the URL. Length-prefixed, so no id and URL pair reads as
+/// another pair whatever bytes either holds.
 fn bound_aad(subscription_id: &str, url: &str) -> Vec<u8> {
+    let id = subscription_id.as_bytes();
     [
-        b"streaming-hub/headers/v2\0",
-        subscription_id.as_bytes(),
-        b"\0",
+        b"streaming-hub/headers/v2".as_slice(),
+        &(id.len() as u64).to_be_bytes(),
+        id,
         url.as_bytes(),
     ]
     .concat()
