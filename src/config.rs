@@ -344,6 +344,9 @@ macro_rules! upper {
     (allow_insecure_sinks) => {
         "ALLOW_INSECURE_SINKS"
     };
+    (send_unbound_headers) => {
+        "SEND_UNBOUND_HEADERS"
+    };
     (secret_rotation_grace) => {
         "SECRET_ROTATION_GRACE"
     };
@@ -475,6 +478,10 @@ settings! {
     allow_private_sinks: bool = "false";
     /// DANGEROUS: allow `http://` webhook URLs (otherwise `https://` only).
     allow_insecure_sinks: bool = "false";
+    /// Upgrade transition only: also send sensitive headers sealed before they were bound to
+    /// their URL (by the subscription id alone), until `streaming-hub subscriptions reseal` has
+    /// bound them. Off, such headers are not sent: any URL may have been written next to them.
+    send_unbound_headers: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
     /// Concurrent delivery attempts per instance. A tenant gets at least 4x this of the claims.

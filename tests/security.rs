@@ -776,7 +776,7 @@ async fn write_control_record(api: &ApiHub, rec: &SubscriptionRecord) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal_binds_old_ones() {
-    let api = ApiHub::start("bound", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
+    let mut api = ApiHub::start("bound", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
     let tenant = "tenant-bound";
     let (url_a, sink_a) = Sink::start().await;
     let (url_b, sink_b) = Sink::start().await;
@@ -789,9 +789,10 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
     )
     .await;
     let p = producer();
+    let topic = api.topic.clone();
     let deliver = |sink: &Sink| {
         let ev = event(tenant, "ledger", "transaction", "created");
-        produce(&p, &api.topic, std::slice::from_ref(&ev));
+        produce(&p, &topic, std::slice::from_ref(&ev));
         sink.wait_for(&ev.id())
     };
     assert_eq!(deliver(&sink_a).header("authorization"), credential);
@@ -864,6 +865,18 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
         1,
         "only the delivery while it pointed there"
     );
+
+    // The upgrade's transition: with STREAMING_HUB_SEND_UNBOUND_HEADERS on, headers sealed by
+    // the id alone are sent (to the URL their record names).
+    let mut older = legacy.clone();
+    older.version = resealed.version + 1;
+    write_control_record(&api, &older).await;
+    assert_eq!(deliver(&sink_a).header("authorization"), "");
+    api.hub.terminate();
+    let mut env = api.hub.env.clone();
+    env.insert("STREAMING_HUB_SEND_UNBOUND_HEADERS".into(), "true".into());
+    api.hub = Hub::start(&env);
+    assert_eq!(deliver(&sink_a).header("authorization"), credential);
 }
 
 // ---------------------------------------------------------------------------------------------

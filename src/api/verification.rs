@@ -43,9 +43,13 @@ async fn run(
     let secrets = open_secrets(state, rec, state.clock.now_ms())?;
     let mut headers = rec.destination.headers.clone();
     // Headers sealed before they were bound to their URL are not sent (see `secrets`).
-    match open_sensitive(state, rec)? {
-        (sensitive, false) => headers.extend(sensitive),
-        (_, true) => crate::subscriptions::secrets::unbound_headers_refused(&rec.id),
+    let (sensitive, unbound) = open_sensitive(state, rec)?;
+    let binding = match unbound {
+        true => crate::subscriptions::secrets::Binding::SubscriptionOnly,
+        false => crate::subscriptions::secrets::Binding::Url,
+    };
+    if state.kek.may_send(binding, &rec.id) {
+        headers.extend(sensitive);
     }
     let url = rec.destination.url.as_deref().unwrap_or_default();
     let sinks = state.sinks;

@@ -22,7 +22,7 @@ use crate::delivery::{client, signing};
 use crate::dispatch::fair::FairPermits;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
-use crate::subscriptions::secrets::{Binding, Kek, unbound_headers_refused};
+use crate::subscriptions::secrets::Kek;
 use crate::subscriptions::table::Sub;
 
 /// `Outcome::error_kind` of an attempt given up before it was sent (see [`Outcome::not_attempted`]).
@@ -199,12 +199,13 @@ impl Workers {
             // Bound to this subscription and this URL: a sealed blob copied onto another
             // subscription or URL does not open, and the attempt goes without it. Nor does one
             // sealed before headers were bound to their URL (any URL may have been written next
-            // to it since): `streaming-hub subscriptions reseal` binds those.
-            let opened = kek.open_bound(blob, &sub.id, url);
-            if let Ok((_, Binding::SubscriptionOnly)) = &opened {
-                unbound_headers_refused(&sub.id);
-            }
-            if let Ok((plain, Binding::Url)) = opened {
+            // to it since), unless STREAMING_HUB_SEND_UNBOUND_HEADERS is on: `streaming-hub
+            // subscriptions reseal` binds those.
+            let opened = kek
+                .open_bound(blob, &sub.id, url)
+                .ok()
+                .filter(|(_, binding)| kek.may_send(*binding, &sub.id));
+            if let Some((plain, _)) = opened {
                 if let Ok(map) =
                     serde_json::from_slice::<std::collections::BTreeMap<String, String>>(&plain)
                 {

@@ -689,65 +689,72 @@ pub async fn apply_file(
     result
 }
 
-/// The subscriptions of `table` whose sensitive headers were sealed before they were bound to
-/// their URL, each with them sealed again, bound to the URL its record names now (a new version).
-/// Records whose headers do not open are left out and named in `failed`.
-pub fn reseal_plan(
-    table: &crate::subscriptions::table::Table,
+/// `sub` with its id-only sealed headers bound to its URL, as its next version (None: nothing
+/// to bind).
+fn resealed(
+    sub: &SubscriptionRecord,
     kek: &Kek,
     now: i64,
-    failed: &mut Vec<(String, SecretError)>,
-) -> Vec<SubscriptionRecord> {
-    let mut out = Vec::new();
-    for sub in table.iter() {
-        match open_sensitive_headers(kek, sub) {
-            Ok((headers, Binding::SubscriptionOnly)) => {
-                let mut rec = (**sub).clone();
-                let url = rec.destination.url.clone().unwrap_or_default();
-                rec.destination.sensitive_headers =
-                    seal_sensitive_headers(kek, &rec.id, &url, &headers);
-                rec.version += 1;
-                rec.updated_at = now;
-                out.push(rec);
-            }
-            Ok((_, Binding::Url)) => {}
-            Err(e) => failed.push((sub.id.clone(), e)),
-        }
+) -> Result<Option<SubscriptionRecord>, SecretError> {
+    let (headers, binding) = open_sensitive_headers(kek, sub)?;
+    if binding == Binding::Url {
+        return Ok(None);
     }
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    out
+    let mut rec = sub.clone();
+    let url = rec.destination.url.clone().unwrap_or_default();
+    rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &url, &headers);
+    rec.version += 1;
+    rec.updated_at = now;
+    Ok(Some(rec))
 }
 
 /// `streaming-hub subscriptions reseal`: binds every webhook's sensitive headers sealed before
 /// headers were bound to their URL to the URL its record names now (a one-off step of the
-/// upgrade, run while the control topic is trusted: until then such headers are not sent).
-/// Prints `resealed <id> v<version>` per subscription; returns the exit code.
+/// upgrade, run while the control topic is trusted: until then such headers are not sent unless
+/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on). Prints `resealed <id> v<version>` per
+/// subscription; returns the exit code: 0 all bound, 2 some did not open or changed while being
+/// bound (run it again) or the KEK is missing, 3 the control topic could not be read or written.
 pub async fn reseal_command(config: &Config) -> u8 {
     let who = "streaming-hub subscriptions reseal";
     let mut out = std::io::stdout();
-    match reseal(config, &mut out).await {
-        Ok((n, failed)) => {
-            for (id, e) in &failed {
-                eprintln!("{who}: {id}: sensitive headers do not open: {e}");
-            }
-            eprintln!("{who}: {n} resealed, {} not opened", failed.len());
-            if failed.is_empty() {
-                exit::APPLIED
-            } else {
-                exit::INVALID
-            }
-        }
+    let mut report = Reseal::default();
+    let result = reseal(config, &mut out, &mut report).await;
+    for (id, e) in &report.failed {
+        eprintln!("{who}: {id}: sensitive headers do not open: {e}");
+    }
+    for id in &report.moved {
+        eprintln!("{who}: {id}: written by someone else meanwhile; run again");
+    }
+    eprintln!(
+        "{who}: {} resealed, {} not opened, {} changed meanwhile",
+        report.resealed,
+        report.failed.len(),
+        report.moved.len()
+    );
+    match result {
         Err(e) => {
             eprintln!("{who}: {e}");
             e.exit_code()
         }
+        Ok(()) if report.failed.is_empty() && report.moved.is_empty() => exit::APPLIED,
+        Ok(()) => exit::INVALID,
     }
+}
+
+/// What `subscriptions reseal` did.
+#[derive(Default)]
+pub struct Reseal {
+    pub resealed: usize,
+    pub failed: Vec<(String, SecretError)>,
+    /// Written by someone else between the plan and this write, or after it (not bound here).
+    pub moved: Vec<String>,
 }
 
 async fn reseal(
     config: &Config,
     out: &mut (dyn Write + Send),
-) -> Result<(usize, Vec<(String, SecretError)>), ApplyError> {
+    report: &mut Reseal,
+) -> Result<(), ApplyError> {
     if config.kek.is_empty() {
         return Err(ApplyError::Kek(
             "not set; it is needed to open sealed headers".into(),
@@ -761,21 +768,51 @@ async fn reseal(
     reader.caught_up(&table).await?;
     let subs = Subscriptions::kafka(config, codec, table.clone())
         .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
-    let mut failed = Vec::new();
-    let todo = reseal_plan(&table.read(), &kek, SystemClock.now_ms(), &mut failed);
-    let mut n = 0;
-    let mut result = Ok(());
-    for rec in todo {
-        let (id, version) = (rec.id.clone(), rec.version);
-        if let Err(error) = subs.put(rec).await {
-            result = Err(ApplyError::Write { id, error });
-            break;
-        }
-        n += 1;
-        emit(out, &format!("resealed {id} v{version}"))?;
-    }
+    let result = reseal_all(&subs, &kek, out, report).await;
     tokio::task::spawn_blocking(move || drop(reader)).await.ok();
-    result.map(|()| (n, failed))
+    result
+}
+
+/// Binds each subscription's headers from the record the table holds just before its write (not
+/// from a snapshot taken at the start: an API write meanwhile would be overwritten), and checks
+/// afterwards that the table holds this write, not another writer's of the same version.
+pub async fn reseal_all(
+    subs: &Subscriptions,
+    kek: &Kek,
+    out: &mut (dyn Write + Send),
+    report: &mut Reseal,
+) -> Result<(), ApplyError> {
+    let ids: Vec<String> = subs.table().read().iter().map(|s| s.id.clone()).collect();
+    let mut ids = ids;
+    ids.sort();
+    for id in ids {
+        let Some(current) = subs.get(&id) else {
+            continue; // deleted meanwhile
+        };
+        let rec = match resealed(&current, kek, SystemClock.now_ms()) {
+            Ok(Some(rec)) => rec,
+            Ok(None) => continue,
+            Err(e) => {
+                report.failed.push((id, e));
+                continue;
+            }
+        };
+        let (version, blob) = (rec.version, rec.destination.sensitive_headers.clone());
+        subs.put(rec).await.map_err(|error| ApplyError::Write {
+            id: id.clone(),
+            error,
+        })?;
+        let ours = subs
+            .get(&id)
+            .is_some_and(|s| s.version == version && s.destination.sensitive_headers == blob);
+        if ours {
+            report.resealed += 1;
+            emit(out, &format!("resealed {id} v{version}"))?;
+        } else {
+            report.moved.push(id);
+        }
+    }
+    Ok(())
 }
 
 /// `streaming-hub subscriptions apply -f <path>`: applies, reports on stderr, returns the exit code.
@@ -1048,21 +1085,29 @@ mod tests {
              "destination": {"type": "webhook", "url": url, "sensitive_headers": {"x-k": "2"}}},
         ]);
         run(&t, &file).await.0.unwrap();
+        let a = t.subs.get(A).unwrap();
         let mut legacy = (*t.subs.get(B).unwrap()).clone();
         legacy.destination.sensitive_headers = Some(t.kek.seal(br#"{"x-k":"2"}"#, B));
         legacy.version += 1;
         t.subs.put(legacy.clone()).await.unwrap();
 
-        let mut failed = Vec::new();
-        let plan = reseal_plan(&t.subs.table().read(), &t.kek, 7, &mut failed);
-        assert!(failed.is_empty());
-        assert_eq!(plan.len(), 1, "A is bound already");
-        let rec = &plan[0];
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
+            .await
+            .unwrap();
+        let v = legacy.version + 1;
         assert_eq!(
-            (rec.id.as_str(), rec.version, rec.updated_at),
-            (B, legacy.version + 1, 7)
+            String::from_utf8(out).unwrap(),
+            format!("resealed {B} v{v}\n")
         );
-        let blob = rec.destination.sensitive_headers.as_ref().unwrap();
+        assert_eq!(
+            (report.resealed, report.failed.len(), report.moved.len()),
+            (1, 0, 0)
+        );
+        assert_eq!(t.subs.get(A).unwrap(), a, "A was bound already: untouched");
+        let b = t.subs.get(B).unwrap();
+        assert_eq!(b.version, v);
+        let blob = b.destination.sensitive_headers.as_ref().unwrap();
         let (plain, binding) = t.kek.open_bound(blob, B, &url).unwrap();
         assert_eq!(
             (plain.as_slice(), binding),
@@ -1070,7 +1115,7 @@ mod tests {
         );
 
         // Headers that do not open are named, not dropped or rewritten.
-        let mut broken = rec.clone();
+        let mut broken = (*b).clone();
         broken
             .destination
             .sensitive_headers
@@ -1078,10 +1123,14 @@ mod tests {
             .unwrap()
             .ciphertext[0] ^= 1;
         broken.version += 1;
-        t.subs.put(broken).await.unwrap();
-        let plan = reseal_plan(&t.subs.table().read(), &t.kek, 8, &mut failed);
-        assert!(plan.is_empty());
-        assert_eq!(failed, [(B.to_string(), SecretError::Open)]);
+        t.subs.put(broken.clone()).await.unwrap();
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
+            .await
+            .unwrap();
+        assert!(out.is_empty());
+        assert_eq!(report.failed, [(B.to_string(), SecretError::Open)]);
+        assert_eq!(*t.subs.get(B).unwrap(), broken);
     }
 
     #[tokio::test]

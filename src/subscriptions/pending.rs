@@ -45,7 +45,7 @@ use crate::runtime::records::{
 use crate::runtime::secret::Secret;
 use crate::subscriptions::control::{RepoError, Subscriptions};
 use crate::subscriptions::model::SinkPolicy;
-use crate::subscriptions::secrets::{Binding, Kek, SecretError, unbound_headers_refused};
+use crate::subscriptions::secrets::{Binding, Kek, SecretError};
 use crate::subscriptions::table::Sub;
 
 /// How often the retrier scans for pending subscriptions. The spacing of attempts is counted in
@@ -124,9 +124,9 @@ impl Prober {
             .map(|s| self.kek.open_secret(s, &rec.id))
             .collect::<Result<Vec<Secret>, _>>()?;
         let mut headers = rec.destination.headers.clone();
-        match open_sensitive_headers(&self.kek, rec)? {
-            (sensitive, Binding::Url) => headers.extend(sensitive),
-            (_, Binding::SubscriptionOnly) => unbound_headers_refused(&rec.id),
+        let (sensitive, binding) = open_sensitive_headers(&self.kek, rec)?;
+        if self.kek.may_send(binding, &rec.id) {
+            headers.extend(sensitive);
         }
         let url = rec.destination.url.as_deref().unwrap_or_default();
         probe(

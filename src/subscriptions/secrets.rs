@@ -9,8 +9,9 @@
 //! send the credentials there. Headers sealed before this binding (bound to the id only) still
 //! open, reported as [`Binding::SubscriptionOnly`], for the API to show their names and for
 //! `streaming-hub subscriptions reseal` to seal them again bound to the URL the record names
-//! (a one-off step of the upgrade); the delivery workers and verification probes never send
-//! them (any URL could have been written next to them).
+//! (a one-off step of the upgrade); the delivery workers and verification probes do not send
+//! them (any URL could have been written next to them) unless `STREAMING_HUB_SEND_UNBOUND_HEADERS`
+//! is on, the upgrade's transition.
 //!
 //! Plaintext exists only in memory, as [`Secret`]: in the create and rotate responses, and in a
 //! delivery worker while it signs. It never reaches a topic, a log or an error.
@@ -47,6 +48,9 @@ pub enum SecretError {
 pub struct Kek {
     current_id: String,
     keys: HashMap<String, Aes256Gcm>,
+    /// `STREAMING_HUB_SEND_UNBOUND_HEADERS`: headers sealed by the id alone are sent too (an
+    /// upgrade's transition, until `subscriptions reseal` has bound them).
+    send_unbound: bool,
 }
 
 impl std::fmt::Debug for Kek {
@@ -90,7 +94,22 @@ impl Kek {
             }
             kek.keys.insert(id.to_string(), decode_key(key)?);
         }
+        kek.send_unbound = config.send_unbound_headers;
         Ok(kek)
+    }
+
+    /// Whether sensitive headers of this binding may be sent to the URL they were opened for:
+    /// bound to it, or sealed by the id alone while `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on.
+    /// A refusal is counted and logged ([`unbound_headers_refused`]).
+    pub fn may_send(&self, binding: Binding, subscription_id: &str) -> bool {
+        match binding {
+            Binding::Url => true,
+            Binding::SubscriptionOnly if self.send_unbound => true,
+            Binding::SubscriptionOnly => {
+                unbound_headers_refused(subscription_id);
+                false
+            }
+        }
     }
 
     /// A KEK from its id and base64 key.
@@ -100,6 +119,7 @@ impl Kek {
         Ok(Kek {
             current_id: id.to_string(),
             keys,
+            send_unbound: false,
         })
     }
 
@@ -261,21 +281,23 @@ pub enum Binding {
 
 /// Counts a send of sealed headers refused because they are not bound to their URL
 /// (`streaming_hub_unbound_headers_refused_total`), with a WARN line the first time for each
-/// subscription in this process (at most 10,000 remembered).
+/// subscription in this process (for the first 10,000 subscriptions; the count goes on).
 pub fn unbound_headers_refused(subscription_id: &str) {
     static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
         std::sync::Mutex::new(None);
     metrics::counter!("streaming_hub_unbound_headers_refused_total").increment(1);
-    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
-    let warned = warned.get_or_insert_with(Default::default);
-    if warned.len() >= 10_000 {
-        warned.clear();
-    }
-    if warned.insert(subscription_id.to_string()) {
+    let first = {
+        let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+        let warned = warned.get_or_insert_with(Default::default);
+        !warned.contains(subscription_id)
+            && warned.len() < 10_000
+            && warned.insert(subscription_id.to_string())
+    };
+    if first {
         tracing::warn!(
             subscription_id,
             "sensitive headers sealed before they were bound to their URL are not sent; run \
-             `streaming-hub subscriptions reseal` (or PATCH them) to bind them"
+             `streaming-hub subscriptions reseal` to bind them"
         );
     }
 }
@@ -370,6 +392,18 @@ mod tests {
             kek.open_bound(&unknown, "sub-a", "u").unwrap_err(),
             SecretError::UnknownKeyId("k9".into())
         );
+    }
+
+    #[test]
+    fn headers_sealed_by_the_id_alone_are_sent_only_while_the_transition_is_on() {
+        let strict = Kek::new("k1", &key(7)).unwrap();
+        assert!(strict.may_send(Binding::Url, "s"));
+        assert!(!strict.may_send(Binding::SubscriptionOnly, "s"));
+        let transition = Kek {
+            send_unbound: true,
+            ..Kek::new("k1", &key(7)).unwrap()
+        };
+        assert!(transition.may_send(Binding::SubscriptionOnly, "s"));
     }
 
     #[test]
