@@ -820,10 +820,13 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
     legacy.version += 2;
     write_control_record(&api, &legacy).await;
     assert_eq!(deliver(&sink_a).header("authorization"), "");
+    let not_sent = |reason: &str| {
+        format!("streaming_hub_sensitive_headers_not_sent_total{{reason=\"{reason}\"}}")
+    };
+    assert!(api.metric(&not_sent("unbound")).await >= 1);
     assert!(
-        api.metric("streaming_hub_unbound_headers_refused_total")
-            .await
-            >= 1
+        api.metric(&not_sent("unopened")).await >= 1,
+        "the blob copied onto another URL was counted"
     );
 
     // ...until `subscriptions reseal` binds them to the URL the record names (the upgrade step).

@@ -22,7 +22,7 @@ use crate::delivery::{client, signing};
 use crate::dispatch::fair::FairPermits;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
-use crate::subscriptions::secrets::Kek;
+use crate::subscriptions::secrets::{Kek, NotSent, headers_not_sent};
 use crate::subscriptions::table::Sub;
 
 /// `Outcome::error_kind` of an attempt given up before it was sent (see [`Outcome::not_attempted`]).
@@ -201,18 +201,21 @@ impl Workers {
             // sealed before headers were bound to their URL (any URL may have been written next
             // to it since), unless STREAMING_HUB_SEND_UNBOUND_HEADERS is on: `streaming-hub
             // subscriptions reseal` binds those.
-            let opened = kek
-                .open_bound(blob, &sub.id, url)
-                .ok()
-                .filter(|(_, binding)| kek.may_send(*binding, &sub.id));
-            if let Some((plain, _)) = opened {
-                if let Ok(map) =
-                    serde_json::from_slice::<std::collections::BTreeMap<String, String>>(&plain)
-                {
-                    for (k, v) in map {
-                        req = req.header(k, v);
+            match kek.open_bound(blob, &sub.id, url) {
+                Ok((plain, binding)) if kek.may_send(binding, &sub.id) => {
+                    match serde_json::from_slice::<std::collections::BTreeMap<String, String>>(
+                        &plain,
+                    ) {
+                        Ok(map) => {
+                            for (k, v) in map {
+                                req = req.header(k, v);
+                            }
+                        }
+                        Err(_) => headers_not_sent(&sub.id, NotSent::Unopened),
                     }
                 }
+                Ok(_) => {} // counted by `may_send`
+                Err(_) => headers_not_sent(&sub.id, NotSent::Unopened),
             }
         }
         // The event's headers come parsed (once per event); this attempt's own are built here

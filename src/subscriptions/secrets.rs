@@ -100,13 +100,13 @@ impl Kek {
 
     /// Whether sensitive headers of this binding may be sent to the URL they were opened for:
     /// bound to it, or sealed by the id alone while `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on.
-    /// A refusal is counted and logged ([`unbound_headers_refused`]).
+    /// A refusal is counted and logged ([`headers_not_sent`]).
     pub fn may_send(&self, binding: Binding, subscription_id: &str) -> bool {
         match binding {
             Binding::Url => true,
             Binding::SubscriptionOnly if self.send_unbound => true,
             Binding::SubscriptionOnly => {
-                unbound_headers_refused(subscription_id);
+                headers_not_sent(subscription_id, NotSent::Unbound);
                 false
             }
         }
@@ -279,13 +279,29 @@ pub enum Binding {
     SubscriptionOnly,
 }
 
-/// Counts a send of sealed headers refused because they are not bound to their URL
-/// (`streaming_hub_unbound_headers_refused_total`), with a WARN line the first time for each
-/// subscription in this process (for the first 10,000 subscriptions; the count goes on).
-pub fn unbound_headers_refused(subscription_id: &str) {
+/// Why a subscription's sealed headers were not sent with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotSent {
+    /// Sealed by the subscription id alone, before headers were bound to their URL.
+    Unbound,
+    /// They do not open for this subscription and URL (copied from another record, sealed under
+    /// a key this instance does not have, tampered with) or are not a JSON object.
+    Unopened,
+}
+
+/// Counts a request sent without the subscription's sealed headers
+/// (`streaming_hub_sensitive_headers_not_sent_total{reason="unbound"|"unopened"}`), with a WARN
+/// line the first time for each subscription in this process (for the first 10,000
+/// subscriptions; the count goes on).
+pub fn headers_not_sent(subscription_id: &str, why: NotSent) {
     static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
         std::sync::Mutex::new(None);
-    metrics::counter!("streaming_hub_unbound_headers_refused_total").increment(1);
+    let reason = match why {
+        NotSent::Unbound => "unbound",
+        NotSent::Unopened => "unopened",
+    };
+    metrics::counter!("streaming_hub_sensitive_headers_not_sent_total", "reason" => reason)
+        .increment(1);
     let first = {
         let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
         let warned = warned.get_or_insert_with(Default::default);
@@ -293,12 +309,19 @@ pub fn unbound_headers_refused(subscription_id: &str) {
             && warned.len() < 10_000
             && warned.insert(subscription_id.to_string())
     };
-    if first {
-        tracing::warn!(
+    match (first, why) {
+        (false, _) => {}
+        (true, NotSent::Unbound) => tracing::warn!(
             subscription_id,
             "sensitive headers sealed before they were bound to their URL are not sent; run \
              `streaming-hub subscriptions reseal` to bind them"
-        );
+        ),
+        (true, NotSent::Unopened) => tracing::warn!(
+            subscription_id,
+            "sensitive headers do not open for this subscription and URL (copied from another \
+             record, sealed under a key not configured, or tampered with); requests go without \
+             them"
+        ),
     }
 }
 
