@@ -48,14 +48,14 @@ pub fn seal_sensitive(
     Ok(Some(state.kek.seal_bound(&json, id, url)))
 }
 
-/// Opens a subscription's sensitive headers (empty when it has none), and whether they were
-/// sealed before headers were bound to their URL (to be sealed again).
+/// Opens a subscription's sensitive headers (empty when it has none), and how they are bound
+/// (to its URL, or to the id alone: sealed before headers were bound to their URL).
 pub fn open_sensitive(
     state: &ApiState,
     rec: &SubscriptionRecord,
-) -> Result<(BTreeMap<String, String>, bool), ApiError> {
+) -> Result<(BTreeMap<String, String>, Binding), ApiError> {
     let Some(blob) = &rec.destination.sensitive_headers else {
-        return Ok((BTreeMap::new(), false));
+        return Ok((BTreeMap::new(), Binding::Url));
     };
     let url = rec.destination.url.as_deref().unwrap_or_default();
     let (plain, binding) = state
@@ -64,7 +64,7 @@ pub fn open_sensitive(
         .map_err(|e| ApiError::internal("sensitive headers do not open", &e))?;
     let headers = serde_json::from_slice(&plain)
         .map_err(|e| ApiError::internal("sensitive headers are not a JSON object", &e))?;
-    Ok((headers, binding == Binding::SubscriptionOnly))
+    Ok((headers, binding))
 }
 
 /// The signing secrets that still sign at `now`, current first.

@@ -43,11 +43,7 @@ async fn run(
     let secrets = open_secrets(state, rec, state.clock.now_ms())?;
     let mut headers = rec.destination.headers.clone();
     // Headers sealed before they were bound to their URL are not sent (see `secrets`).
-    let (sensitive, unbound) = open_sensitive(state, rec)?;
-    let binding = match unbound {
-        true => crate::subscriptions::secrets::Binding::SubscriptionOnly,
-        false => crate::subscriptions::secrets::Binding::Url,
-    };
+    let (sensitive, binding) = open_sensitive(state, rec)?;
     if state.kek.may_send(binding, &rec.id) {
         headers.extend(sensitive);
     }

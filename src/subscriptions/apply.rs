@@ -646,6 +646,19 @@ async fn require_control_topic(config: &Config) -> Result<(), ApplyError> {
     }
 }
 
+/// The control topic read to its end into a table, and the subscriptions written through it; the
+/// reader goes on following it until dropped (off the runtime: its thread is joined).
+async fn read_control_topic(config: &Config) -> Result<(ControlReader, Subscriptions), ApplyError> {
+    let codec = Arc::new(Codec::new().map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+    require_control_topic(config).await?;
+    let table = SharedTable::default();
+    let mut reader = ControlReader::start(config, codec.clone(), table.clone())?;
+    reader.caught_up(&table).await?;
+    let subs = Subscriptions::kafka(config, codec, table)
+        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    Ok((reader, subs))
+}
+
 /// Reads `path`, checks it, reads the control topic and applies the file (the whole command but
 /// for its exit code).
 pub async fn apply_file(
@@ -669,13 +682,7 @@ pub async fn apply_file(
     read_entries(&text, sinks).await?;
     let http = crate::delivery::client::build_client(config)
         .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
-    let codec = Arc::new(Codec::new().map_err(|e| ApplyError::Unavailable(e.to_string()))?);
-    require_control_topic(config).await?;
-    let table = SharedTable::default();
-    let mut reader = ControlReader::start(config, codec.clone(), table.clone())?;
-    reader.caught_up(&table).await?;
-    let subs = Subscriptions::kafka(config, codec, table)
-        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    let (reader, subs) = read_control_topic(config).await?;
     let clock: SharedClock = Arc::new(SystemClock);
     let target = Target {
         prober: Prober::new(kek.clone(), http, sinks, clock.clone()),
@@ -761,13 +768,7 @@ async fn reseal(
         ));
     }
     let kek = Kek::from_config(config).map_err(|e| ApplyError::Kek(e.to_string()))?;
-    let codec = Arc::new(Codec::new().map_err(|e| ApplyError::Unavailable(e.to_string()))?);
-    require_control_topic(config).await?;
-    let table = SharedTable::default();
-    let mut reader = ControlReader::start(config, codec.clone(), table.clone())?;
-    reader.caught_up(&table).await?;
-    let subs = Subscriptions::kafka(config, codec, table.clone())
-        .map_err(|e| ApplyError::Unavailable(e.to_string()))?;
+    let (reader, subs) = read_control_topic(config).await?;
     let result = reseal_all(&subs, &kek, out, report).await;
     tokio::task::spawn_blocking(move || drop(reader)).await.ok();
     result
@@ -782,8 +783,7 @@ pub async fn reseal_all(
     out: &mut (dyn Write + Send),
     report: &mut Reseal,
 ) -> Result<(), ApplyError> {
-    let ids: Vec<String> = subs.table().read().iter().map(|s| s.id.clone()).collect();
-    let mut ids = ids;
+    let mut ids: Vec<String> = subs.table().read().iter().map(|s| s.id.clone()).collect();
     ids.sort();
     for id in ids {
         let Some(current) = subs.get(&id) else {
