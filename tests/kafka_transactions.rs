@@ -184,3 +184,148 @@ async fn restore_waits_for_an_open_transaction_and_reads_what_was_committed_afte
          the aborted record"
     );
 }
+
+/// A consumer of a transactional loop: its rebalance callback is the hub's own
+/// (`kafka::rebalance_at_committed`), which records the membership each callback runs under.
+#[derive(Default)]
+struct LoopContext(streaming_hub::runtime::kafka::ConfirmedMembership);
+
+impl rdkafka::ClientContext for LoopContext {}
+
+impl rdkafka::consumer::ConsumerContext for LoopContext {
+    fn rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut rdkafka::TopicPartitionList,
+    ) {
+        streaming_hub::runtime::kafka::rebalance_at_committed(
+            self,
+            consumer,
+            err,
+            tpl,
+            &|| {},
+            &self.0,
+            |e| panic!("assignment failed: {e}"),
+        );
+    }
+}
+
+/// Why `kafka::member_metadata` stands between the loops and `send_offsets_to_transaction`: the
+/// group coordinator checks a transaction's offsets against the sender's generation and member
+/// id, not against who owns the partition; and librdkafka joins a new generation in its own
+/// thread, before the application has been told what it lost. The fault suite saw an instance
+/// commit a source partition's records a second time in that window. Here: a member that has
+/// joined a new generation but not served its rebalance yet is refused, is given the metadata
+/// again once it has, and the coordinator takes offsets of a partition the group gave to another
+/// member from it.
+#[tokio::test]
+async fn offsets_are_sent_only_under_the_membership_whose_assignment_the_loop_was_told() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::{Offset, TopicPartitionList};
+    use streaming_hub::runtime::kafka;
+
+    require_broker();
+    let topic = unique("member");
+    create_topic(&topic, 2).await;
+    let group = unique("group");
+    let config = |instance: &str| {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", brokers())
+            .set("group.id", &group)
+            .set("group.instance.id", instance)
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "300");
+        c
+    };
+    let at = |partition: i32, offset: i64| {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(offset))
+            .unwrap();
+        tpl
+    };
+    let owned = |c: &BaseConsumer<LoopContext>| -> Vec<i32> {
+        let mut p: Vec<i32> = c
+            .assignment()
+            .unwrap()
+            .elements()
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        p.sort();
+        p
+    };
+
+    // A consumer without a member id (not joined yet) is refused.
+    let first: BaseConsumer<LoopContext> = config("first")
+        .create_with_context(LoopContext::default())
+        .unwrap();
+    let unjoined = kafka::membership(&first).expect("metadata of a consumer with a group");
+    assert!(!unjoined.is_member(), "{unjoined:?}");
+    assert!(kafka::member_metadata(&first, &first.context().0).is_err());
+
+    // Joined, told its assignment: given the metadata.
+    first.subscribe(&[&topic]).unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the first member's assignment",
+        || {
+            let _ = first.poll(Duration::from_millis(100));
+            (owned(&first) == [0, 1]).then_some(())
+        },
+    );
+    let joined = kafka::membership(&first).unwrap();
+    assert!(joined.is_member(), "{joined:?}");
+    assert!(kafka::member_metadata(&first, &first.context().0).is_ok());
+
+    // A second member joins while the first does not poll: the first's librdkafka joins the new
+    // generation on its own; until a poll serves that generation's rebalance, it is refused.
+    let second: BaseConsumer<LoopContext> = config("second")
+        .create_with_context(LoopContext::default())
+        .unwrap();
+    second.subscribe(&[&topic]).unwrap();
+    let moved = wait_until(
+        Duration::from_secs(60),
+        "the first member in a new generation",
+        || {
+            let _ = second.poll(Duration::from_millis(50));
+            kafka::membership(&first).filter(|m| m.generation > joined.generation)
+        },
+    );
+    let Err(refused) = kafka::member_metadata(&first, &first.context().0) else {
+        panic!("a generation whose rebalance was not served: refused ({moved:?})");
+    };
+    assert!(refused.to_string().contains("not served yet"), "{refused}");
+
+    // Both poll until each has one partition: every rebalance served, both given metadata.
+    wait_until(Duration::from_secs(60), "one partition each", || {
+        let _ = first.poll(Duration::from_millis(50));
+        let _ = second.poll(Duration::from_millis(50));
+        (owned(&first).len() == 1 && owned(&second).len() == 1).then_some(())
+    });
+    let first_metadata = kafka::member_metadata(&first, &first.context().0)
+        .expect("the first member, told its assignment");
+    assert!(kafka::member_metadata(&second, &second.context().0).is_ok());
+
+    // The coordinator takes the first member's offsets for the second member's partition.
+    let theirs = owned(&second)[0];
+    let producer = txn_producer(&unique("tid"));
+    producer.begin_transaction().unwrap();
+    producer
+        .send_offsets_to_transaction(&at(theirs, 42), &first_metadata, Duration::from_secs(30))
+        .unwrap();
+    producer
+        .commit_transaction(Duration::from_secs(30))
+        .unwrap();
+    let committed = second
+        .committed_offsets(at(theirs, 0), Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(
+        committed.elements()[0].offset(),
+        Offset::Offset(42),
+        "offsets of a partition the sender does not own, taken"
+    );
+}

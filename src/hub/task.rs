@@ -284,6 +284,8 @@ struct HubContext {
     shared: Arc<Mutex<Shared>>,
     router: Arc<OutcomeRouter>,
     stage: usize,
+    /// The membership of the last rebalance callback (see `kafka::member_metadata`).
+    membership: kafka::ConfirmedMembership,
 }
 
 impl ClientContext for HubContext {
@@ -382,7 +384,7 @@ impl ConsumerContext for HubContext {
         tpl: &mut TopicPartitionList,
     ) {
         let beat = crate::runtime::liveness::beat_current;
-        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, |e| {
+        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, &self.membership, |e| {
             tracing::error!(error = %e, "assigned partitions could not be started");
             self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal = Some(fatal_or_kafka(e));
         });
@@ -933,6 +935,7 @@ impl HubStage {
             shared: shared.clone(),
             router: self.router.clone(),
             stage: self.stage,
+            membership: Default::default(),
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         consumer
@@ -1197,6 +1200,11 @@ impl HubStage {
             return Err(HubError::Idle);
         }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
+        // Checked again where the offsets go; this saves the work of a batch that could not.
+        if !tasks.is_empty() {
+            kafka::member_metadata(consumer, &consumer.context().membership)
+                .map_err(KafkaError::from)?;
+        }
         let _ = producer.context().take();
         let mut phase = Instant::now();
         let mut phase_done = |name: &'static str| {
@@ -1381,9 +1389,8 @@ impl HubStage {
                 tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
                     .map_err(KafkaError::from)?;
             }
-            let metadata = consumer
-                .group_metadata()
-                .ok_or_else(|| KafkaError::Setup("consumer has no group metadata".into()))?;
+            let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
+                .map_err(KafkaError::from)?;
             producer
                 .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
                 .map_err(fatal_or_kafka)?;

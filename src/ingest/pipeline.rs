@@ -74,6 +74,8 @@ struct IngestContext {
     /// Set when newly assigned partitions could not be started (their committed offsets stayed
     /// unreadable): the loop stops so the process restarts.
     fatal: std::sync::Mutex<Option<RdKafkaError>>,
+    /// The membership of the last rebalance callback (see `kafka::member_metadata`).
+    membership: kafka::ConfirmedMembership,
 }
 
 impl ClientContext for IngestContext {
@@ -95,7 +97,7 @@ impl ConsumerContext for IngestContext {
         tpl: &mut TopicPartitionList,
     ) {
         let beat = || crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
-        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, |e| {
+        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, &self.membership, |e| {
             tracing::error!(error = %e, "assigned partitions could not be started");
             *self.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         });
@@ -310,6 +312,8 @@ impl Ingest {
         batch: &[BorrowedMessage<'_>],
     ) -> Result<(), RdKafkaError> {
         producer.begin_transaction()?;
+        // Checked again where the offsets go; this saves the work of a batch that could not.
+        kafka::member_metadata(consumer, &consumer.context().membership)?;
         let mut phase = std::time::Instant::now();
         let mut phase_done = |name: &'static str| {
             telemetry::txn_phase("ingest", name, phase.elapsed());
@@ -326,9 +330,7 @@ impl Ingest {
         for ((topic, partition), next) in offsets {
             tpl.add_partition_offset(topic, partition, Offset::Offset(next))?;
         }
-        let metadata = consumer.group_metadata().ok_or_else(|| {
-            RdKafkaError::Subscription("consumer has no group metadata yet".into())
-        })?;
+        let metadata = kafka::member_metadata(consumer, &consumer.context().membership)?;
         phase_done("work");
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         phase_done("offsets");

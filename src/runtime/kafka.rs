@@ -372,15 +372,20 @@ const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// The wait blocks the caller's poll (as a restore does): the group's rebalance waits with it.
 /// If the offsets stay unreadable past the patience, nothing is assigned and `on_fatal` gets the
 /// error: the stage must stop so its process restarts. `beat` keeps the stage's liveness while
-/// it waits. Revocations and errors go as rdkafka's default rebalance sends them.
+/// it waits. Revocations and errors go as rdkafka's default rebalance sends them. Each callback
+/// records the membership it runs under in `confirmed` (see [`member_metadata`]).
 pub fn rebalance_at_committed<C: ConsumerContext>(
     context: &C,
     consumer: &BaseConsumer<C>,
     err: RDKafkaRespErr,
     tpl: &TopicPartitionList,
     beat: &dyn Fn(),
+    confirmed: &ConfirmedMembership,
     on_fatal: impl FnOnce(rdkafka::error::KafkaError),
 ) {
+    // librdkafka waits in this callback for the assign or unassign below: the membership read
+    // now is the one this assignment belongs to.
+    confirmed.set(membership(consumer));
     let cooperative = matches!(
         consumer.rebalance_protocol(),
         RebalanceProtocol::Cooperative
@@ -485,6 +490,129 @@ pub fn stable_committed<C: ConsumerContext>(
     Ok(at)
 }
 
+/// A consumer's place in its group as the group coordinator sees it in a transaction's offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Membership {
+    pub generation: i32,
+    pub member_id: String,
+}
+
+impl Membership {
+    /// A member of a generation: the coordinator checks both against the group's before it takes
+    /// offsets sent with them.
+    pub fn is_member(&self) -> bool {
+        self.generation >= 0 && !self.member_id.is_empty()
+    }
+}
+
+/// The membership the application was last told about: recorded by [`rebalance_at_committed`]
+/// at each rebalance callback (librdkafka waits for the callback's assign or unassign, so the
+/// membership cannot move while it runs), checked by [`member_metadata`].
+#[derive(Debug, Default)]
+pub struct ConfirmedMembership(std::sync::Mutex<Option<Membership>>);
+
+impl ConfirmedMembership {
+    fn set(&self, m: Option<Membership>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = m;
+    }
+    fn get(&self) -> Option<Membership> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// The group metadata to send with a transaction's offsets, only while the consumer's
+/// membership is the one its last rebalance callback ran under. The group coordinator checks a
+/// transaction's offsets against the sender's generation and member id, never against which
+/// member owns the partitions; librdkafka moves to a new generation (or clears its member id on
+/// a session timeout) in its own thread, and tells the application which partitions it lost
+/// only at a later poll. In between, a loop still holding records of partitions the group gave
+/// to another instance would commit them a second time, under a generation the coordinator
+/// takes. Seen in the fault suite: an instance stalled in an abort while its coordinator failed
+/// over rejoined as a static member and committed a source partition's records the new owner
+/// had already written to the inbox. Refused here; the caller aborts, and its next poll serves
+/// the callback (which forgets revoked partitions' records and records the new membership).
+pub fn member_metadata<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+) -> Result<rdkafka::consumer::ConsumerGroupMetadata, rdkafka::error::KafkaError> {
+    // rdkafka keeps its metadata's pointer to itself: the membership is read just before and
+    // just after it is taken. A generation only grows and a rejoin gets a new member id, so two
+    // equal readings mean the metadata between them is the same.
+    let before = membership(consumer);
+    let metadata = consumer.group_metadata();
+    let after = membership(consumer);
+    let told = confirmed.get();
+    let why = match (&before, &metadata) {
+        (None, _) | (_, None) => "no group metadata yet".to_string(),
+        (Some(m), _) if !m.is_member() => format!(
+            "not a member of a generation (generation {}, member id {}): waiting to rejoin",
+            m.generation,
+            if m.member_id.is_empty() {
+                "none"
+            } else {
+                "set"
+            }
+        ),
+        (Some(m), Some(_)) if after.as_ref() != Some(m) => {
+            "the group membership changed while its metadata was taken".to_string()
+        }
+        (Some(m), Some(_)) if told.as_ref() != Some(m) => format!(
+            "the group moved to generation {} (last rebalance seen: {}) and the assignment that \
+             goes with it is not served yet: offsets sent now could be a partition another member owns",
+            m.generation,
+            told.map_or("none".to_string(), |t| format!(
+                "generation {}",
+                t.generation
+            ))
+        ),
+        (Some(_), Some(_)) => return Ok(metadata.expect("matched Some")),
+    };
+    Err(rdkafka::error::KafkaError::Subscription(why))
+}
+
+/// The consumer's generation and member id now (librdkafka's group metadata, serialised).
+pub fn membership<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> Option<Membership> {
+    use rdkafka::bindings as rd;
+    // SAFETY: the client pointer is valid while `consumer` lives; librdkafka returns a metadata
+    // copy we own (destroyed below) or null, and `write` hands back a buffer of `size` bytes it
+    // allocated (freed below with `rd_kafka_mem_free`) or an error we own (destroyed).
+    unsafe {
+        let md = rd::rd_kafka_consumer_group_metadata(consumer.client().native_ptr());
+        if md.is_null() {
+            return None;
+        }
+        let mut buf: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        let err = rd::rd_kafka_consumer_group_metadata_write(md, &mut buf, &mut size);
+        rd::rd_kafka_consumer_group_metadata_destroy(md);
+        if !err.is_null() {
+            rd::rd_kafka_error_destroy(err);
+            return None;
+        }
+        if buf.is_null() {
+            return None;
+        }
+        let parsed = parse_group_metadata(std::slice::from_raw_parts(buf.cast::<u8>(), size));
+        rd::rd_kafka_mem_free(std::ptr::null_mut(), buf);
+        parsed
+    }
+}
+
+/// librdkafka's serialised group metadata (`rd_kafka_consumer_group_metadata_write`): the magic
+/// `CGMDv2:`, the generation (native-endian i32), then NUL-terminated group id and member id.
+fn parse_group_metadata(bytes: &[u8]) -> Option<Membership> {
+    let rest = bytes.strip_prefix(b"CGMDv2:")?;
+    let (generation, rest) = rest.split_at_checked(4)?;
+    let generation = i32::from_ne_bytes(generation.try_into().ok()?);
+    let group_end = rest.iter().position(|&b| b == 0)?;
+    let rest = &rest[group_end + 1..];
+    let member_end = rest.iter().position(|&b| b == 0)?;
+    Some(Membership {
+        generation,
+        member_id: String::from_utf8_lossy(&rest[..member_end]).into_owned(),
+    })
+}
+
 /// The headers of a consumed record whose names are UTF-8, in order; any other is skipped.
 /// Every reader of consumed headers goes through this or [`raw_header`], never rdkafka's
 /// `Headers::iter` / `get` (see [`raw_header`]): the hub's own topics can be written by others.
@@ -527,4 +655,45 @@ pub fn raw_header(
     let value =
         (!value.is_null()).then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) });
     Some((name, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The format is librdkafka's own: metadata it builds and serialises parses back.
+    #[test]
+    fn group_metadata_written_by_librdkafka_parses_to_its_generation_and_member_id() {
+        use rdkafka::bindings as rd;
+        let cases = [(7, "member-1"), (-1, "")];
+        for (generation, member) in cases {
+            let group = std::ffi::CString::new("a-group").unwrap();
+            let member_c = std::ffi::CString::new(member).unwrap();
+            let instance = std::ffi::CString::new("instance-1").unwrap();
+            // SAFETY: NUL-terminated strings that outlive the calls; what librdkafka returns is
+            // freed as in `membership`.
+            let parsed = unsafe {
+                let md = rd::rd_kafka_consumer_group_metadata_new_with_genid(
+                    group.as_ptr(),
+                    generation,
+                    member_c.as_ptr(),
+                    instance.as_ptr(),
+                );
+                let mut buf: *mut std::ffi::c_void = std::ptr::null_mut();
+                let mut size = 0usize;
+                let err = rd::rd_kafka_consumer_group_metadata_write(md, &mut buf, &mut size);
+                assert!(err.is_null());
+                rd::rd_kafka_consumer_group_metadata_destroy(md);
+                let parsed =
+                    parse_group_metadata(std::slice::from_raw_parts(buf.cast::<u8>(), size));
+                rd::rd_kafka_mem_free(std::ptr::null_mut(), buf);
+                parsed
+            };
+            let m = parsed.expect("parses");
+            assert_eq!((m.generation, m.member_id.as_str()), (generation, member));
+            assert_eq!(m.is_member(), generation >= 0 && !member.is_empty());
+        }
+        assert_eq!(parse_group_metadata(b"CGMDv1:...."), None);
+        assert_eq!(parse_group_metadata(b"CGMDv2:\x01\x00"), None);
+    }
 }
