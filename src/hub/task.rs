@@ -1089,9 +1089,17 @@ impl HubStage {
                 }
                 Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
                 Err(e) => {
-                    tracing::warn!(error = %e, "committing outcomes at shutdown failed");
                     let _ =
                         crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
+                    drop(guard);
+                    if !kafka::membership_confirmed(consumer, &consumer.context().membership) {
+                        // The group moved and this loop has not served the rebalance: a poll
+                        // serves it (a record it returns is left for the partition's next
+                        // reader), then the outcomes are committed under the new membership.
+                        let _ = consumer.poll(Duration::from_millis(50));
+                        continue;
+                    }
+                    tracing::warn!(error = %e, "committing outcomes at shutdown failed");
                     break;
                 }
             }
@@ -1201,9 +1209,10 @@ impl HubStage {
         }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
-        if !tasks.is_empty() {
-            kafka::member_metadata(consumer, &consumer.context().membership)
-                .map_err(KafkaError::from)?;
+        if !tasks.is_empty()
+            && !kafka::membership_confirmed(consumer, &consumer.context().membership)
+        {
+            return Err(KafkaError::Setup(kafka::NOT_TOLD.into()).into());
         }
         let _ = producer.context().take();
         let mut phase = Instant::now();

@@ -313,7 +313,9 @@ impl Ingest {
     ) -> Result<(), RdKafkaError> {
         producer.begin_transaction()?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
-        kafka::member_metadata(consumer, &consumer.context().membership)?;
+        if !kafka::membership_confirmed(consumer, &consumer.context().membership) {
+            return Err(RdKafkaError::Subscription(kafka::NOT_TOLD.into()));
+        }
         let mut phase = std::time::Instant::now();
         let mut phase_done = |name: &'static str| {
             telemetry::txn_phase("ingest", name, phase.elapsed());

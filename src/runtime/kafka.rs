@@ -506,8 +506,14 @@ impl Membership {
 }
 
 /// The membership the application was last told about: recorded by [`rebalance_at_committed`]
-/// at each rebalance callback (librdkafka waits for the callback's assign or unassign, so the
-/// membership cannot move while it runs), checked by [`member_metadata`].
+/// at each rebalance callback, checked by [`member_metadata`]. librdkafka waits for the
+/// callback's assign or unassign before it joins again, so in the usual flows the membership
+/// read at the callback's start is the one its partitions belong to. Not covered: a membership
+/// lost while a callback waits to be served (a heartbeat answered UNKNOWN_MEMBER_ID, a session
+/// timeout) followed by a rejoin librdkafka starts anyway (a metadata change) and completes
+/// before the poll that serves the old callback: that callback records the new membership, and
+/// until the new one is served a batch of partitions the group gave away would pass. A change
+/// during the callback (its committed-offsets wait) is refused, as the reading no longer matches.
 #[derive(Debug, Default)]
 pub struct ConfirmedMembership(std::sync::Mutex<Option<Membership>>);
 
@@ -536,8 +542,9 @@ pub fn member_metadata<C: ConsumerContext>(
     confirmed: &ConfirmedMembership,
 ) -> Result<rdkafka::consumer::ConsumerGroupMetadata, rdkafka::error::KafkaError> {
     // rdkafka keeps its metadata's pointer to itself: the membership is read just before and
-    // just after it is taken. A generation only grows and a rejoin gets a new member id, so two
-    // equal readings mean the metadata between them is the same.
+    // just after it is taken. Every rejoin gets a new member id, so two equal readings mean the
+    // metadata between them is either the same or taken during a reset (generation -1 or no
+    // member id), which the coordinator refuses from a static member.
     let before = membership(consumer);
     let metadata = consumer.group_metadata();
     let after = membership(consumer);
@@ -568,6 +575,19 @@ pub fn member_metadata<C: ConsumerContext>(
         (Some(_), Some(_)) => return Ok(metadata.expect("matched Some")),
     };
     Err(rdkafka::error::KafkaError::Subscription(why))
+}
+
+/// Why a loop did not work on a batch: [`membership_confirmed`] said no.
+pub const NOT_TOLD: &str =
+    "the group membership is not the one the last rebalance was served under";
+
+/// The cheap form of [`member_metadata`]'s check (one reading), for a loop deciding whether a
+/// batch is worth working on.
+pub fn membership_confirmed<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+) -> bool {
+    membership(consumer).is_some_and(|m| m.is_member() && confirmed.get().as_ref() == Some(&m))
 }
 
 /// The consumer's generation and member id now (librdkafka's group metadata, serialised).
