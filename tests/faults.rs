@@ -620,6 +620,22 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     let distinct: BTreeSet<&String> = inbox_ids.iter().collect();
     if distinct.len() != inbox_ids.len() {
         explain_inbox_duplicates(&inbox_recs);
+        // When each fault began (wall clock, as the instances' logs print it) and which
+        // instances left on their own: the duplicates' ingest times point into this timeline.
+        for f in &faults {
+            eprintln!(
+                "FAULT {} at {}",
+                f.name,
+                streaming_hub::ingest::pipeline::rfc3339_ms(f.at_ms)
+            );
+        }
+        eprintln!("EXITED {exited:?}");
+        eprintln!(
+            "instance logs: {}",
+            std::env::temp_dir()
+                .join(format!("{prefix}-*.log"))
+                .display()
+        );
     }
     assert_eq!(
         (inbox_ids.len(), distinct.len()),
