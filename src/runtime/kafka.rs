@@ -549,7 +549,7 @@ pub fn member_metadata<C: ConsumerContext>(
     let metadata = consumer.group_metadata();
     let after = membership(consumer);
     let told = confirmed.get();
-    let why = match (&before, &metadata) {
+    let why = match (before.as_ref(), metadata) {
         (None, _) | (_, None) => "no group metadata yet".to_string(),
         (Some(m), _) if !m.is_member() => format!(
             "not a member of a generation (generation {}, member id {}): waiting to rejoin",
@@ -572,7 +572,7 @@ pub fn member_metadata<C: ConsumerContext>(
                 t.generation
             ))
         ),
-        (Some(_), Some(_)) => return Ok(metadata.expect("matched Some")),
+        (Some(_), Some(metadata)) => return Ok(metadata),
     };
     Err(rdkafka::error::KafkaError::Subscription(why))
 }
