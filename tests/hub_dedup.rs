@@ -74,6 +74,25 @@ fn config(prefix: &str, state: &std::path::Path) -> Config {
     Config::from_vars(vars).unwrap()
 }
 
+/// A run's config (its state in the returned directory), its topics created; and its inbox.
+async fn topics(name: &str) -> (Config, tempfile::TempDir, String) {
+    require_broker();
+    let prefix = unique(name);
+    let state = tempfile::tempdir().unwrap();
+    let cfg = config(&prefix, state.path());
+    Topology::load(&cfg.topology_file, &cfg)
+        .unwrap()
+        .apply(&cfg, false)
+        .await
+        .unwrap();
+    (cfg, state, format!("{prefix}.inbox"))
+}
+
+fn clock_at(rfc3339: &str) -> ManualClock {
+    let at = chrono::DateTime::parse_from_rfc3339(rfc3339).unwrap();
+    ManualClock::new(at.timestamp_millis())
+}
+
 struct Running {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), HubError>>>,
@@ -124,21 +143,8 @@ fn reset_group_offsets(group: &str, topic: &str, partitions: i32) {
 
 #[tokio::test]
 async fn duplicates_drop_replays_reprocess_and_expired_duplicates_are_new() {
-    require_broker();
-    let prefix = unique("dedup");
-    let state = tempfile::tempdir().unwrap();
-    let cfg = config(&prefix, state.path());
-    Topology::load(&cfg.topology_file, &cfg)
-        .unwrap()
-        .apply(&cfg, false)
-        .await
-        .unwrap();
-    let inbox = format!("{prefix}.inbox");
-    let clock = ManualClock::new(
-        chrono::DateTime::parse_from_rfc3339("2026-09-26T12:00:00Z")
-            .unwrap()
-            .timestamp_millis(),
-    );
+    let (cfg, _state, inbox) = topics("dedup").await;
+    let clock = clock_at("2026-09-26T12:00:00Z");
     let t0 = "2026-09-26T12:00:00.000Z";
 
     let id_a = uuid::Uuid::now_v7().to_string();
@@ -221,4 +227,37 @@ async fn duplicates_drop_replays_reprocess_and_expired_duplicates_are_new() {
     hub.stop();
     let last = replayed.events().pop().unwrap();
     assert_eq!((last.1.as_str(), last.2, last.4), (id_a.as_str(), 2, false));
+}
+
+/// A hub that reads its inbox more than the TTL after ingest (down for a day, a lagging
+/// `STREAMING_HUB_ROLE` split) still drops the copies: the TTL runs from when the hub first saw
+/// the id, not from the ingest time the records carry.
+#[tokio::test]
+async fn copies_read_a_day_late_are_still_duplicates() {
+    let (cfg, _state, inbox) = topics("dedup-late").await;
+    // Ingested at 12:00 on the 26th, read by the hub 25 hours later.
+    let clock = clock_at("2026-09-27T13:00:00Z");
+    let t0 = "2026-09-26T12:00:00.000Z";
+    let id = uuid::Uuid::now_v7().to_string();
+    let p = producer();
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id, t0), inbox_record("t1", &id, t0)],
+    );
+    let rec = Recorder::default();
+    let hub = start(&cfg, &clock, &rec);
+    wait_until(Duration::from_secs(60), "hub caught up", || {
+        (rec.len() >= 1 && group_caught_up(&cfg.hub_group_id(), &inbox)).then_some(())
+    });
+    // A third copy, 23 hours after the hub first saw the id: still inside the TTL.
+    clock.advance(Duration::from_secs(23 * 3600));
+    produce(&p, &inbox, &[inbox_record("t1", &id, t0)]);
+    wait_until(Duration::from_secs(30), "hub caught up", || {
+        group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+    });
+    hub.stop();
+    let seen = rec.events();
+    assert_eq!(seen.len(), 1, "one event, two copies dropped: {seen:?}");
+    assert_eq!((seen[0].1.as_str(), seen[0].2), (id.as_str(), 0));
 }

@@ -107,13 +107,19 @@ fn table() -> Vec<(&'static str, Rec)> {
             "invalid_header_encoding",
             ok().set("ce-subject", Some(&[0xff, 0xfe, 0x41])),
         ),
-        ("payload_too_large", {
+        ("headers_too_many", {
             let mut r = ok();
             for i in 0..2000 {
                 r = r.add(&format!("x-junk-{i}"), b"");
             }
             r
         }),
+        (
+            "missing_tenant_spoofed",
+            ok().set("ce-tenantid", None)
+                .add("x-streaming-hub-reason", b"ok")
+                .add("X-Lerian-DLQ-Error-Class", b"old_error"),
+        ),
         (
             "headers_too_large",
             ok().set("ce-subject", Some(&vec![b's'; 9 * 1024])),
@@ -212,7 +218,14 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
                 )
                 .unwrap();
             }
-            reason => {
+            tag => {
+                // Tags that say more than the reason: headers over the record limits (left out,
+                // the payload kept); a producer's own forensic headers (not carried).
+                let (reason, headers_dropped, spoofed) = match tag {
+                    "headers_too_many" => ("headers_too_large", true, false),
+                    "missing_tenant_spoofed" => ("missing_tenant", false, true),
+                    reason => (reason, false, false),
+                };
                 let g =
                     out.unwrap_or_else(|| panic!("quarantined record {offset} ({reason}) missing"));
                 assert_eq!(g.topic, quarantine, "{reason}");
@@ -251,6 +264,35 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
                 if reason == "payload_too_large" {
                     assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("true"));
                     assert!(g.rec.value.is_none(), "an oversized payload is not copied");
+                } else if headers_dropped {
+                    assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("false"));
+                    assert_eq!(g.rec.value, input.value, "the payload is kept");
+                    assert!(g.rec.header("x-junk-0").is_none(), "the headers are not");
+                    assert!(g.rec.header("ce-id").is_none());
+                } else if spoofed {
+                    assert_eq!(g.rec.value, input.value);
+                    let carried: Vec<_> = input
+                        .headers
+                        .iter()
+                        .filter(|(k, _)| {
+                            let k = k.to_ascii_lowercase();
+                            !k.starts_with("x-streaming-hub-") && !k.starts_with("x-lerian-dlq-")
+                        })
+                        .cloned()
+                        .collect();
+                    assert_eq!(carried.len(), input.headers.len() - 2);
+                    assert_eq!(&g.rec.headers[..carried.len()], &carried[..]);
+                    let reasons = g.rec.headers.iter();
+                    let reasons = reasons
+                        .filter(|(k, _)| k == "x-streaming-hub-reason")
+                        .count();
+                    assert_eq!(reasons, 1, "only the hub's reason");
+                    let classes = g
+                        .rec
+                        .headers
+                        .iter()
+                        .filter(|(k, _)| k.eq_ignore_ascii_case("x-lerian-dlq-error-class"));
+                    assert_eq!(classes.count(), 1, "only the hub's forensic headers");
                 } else {
                     assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("false"));
                     assert_eq!(g.rec.value, input.value);

@@ -1281,7 +1281,11 @@ impl HubStage {
                             inbox_partition: p,
                             first_offset: m.offset(),
                             sequence: next,
-                            expires_at: ingest_ms.unwrap_or(now) + ttl,
+                            // From when the hub first sees it, not from ingest: a hub that
+                            // reads its inbox more than the TTL late (down for a day, a lagging
+                            // role split) would otherwise write entries already expired, and
+                            // every later copy would be a new event.
+                            expires_at: ingest_ms.unwrap_or(now).max(now) + ttl,
                         };
                         if let Some(old) = &existing {
                             st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));

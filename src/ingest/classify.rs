@@ -292,12 +292,29 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
                 return Err(quarantine(Reason::DuplicateHeader, m));
             }
             Some(slot) => slots[slot] = Some(value),
+            // Names reach subscribers as HTTP headers, where case does not count: `ce-Id` would
+            // be a second (unsigned) `ce-id` there.
+            None if name.bytes().any(|b| b.is_ascii_uppercase())
+                && slot_of(&name.to_ascii_lowercase()).is_some() =>
+            {
+                return encoding(format_args!(
+                    "a CloudEvents attribute name not in lower case; subscribers would read it as that attribute"
+                ));
+            }
             None => extensions.push(name),
         }
     }
     if extensions.len() > 1 {
-        extensions.sort_unstable();
-        if let Some(pair) = extensions.windows(2).find(|w| w[0] == w[1]) {
+        let folded = |s: &str| {
+            s.bytes()
+                .map(|b| b.to_ascii_lowercase())
+                .collect::<Vec<u8>>()
+        };
+        extensions.sort_unstable_by_key(|n| folded(n));
+        if let Some(pair) = extensions
+            .windows(2)
+            .find(|w| w[0].eq_ignore_ascii_case(w[1]))
+        {
             let m = at(pair[0], format_args!("present more than once"));
             return Err(quarantine(Reason::DuplicateHeader, m));
         }
@@ -1235,6 +1252,28 @@ mod tests {
             Rec::ledger()
                 .push("Ce-Id", "whatever")
                 .push("ce_id", "x")
+                .classify(&cfg),
+        );
+    }
+
+    #[test]
+    fn names_that_differ_only_in_case_are_one_header_to_subscribers() {
+        let cfg = ClassifyConfig::default();
+        // An attribute in another case would reach subscribers as a second `ce-id`, `ce-tenantid`.
+        for (name, value) in [
+            ("ce-Id", UUID7),
+            ("ce-TENANTID", "other"),
+            ("ce-Sig", "v1.x"),
+        ] {
+            let rec = Rec::ledger().push(name, value);
+            assert_quarantined(rec.classify(&cfg), Reason::InvalidHeaderEncoding, name);
+        }
+        let ext = Rec::ledger().push("ce-foo", "1").push("ce-FOO", "2");
+        assert_quarantined(ext.classify(&cfg), Reason::DuplicateHeader, "ce-");
+        accepted(
+            Rec::ledger()
+                .push("ce-Foo", "1")
+                .push("ce-bar", "2")
                 .classify(&cfg),
         );
     }

@@ -376,10 +376,12 @@ impl Ingest {
         let oversized_headers = count > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES;
         let value = msg.payload();
         let verdict = if oversized_headers {
+            // Its headers are left out of the quarantined copy (they are what does not fit); its
+            // payload is kept when it is within the limit.
             Verdict::Quarantine(crate::ingest::classify::Quarantined {
-                reason: Reason::PayloadTooLarge,
+                reason: Reason::HeadersTooLarge,
                 message: format!(
-                    "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes)"
+                    "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes; the headers are left out of this record)"
                 ),
             })
         } else if let Some(idx) = bad_name {
@@ -479,7 +481,10 @@ impl Ingest {
                 let size = value.map_or(0, <[u8]>::len).to_string();
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 12);
                 if !oversized_headers {
-                    for (k, v) in &headers {
+                    // The forensic headers below describe this quarantine: a producer's own
+                    // (`x-streaming-hub-reason`, or a re-driven record's old `x-lerian-dlq-*`)
+                    // would come first and be read in their place.
+                    for (k, v) in headers.iter().filter(|(k, _)| !is_forensic_header(k)) {
                         out = out.insert(Header { key: k, value: *v });
                     }
                 }
@@ -623,6 +628,15 @@ pub fn is_hub_header(key: &str) -> bool {
 }
 
 const HUB_HEADER_PREFIX: &str = "x-streaming-hub-";
+
+/// A header the quarantine writes itself: the hub's namespace and the producers' forensic set.
+fn is_forensic_header(key: &str) -> bool {
+    const DLQ: &str = "x-lerian-dlq-";
+    is_hub_header(key)
+        || key
+            .get(..DLQ.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(DLQ))
+}
 
 pub fn rfc3339_ms(ms: i64) -> String {
     chrono::DateTime::from_timestamp_millis(ms)

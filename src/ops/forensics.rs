@@ -373,7 +373,12 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> ForensicRe
         source,
         tenant_id,
         cause: dlq.get("cause-kind").cloned(),
-        reason: header("x-streaming-hub-reason"),
+        // The hub writes its reason after the record's own headers: the last one is the hub's.
+        reason: headers
+            .iter()
+            .rev()
+            .find(|h| h.key.eq_ignore_ascii_case("x-streaming-hub-reason"))
+            .and_then(|h| h.value.clone()),
         dlq,
         headers,
         key,
