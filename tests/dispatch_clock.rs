@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +25,8 @@ struct Sink {
     /// (event id, status answered) per delivery, in arrival order.
     got: Arc<Mutex<Vec<(String, u16)>>>,
     status: Arc<AtomicU16>,
+    /// Whether it answers the verification challenge.
+    verifies: Arc<AtomicBool>,
 }
 
 async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
@@ -33,7 +35,10 @@ async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (Sta
         .and_then(|v| v.to_str().ok())
         == Some("streaming_hub.verification")
     {
-        return (StatusCode::OK, body);
+        return match s.verifies.load(Ordering::SeqCst) {
+            true => (StatusCode::OK, body),
+            false => (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()),
+        };
     }
     let status = s.status.load(Ordering::SeqCst);
     let id = headers
@@ -49,6 +54,7 @@ async fn start_sink(status: u16) -> (String, Sink) {
     let sink = Sink {
         got: Arc::default(),
         status: Arc::new(AtomicU16::new(status)),
+        verifies: Arc::new(AtomicBool::new(true)),
     };
     let app = Router::new()
         .route("/hook", post(handler))
@@ -472,4 +478,78 @@ async fn pending_jobs_of_a_disabled_subscription_are_dead_lettered_when_due() {
         1,
         "no attempt after the subscription was disabled"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verified() {
+    let s = clock_hub("vhold", &[]).await;
+    let (url_a, sink_a) = start_sink(500).await;
+    let tenant = "tenant-v";
+    let id = subscribe_with(&s, tenant, &url_a, json!({"retry_schedule": ["1h"]})).await;
+    let ev = event(tenant, "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    s.wait_metric("streaming_hub_attempts_total", 1).await; // attempt 1 failed; retry in ≤ 1h
+    // The tenant moves the subscription to a URL that does not answer the challenge (yet).
+    let (url_b, sink_b) = start_sink(200).await;
+    sink_b.verifies.store(false, Ordering::SeqCst);
+    let r = s
+        .http
+        .patch(format!("http://{}/v1/subscriptions/{id}", s.hub.addr()))
+        .bearer_auth(s.token(tenant))
+        .header("content-type", "application/json")
+        .body(json!({"destination": {"type": "webhook", "url": url_b}}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v = s.get_subscription(tenant, &id).await;
+    assert_eq!(v["verification_state"], "pending", "{v}");
+    s.advance("2h").await;
+    s.wait_metric("streaming_hub_deliveries_held_total", 1)
+        .await;
+    assert!(
+        sink_b.got.lock().unwrap().is_empty(),
+        "the event went to a URL that never answered its verification"
+    );
+    assert_eq!(sink_a.got.lock().unwrap().len(), 1);
+    // Verified: the held retry goes to the new URL, still the event's second attempt.
+    sink_b.verifies.store(true, Ordering::SeqCst);
+    let r = s
+        .http
+        .post(format!(
+            "http://{}/v1/subscriptions/{id}/verify",
+            s.hub.addr()
+        ))
+        .bearer_auth(s.token(tenant))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    s.advance("61s").await;
+    wait_for(&sink_b, 1).await;
+    assert_eq!(sink_b.got.lock().unwrap()[0].0, ev.id());
+    assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
+    let s = clock_hub("hubside", &[]).await;
+    let (url, sink) = start_sink(200).await;
+    let tenant = "tenant-h";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1s"]})).await;
+    // Its signing secret no longer opens (as with a key-encryption key dropped too early):
+    // every attempt fails before a request is made.
+    let mut rec = control_records(&s.prefix)[&id].clone();
+    let last = rec.signing_secrets[0].ciphertext.len() - 1;
+    rec.signing_secrets[0].ciphertext[last] ^= 1;
+    rec.version += 1;
+    write_control_record(&s, &rec).await;
+    fail_every_11h(&s, tenant, 13).await; // 143h of failed attempts, 14 events
+    assert!(s.metric("streaming_hub_attempts_total").await >= 14);
+    let delivered = "streaming_hub_attempts_total{outcome=\"delivered\"";
+    assert_eq!(s.metric(delivered).await, 0);
+    assert!(sink.got.lock().unwrap().is_empty(), "no request went out");
+    assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
+    assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
+    assert_eq!(s.get_subscription(tenant, &id).await["enabled"], true);
 }

@@ -41,8 +41,6 @@ use rdkafka::{Offset, TopicPartitionList};
 use reqwest::Method;
 use serde_json::{Value, json};
 use streaming_hub::delivery::signing;
-use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::SubscriptionRecord;
 use streaming_hub::runtime::secret::Secret;
 
 // ---------------------------------------------------------------------------------------------
@@ -536,20 +534,6 @@ fn forms(name: &str, text: &str, out: &mut Vec<(String, Vec<u8>)>) {
     }
 }
 
-/// The latest record of each subscription on the control topic.
-fn control_records(prefix: &str) -> BTreeMap<String, SubscriptionRecord> {
-    let codec = Codec::new().unwrap();
-    let control = format!("{prefix}.subscriptions");
-    let mut latest = BTreeMap::new();
-    for g in read_all(&[&control], Duration::from_secs(30)) {
-        if let Some(v) = g.rec.value {
-            let r: SubscriptionRecord = codec.decode(RecordKind::Subscription, &v).unwrap();
-            latest.insert(r.id.clone(), r);
-        }
-    }
-    latest
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation() {
     let mut api = ApiHub::start(
@@ -743,35 +727,6 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         topics.len(),
         logs.iter().map(Vec::len).sum::<usize>()
     );
-}
-
-/// Writes `rec` to the control topic as any producer with write access to it could, and waits
-/// until the hub's table shows its URL.
-async fn write_control_record(api: &ApiHub, rec: &SubscriptionRecord) {
-    let bytes = Codec::new()
-        .unwrap()
-        .encode(RecordKind::Subscription, rec)
-        .unwrap();
-    let control = format!("{}.subscriptions", api.prefix);
-    let r = Rec {
-        key: Some(rec.id.clone().into_bytes()),
-        value: Some(bytes),
-        ..Default::default()
-    };
-    produce(&producer(), &control, &[r]);
-    let want = rec.destination.url.clone().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let v = api.get_subscription(&rec.tenant_id, &rec.id).await;
-        if v["destination"]["url"] == want.as_str() && v["version"] == rec.version {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the table never showed {want}: {v}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,6 +83,16 @@ impl Outcome {
         self.error_kind.is_none()
     }
 
+    /// The attempt failed on the hub's side before any request went out: no key to open the
+    /// subscription's secret, no secret, signing failed, the worker panicked. Counted on the
+    /// retry curve like any failure, but never against the destination (breaker, auto-disable).
+    pub fn hub_side(&self) -> bool {
+        matches!(
+            self.error_kind.as_deref(),
+            Some("no_kek" | "secret_unreadable" | "no_signing_secret" | "signing_failed" | "panic")
+        )
+    }
+
     /// The attempt was never made: it waited for a worker until too little of its lease was left
     /// to finish within it. Its job goes back to due, with no attempt counted.
     pub fn not_attempted(&self) -> bool {

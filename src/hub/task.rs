@@ -33,7 +33,7 @@ use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
-use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord};
+use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord, VerificationState};
 use crate::runtime::store::{FastMap, Staged, Store};
 use crate::runtime::telemetry::{self, HubEvent, Restored};
 use crate::subscriptions::table::SharedTable;
@@ -86,6 +86,8 @@ const BACKLOG_TOP: usize = 10;
 const BACKLOG_CAP: usize = 100_000;
 /// Expired dedup entries purged per task per batch (bounded work, never a full scan).
 const EXPIRY_PER_BATCH: usize = 500;
+/// How long a due job waits, unattempted, while its destination's verification is pending.
+const VERIFY_HOLD_MS: i64 = 60_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
@@ -1516,7 +1518,14 @@ fn dispatch_work(
             .as_ref()
             .and_then(|j| d.table.read().get(&j.subscription_id));
         let schedule = sub.as_ref().and_then(|s| s.retry_schedule.clone());
-        if let Some(sub) = &sub {
+        // A failure of the hub's own (no key to open the secret, ...) sent no request: it is not
+        // the destination's, so neither its breaker nor its auto-disable span hears of it.
+        let hub_side = o.hub_side();
+        if let (Some(sub), true) = (&sub, hub_side) {
+            let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
+            d.breakers.unsent(&sub.tenant_id, &origin);
+        }
+        if let (Some(sub), false) = (&sub, hub_side) {
             let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
             if let Some(t) = d.breakers.record(&sub.tenant_id, &origin, o.success(), now) {
                 telemetry::BreakerChanged {
@@ -1527,7 +1536,7 @@ fn dispatch_work(
                 .emit();
             }
         }
-        if let Some(sub) = &sub {
+        if let (Some(sub), false) = (&sub, hub_side) {
             let gates = health::Gates {
                 enabled: env.config.autodisable_enabled,
                 window_ms: env.config.autodisable_failure_window.as_millis() as i64,
@@ -1778,7 +1787,6 @@ fn claim(
     if busy >= per_tenant_cap {
         return Ok(false); // this tenant has enough in flight; its job stays due
     }
-    *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
     let old_due = job.due_at;
     let sub = d.table.read().get(&job.subscription_id);
     let Some(sub) = sub else {
@@ -1786,7 +1794,14 @@ fn claim(
         js.finish_job_quietly(&key, &job)?;
         return Ok(false);
     };
-    if !sub.enabled {
+    // Only a destination that answered its verification gets deliveries (a new URL is probed
+    // first): once verification failed (`POST /verify` or a new URL recovers it) the job is
+    // dead-lettered like a disabled subscription's; while the probe is pending it waits.
+    let failed = sub.verification_state == VerificationState::Failed;
+    if !sub.enabled || failed {
+        if sub.enabled {
+            job.last_error = Some("the destination failed its verification".into());
+        }
         let dl = jobs::dead_letter_without_attempt(
             js,
             &key,
@@ -1797,17 +1812,20 @@ fn claim(
         emit_dead_letter(env, out, &dl)?;
         return Ok(false);
     }
-    let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
-    if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
-        // The destination's breaker is open: reschedule without an attempt.
-        job.due_at = until;
-        job.state = JobState::Pending;
-        job.lease_until = None;
-        js.put_job(&key, &job, Some(old_due))?;
-        telemetry::Shed {
-            tenant: &job.tenant_id,
+    if sub.verification_state == VerificationState::Pending {
+        postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
+        telemetry::HeldUnverified {
+            subscription_id: &sub.id,
         }
         .emit();
+        return Ok(false);
+    }
+    let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
+    if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
+        // The destination's breaker is open.
+        let tenant = job.tenant_id.clone();
+        postpone(js, &key, job, until)?;
+        telemetry::Shed { tenant: &tenant }.emit();
         return Ok(false);
     }
     if job.state == JobState::Leased {
@@ -1838,6 +1856,9 @@ fn claim(
     job.lease_until = Some(now + d.lease_ms);
     job.due_at = now + d.lease_ms;
     js.put_job(&key, &job, Some(old_due))?;
+    // Only attempts count against the tenant's share: jobs shed, held or finished above do not
+    // keep its other destinations' jobs from being claimed.
+    *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
     attempts.push(Attempt {
         partition: p,
         job_key: key,
@@ -1850,6 +1871,21 @@ fn claim(
         sole_payload: sole.then(jobs::payload_holds),
     });
     Ok(true)
+}
+
+/// Makes a due job due again at `until`, no attempt made or counted.
+fn postpone(
+    js: &mut JobStore<'_>,
+    key: &[u8],
+    mut job: JobRecord,
+    until: i64,
+) -> Result<(), HubError> {
+    let old_due = job.due_at;
+    job.due_at = until;
+    job.state = JobState::Pending;
+    job.lease_until = None;
+    js.put_job(key, &job, Some(old_due))?;
+    Ok(())
 }
 
 /// Samples the due-job backlog of every task; returns the tenants named this time.

@@ -482,6 +482,23 @@ impl Shed<'_> {
     }
 }
 
+pub const HELD_UNVERIFIED: &str = "streaming_hub_deliveries_held_total";
+
+/// A due job was held back (rescheduled without an attempt): its destination is not verified.
+pub struct HeldUnverified<'a> {
+    pub subscription_id: &'a str,
+}
+
+impl HeldUnverified<'_> {
+    pub fn emit(&self) {
+        counter!(HELD_UNVERIFIED).increment(1);
+        tracing::debug!(
+            subscription_id = self.subscription_id,
+            "due job held: the destination's verification is pending"
+        );
+    }
+}
+
 pub const AUTO_DISABLED: &str = "streaming_hub_auto_disabled_total";
 
 /// A subscription was auto-disabled.

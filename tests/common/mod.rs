@@ -852,3 +852,53 @@ pub fn cluster_kafka_sh(args: &[&str]) {
         .unwrap();
     assert!(status.success(), "kafka.sh {args:?} failed");
 }
+
+/// The latest record of each subscription on the control topic.
+pub fn control_records(
+    prefix: &str,
+) -> BTreeMap<String, streaming_hub::runtime::records::SubscriptionRecord> {
+    let codec = streaming_hub::runtime::avro::Codec::new().unwrap();
+    let control = format!("{prefix}.subscriptions");
+    let mut latest = BTreeMap::new();
+    for g in read_all(&[&control], Duration::from_secs(30)) {
+        if let Some(v) = g.rec.value {
+            let r: streaming_hub::runtime::records::SubscriptionRecord = codec
+                .decode(streaming_hub::runtime::avro::RecordKind::Subscription, &v)
+                .unwrap();
+            latest.insert(r.id.clone(), r);
+        }
+    }
+    latest
+}
+
+/// Writes `rec` to the control topic as any producer with write access to it could, and waits
+/// until the hub's table shows its URL.
+pub async fn write_control_record(
+    api: &ApiHub,
+    rec: &streaming_hub::runtime::records::SubscriptionRecord,
+) {
+    let bytes = streaming_hub::runtime::avro::Codec::new()
+        .unwrap()
+        .encode(streaming_hub::runtime::avro::RecordKind::Subscription, rec)
+        .unwrap();
+    let control = format!("{}.subscriptions", api.prefix);
+    let r = Rec {
+        key: Some(rec.id.clone().into_bytes()),
+        value: Some(bytes),
+        ..Default::default()
+    };
+    produce(&producer(), &control, &[r]);
+    let want = rec.destination.url.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = api.get_subscription(&rec.tenant_id, &rec.id).await;
+        if v["destination"]["url"] == want.as_str() && v["version"] == rec.version {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the table never showed {want}: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
