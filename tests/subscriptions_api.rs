@@ -183,3 +183,67 @@ async fn subscription_created_through_the_api_is_verified_matched_and_never_leak
         "ERROR lines in a healthy run: {errors:#?}"
     );
 }
+
+/// A receiver as the README's guide writes it: it answers the challenge only when the request's
+/// signature verifies under the one secret it was configured with (`401` otherwise).
+async fn strict_receiver(secret: &'static str) -> String {
+    let app = Router::new().route(
+        "/hook",
+        post(
+            move |headers: axum::http::HeaderMap, body: String| async move {
+                let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("");
+                let ts: i64 = h("webhook-timestamp").parse().unwrap_or(0);
+                let want = streaming_hub::delivery::signing::signature_header(
+                    &[Secret::new(secret)],
+                    h("webhook-id"),
+                    ts,
+                    body.as_bytes(),
+                )
+                .unwrap();
+                match h("webhook-signature") == want {
+                    true => (axum::http::StatusCode::OK, body),
+                    false => (axum::http::StatusCode::UNAUTHORIZED, String::new()),
+                }
+            },
+        ),
+    );
+    format!("http://{}/hook", serve(app).await)
+}
+
+#[tokio::test]
+async fn a_caller_chosen_signing_secret_lets_a_strict_receiver_pass_verification_at_create() {
+    const CHOSEN: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSwMfKQ9r8GKYo=";
+    let s = ApiHub::start("apisecret", &[]).await;
+    let url = strict_receiver(CHOSEN).await;
+    let webhook = |extra: Value| {
+        let mut body =
+            json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let created = s
+        .create_subscription("tenant-s", webhook(json!({"signing_secret": CHOSEN})))
+        .await;
+    assert_eq!(created["verification_state"], "active", "{created}");
+    assert_eq!(created["signing_secret"], CHOSEN);
+    // A secret the receiver cannot know yet: its probe is refused, the subscription waits.
+    let random = s.create_subscription("tenant-s", webhook(json!({}))).await;
+    assert_eq!(random["verification_state"], "pending", "{random}");
+    assert_ne!(random["signing_secret"], CHOSEN);
+    // A malformed secret, or one on a pull subscription: a 400 naming the field, never the value.
+    let token = s.token("tenant-s");
+    let addr = s.hub.addr();
+    for body in [
+        webhook(json!({"signing_secret": "whsec_c2hvcnQ="})),
+        webhook(json!({"signing_secret": "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"})),
+        json!({"event_types": ["*"], "destination": {"type": "pull"}, "signing_secret": CHOSEN}),
+    ] {
+        let (status, v) = post_json_to(&s.http, &addr, "/v1/subscriptions", &token, &body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["field"], "signing_secret", "{v}");
+        let secret = body["signing_secret"].as_str().unwrap();
+        assert!(!v.to_string().contains(&secret[6..]), "{v}");
+    }
+}

@@ -95,7 +95,8 @@ pub async fn create(
                 headers,
                 sensitive_headers: sealed,
             };
-            (destination, Some(generate_signing_secret()))
+            let secret = valid.signing_secret.unwrap_or_else(generate_signing_secret);
+            (destination, Some(secret))
         }
         ValidDestination::Pull => {
             let destination = DestinationRecord {
