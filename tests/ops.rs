@@ -225,6 +225,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     )
     .await;
     assert_eq!(ids(&again), want[3..], "cursor survives a restart");
+
     let env2 = another_instance(&s.hub.env, "2");
     let other = Hub::start(&env2);
     let (_, there, _) = get_json(
@@ -238,6 +239,30 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
         ids(&there),
         want[..3],
         "another instance serves the same stream"
+    );
+
+    // Retention took the events the cursor points at: the next page starts at the oldest event
+    // kept, instead of an empty page that never moves on.
+    let raw = base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, &cursor);
+    let raw = String::from_utf8(raw.unwrap()).unwrap();
+    let (partition, offset) = match raw.split(':').collect::<Vec<_>>()[..] {
+        ["v1", p, o] => (p.parse::<i32>().unwrap(), o.parse::<i64>().unwrap()),
+        _ => panic!("cursor {raw}"),
+    };
+    let pull_topic = format!("{}.pull", s.prefix);
+    delete_records_before(&pull_topic, partition, offset + 1);
+    let (st, aged, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}&cursor={cursor}&limit=10"),
+        &token,
+    )
+    .await;
+    assert_eq!(st, 200, "{aged}");
+    assert_eq!(
+        ids(&aged),
+        want[4..],
+        "from the oldest event retention kept"
     );
 
     // Past the burst: 429 with Retry-After.

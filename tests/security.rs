@@ -765,6 +765,16 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
         "",
         "the credential went to a URL it was not sealed for"
     );
+    // The tenant is told which field to send again (a 422), not a 500.
+    let token = api.token(tenant);
+    let verify = format!("/v1/subscriptions/{id}/verify");
+    let (status, body) = call(&api, Method::POST, &verify, &token, None).await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(
+        body["error"]["field"], "destination.sensitive_headers",
+        "{body}"
+    );
+    assert!(!body.to_string().contains(&credential), "{body}");
 
     // Headers sealed before they were bound to a URL (the subscription id alone) are not sent,
     // even to the URL the record names (anyone could have written it next to them)...

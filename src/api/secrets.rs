@@ -58,12 +58,22 @@ pub fn open_sensitive(
         return Ok((BTreeMap::new(), Binding::Url));
     };
     let url = rec.destination.url.as_deref().unwrap_or_default();
+    // Sealed for another subscription or URL (a record copied on the control topic), or under a
+    // key this instance does not have: the caller mends it by sending the headers again.
+    let unopened = |why: &dyn std::fmt::Display| {
+        tracing::warn!(subscription_id = %rec.id, error = %why, "stored sensitive headers do not open");
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "sealed_headers",
+            "the stored sensitive headers do not open for this subscription and URL; send sensitive_headers again",
+        )
+        .with_field("destination.sensitive_headers")
+    };
     let (plain, binding) = state
         .kek
         .open_bound(blob, &rec.id, url)
-        .map_err(|e| ApiError::internal("sensitive headers do not open", &e))?;
-    let headers = serde_json::from_slice(&plain)
-        .map_err(|e| ApiError::internal("sensitive headers are not a JSON object", &e))?;
+        .map_err(|e| unopened(&e))?;
+    let headers = serde_json::from_slice(&plain).map_err(|e| unopened(&e))?;
     Ok((headers, binding))
 }
 

@@ -114,6 +114,26 @@ mod tests {
     }
 
     #[test]
+    fn retry_after_is_read_as_seconds_or_as_an_http_date() {
+        use crate::dispatch::worker::parse_retry_after;
+        let now = chrono::DateTime::parse_from_rfc3339("2026-10-21T06:28:00Z")
+            .unwrap()
+            .timestamp_millis();
+        assert_eq!(parse_retry_after("120", now), Some(120_000));
+        assert_eq!(parse_retry_after(" 7 ", now), Some(7_000));
+        let date = "Wed, 21 Oct 2026 07:28:00 GMT";
+        assert_eq!(parse_retry_after(date, now), Some(3_600_000));
+        assert_eq!(
+            parse_retry_after(date, now + 7_200_000),
+            Some(0),
+            "a date past"
+        );
+        for bad in ["soon", "-5", "", "1.5"] {
+            assert_eq!(parse_retry_after(bad, now), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn longer_retry_after_wins_and_is_capped() {
         let mut rng = rand::thread_rng();
         assert_eq!(next_delay(None, 2, Some(60_000), &mut rng), Some(60_000));

@@ -267,7 +267,7 @@ impl Workers {
             Ok(resp) => {
                 let status = resp.status();
                 out.status = Some(status.as_u16());
-                out.retry_after_ms = retry_after(&resp);
+                out.retry_after_ms = retry_after(&resp, self.clock.now_ms());
                 let (body, _) = client::read_capped(resp, BODY_CAP)
                     .await
                     .unwrap_or_default();
@@ -318,11 +318,21 @@ impl Workers {
     }
 }
 
-/// `Retry-After` in seconds (the HTTP-date form is not honoured), for 429 and 503 only.
-fn retry_after(resp: &reqwest::Response) -> Option<u64> {
+/// `Retry-After` of a 429 or 503, in milliseconds from `now_ms`.
+fn retry_after(resp: &reqwest::Response, now_ms: i64) -> Option<u64> {
     if !matches!(resp.status().as_u16(), 429 | 503) {
         return None;
     }
-    let v = resp.headers().get("retry-after")?.to_str().ok()?;
-    v.trim().parse::<u64>().ok().map(|s| s.saturating_mul(1000))
+    parse_retry_after(resp.headers().get("retry-after")?.to_str().ok()?, now_ms)
+}
+
+/// A `Retry-After` value (RFC 9110: seconds, or an HTTP-date such as `Wed, 21 Oct 2026
+/// 07:28:00 GMT`) as milliseconds from `now_ms`; a date already past is 0.
+pub fn parse_retry_after(value: &str, now_ms: i64) -> Option<u64> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(seconds.saturating_mul(1000));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    Some(at.timestamp_millis().saturating_sub(now_ms).max(0) as u64)
 }

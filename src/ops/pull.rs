@@ -133,6 +133,8 @@ impl PullReader {
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "true")
             .set("fetch.wait.max.ms", "50")
+            // An offset the topic no longer holds reads on from its oldest record.
+            .set("auto.offset.reset", "earliest")
             .create_with_context(kafka::ReaderContext)
             .map_err(k)?;
         let metadata = consumer
@@ -145,16 +147,18 @@ impl PullReader {
             .filter(|n| *n > 0)
             .ok_or_else(|| PullError::Kafka(format!("topic {} not found", self.topic)))?;
         let partition = super::partition_for(subscription.as_bytes(), partitions);
+        let (low, high) = consumer
+            .fetch_watermarks(&self.topic, partition, TIMEOUT)
+            .map_err(k)?;
         let start = match cursor {
             Some(c) if c.partition != partition => return Err(PullError::BadCursor),
-            Some(c) => c.offset,
+            // A cursor older than the topic's retention reads on from the oldest event kept
+            // (what was deleted is gone; an empty page at the old cursor would never move on).
+            Some(c) => c.offset.max(low),
             None => {
                 // Nothing of this subscription precedes its creation (a minute of margin for
                 // clocks). A creation time ahead of the wall clock (the test clock) proves
                 // nothing: then from the start of the partition.
-                let (low, high) = consumer
-                    .fetch_watermarks(&self.topic, partition, TIMEOUT)
-                    .map_err(k)?;
                 let wall = chrono::Utc::now().timestamp_millis();
                 if created_at_ms > wall {
                     low

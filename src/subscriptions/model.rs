@@ -407,6 +407,15 @@ pub fn validate_event_types(keys: &[String]) -> Result<Vec<String>, FieldError> 
 
 /// At most 12 humantime durations, each at most 10h, as milliseconds.
 pub fn parse_retry_schedule(steps: &[String]) -> Result<Vec<u64>, FieldError> {
+    if steps.is_empty() {
+        // Dispatch takes an empty list for a malformed one and follows the default curve:
+        // accepted, it would promise "no retries" and deliver eight attempts.
+        return Err(FieldError::new(
+            "retry_schedule",
+            "empty",
+            "at least one retry step; leave retry_schedule out (or null) for the hub's curve",
+        ));
+    }
     if steps.len() > MAX_RETRY_STEPS {
         return Err(FieldError::new(
             "retry_schedule",
@@ -705,6 +714,10 @@ mod tests {
         assert_eq!(
             parse_retry_schedule(&strings(&["soon"])).unwrap_err().code,
             "invalid"
+        );
+        assert_eq!(
+            parse_retry_schedule(&[]).unwrap_err().field,
+            "retry_schedule"
         );
         assert_eq!(
             parse_retry_schedule(&vec!["1s".to_string(); 13])

@@ -902,3 +902,39 @@ pub async fn write_control_record(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Deletes the records of `topic`'s `partition` before `offset`, as retention would (rust-rdkafka
+/// has no binding for librdkafka's DeleteRecords admin call, so it is called directly), and waits
+/// until the broker reports the new log start.
+pub fn delete_records_before(topic: &str, partition: i32, offset: i64) {
+    use rdkafka::bindings as rd;
+    let client: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("client");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset))
+        .unwrap();
+    let rk = client.client().native_ptr();
+    // SAFETY: every handle is created here, used on this thread and destroyed once; the request
+    // copies the partition list; the event is polled from the queue the request was given.
+    unsafe {
+        let mut request = rd::rd_kafka_DeleteRecords_new(tpl.ptr());
+        let queue = rd::rd_kafka_queue_new(rk);
+        rd::rd_kafka_DeleteRecords(rk, &mut request, 1, std::ptr::null(), queue);
+        let answer = rd::rd_kafka_queue_poll(queue, 30_000);
+        assert!(!answer.is_null(), "no answer to DeleteRecords within 30 s");
+        let err = rd::rd_kafka_event_error(answer);
+        rd::rd_kafka_event_destroy(answer);
+        rd::rd_kafka_DeleteRecords_destroy(request);
+        rd::rd_kafka_queue_destroy(queue);
+        assert_eq!(err, rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+    }
+    wait_until(Duration::from_secs(30), "the new log start", || {
+        let (low, _) = client
+            .client()
+            .fetch_watermarks(topic, partition, Duration::from_secs(5))
+            .ok()?;
+        (low == offset).then_some(())
+    });
+}
