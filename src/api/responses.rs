@@ -41,6 +41,18 @@ impl VerificationOutcome {
             message: None,
         }
     }
+
+    /// No probe ran: the subscription is on the control topic but not yet in this instance's
+    /// table (`202`); the background retrier probes it.
+    pub fn not_yet_visible() -> VerificationOutcome {
+        VerificationOutcome {
+            state: VerificationStateView::Pending,
+            error_code: Some("not_yet_visible".into()),
+            message: Some(
+                "written, not yet visible to this instance; it is probed in the background".into(),
+            ),
+        }
+    }
 }
 
 /// `201` of `POST /v1/subscriptions`: the subscription, its signing secret (webhooks; shown this

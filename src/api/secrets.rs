@@ -22,6 +22,7 @@ use super::responses::{RotateSecretRequest, RotatedSecret};
 use super::subscriptions::{load, view_of};
 use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
 use crate::runtime::secret::Secret;
+use crate::subscriptions::control::RepoError;
 use crate::subscriptions::model::{FieldError, rfc3339};
 use crate::subscriptions::secrets::{Binding, generate_signing_secret};
 
@@ -184,7 +185,12 @@ pub async fn rotate(
     }
     rec.version += 1;
     rec.updated_at = now;
-    state.subs.put(rec.clone()).await?;
+    // Written but not seen back: the new secret signs once the table has it, so it is answered
+    // all the same (a 503 would lose it while its record is on the topic).
+    match state.subs.put(rec.clone()).await {
+        Ok(()) | Err(RepoError::NotSeen(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
     tracing::info!(subscription_id = %rec.id, grace_secs = grace.as_secs(), "signing secret rotated");
     Ok(Json(RotatedSecret {
         signing_secret: secret,

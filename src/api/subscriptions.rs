@@ -29,6 +29,7 @@ use super::verification::{Probe, probe_and_record};
 use crate::runtime::records::{
     DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
 };
+use crate::subscriptions::control::RepoError;
 use crate::subscriptions::model::{
     CreateSubscription, DestinationPatch, FieldError, PatchSubscription, SubscriptionView,
     ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule,
@@ -69,6 +70,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
     security(("bearer" = [])),
     responses(
         (status = 201, description = "Created; webhooks were probed before this answer", body = CreatedSubscription),
+        (status = 202, description = "Written to the control topic but not yet visible to this instance (no probe yet: the background retrier probes it); the signing secret is in this answer all the same", body = CreatedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
@@ -132,11 +134,24 @@ pub async fn create(
         updated_at: now,
         version: 1,
     };
-    state.subs.put(rec.clone()).await?;
+    // On the control topic but not in this instance's table yet: the subscription exists, so its
+    // secret is answered now (a 503 would lose it and invite a duplicate create), with a `202`;
+    // the background retrier probes it once the table has it.
+    let status = match state.subs.put(rec.clone()).await {
+        Ok(()) => StatusCode::CREATED,
+        Err(RepoError::NotSeen(waited)) => {
+            tracing::warn!(subscription_id = %rec.id, waited_secs = waited.as_secs(), "subscription written but not seen back; answered 202");
+            StatusCode::ACCEPTED
+        }
+        Err(e) => return Err(e.into()),
+    };
     tracing::info!(subscription_id = %rec.id, tenant_id = %rec.tenant_id, "subscription created");
-    let (rec, verification) = match rec.destination.kind {
-        DestinationType::Webhook => probe_and_record(&state, rec, Probe::OnChange).await?,
-        DestinationType::Pull => (rec, VerificationOutcome::passed()),
+    let (rec, verification) = match (rec.destination.kind, status) {
+        (DestinationType::Webhook, StatusCode::CREATED) => {
+            probe_and_record(&state, rec, Probe::OnChange).await?
+        }
+        (DestinationType::Webhook, _) => (rec, VerificationOutcome::not_yet_visible()),
+        (DestinationType::Pull, _) => (rec, VerificationOutcome::passed()),
     };
     let location = HeaderValue::from_str(&format!("/v1/subscriptions/{}", rec.id))
         .expect("a UUID is a valid header value");
@@ -146,7 +161,7 @@ pub async fn create(
         verification,
     };
     Ok((
-        StatusCode::CREATED,
+        status,
         etag(rec.version),
         [(header::LOCATION, location)],
         Json(body),

@@ -217,6 +217,9 @@ pub struct Subscriptions {
 enum Writer {
     /// Writes go straight to the table (router tests; no broker).
     Memory,
+    /// Writes are taken but never reach the table (router tests of a control reader that lags).
+    #[cfg(test)]
+    Lagging,
     Kafka {
         producer: FutureProducer,
         topic: String,
@@ -256,6 +259,15 @@ impl Subscriptions {
         }
     }
 
+    /// [`Subscriptions::in_memory`] whose writes are never seen back (a lagging control reader).
+    #[cfg(test)]
+    pub fn lagging(codec: Arc<Codec>) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::Lagging,
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
     pub fn table(&self) -> &SharedTable {
         &self.table
     }
@@ -277,6 +289,8 @@ impl Subscriptions {
         let (id, version) = (rec.id.clone(), rec.version);
         match &self.writer {
             Writer::Memory => self.table.apply(|t| t.upsert(rec)),
+            #[cfg(test)]
+            Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
             Writer::Kafka { producer, topic } => {
                 producer
                     .send(
@@ -306,6 +320,8 @@ impl Subscriptions {
             Writer::Memory => self.table.apply(|t| {
                 t.remove(id);
             }),
+            #[cfg(test)]
+            Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
             Writer::Kafka { producer, topic } => {
                 producer
                     .send(

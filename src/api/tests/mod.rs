@@ -55,7 +55,22 @@ impl Harness {
         Harness::with(false)
     }
 
+    /// [`Harness::new`] whose subscription writes are never seen back in its table.
+    pub fn lagging() -> Harness {
+        Harness::with_subs(
+            true,
+            Subscriptions::lagging(Arc::new(Codec::new().unwrap())),
+        )
+    }
+
     fn with(open: bool) -> Harness {
+        Harness::with_subs(
+            open,
+            Subscriptions::in_memory(Arc::new(Codec::new().unwrap())),
+        )
+    }
+
+    fn with_subs(open: bool, subs: Subscriptions) -> Harness {
         let kek = base64::engine::general_purpose::STANDARD.encode([42u8; 32]);
         let vars = [
             ("STREAMING_HUB_JWT_SECRET", JWT_SECRET.to_string()),
@@ -65,7 +80,6 @@ impl Harness {
             ("STREAMING_HUB_HTTP_TIMEOUT", "3s".to_string()),
         ];
         let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
-        let subs = Subscriptions::in_memory(Arc::new(Codec::new().unwrap()));
         let clock = ManualClock::new(START_MS);
         let state = ApiState::from_config(&config, subs, Arc::new(clock.clone())).unwrap();
         Harness { state, clock }

@@ -335,3 +335,46 @@ async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
         p.text
     );
 }
+
+/// The control topic took the write but this instance's table has not shown it back in time:
+/// the subscription exists, so its secret is answered (a 503 lost it, and a client retrying the
+/// create made a second subscription).
+#[tokio::test]
+async fn a_write_not_yet_seen_back_still_answers_the_new_secret() {
+    let lagging = Harness::lagging();
+    let token = lagging.token("acme");
+    let hook = Hook::start(true).await;
+    let a = lagging
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.text);
+    assert!(
+        a.body["signing_secret"]
+            .as_str()
+            .unwrap()
+            .starts_with("whsec_")
+    );
+    assert_eq!(a.body["verification"]["error_code"], "not_yet_visible");
+    assert!(hook.received.0.lock().unwrap().is_empty(), "no probe yet");
+    // Rotation: the subscription is in the table, the new version is not seen back.
+    let h = Harness::new();
+    let created = h
+        .post(
+            "/v1/subscriptions",
+            &h.token("acme"),
+            webhook_body(&hook.url),
+        )
+        .await;
+    let id = created.body["id"].as_str().unwrap().to_string();
+    let rec = (*h.state.subs.get(&id).unwrap()).clone();
+    lagging.state.subs.table().apply(|t| t.upsert(rec));
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+    let r = lagging.post(&uri, &token, json!({})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(
+        r.body["signing_secret"]
+            .as_str()
+            .unwrap()
+            .starts_with("whsec_")
+    );
+}
