@@ -512,7 +512,7 @@ async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verif
         "the event went to a URL that never answered its verification"
     );
     assert_eq!(sink_a.got.lock().unwrap().len(), 1);
-    // Verified: the held retry goes to the new URL, still the event's second attempt.
+    // Verified: the held retry goes to the new URL.
     sink_b.verifies.store(true, Ordering::SeqCst);
     let r = s
         .http
@@ -552,4 +552,43 @@ async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
     assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
     assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
     assert_eq!(s.get_subscription(tenant, &id).await["enabled"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_of_a_destination_that_failed_verification_are_spent_unsent_until_it_passes() {
+    let s = clock_hub("vfail", &[]).await;
+    let (url, sink) = start_sink(500).await;
+    let tenant = "tenant-f";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1h", "1h"]})).await;
+    let ev = event(tenant, "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    s.wait_metric("streaming_hub_attempts_total", 1).await; // attempt 1 of 3 failed
+    let verify = |s: &ApiHub| {
+        s.http
+            .post(format!(
+                "http://{}/v1/subscriptions/{id}/verify",
+                s.hub.addr()
+            ))
+            .bearer_auth(s.token(tenant))
+            .send()
+    };
+    sink.verifies.store(false, Ordering::SeqCst);
+    assert_eq!(verify(&s).await.unwrap().status(), 422);
+    assert_eq!(
+        s.get_subscription(tenant, &id).await["verification_state"],
+        "failed"
+    );
+    // Attempt 2 comes due: spent without a request.
+    s.advance("2h").await;
+    s.wait_metric("streaming_hub_deliveries_held_total", 1)
+        .await;
+    assert_eq!(sink.got.lock().unwrap().len(), 1, "no request while failed");
+    // Verified again: attempt 3, the last, is made and delivered.
+    sink.verifies.store(true, Ordering::SeqCst);
+    sink.status.store(200, Ordering::SeqCst);
+    assert_eq!(verify(&s).await.unwrap().status(), 200);
+    s.advance("2h").await;
+    wait_for(&sink, 2).await;
+    assert_eq!(sink.got.lock().unwrap()[1], (ev.id(), 200));
+    assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
 }

@@ -241,16 +241,15 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
         "another instance serves the same stream"
     );
 
-    // Retention took the events the cursor points at: the next page starts at the oldest event
-    // kept, instead of an empty page that never moves on.
-    let raw = base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, &cursor);
-    let raw = String::from_utf8(raw.unwrap()).unwrap();
-    let (partition, offset) = match raw.split(':').collect::<Vec<_>>()[..] {
-        ["v1", p, o] => (p.parse::<i32>().unwrap(), o.parse::<i64>().unwrap()),
-        _ => panic!("cursor {raw}"),
-    };
+    // Retention took the events the cursor points at (the 4th event and everything before it):
+    // the next page starts at the oldest event kept, instead of an empty page that never moves
+    // on.
     let pull_topic = format!("{}.pull", s.prefix);
-    delete_records_before(&pull_topic, partition, offset + 1);
+    let fourth = read_all(&[&pull_topic], Duration::from_secs(30))
+        .into_iter()
+        .find(|g| g.rec.header("ce-id") == Some(want[3].as_str()))
+        .expect("the 4th event on the pull topic");
+    delete_records_before(&pull_topic, fourth.partition, fourth.offset + 1);
     let (st, aged, _) = get_json(
         &s,
         &addr,

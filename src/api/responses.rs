@@ -42,6 +42,19 @@ impl VerificationOutcome {
         }
     }
 
+    /// The probe's verdict could not be written (the control topic refused or lagged): the
+    /// subscription stays `pending` and is probed again in the background.
+    pub fn unrecorded() -> VerificationOutcome {
+        VerificationOutcome {
+            state: VerificationStateView::Pending,
+            error_code: Some("not_recorded".into()),
+            message: Some(
+                "the probe's verdict could not be written; it is probed again in the background"
+                    .into(),
+            ),
+        }
+    }
+
     /// No probe ran: the subscription is on the control topic but not yet in this instance's
     /// table (`202`); the background retrier probes it.
     pub fn not_yet_visible() -> VerificationOutcome {

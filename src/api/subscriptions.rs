@@ -147,8 +147,16 @@ pub async fn create(
     };
     tracing::info!(subscription_id = %rec.id, tenant_id = %rec.tenant_id, "subscription created");
     let (rec, verification) = match (rec.destination.kind, status) {
+        // Version 1 is written: whatever becomes of the verdict's write, the caller gets the
+        // secret (the retrier probes a subscription left `pending`).
         (DestinationType::Webhook, StatusCode::CREATED) => {
-            probe_and_record(&state, rec, Probe::OnChange).await?
+            match probe_and_record(&state, rec.clone(), Probe::OnChange).await {
+                Ok(done) => done,
+                Err(e) => {
+                    tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not written; answered pending");
+                    (rec, VerificationOutcome::unrecorded())
+                }
+            }
         }
         (DestinationType::Webhook, _) => (rec, VerificationOutcome::not_yet_visible()),
         (DestinationType::Pull, _) => (rec, VerificationOutcome::passed()),

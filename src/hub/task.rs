@@ -26,7 +26,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use crate::config::Config;
 use crate::dispatch::jobs::{self, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
-use crate::dispatch::{EventView, breaker, health};
+use crate::dispatch::{EventView, breaker, curve, health};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
 use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
@@ -88,6 +88,8 @@ const BACKLOG_CAP: usize = 100_000;
 const EXPIRY_PER_BATCH: usize = 500;
 /// How long a due job waits, unattempted, while its destination's verification is pending.
 const VERIFY_HOLD_MS: i64 = 60_000;
+/// A job's `last_error` for an attempt spent without a request: verification failed.
+const UNVERIFIED: &str = "the destination failed its verification; no request was sent";
 
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
@@ -1794,14 +1796,7 @@ fn claim(
         js.finish_job_quietly(&key, &job)?;
         return Ok(false);
     };
-    // Only a destination that answered its verification gets deliveries (a new URL is probed
-    // first): once verification failed (`POST /verify` or a new URL recovers it) the job is
-    // dead-lettered like a disabled subscription's; while the probe is pending it waits.
-    let failed = sub.verification_state == VerificationState::Failed;
-    if !sub.enabled || failed {
-        if sub.enabled {
-            job.last_error = Some("the destination failed its verification".into());
-        }
+    if !sub.enabled {
         let dl = jobs::dead_letter_without_attempt(
             js,
             &key,
@@ -1812,13 +1807,46 @@ fn claim(
         emit_dead_letter(env, out, &dl)?;
         return Ok(false);
     }
-    if sub.verification_state == VerificationState::Pending {
-        postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
-        telemetry::HeldUnverified {
-            subscription_id: &sub.id,
+    // Only a destination that answered its verification gets deliveries (a new URL is probed
+    // first). While the probe is pending the job waits, no attempt spent; once verification
+    // failed each due attempt is spent without a request, on the retry curve (no breaker, no
+    // auto-disable), so the job goes on after a passing `POST /verify` and is dead-lettered when
+    // the curve runs out.
+    match sub.verification_state {
+        VerificationState::Active => {}
+        VerificationState::Pending => {
+            postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
+            telemetry::HeldUnverified {
+                subscription_id: &sub.id,
+            }
+            .emit();
+            return Ok(false);
         }
-        .emit();
-        return Ok(false);
+        VerificationState::Failed => {
+            job.last_status = None;
+            job.last_error = Some(UNVERIFIED.into());
+            let schedule = sub.retry_schedule.as_deref();
+            let delay = curve::next_delay(schedule, job.attempt + 1, None, &mut rand::thread_rng());
+            job.attempt += 1;
+            match delay {
+                Some(delay) => postpone(js, &key, job, now + delay as i64)?,
+                None => {
+                    let dl = jobs::dead_letter_without_attempt(
+                        js,
+                        &key,
+                        job,
+                        DeadLetterReason::Exhausted,
+                        now,
+                    )?;
+                    emit_dead_letter(env, out, &dl)?;
+                }
+            }
+            telemetry::HeldUnverified {
+                subscription_id: &sub.id,
+            }
+            .emit();
+            return Ok(false);
+        }
     }
     let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
     if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
@@ -1832,6 +1860,8 @@ fn claim(
         // Its lease ran out with no outcome (the process died mid-attempt): reclaim.
         job.reclaims += 1;
         if job.reclaims >= d.poison_threshold {
+            // Admitted above but never sent: a half-open probe slot it took is free again.
+            d.breakers.unsent(&job.tenant_id, &origin);
             let dl =
                 jobs::dead_letter_without_attempt(js, &key, job, DeadLetterReason::Poison, now)?;
             emit_dead_letter(env, out, &dl)?;
@@ -1839,6 +1869,7 @@ fn claim(
         }
     }
     let Some(payload_key) = jobs::payload_key_of(&key) else {
+        d.breakers.unsent(&job.tenant_id, &origin);
         return Ok(false);
     };
     let (event, sole) = match fresh.and_then(|i| views.of(i)) {
@@ -1846,6 +1877,7 @@ fn claim(
         Some(event) => (event, js.staged_refcount(&payload_key) == Some(1)),
         None => {
             let Some(stored) = views.stored(js, p, payload_key)? else {
+                d.breakers.unsent(&job.tenant_id, &origin);
                 js.finish_job(&key, &job)?;
                 return Ok(false);
             };

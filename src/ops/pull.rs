@@ -153,8 +153,9 @@ impl PullReader {
         let start = match cursor {
             Some(c) if c.partition != partition => return Err(PullError::BadCursor),
             // A cursor older than the topic's retention reads on from the oldest event kept
-            // (what was deleted is gone; an empty page at the old cursor would never move on).
-            Some(c) => c.offset.max(low),
+            // (what was deleted is gone; an empty page at the old cursor would never move on);
+            // one past the end (a truncated log, a forged cursor) waits at the end.
+            Some(c) => c.offset.clamp(low, high),
             None => {
                 // Nothing of this subscription precedes its creation (a minute of margin for
                 // clocks). A creation time ahead of the wall clock (the test clock) proves
@@ -218,7 +219,9 @@ fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> Pu
     let header = |name: &str| -> Option<String> {
         m.headers().and_then(|h| {
             crate::runtime::kafka::utf8_headers(h)
-                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                // Exactly the names ingest judged: a `CE-ID` it carried as an ordinary header
+                // must not stand in for the `ce-id` it checked.
+                .find(|(key, _)| *key == name)
                 .and_then(|(_, value)| value)
                 .map(|v| String::from_utf8_lossy(v).into_owned())
         })

@@ -18,9 +18,12 @@
 //! 2. the control topic is read to its end into a table ([`control::follow`], which keeps
 //!    following, so each write below is read back before the next: read-your-writes);
 //! 3. each entry is compared with the table ([`plan`]):
-//!    - an unknown id is created at version 1; a webhook gets a new signing secret, sealed under
-//!      the KEK and printed once on stdout as `{"id":…,"signing_secret":"whsec_…"}`;
-//!    - a known id gets the entry's fields, keeps its secrets and goes to version + 1, unless
+//!    - an unknown id is created at version 1; a webhook gets the entry's `signing_secret`, or
+//!      a new one, sealed under the KEK and printed once on stdout as
+//!      `{"id":…,"signing_secret":"whsec_…"}`;
+//!    - a known id gets the entry's fields, keeps its secrets (an entry's `signing_secret` is
+//!      for its creation only, so the file can keep it; rotate to change it) and goes to
+//!      version + 1, unless
 //!      nothing changes (`unchanged <id>`, no write). Its tenant and destination type cannot
 //!      change (an error, as in the API's PATCH). An absent `enabled` leaves `enabled` as it is
 //!      (an auto-disabled subscription stays disabled); `true` re-enables and clears
@@ -314,6 +317,7 @@ enum Planned {
 }
 
 fn create(d: Desired, kek: &Kek, now: i64) -> Step {
+    let chosen = d.spec.signing_secret;
     let (destination, secret) = match d.spec.destination {
         ValidDestination::Webhook {
             url,
@@ -327,7 +331,10 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
                 headers,
                 sensitive_headers: sealed,
             };
-            (destination, Some(generate_signing_secret()))
+            (
+                destination,
+                Some(chosen.unwrap_or_else(generate_signing_secret)),
+            )
         }
         ValidDestination::Pull => {
             let destination = DestinationRecord {
@@ -1002,6 +1009,26 @@ mod tests {
             1,
             "no probe when nothing changes"
         );
+    }
+
+    #[tokio::test]
+    async fn an_entrys_signing_secret_is_used_on_create_and_kept_out_of_later_runs() {
+        let t = target();
+        let (url, _) = echo().await;
+        let chosen = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSwMfKQ9r8GKYo=";
+        let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+            "signing_secret": chosen, "destination": {"type": "webhook", "url": url}}]);
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(r.unwrap().created, 1);
+        let printed: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        assert_eq!(printed["signing_secret"], chosen);
+        let b = t.subs.get(B).unwrap();
+        let stored = t.kek.open_secret(&b.signing_secrets[0], B).unwrap();
+        assert_eq!(stored.expose(), chosen);
+        // The file keeps the field; a second run changes nothing.
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(r.unwrap().unchanged, 1);
+        assert_eq!(out, format!("unchanged {B}\n"));
     }
 
     #[tokio::test]

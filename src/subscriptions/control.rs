@@ -259,7 +259,8 @@ impl Subscriptions {
         }
     }
 
-    /// [`Subscriptions::in_memory`] whose writes are never seen back (a lagging control reader).
+    /// [`Subscriptions::in_memory`] whose writes are never seen back in time (a lagging control
+    /// reader): each is put in the table as a write the broker took but the reader has not shown.
     #[cfg(test)]
     pub fn lagging(codec: Arc<Codec>) -> Subscriptions {
         Subscriptions {
@@ -288,9 +289,12 @@ impl Subscriptions {
             .map_err(|e| RepoError::Codec(e.to_string()))?;
         let (id, version) = (rec.id.clone(), rec.version);
         match &self.writer {
-            Writer::Memory => self.table.apply(|t| t.upsert(rec)),
+            Writer::Memory => self.table.apply(|t| t.upsert(rec.clone())),
             #[cfg(test)]
-            Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
+            Writer::Lagging => {
+                self.table.apply(|t| t.upsert(rec));
+                return Err(RepoError::NotSeen(READ_YOUR_WRITES));
+            }
             Writer::Kafka { producer, topic } => {
                 producer
                     .send(
@@ -310,6 +314,9 @@ impl Subscriptions {
         if seen {
             Ok(())
         } else {
+            // The broker has it: this instance's reads and next writes start from it (the
+            // reader's copy, when it comes, replaces it; an older version never does).
+            self.table.apply(|t| t.upsert(rec));
             Err(RepoError::NotSeen(READ_YOUR_WRITES))
         }
     }

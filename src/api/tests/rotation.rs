@@ -356,6 +356,12 @@ async fn a_write_not_yet_seen_back_still_answers_the_new_secret() {
     );
     assert_eq!(a.body["verification"]["error_code"], "not_yet_visible");
     assert!(hook.received.0.lock().unwrap().is_empty(), "no probe yet");
+    // This instance reads it from now on (a GET, a PATCH, a retry of the create's caller).
+    let id = a.body["id"].as_str().unwrap();
+    let got = lagging
+        .get(&format!("/v1/subscriptions/{id}"), &token)
+        .await;
+    assert_eq!(got.status, StatusCode::OK, "{}", got.text);
     // Rotation: the subscription is in the table, the new version is not seen back.
     let h = Harness::new();
     let created = h
