@@ -27,6 +27,8 @@ struct Sink {
     status: Arc<AtomicU16>,
     /// Whether it answers the verification challenge.
     verifies: Arc<AtomicBool>,
+    /// `X-Lerian-Attempt` of each delivery, in arrival order.
+    attempts: Arc<Mutex<Vec<String>>>,
 }
 
 async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
@@ -46,6 +48,13 @@ async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (Sta
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    let attempt = headers
+        .get("x-lerian-attempt")
+        .and_then(|v| v.to_str().ok());
+    s.attempts
+        .lock()
+        .unwrap()
+        .push(attempt.unwrap_or("").to_string());
     s.got.lock().unwrap().push((id, status));
     (StatusCode::from_u16(status).unwrap(), Bytes::new())
 }
@@ -55,6 +64,7 @@ async fn start_sink(status: u16) -> (String, Sink) {
         got: Arc::default(),
         status: Arc::new(AtomicU16::new(status)),
         verifies: Arc::new(AtomicBool::new(true)),
+        attempts: Arc::default(),
     };
     let app = Router::new()
         .route("/hook", post(handler))
@@ -590,5 +600,10 @@ async fn retries_of_a_destination_that_failed_verification_are_spent_unsent_unti
     s.advance("2h").await;
     wait_for(&sink, 2).await;
     assert_eq!(sink.got.lock().unwrap()[1], (ev.id(), 200));
+    assert_eq!(
+        *sink.attempts.lock().unwrap(),
+        ["1", "3"],
+        "attempt 2 was spent unsent"
+    );
     assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
 }

@@ -26,7 +26,9 @@ fn expose_one<S: Serializer>(secret: &Secret, s: S) -> Result<S::Ok, S::Error> {
 pub struct VerificationOutcome {
     /// The subscription's `verification_state` after the probe.
     pub state: VerificationStateView,
-    /// Why the probe failed (`challenge_missing`, `bad_status`, `connect_failed`, `timeout`, …).
+    /// Why the probe failed (`challenge_missing`, `bad_status`, `connect_failed`, `timeout`, …),
+    /// or why none is known yet on create: `not_yet_visible` (`202`), `not_recorded` (the
+    /// verdict's write failed; probed again in the background).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_code: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -37,6 +39,15 @@ impl VerificationOutcome {
     pub fn passed() -> VerificationOutcome {
         VerificationOutcome {
             state: VerificationStateView::Active,
+            error_code: None,
+            message: None,
+        }
+    }
+
+    /// The verdict a stored state stands for, without the probe's details.
+    pub fn of_state(state: crate::runtime::records::VerificationState) -> VerificationOutcome {
+        VerificationOutcome {
+            state: state.into(),
             error_code: None,
             message: None,
         }

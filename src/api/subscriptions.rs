@@ -153,8 +153,15 @@ pub async fn create(
             match probe_and_record(&state, rec.clone(), Probe::OnChange).await {
                 Ok(done) => done,
                 Err(e) => {
-                    tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not written; answered pending");
-                    (rec, VerificationOutcome::unrecorded())
+                    tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not confirmed; answered with what this instance has");
+                    // Written but not seen back: this instance's table has the verdict.
+                    match state.subs.get(&rec.id) {
+                        Some(now) if now.version > rec.version => {
+                            let state_now = now.verification_state;
+                            ((*now).clone(), VerificationOutcome::of_state(state_now))
+                        }
+                        _ => (rec, VerificationOutcome::unrecorded()),
+                    }
                 }
             }
         }

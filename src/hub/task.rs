@@ -1807,6 +1807,17 @@ fn claim(
         emit_dead_letter(env, out, &dl)?;
         return Ok(false);
     }
+    if job.state == JobState::Leased {
+        // Its lease ran out with no outcome (the process died mid-attempt): reclaim. Counted
+        // before anything postpones it (a shed, a held verification), so poison is seen.
+        job.reclaims += 1;
+        if job.reclaims >= d.poison_threshold {
+            let dl =
+                jobs::dead_letter_without_attempt(js, &key, job, DeadLetterReason::Poison, now)?;
+            emit_dead_letter(env, out, &dl)?;
+            return Ok(false);
+        }
+    }
     // Only a destination that answered its verification gets deliveries (a new URL is probed
     // first). While the probe is pending the job waits, no attempt spent; once verification
     // failed each due attempt is spent without a request, on the retry curve (no breaker, no
@@ -1818,6 +1829,7 @@ fn claim(
             postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
             telemetry::HeldUnverified {
                 subscription_id: &sub.id,
+                spent: false,
             }
             .emit();
             return Ok(false);
@@ -1828,6 +1840,11 @@ fn claim(
             let schedule = sub.retry_schedule.as_deref();
             let delay = curve::next_delay(schedule, job.attempt + 1, None, &mut rand::thread_rng());
             job.attempt += 1;
+            telemetry::HeldUnverified {
+                subscription_id: &sub.id,
+                spent: true,
+            }
+            .emit();
             match delay {
                 Some(delay) => postpone(js, &key, job, now + delay as i64)?,
                 None => {
@@ -1841,10 +1858,6 @@ fn claim(
                     emit_dead_letter(env, out, &dl)?;
                 }
             }
-            telemetry::HeldUnverified {
-                subscription_id: &sub.id,
-            }
-            .emit();
             return Ok(false);
         }
     }
@@ -1855,18 +1868,6 @@ fn claim(
         postpone(js, &key, job, until)?;
         telemetry::Shed { tenant: &tenant }.emit();
         return Ok(false);
-    }
-    if job.state == JobState::Leased {
-        // Its lease ran out with no outcome (the process died mid-attempt): reclaim.
-        job.reclaims += 1;
-        if job.reclaims >= d.poison_threshold {
-            // Admitted above but never sent: a half-open probe slot it took is free again.
-            d.breakers.unsent(&job.tenant_id, &origin);
-            let dl =
-                jobs::dead_letter_without_attempt(js, &key, job, DeadLetterReason::Poison, now)?;
-            emit_dead_letter(env, out, &dl)?;
-            return Ok(false);
-        }
     }
     let Some(payload_key) = jobs::payload_key_of(&key) else {
         d.breakers.unsent(&job.tenant_id, &origin);

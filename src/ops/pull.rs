@@ -155,7 +155,7 @@ impl PullReader {
             // A cursor older than the topic's retention reads on from the oldest event kept
             // (what was deleted is gone; an empty page at the old cursor would never move on);
             // one past the end (a truncated log, a forged cursor) waits at the end.
-            Some(c) => c.offset.clamp(low, high),
+            Some(c) => c.offset.max(low).min(high.max(low)),
             None => {
                 // Nothing of this subscription precedes its creation (a minute of margin for
                 // clocks). A creation time ahead of the wall clock (the test clock) proves

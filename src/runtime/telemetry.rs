@@ -484,17 +484,21 @@ impl Shed<'_> {
 
 pub const HELD_UNVERIFIED: &str = "streaming_hub_deliveries_held_total";
 
-/// A due job was held back (rescheduled without an attempt): its destination is not verified.
+/// A due job was held back, its destination not verified: postponed with no attempt spent
+/// (verification pending), or its attempt spent without a request (verification failed).
 pub struct HeldUnverified<'a> {
     pub subscription_id: &'a str,
+    pub spent: bool,
 }
 
 impl HeldUnverified<'_> {
     pub fn emit(&self) {
-        counter!(HELD_UNVERIFIED).increment(1);
+        let verification = if self.spent { "failed" } else { "pending" };
+        counter!(HELD_UNVERIFIED, "verification" => verification).increment(1);
         tracing::debug!(
             subscription_id = self.subscription_id,
-            "due job held: the destination's verification is pending"
+            verification,
+            "due delivery held: its destination is not verified"
         );
     }
 }

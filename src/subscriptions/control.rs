@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::SubscriptionRecord;
-use crate::subscriptions::table::{SharedTable, Sub};
+use crate::subscriptions::table::{SharedTable, Sub, Table};
 
 /// How long a write waits to see itself in the table before it reports a timeout.
 const READ_YOUR_WRITES: Duration = Duration::from_secs(15);
@@ -288,13 +288,16 @@ impl Subscriptions {
             .encode(RecordKind::Subscription, &rec)
             .map_err(|e| RepoError::Codec(e.to_string()))?;
         let (id, version) = (rec.id.clone(), rec.version);
+        let wait = match &self.writer {
+            // Taken, never shown back by a reader: the NotSeen path below, at once.
+            #[cfg(test)]
+            Writer::Lagging => Duration::ZERO,
+            _ => READ_YOUR_WRITES,
+        };
         match &self.writer {
             Writer::Memory => self.table.apply(|t| t.upsert(rec.clone())),
             #[cfg(test)]
-            Writer::Lagging => {
-                self.table.apply(|t| t.upsert(rec));
-                return Err(RepoError::NotSeen(READ_YOUR_WRITES));
-            }
+            Writer::Lagging => {}
             Writer::Kafka { producer, topic } => {
                 producer
                     .send(
@@ -305,20 +308,19 @@ impl Subscriptions {
                     .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
             }
         }
-        let seen = self
-            .table
-            .wait_for(READ_YOUR_WRITES, |t| {
-                t.get(&id).is_some_and(|s| s.version >= version)
-            })
-            .await;
-        if seen {
-            Ok(())
-        } else {
-            // The broker has it: this instance's reads and next writes start from it (the
-            // reader's copy, when it comes, replaces it; an older version never does).
-            self.table.apply(|t| t.upsert(rec));
-            Err(RepoError::NotSeen(READ_YOUR_WRITES))
+        let newer = |t: &Table| t.get(&id).is_some_and(|s| s.version >= version);
+        if self.table.wait_for(wait, newer).await {
+            return Ok(());
         }
+        // The broker has it: this instance's reads and next writes start from it (the reader's
+        // copy, when it comes, replaces it). Only when the table still has nothing as new: the
+        // reader may have shown it, or a later version, in the meantime.
+        self.table.apply(|t| {
+            if !newer(t) {
+                t.upsert(rec)
+            }
+        });
+        Err(RepoError::NotSeen(wait))
     }
 
     /// Deletes a subscription (a tombstone) and returns once the table no longer has it.
