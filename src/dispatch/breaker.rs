@@ -33,7 +33,7 @@ pub enum Transition {
     Closed,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct State {
     consecutive: u32,
     open_until: Option<i64>,
@@ -52,18 +52,78 @@ const FORGET_MS: i64 = 24 * 3600 * 1000;
 
 /// Breakers by tenant, then origin: looked up without allocating. Only destinations that failed
 /// since their last success have an entry; a success removes it.
+///
+/// Changes made inside a transaction are journaled ([`Breakers::begin`]): an aborted transaction
+/// is handled again from its start, and without [`Breakers::rollback`] its outcomes would count
+/// twice (a breaker open after three real failures) and a half-open probe it admitted, never
+/// sent, would hold the probe slot for [`PROBE_LOST_MS`].
 #[derive(Debug, Default)]
 pub struct Breakers {
     states: HashMap<String, HashMap<String, State>>,
+    /// Since [`Breakers::begin`]: each destination changed, with its state before the first
+    /// change (None: it had no entry).
+    journal: Option<HashMap<String, HashMap<String, Option<State>>>>,
 }
 
 impl Breakers {
+    /// A transaction starts: changes from here on can be undone by [`Breakers::rollback`].
+    pub fn begin(&mut self) {
+        self.journal = Some(HashMap::new());
+    }
+
+    /// The transaction committed: its changes stay.
+    pub fn commit(&mut self) {
+        self.journal = None;
+    }
+
+    /// The transaction aborted: every destination it changed is as it was at [`Breakers::begin`].
+    pub fn rollback(&mut self) {
+        let changed = self.journal.take().unwrap_or_default();
+        for (tenant, origin, before) in changed
+            .into_iter()
+            .flat_map(|(t, m)| m.into_iter().map(move |(o, b)| (t.clone(), o, b)))
+        {
+            match before {
+                Some(state) => {
+                    self.states.entry(tenant).or_default().insert(origin, state);
+                }
+                None => {
+                    if let Some(per_tenant) = self.states.get_mut(&tenant) {
+                        per_tenant.remove(&origin);
+                        if per_tenant.is_empty() {
+                            self.states.remove(&tenant);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Notes a destination's state before its first change in the open transaction.
+    fn journal(&mut self, tenant: &str, origin: &str) {
+        let Some(journal) = self.journal.as_mut() else {
+            return;
+        };
+        if journal.get(tenant).is_some_and(|m| m.contains_key(origin)) {
+            return;
+        }
+        let before = self.states.get(tenant).and_then(|m| m.get(origin)).cloned();
+        journal
+            .entry(tenant.to_string())
+            .or_default()
+            .insert(origin.to_string(), before);
+    }
+
     fn get_mut(&mut self, tenant: &str, origin: &str) -> Option<&mut State> {
         self.states.get_mut(tenant)?.get_mut(origin)
     }
 
     /// May a due job to this destination be attempted now?
     pub fn admit(&mut self, tenant: &str, origin: &str, now: i64) -> Admit {
+        if self.get_mut(tenant, origin).is_none() {
+            return Admit::Go;
+        }
+        self.journal(tenant, origin);
         let Some(s) = self.get_mut(tenant, origin) else {
             return Admit::Go;
         };
@@ -89,6 +149,10 @@ impl Breakers {
         success: bool,
         now: i64,
     ) -> Option<Transition> {
+        if success && self.get_mut(tenant, origin).is_none() {
+            return None; // a healthy destination: nothing to change
+        }
+        self.journal(tenant, origin);
         if success {
             let per_tenant = self.states.get_mut(tenant)?;
             let was_open = per_tenant.remove(origin)?.open_until.is_some();
@@ -117,6 +181,10 @@ impl Breakers {
     /// An admitted attempt was never sent (it waited past its lease): if it was the half-open
     /// probe, the next due job may probe instead. Counts as neither success nor failure.
     pub fn unsent(&mut self, tenant: &str, origin: &str) {
+        if self.get_mut(tenant, origin).is_none() {
+            return;
+        }
+        self.journal(tenant, origin);
         if let Some(s) = self.get_mut(tenant, origin) {
             s.probing = None;
         }
@@ -189,6 +257,49 @@ mod tests {
         }
         b.admit("t", "https://a", FORGET_MS + QUIET_MS - 1);
         assert_eq!(b.open_count(FORGET_MS + QUIET_MS), 1);
+    }
+
+    #[test]
+    fn an_aborted_transaction_leaves_the_breakers_as_they_were() {
+        let mut b = Breakers::default();
+        // Three failures in a transaction that aborts, then the same three again (the outcomes
+        // are handled anew) and two more: five in all, open only at the fifth.
+        b.begin();
+        for _ in 0..3 {
+            b.record("t", "https://a", false, 0);
+        }
+        b.rollback();
+        assert_eq!(b.len(), 0, "the destination had no entry before");
+        b.begin();
+        for _ in 0..3 {
+            b.record("t", "https://a", false, 0);
+        }
+        b.commit();
+        b.begin();
+        assert_eq!(b.record("t", "https://a", false, 1), None);
+        assert_eq!(
+            b.record("t", "https://a", false, 1),
+            Some(Transition::Opened)
+        );
+        b.commit();
+        // A half-open probe admitted in an aborted transaction was never sent: the next one may
+        // probe at once, not after PROBE_LOST_MS.
+        let half_open = 1 + COOL_DOWN_MS;
+        b.begin();
+        assert_eq!(b.admit("t", "https://a", half_open), Admit::Go);
+        b.rollback();
+        b.begin();
+        assert_eq!(b.admit("t", "https://a", half_open + 1), Admit::Go);
+        assert!(matches!(
+            b.admit("t", "https://a", half_open + 2),
+            Admit::Shed { .. }
+        ));
+        // A success rolled back leaves the breaker open.
+        b.rollback();
+        b.begin();
+        b.record("t", "https://a", true, half_open + 3);
+        b.rollback();
+        assert!(b.is_open("t", "https://a"));
     }
 
     #[test]

@@ -1031,6 +1031,9 @@ impl HubStage {
                     for task in guard.tasks.values_mut() {
                         task.ring.aborted();
                     }
+                    if let Some(d) = self.dispatch.as_mut() {
+                        d.breakers.rollback();
+                    }
                     drop(guard);
                     rewind(&consumer, &batch);
                     std::thread::sleep(Duration::from_millis(200));
@@ -1095,6 +1098,9 @@ impl HubStage {
                 Err(e) => {
                     let _ =
                         crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
+                    if let Some(d) = self.dispatch.as_mut() {
+                        d.breakers.rollback();
+                    }
                     drop(guard);
                     if !kafka::membership_confirmed(consumer, &consumer.context().membership) {
                         // The group moved and this loop has not served the rebalance: a poll
@@ -1212,6 +1218,10 @@ impl HubStage {
             return Err(HubError::Idle);
         }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
+        // Breaker changes of this transaction are undone if it aborts (its outcomes come again).
+        if let Some(d) = self.dispatch.as_mut() {
+            d.breakers.begin();
+        }
         // Checked again where the offsets go; this saves the work of a batch that could not.
         if !tasks.is_empty()
             && !kafka::membership_confirmed(consumer, &consumer.context().membership)
@@ -1434,6 +1444,7 @@ impl HubStage {
         // this thread, which handles them in a later transaction, after this one's writes.
         let launched = attempts.len();
         if let Some(d) = self.dispatch.as_mut() {
+            d.breakers.commit();
             d.launch(attempts);
         }
         // Committed: now the local stores may move, each with its changelog offsets.
