@@ -1534,7 +1534,11 @@ fn dispatch_work(
         // A failure of the hub's own (no key to open the secret, ...) sent no request: it is not
         // the destination's, so neither its breaker nor its auto-disable span hears of it.
         let hub_side = o.hub_side();
-        if let (Some(sub), true) = (&sub, hub_side) {
+        // Its job's lease still current: a stale one's probe slot may be another job's by now.
+        let current = job.as_ref().is_some_and(|j| {
+            j.state == JobState::Leased && j.attempt == o.attempt && j.due_at == o.lease_until
+        });
+        if let (Some(sub), true, true) = (&sub, hub_side, current) {
             let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
             d.breakers.unsent(&sub.tenant_id, &origin);
         }
