@@ -15,6 +15,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use streaming_hub::dispatch::jobs::JOBS;
 use streaming_hub::hub::dedup::DEDUP;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
+use streaming_hub::runtime::orphans::{GroupView, describe};
 use streaming_hub::runtime::records::{DedupEntry, SequenceRecord};
 use streaming_hub::runtime::store::Store;
 
@@ -440,4 +441,139 @@ async fn restore_reads_an_earlier_versions_changelogs_before_the_state_changelog
     );
     assert_eq!(sequence_of(&new_1), Some(41));
     assert_eq!(sequence_of(&new_2), Some(42));
+}
+
+/// The group as its coordinator describes it.
+fn describe_group(group: &str) -> Option<GroupView> {
+    let client: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .ok()?;
+    describe(&client, group)
+}
+
+/// A static member of the hub group with the hub's protocol, outside any hub.
+fn squatter(group: &str, inbox: &str) -> BaseConsumer {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("group.instance.id", "squatter")
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", "45000")
+        .set("max.poll.interval.ms", "300000")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("squatter");
+    c.subscribe(&[inbox]).expect("subscribe");
+    c
+}
+
+/// A cooperative rebalance that moves partitions takes two rounds; a member that stops between
+/// them (here a squatter told to give up inbox partitions, which closes instead) and comes back
+/// as the same static member gets its stored assignment with no rebalance, and the partitions it
+/// gave up belong to nobody: without `runtime::orphans` the hub never reads them (the CI flake of
+/// `two_instances_scale_out_and_back_with_exactly_once_state`). The hub finds them and rejoins.
+#[tokio::test]
+async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_again() {
+    let mut run = Run::new("orphan").await;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["topology", "apply"])
+        .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
+        .env("STREAMING_HUB_TOPIC_PREFIX", &run.prefix)
+        .env(
+            "STREAMING_HUB_TOPOLOGY_FILE",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
+        )
+        .output()
+        .expect("topology apply");
+    assert!(out.status.success(), "{out:?}");
+    let group = format!("{}-group.hub", run.prefix);
+    let inbox = run.inbox();
+
+    let first = squatter(&group, &inbox);
+    wait_until(
+        Duration::from_secs(60),
+        "the squatter holds the inbox",
+        || {
+            first.poll(Duration::from_millis(100));
+            (first.assignment().ok()?.count() == 6).then_some(())
+        },
+    );
+    let squatter_id = streaming_hub::runtime::kafka::membership(&first)
+        .expect("membership")
+        .member_id;
+    // The hub joins. The squatter no longer polls: librdkafka's own thread answers the first
+    // round, and the revocation it is told to make waits for a poll that never comes.
+    let dir = tempfile::tempdir().unwrap();
+    let mut hub = Hub::start(&run.env(1, dir.path()));
+    wait_until(
+        Duration::from_secs(120),
+        "first round: the squatter keeps part of the inbox, the hub holds nothing yet",
+        || {
+            let g = describe_group(&group)?;
+            let kept = &g.members.iter().find(|(id, _)| *id == squatter_id)?.1;
+            let hub_holds: usize = g
+                .members
+                .iter()
+                .filter(|(id, _)| *id != squatter_id)
+                .map(|(_, p)| p.len())
+                .sum();
+            (g.state == "Stable" && g.members.len() == 2 && kept.len() < 6 && hub_holds == 0)
+                .then_some(())
+        },
+    );
+    // It closes instead (as an instance shutting down would), and comes back at once.
+    drop(first);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = std::sync::Arc::new(std::sync::Mutex::new(None::<BTreeSet<i32>>));
+    let second = {
+        let (stop, held, group, inbox) = (stop.clone(), held.clone(), group.clone(), inbox.clone());
+        std::thread::spawn(move || {
+            let c = squatter(&group, &inbox);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.poll(Duration::from_millis(100));
+                if let Ok(a) = c.assignment() {
+                    *held.lock().unwrap() =
+                        Some(a.elements().iter().map(|e| e.partition()).collect());
+                }
+            }
+        })
+    };
+
+    run.produce(600, 0);
+    read_until(&[&inbox], Duration::from_secs(120), |r| r.len() >= 600);
+    let rest = wait_until(
+        Duration::from_secs(180),
+        "the inbox partitions the squatter does not hold read by the hub",
+        || {
+            let held = held.lock().unwrap().clone()?;
+            let rest: Vec<i32> = (0..6).filter(|p| !held.contains(p)).collect();
+            (!rest.is_empty() && group_caught_up_on(&group, &inbox, Some(&rest))).then_some(rest)
+        },
+    );
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let written: i64 = rest
+        .iter()
+        .map(|&p| {
+            c.fetch_watermarks(&inbox, p, Duration::from_secs(10))
+                .unwrap()
+                .1
+        })
+        .sum();
+    assert!(written > 0, "events reached the partitions {rest:?}");
+    let metrics = hub
+        .metrics_text(&reqwest::Client::new())
+        .await
+        .expect("metrics");
+    assert!(
+        metric_sum(&metrics, "streaming_hub_group_rejoins_total") >= 1,
+        "the hub rejoined to hand the partitions out:\n{}",
+        hub.log_text()
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    second.join().unwrap();
+    hub.terminate();
 }

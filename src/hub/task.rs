@@ -32,6 +32,7 @@ use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::orphans::{Covers, GroupWatch, Rejoin};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
 use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord, VerificationState};
 use crate::runtime::store::{FastMap, Staged, Store};
@@ -946,12 +947,21 @@ impl HubStage {
             .subscribe(&[self.env.inbox.as_str()])
             .map_err(KafkaError::from)?;
         tracing::info!(group = %config.hub_group_id(), stage = self.stage, dispatch = self.dispatch.is_some(), "hub stage started");
+        let watch = GroupWatch::spawn(
+            &config,
+            &config.hub_group_id(),
+            Covers::Topic(self.env.inbox.clone()),
+        );
+        let mut rejoin = Rejoin::default();
 
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
+            rejoin
+                .tick(&watch, &consumer, &self.env.inbox, "hub")
+                .map_err(KafkaError::from)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());

@@ -32,6 +32,7 @@ use crate::config::Config;
 use crate::ingest::classify::{ClassifyConfig, Reason, Verdict, classify};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
+use crate::runtime::orphans::{Covers, GroupWatch, Rejoin};
 use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
@@ -191,10 +192,20 @@ impl Ingest {
             .subscribe(&[self.config.follow_pattern.as_str()])
             .map_err(KafkaError::from)?;
         tracing::info!(pattern = %self.config.follow_pattern, group = %self.config.group_id, transactional_id = %txn_id, "ingest started");
+        // The pattern was checked when the configuration was read.
+        let watch = regex::Regex::new(&self.config.follow_pattern)
+            .ok()
+            .map(|re| GroupWatch::spawn(&self.config, &self.config.group_id, Covers::Pattern(re)));
+        let mut rejoin = Rejoin::default();
 
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.config.ingest_batch_max);
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
+            if let Some(watch) = &watch {
+                rejoin
+                    .tick(watch, &consumer, &self.config.follow_pattern, "ingest")
+                    .map_err(KafkaError::from)?;
+            }
             batch.clear();
             self.fill_batch(&consumer, &mut batch, &stop)?;
             if batch.is_empty() {

@@ -8,6 +8,7 @@ pub mod clock;
 pub mod fast_avro;
 pub mod kafka;
 pub mod liveness;
+pub mod orphans;
 pub mod records;
 pub mod secret;
 pub mod store;

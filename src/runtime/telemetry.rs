@@ -484,6 +484,10 @@ impl Shed<'_> {
 
 pub const HELD_UNVERIFIED: &str = "streaming_hub_deliveries_held_total";
 
+/// Times a loop left its group and joined again to hand out partitions held by no member
+/// (`runtime::orphans`).
+pub const GROUP_REJOINS: &str = "streaming_hub_group_rejoins_total";
+
 /// A due job was held back, its destination not verified: postponed with no attempt spent
 /// (verification pending), or its attempt spent without a request (verification failed).
 pub struct HeldUnverified<'a> {

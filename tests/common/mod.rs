@@ -590,6 +590,11 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
 /// finds no record before the end (only transaction markers may remain, which is why comparing
 /// offsets with the high watermark is not enough).
 pub fn group_caught_up(group: &str, topic: &str) -> bool {
+    group_caught_up_on(group, topic, None)
+}
+
+/// [`group_caught_up`] for some of the topic's partitions (`None`: all of them).
+pub fn group_caught_up_on(group: &str, topic: &str, only: Option<&[i32]>) -> bool {
     let probe: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
@@ -603,7 +608,9 @@ pub fn group_caught_up(group: &str, topic: &str) -> bool {
     };
     let mut tpl = TopicPartitionList::new();
     for p in md.topics()[0].partitions() {
-        tpl.add_partition(topic, p.id());
+        if only.is_none_or(|o| o.contains(&p.id())) {
+            tpl.add_partition(topic, p.id());
+        }
     }
     let Ok(committed) = probe.committed_offsets(tpl, Duration::from_secs(10)) else {
         return false;
