@@ -17,7 +17,7 @@ use streaming_hub::hub::dedup::DEDUP;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::orphans::{GroupView, describe};
 use streaming_hub::runtime::records::{DedupEntry, SequenceRecord};
-use streaming_hub::runtime::store::Store;
+use streaming_hub::runtime::store::{Staged, Store};
 
 /// Latest value and offset per (partition, key) of a changelog.
 type ChangelogState = BTreeMap<(i32, Vec<u8>), (Option<Vec<u8>>, i64)>;
@@ -452,8 +452,8 @@ fn describe_group(group: &str) -> Option<GroupView> {
     describe(&client, group)
 }
 
-/// A static member of the hub group with the hub's protocol, outside any hub.
-fn squatter(group: &str, inbox: &str) -> BaseConsumer {
+/// A static member of a hub group with the hub's protocol, outside any hub.
+fn squatter(group: &str, topic: &str) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
@@ -464,18 +464,19 @@ fn squatter(group: &str, inbox: &str) -> BaseConsumer {
         .set("enable.auto.commit", "false")
         .create()
         .expect("squatter");
-    c.subscribe(&[inbox]).expect("subscribe");
+    c.subscribe(&[topic]).expect("subscribe");
     c
 }
 
 /// A cooperative rebalance that moves partitions takes two rounds; a member that stops between
-/// them (here a squatter told to give up inbox partitions, which closes instead) and comes back
-/// as the same static member gets its stored assignment with no rebalance, and the partitions it
-/// gave up belong to nobody: without `runtime::orphans` the hub never reads them (the CI flake of
-/// `two_instances_scale_out_and_back_with_exactly_once_state`). The hub finds them and rejoins.
-#[tokio::test]
-async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_again() {
-    let mut run = Run::new("orphan").await;
+/// them (here a squatter told to give up partitions, which closes instead) and comes back as the
+/// same static member gets its stored assignment with no rebalance, and the partitions it gave
+/// up belong to nobody: without `runtime::orphans` the hub never reads them (the CI flake of
+/// `two_instances_scale_out_and_back_with_exactly_once_state`). The hub's loop of that group
+/// finds them and rejoins. `stage` is "hub" (group `<group>.hub` on the inbox) or "ingest"
+/// (group `<group>` on the source topic).
+async fn partitions_given_up_between_rounds_are_handed_out_again(stage: &str) {
+    let mut run = Run::new(&format!("orphan{stage}")).await;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
         .args(["topology", "apply"])
         .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
@@ -487,16 +488,18 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
         .output()
         .expect("topology apply");
     assert!(out.status.success(), "{out:?}");
-    let group = format!("{}-group.hub", run.prefix);
-    let inbox = run.inbox();
+    let (group, topic, partitions) = match stage {
+        "hub" => (format!("{}-group.hub", run.prefix), run.inbox(), 6i32),
+        _ => (format!("{}-group", run.prefix), run.topic.clone(), 3i32),
+    };
 
-    let first = squatter(&group, &inbox);
+    let first = squatter(&group, &topic);
     wait_until(
         Duration::from_secs(60),
-        "the squatter holds the inbox",
+        "the squatter holds the topic",
         || {
             first.poll(Duration::from_millis(100));
-            (first.assignment().ok()?.count() == 6).then_some(())
+            (first.assignment().ok()?.count() == partitions as usize).then_some(())
         },
     );
     let squatter_id = streaming_hub::runtime::kafka::membership(&first)
@@ -508,7 +511,7 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
     let mut hub = Hub::start(&run.env(1, dir.path()));
     wait_until(
         Duration::from_secs(120),
-        "first round: the squatter keeps part of the inbox, the hub holds nothing yet",
+        "first round: the squatter keeps part of the topic, the hub holds nothing yet",
         || {
             let g = describe_group(&group)?;
             let kept = &g.members.iter().find(|(id, _)| *id == squatter_id)?.1;
@@ -518,8 +521,8 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
                 .filter(|(id, _)| *id != squatter_id)
                 .map(|(_, p)| p.len())
                 .sum();
-            (g.state == "Stable" && g.members.len() == 2 && kept.len() < 6 && hub_holds == 0)
-                .then_some(())
+            let partial = kept.len() < partitions as usize;
+            (g.state == "Stable" && g.members.len() == 2 && partial && hub_holds == 0).then_some(())
         },
     );
     // It closes instead (as an instance shutting down would), and comes back at once.
@@ -527,9 +530,9 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let held = std::sync::Arc::new(std::sync::Mutex::new(None::<BTreeSet<i32>>));
     let second = {
-        let (stop, held, group, inbox) = (stop.clone(), held.clone(), group.clone(), inbox.clone());
+        let (stop, held, group, topic) = (stop.clone(), held.clone(), group.clone(), topic.clone());
         std::thread::spawn(move || {
-            let c = squatter(&group, &inbox);
+            let c = squatter(&group, &topic);
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 c.poll(Duration::from_millis(100));
                 if let Ok(a) = c.assignment() {
@@ -541,14 +544,17 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
     };
 
     run.produce(600, 0);
-    read_until(&[&inbox], Duration::from_secs(120), |r| r.len() >= 600);
+    if stage == "hub" {
+        // Ingest (not squatted) writes them to the inbox.
+        read_until(&[&topic], Duration::from_secs(120), |r| r.len() >= 600);
+    }
     let rest = wait_until(
         Duration::from_secs(180),
-        "the inbox partitions the squatter does not hold read by the hub",
+        "the partitions the squatter does not hold read by the hub",
         || {
             let held = held.lock().unwrap().clone()?;
-            let rest: Vec<i32> = (0..6).filter(|p| !held.contains(p)).collect();
-            (!rest.is_empty() && group_caught_up_on(&group, &inbox, Some(&rest))).then_some(rest)
+            let rest: Vec<i32> = (0..partitions).filter(|p| !held.contains(p)).collect();
+            (!rest.is_empty() && group_caught_up_on(&group, &topic, Some(&rest))).then_some(rest)
         },
     );
     let c: BaseConsumer = ClientConfig::new()
@@ -558,7 +564,7 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
     let written: i64 = rest
         .iter()
         .map(|&p| {
-            c.fetch_watermarks(&inbox, p, Duration::from_secs(10))
+            c.fetch_watermarks(&topic, p, Duration::from_secs(10))
                 .unwrap()
                 .1
         })
@@ -568,12 +574,71 @@ async fn partitions_a_member_gave_up_between_rebalance_rounds_are_handed_out_aga
         .metrics_text(&reqwest::Client::new())
         .await
         .expect("metrics");
+    let rejoins = format!("streaming_hub_group_rejoins_total{{stage=\"{stage}\"}}");
     assert!(
-        metric_sum(&metrics, "streaming_hub_group_rejoins_total") >= 1,
-        "the hub rejoined to hand the partitions out:\n{}",
+        metric_sum(&metrics, &rejoins) >= 1,
+        "the hub's {stage} loop rejoined to hand the partitions out:\n{}",
         hub.log_text()
     );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     second.join().unwrap();
     hub.terminate();
+}
+
+#[tokio::test]
+async fn inbox_partitions_given_up_between_rebalance_rounds_are_handed_out_again() {
+    partitions_given_up_between_rounds_are_handed_out_again("hub").await;
+}
+
+#[tokio::test]
+async fn source_partitions_given_up_between_rebalance_rounds_are_handed_out_again() {
+    partitions_given_up_between_rounds_are_handed_out_again("ingest").await;
+}
+
+/// A store last written longer ago than tombstones surely stay on the compacted changelog is
+/// discarded and restored from the start. Here partition 0's store holds a dedup entry the
+/// changelog never had (standing in for a key deleted there while the store was away, its
+/// tombstone since compacted) and was last written two days ago: restored from its offset it
+/// would keep that entry for good.
+#[tokio::test]
+async fn a_store_unwritten_for_longer_than_tombstones_last_is_restored_from_the_start() {
+    let mut run = Run::new("stale").await;
+    let dir = tempfile::tempdir().unwrap();
+    let env = run.env(1, dir.path());
+    run.produce(300, 0);
+    let mut hub = Hub::start(&env);
+    run.wait_caught_up(Duration::from_secs(120));
+    hub.terminate();
+
+    let stores = dir.path().join(&run.prefix);
+    let two_days_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 48 * 3_600_000;
+    {
+        let store =
+            Store::open(&stores.join("hub-0"), &streaming_hub::hub::task::FAMILIES).unwrap();
+        assert!(
+            store.changelog_offset(JOBS).unwrap().is_some(),
+            "partition 0 has state"
+        );
+        let mut staged = Staged::default();
+        staged.put(DEDUP, b"tenant-x\0gone".to_vec(), b"stale".to_vec());
+        store.apply_at(staged, &[], two_days_ago).unwrap();
+    }
+    run.produce(300, 0);
+    let mut hub = Hub::start(&env);
+    run.wait_caught_up(Duration::from_secs(120));
+    hub.terminate();
+    let changelog = run.check_committed_state();
+    let checked = check_stores_match_changelog(&[dir.path()], &run.prefix, &changelog);
+    assert_eq!(checked, 6, "every store checked against its changelog");
+    let log = hub.log_text();
+    let discarded: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("local state older than tombstones"))
+        .collect();
+    assert_eq!(discarded.len(), 1, "one store discarded:\n{log}");
+    assert!(discarded[0].contains("partition=0"), "{}", discarded[0]);
 }

@@ -491,7 +491,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             partition,
             why: e.to_string(),
         })?;
-        let store = Store::open(&path, &FAMILIES)?;
+        let store = open_current(&path, partition)?;
         for family in CHANGELOGGED {
             specs.push((
                 tasks.len(),
@@ -566,6 +566,44 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
         }
     }
     Ok((tasks, records))
+}
+
+/// How long a store may go unwritten and still restore from its offsets. A restore reads the
+/// changelog after the store's offset: a key deleted there since (a job finished or dead-lettered
+/// by the partition's owner meanwhile, a purged dedup entry) is deleted only while its tombstone
+/// is on the compacted topic, which keeps it `delete.retention.ms` after cleaning it (the
+/// topology pins 1 day). A store older than this comes back wrong (finished jobs delivered again),
+/// so it is discarded and restored from the start. Half the tombstones' day leaves room for
+/// clocks that disagree and a restore that takes its time.
+pub const STALE_AFTER: Duration = Duration::from_secs(12 * 3600);
+
+/// Opens the store at `path`, discarding it first if it is older than [`STALE_AFTER`] (or holds
+/// offsets but no time: written by a version that did not record it).
+fn open_current(path: &std::path::Path, partition: i32) -> Result<Store, HubError> {
+    let store = Store::open(path, &FAMILIES)?;
+    if store.changelog_offset(JOBS)?.is_none() {
+        return Ok(store);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let age_ms = store.written_at()?.map(|at| now.saturating_sub(at));
+    if age_ms.is_some_and(|a| a <= STALE_AFTER.as_millis() as i64) {
+        return Ok(store);
+    }
+    drop(store);
+    tracing::info!(
+        partition,
+        age_h = age_ms.map(|a| a / 3_600_000),
+        "local state older than tombstones are sure to stay on the changelog: discarded, restoring from the start"
+    );
+    let gone = |e: std::io::Error| HubError::Restore {
+        partition,
+        why: format!("discarding stale local state: {e}"),
+    };
+    std::fs::remove_dir_all(path).map_err(gone)?;
+    std::fs::create_dir_all(path).map_err(gone)?;
+    Ok(Store::open(path, &FAMILIES)?)
 }
 
 /// Opens and restores the stores of `partitions`, then closes them; returns the records read.
@@ -947,7 +985,7 @@ impl HubStage {
             .subscribe(&[self.env.inbox.as_str()])
             .map_err(KafkaError::from)?;
         tracing::info!(group = %config.hub_group_id(), stage = self.stage, dispatch = self.dispatch.is_some(), "hub stage started");
-        let watch = GroupWatch::spawn(
+        let watch = GroupWatch::shared(
             &config,
             &config.hub_group_id(),
             Covers::Topic(self.env.inbox.clone()),
@@ -959,8 +997,9 @@ impl HubStage {
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
+            let settled = kafka::membership_confirmed(&consumer, &consumer.context().membership);
             rejoin
-                .tick(&watch, &consumer, &self.env.inbox, "hub")
+                .tick(&watch, &consumer, settled, &self.env.inbox, "hub")
                 .map_err(KafkaError::from)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();

@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::ingest::classify::{ClassifyConfig, Reason, Verdict, classify};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
-use crate::runtime::orphans::{Covers, GroupWatch, Rejoin};
+use crate::runtime::orphans::{Covers, GroupWatch, PosixRegex, Rejoin};
 use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
@@ -192,22 +192,33 @@ impl Ingest {
             .subscribe(&[self.config.follow_pattern.as_str()])
             .map_err(KafkaError::from)?;
         tracing::info!(pattern = %self.config.follow_pattern, group = %self.config.group_id, transactional_id = %txn_id, "ingest started");
-        // The pattern was checked when the configuration was read.
-        let watch = regex::Regex::new(&self.config.follow_pattern)
-            .ok()
-            .map(|re| GroupWatch::spawn(&self.config, &self.config.group_id, Covers::Pattern(re)));
+        // Matched as librdkafka matches the subscription; `None` only if POSIX refuses a pattern
+        // Rust's regex took when the configuration was read (then ingest runs unwatched).
+        let watch = PosixRegex::new(&self.config.follow_pattern)
+            .map(|re| GroupWatch::shared(&self.config, &self.config.group_id, Covers::Pattern(re)));
+        if watch.is_none() {
+            tracing::warn!(pattern = %self.config.follow_pattern, "the follow pattern is not a POSIX extended regular expression: partitions held by no member will not be looked for");
+        }
         let mut rejoin = Rejoin::default();
 
         let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.config.ingest_batch_max);
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
+            batch.clear();
             if let Some(watch) = &watch {
+                let settled =
+                    kafka::membership_confirmed(&consumer, &consumer.context().membership);
                 rejoin
-                    .tick(watch, &consumer, &self.config.follow_pattern, "ingest")
+                    .tick(
+                        watch,
+                        &consumer,
+                        settled,
+                        &self.config.follow_pattern,
+                        "ingest",
+                    )
                     .map_err(KafkaError::from)?;
             }
-            batch.clear();
-            self.fill_batch(&consumer, &mut batch, &stop)?;
+            self.fill_batch(&consumer, &mut batch)?;
             if batch.is_empty() {
                 continue;
             }
@@ -254,7 +265,6 @@ impl Ingest {
         &self,
         consumer: &'c BaseConsumer<IngestContext>,
         batch: &mut Vec<BorrowedMessage<'c>>,
-        stop: &AtomicBool,
     ) -> Result<(), IngestError> {
         let mut deadline: Option<Instant> = None;
         // Never take an offset twice in one batch (a fetch restarted at a position we already
@@ -283,11 +293,9 @@ impl Ingest {
             }
             forget_revoked(consumer, batch, &mut last);
             match polled {
-                None => {
-                    if deadline.is_some() || stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                }
+                // Idle or a quiet gap: back to the loop (which looks after its group between
+                // batches) with what there is.
+                None => break,
                 Some(Ok(msg)) => {
                     let key = (msg.topic().to_string(), msg.partition());
                     if last.get(&key).is_some_and(|&o| msg.offset() <= o) {

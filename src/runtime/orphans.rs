@@ -9,18 +9,24 @@
 //! the partition it gave up belongs to nobody, for good (seen in `tests/hub_state.rs` in CI).
 //! Nothing in librdkafka or the broker notices.
 //!
-//! So each loop runs a [`GroupWatch`]: a thread that describes the group every session timeout
-//! and, while it is stable, compares its members' assignments with the partitions it should
-//! cover. A set of partitions held by no member in two readings in a row is a finding; the member
-//! holding the fewest partitions (the cheapest to move) leaves the group and joins it again
-//! ([`Rejoin`]), which starts a rebalance that hands every partition out. After four readings any
-//! member does (the one chosen may not be one of ours). A set that comes back after a rejoin is
-//! tried again only after [`RETRY_AFTER`], so a difference between the watch's view and the
-//! assignor's (a topic the pattern names that the group's leader does not know yet) costs a
-//! rebalance every ten minutes at most.
-use std::collections::BTreeSet;
+//! So each ingest and hub loop takes part in a [`GroupWatch`] (one per group and process): a
+//! thread that describes the group every session timeout (at least 5 s) and, while it is stable,
+//! compares its members' assignments with the partitions it should cover. A set of partitions
+//! held by no member in two readings at least [`PERSIST`] apart is a finding. Members are ranked
+//! by the partitions they hold (fewest first, the cheapest to move, then by member id); the
+//! member of rank k leaves the group and joins again ([`Rejoin`]) from reading 2 + 2k on, which
+//! starts a rebalance that hands every partition out. Each rejoin that works ends the finding
+//! (the group rebalances); one that did not (its leave lost) lets the next member try. A set that
+//! comes back after a rejoin is left alone for [`RETRY_AFTER`], so a difference between the
+//! watch's view and the assignor's costs a rebalance every ten minutes at most.
+//!
+//! A false finding is possible while a member takes longer than [`PERSIST`] to give up what
+//! round one took from it (its revocation waits behind a long restore): the rejoin then costs one
+//! more rebalance round, nothing else.
+use std::collections::{BTreeSet, HashMap};
+use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
@@ -30,11 +36,11 @@ use crate::config::Config;
 /// A topic and a partition number.
 pub type Partition = (String, i32);
 
-/// Readings in a row before the member holding the fewest partitions rejoins.
-pub const ACTOR_AFTER: u32 = 2;
-/// Readings in a row before any member rejoins.
-pub const ANYONE_AFTER: u32 = 4;
-/// How long a set of partitions acted on is left alone if it comes back.
+/// Readings in a row before anyone rejoins (and at least [`PERSIST`]); rank k waits 2k more.
+pub const FIRST_AFTER: u32 = 2;
+/// How long a set must have been held by nobody before anyone acts.
+pub const PERSIST: Duration = Duration::from_secs(30);
+/// How long a set acted on is left alone if it comes back.
 pub const RETRY_AFTER: Duration = Duration::from_secs(600);
 /// How long a loop waits for its leave to go out before it subscribes again anyway.
 const LEAVE_PATIENCE: Duration = Duration::from_secs(10);
@@ -47,14 +53,22 @@ pub fn parse_assignment(bytes: &[u8]) -> Option<Vec<Partition>> {
         return Some(Vec::new());
     }
     let mut r = Reader(bytes);
-    let _version = r.i16()?;
+    if !(0..=3).contains(&r.i16()?) {
+        return None;
+    }
     let topics = r.i32()?;
+    if topics < 0 {
+        return None;
+    }
     let mut out = Vec::new();
-    for _ in 0..topics.max(0) {
+    for _ in 0..topics {
         let len = usize::try_from(r.i16()?).ok()?;
         let topic = std::str::from_utf8(r.take(len)?).ok()?.to_string();
         let partitions = r.i32()?;
-        for _ in 0..partitions.max(0) {
+        if partitions < 0 {
+            return None;
+        }
+        for _ in 0..partitions {
             out.push((topic.clone(), r.i32()?));
         }
     }
@@ -100,54 +114,65 @@ impl GroupView {
             .collect()
     }
 
-    /// The member that leaves and rejoins: the one holding the fewest partitions, then the lowest
-    /// member id.
-    pub fn actor(&self) -> Option<&str> {
-        self.members
-            .iter()
-            .min_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| a.0.cmp(&b.0)))
-            .map(|(id, _)| id.as_str())
+    /// Member ids in the order they are called on: fewest partitions first, then by id.
+    pub fn ranked(&self) -> Vec<String> {
+        let mut m: Vec<&(String, Vec<Partition>)> = self.members.iter().collect();
+        m.sort_by(|a, b| a.1.len().cmp(&b.1.len()).then_with(|| a.0.cmp(&b.0)));
+        m.into_iter().map(|(id, _)| id.clone()).collect()
     }
 }
 
 /// Partitions held by nobody, read `times` readings in a row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Finding {
-    /// Changes whenever the set starts over; a loop acts at most once per id.
+    /// Changes whenever the set starts over.
     pub id: u64,
     pub orphans: BTreeSet<Partition>,
-    pub actor: String,
+    /// Member ids, the first called on first (see [`GroupView::ranked`]).
+    pub ranked: Vec<String>,
     pub times: u32,
+    /// Since when the set has been held by nobody, as far as the readings tell.
+    pub since: Instant,
+    /// When it was last read.
+    pub read_at: Instant,
+    /// The reading at which it had lasted long enough to act on (two readings, [`PERSIST`]):
+    /// the member of rank k is called on from reading `due + 2k`.
+    pub due: Option<u32>,
 }
 
 impl Finding {
     /// Whether the member `me` should leave and rejoin now.
     pub fn calls_on(&self, me: &str) -> bool {
-        (self.times >= ACTOR_AFTER && self.actor == me) || self.times >= ANYONE_AFTER
+        let Some(rank) = self.ranked.iter().position(|m| m == me) else {
+            return false;
+        };
+        self.due
+            .is_some_and(|due| self.times >= due + 2 * rank as u32)
     }
 }
 
 /// Turns readings into findings: the same set in a row counts up, another set starts over, a
-/// set acted on is held back for [`RETRY_AFTER`].
+/// set acted on (one that lasted long enough to call on someone) is held back for
+/// [`RETRY_AFTER`] when it comes back.
 #[derive(Debug, Default)]
 pub struct Tracker {
     current: Option<Finding>,
+    /// Whether `current` is held back.
+    holding: bool,
     next_id: u64,
-    /// Sets that reached [`ACTOR_AFTER`], and when.
+    /// Sets that called on a member, and when.
     acted: Vec<(BTreeSet<Partition>, Instant)>,
 }
 
 impl Tracker {
     /// One reading: the group and the partitions it should cover (`None` when either could not
-    /// be read, which keeps the count where it is).
+    /// be read: the count stays, nothing is published). Returns the finding to publish.
     pub fn observe(
         &mut self,
         reading: Option<(&GroupView, &BTreeSet<Partition>)>,
         now: Instant,
     ) -> Option<Finding> {
-        let Some((view, expected)) = reading else {
-            return self.current.clone();
-        };
+        let (view, expected) = reading?;
         let orphans = view.orphans(expected);
         self.acted
             .retain(|(_, at)| now.duration_since(*at) < RETRY_AFTER);
@@ -155,60 +180,127 @@ impl Tracker {
             self.current = None;
             return None;
         }
-        let actor = view.actor().unwrap_or_default().to_string();
+        let ranked = view.ranked();
         let finding = match self.current.take() {
             Some(mut f) if f.orphans == orphans => {
                 f.times += 1;
-                f.actor = actor;
+                f.ranked = ranked;
+                f.read_at = now;
                 f
             }
             _ => {
                 self.next_id += 1;
+                self.holding = self.acted.iter().any(|(set, _)| *set == orphans);
                 Finding {
                     id: self.next_id,
                     orphans,
-                    actor,
+                    ranked,
                     times: 1,
+                    since: now,
+                    read_at: now,
+                    due: None,
                 }
             }
         };
-        let held_back = self
-            .acted
-            .iter()
-            .any(|(set, _)| *set == finding.orphans && finding.times == 1);
-        if held_back {
-            // Not counted: it stays at one reading until the set is no longer held back.
+        if self.holding && !self.acted.iter().any(|(set, _)| *set == finding.orphans) {
+            // Held long enough: counted from here.
+            self.holding = false;
             self.current = Some(Finding {
-                times: 0,
+                times: 1,
+                since: now,
                 ..finding
             });
-            return None;
+            return self.current.clone();
         }
-        if finding.times == ACTOR_AFTER {
-            self.acted.push((finding.orphans.clone(), now));
+        let mut finding = finding;
+        if !self.holding
+            && finding.due.is_none()
+            && finding.times >= FIRST_AFTER
+            && now.duration_since(finding.since) >= PERSIST
+        {
+            finding.due = Some(finding.times);
+            if !self.acted.iter().any(|(set, _)| *set == finding.orphans) {
+                self.acted.push((finding.orphans.clone(), now));
+            }
         }
         self.current = Some(finding.clone());
+        if self.holding {
+            return None;
+        }
         Some(finding)
     }
 }
 
+/// A POSIX extended regular expression, as librdkafka matches a subscription pattern
+/// (`regcomp(REG_EXTENDED | REG_NOSUB)` in its `rdregex.c`), so the watch expects the topics
+/// the group's members subscribe to, not those another dialect would match.
+pub struct PosixRegex(Box<libc::regex_t>);
+
+// SAFETY: a compiled regex_t is only read by regexec, which glibc documents as thread-safe.
+unsafe impl Send for PosixRegex {}
+unsafe impl Sync for PosixRegex {}
+
+impl PosixRegex {
+    pub fn new(pattern: &str) -> Option<PosixRegex> {
+        let c = CString::new(pattern).ok()?;
+        // SAFETY: regcomp initialises the zeroed regex_t it is given; it is freed in Drop only
+        // when compiled.
+        unsafe {
+            let mut re: Box<libc::regex_t> = Box::new(std::mem::zeroed());
+            if libc::regcomp(&mut *re, c.as_ptr(), libc::REG_EXTENDED | libc::REG_NOSUB) != 0 {
+                return None;
+            }
+            Some(PosixRegex(re))
+        }
+    }
+
+    pub fn is_match(&self, text: &str) -> bool {
+        let Ok(c) = CString::new(text) else {
+            return false;
+        };
+        // SAFETY: the regex was compiled by regcomp; REG_NOSUB needs no match array.
+        unsafe { libc::regexec(&*self.0, c.as_ptr(), 0, std::ptr::null_mut(), 0) == 0 }
+    }
+}
+
+impl Drop for PosixRegex {
+    fn drop(&mut self) {
+        // SAFETY: compiled in `new`, freed once.
+        unsafe { libc::regfree(&mut *self.0) }
+    }
+}
+
 /// What the group should cover.
-#[derive(Debug, Clone)]
 pub enum Covers {
     /// Every partition of one topic.
     Topic(String),
-    /// Every partition of the topics whose names match (a subscription pattern).
-    Pattern(regex::Regex),
+    /// Every partition of the topics a subscription pattern (`^...`) matches.
+    Pattern(PosixRegex),
 }
 
-/// A thread describing one group for the loop that started it; ends when the watch is dropped.
+/// A thread describing one group, shared by the loops of this process that are its members;
+/// ends when the last of them drops it.
 pub struct GroupWatch {
     latest: Arc<Mutex<Option<Finding>>>,
     done: Arc<AtomicBool>,
 }
 
+type Watches = Mutex<HashMap<String, Weak<GroupWatch>>>;
+static WATCHES: LazyLock<Watches> = LazyLock::new(Default::default);
+
 impl GroupWatch {
-    pub fn spawn(config: &Config, group: &str, covers: Covers) -> GroupWatch {
+    /// The watch of `group` in this process, started if there is none.
+    pub fn shared(config: &Config, group: &str, covers: Covers) -> Arc<GroupWatch> {
+        let mut watches = WATCHES.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = watches.get(group).and_then(Weak::upgrade) {
+            return w;
+        }
+        let w = Arc::new(GroupWatch::spawn(config, group, covers));
+        watches.insert(group.to_string(), Arc::downgrade(&w));
+        w
+    }
+
+    fn spawn(config: &Config, group: &str, covers: Covers) -> GroupWatch {
         let latest = Arc::new(Mutex::new(None));
         let done = Arc::new(AtomicBool::new(false));
         let (l, d, group) = (latest.clone(), done.clone(), group.to_string());
@@ -227,6 +319,8 @@ impl GroupWatch {
                 let mut tracker = Tracker::default();
                 let mut next = Instant::now() + every;
                 while !d.load(Ordering::Relaxed) {
+                    // Serves the client's own events (errors), which nothing else reads.
+                    let _ = client.poll(Duration::ZERO);
                     if Instant::now() < next {
                         std::thread::sleep(Duration::from_millis(100));
                         continue;
@@ -325,17 +419,21 @@ fn names(set: &BTreeSet<Partition>) -> String {
 /// A loop's side: leaves and rejoins its group when a [`Finding`] calls on it.
 #[derive(Debug, Default)]
 pub struct Rejoin {
-    acted: Option<u64>,
+    /// The finding acted on, and at which reading.
+    acted: Option<(u64, u32)>,
     left_at: Option<Instant>,
 }
 
 impl Rejoin {
-    /// Called once per turn of the loop, which keeps polling (the leave waits for the revocation
-    /// of what it holds to be served).
+    /// Called once per turn of the loop (at least every few hundred milliseconds, idle or not),
+    /// between batches; the loop keeps polling, which serves the revocation the leave waits for.
+    /// `settled`: the loop's membership is the one its last rebalance callback ran under (no
+    /// rebalance half served).
     pub fn tick<C: ConsumerContext>(
         &mut self,
         watch: &GroupWatch,
         consumer: &BaseConsumer<C>,
+        settled: bool,
         subscription: &str,
         stage: &'static str,
     ) -> Result<(), rdkafka::error::KafkaError> {
@@ -346,14 +444,33 @@ impl Rejoin {
             if left || at.elapsed() >= LEAVE_PATIENCE {
                 self.left_at = None;
                 consumer.subscribe(&[subscription])?;
-                tracing::info!(stage, left, "joined the group again");
+                if left {
+                    metrics::counter!(crate::runtime::telemetry::GROUP_REJOINS, "stage" => stage)
+                        .increment(1);
+                    tracing::info!(stage, "left the group and joined it again");
+                } else {
+                    tracing::warn!(
+                        stage,
+                        "the leave did not go out in time; subscribed again (another member may try next)"
+                    );
+                }
             }
             return Ok(());
         }
         let Some(finding) = watch.latest() else {
             return Ok(());
         };
-        if self.acted == Some(finding.id) {
+        // A finding two readings old is stale (the watch could not read the group since).
+        if !settled || finding.read_at.elapsed() > 2 * LEAVE_PATIENCE.max(PERSIST) {
+            return Ok(());
+        }
+        // The same finding again only once every member had its turn (each rejoin that works
+        // ends it).
+        let turns = 2 * finding.ranked.len() as u32;
+        if self
+            .acted
+            .is_some_and(|(id, at)| id == finding.id && finding.times < at + turns)
+        {
             return Ok(());
         }
         let me = crate::runtime::kafka::membership(consumer)
@@ -362,9 +479,8 @@ impl Rejoin {
         if me.is_empty() || !finding.calls_on(&me) {
             return Ok(());
         }
-        self.acted = Some(finding.id);
-        tracing::warn!(stage, partitions = %names(&finding.orphans), readings = finding.times, "partitions of the group are held by no member (a member stopped in the middle of a rebalance): leaving the group and joining again so that they are handed out");
-        metrics::counter!(crate::runtime::telemetry::GROUP_REJOINS, "stage" => stage).increment(1);
+        self.acted = Some((finding.id, finding.times));
+        tracing::warn!(stage, partitions = %names(&finding.orphans), readings = finding.times, held_by_nobody_s = finding.read_at.duration_since(finding.since).as_secs(), "partitions of the group are held by no member (a member may have stopped between the two rounds of a rebalance): leaving the group and joining again so that they are handed out");
         consumer.unsubscribe();
         self.left_at = Some(Instant::now());
         Ok(())
@@ -442,54 +558,88 @@ mod tests {
             stuck.orphans(&inbox(6)),
             [0, 1, 2].map(|n| p("inbox", n)).into()
         );
-        assert_eq!(stuck.actor(), Some("a"), "the member holding the fewest");
+        assert_eq!(
+            stuck.ranked(),
+            ["a", "b"],
+            "the member holding the fewest first"
+        );
         let moving = view("CompletingRebalance", &[("b", &[3, 4, 5]), ("a", &[])]);
         assert!(moving.orphans(&inbox(6)).is_empty());
         let whole = view("Stable", &[("b", &[3, 4, 5]), ("a", &[0, 1, 2])]);
         assert!(whole.orphans(&inbox(6)).is_empty());
         let tie = view("Stable", &[("m2", &[0]), ("m1", &[1])]);
-        assert_eq!(tie.actor(), Some("m1"), "then the lowest member id");
+        assert_eq!(tie.ranked(), ["m1", "m2"], "then by member id");
     }
 
     #[test]
-    fn the_fewest_holder_acts_on_the_second_reading_anyone_on_the_fourth_and_a_set_acted_on_waits()
+    fn members_are_called_on_by_rank_once_the_set_persisted_and_a_set_acted_on_waits_if_it_returns()
     {
         let stuck = view("Stable", &[("b", &[3, 4, 5]), ("a", &[])]);
         let expected = inbox(6);
         let mut t = Tracker::default();
-        let now = Instant::now();
-        let first = t.observe(Some((&stuck, &expected)), now).unwrap();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut read = |v: &GroupView, s: u64| t.observe(Some((v, &expected)), at(s));
+        let first = read(&stuck, 0).unwrap();
         assert!(!first.calls_on("a") && !first.calls_on("b"));
-        let second = t.observe(Some((&stuck, &expected)), now).unwrap();
-        assert_eq!(second.id, first.id);
-        assert!(second.calls_on("a") && !second.calls_on("b"));
-        // An unreadable group keeps the count.
-        assert_eq!(t.observe(None, now), Some(second.clone()));
-        t.observe(Some((&stuck, &expected)), now);
-        let fourth = t.observe(Some((&stuck, &expected)), now).unwrap();
-        assert!(fourth.calls_on("b"), "anyone, after four readings");
+        let quick = read(&stuck, 10).unwrap();
+        assert_eq!(quick.id, first.id);
+        assert!(
+            !quick.calls_on("a"),
+            "two readings, but not {PERSIST:?} apart"
+        );
+        let third = read(&stuck, 30).unwrap();
+        assert!(third.calls_on("a") && !third.calls_on("b"), "rank 0 first");
+        assert!(!read(&stuck, 40).unwrap().calls_on("b"));
+        let fifth = read(&stuck, 50).unwrap();
+        assert!(fifth.calls_on("b"), "then rank 1, two readings later");
+        assert!(!fifth.calls_on("c"), "never a stranger");
+        assert_eq!(fifth.id, first.id);
 
         // The rejoin's rebalance: the set goes, then comes back at once: held back.
         let moving = view("PreparingRebalance", &[("b", &[3, 4, 5]), ("a", &[])]);
-        assert_eq!(t.observe(Some((&moving, &expected)), now), None);
-        for _ in 0..5 {
-            assert_eq!(t.observe(Some((&stuck, &expected)), now), None);
+        assert_eq!(read(&moving, 55), None);
+        for s in [60, 70, 80, 90, 100] {
+            assert_eq!(read(&stuck, s), None, "held back at {s}");
         }
         // Another set is not held back.
         let other = view("Stable", &[("b", &[0, 1, 2, 3, 4]), ("a", &[])]);
-        let f = t.observe(Some((&other, &expected)), now).unwrap();
-        assert_eq!(f.orphans, [p("inbox", 5)].into());
-        // After the pause the first set counts again.
-        let later = now + RETRY_AFTER;
-        let again = t.observe(Some((&stuck, &expected)), later).unwrap();
+        assert_eq!(read(&other, 110).unwrap().orphans, [p("inbox", 5)].into());
+        // Ten minutes after it was acted on, the first set counts again, from one.
+        let again = read(&stuck, 30 + 600).unwrap();
         assert_eq!(again.times, 1);
         assert!(
-            t.observe(Some((&stuck, &expected)), later)
-                .unwrap()
-                .calls_on("a")
+            !read(&stuck, 640).unwrap().calls_on("a"),
+            "not {PERSIST:?} yet"
         );
+        assert!(read(&stuck, 660).unwrap().calls_on("a"));
         // A group whose partitions all have an owner clears the finding.
         let whole = view("Stable", &[("b", &[3, 4, 5]), ("a", &[0, 1, 2])]);
-        assert_eq!(t.observe(Some((&whole, &expected)), later), None);
+        assert_eq!(read(&whole, 670), None);
+    }
+
+    #[test]
+    fn an_unreadable_group_publishes_nothing_and_keeps_the_count() {
+        let stuck = view("Stable", &[("a", &[0])]);
+        let expected = inbox(2);
+        let mut t = Tracker::default();
+        let t0 = Instant::now();
+        t.observe(Some((&stuck, &expected)), t0);
+        assert_eq!(t.observe(None, t0 + Duration::from_secs(10)), None);
+        let f = t.observe(Some((&stuck, &expected)), t0 + PERSIST).unwrap();
+        assert_eq!(f.times, 2);
+        assert!(f.calls_on("a"));
+    }
+
+    #[test]
+    fn patterns_match_as_posix_extended_expressions() {
+        let re = PosixRegex::new(r"^lerian\.streaming\.[a-z0-9_-]+$").unwrap();
+        assert!(re.is_match("lerian.streaming.ledger"));
+        assert!(!re.is_match("lerian.streaming.ledger.dlq"));
+        assert!(!re.is_match("lerianXstreaming.ledger"));
+        // `\d` is not a digit class in POSIX ERE (Rust's regex would match "ledger1").
+        let d = PosixRegex::new(r"^ledger\d$").unwrap();
+        assert!(!d.is_match("ledger1"));
+        assert!(PosixRegex::new("(").is_none());
     }
 }

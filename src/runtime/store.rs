@@ -17,7 +17,8 @@
 //! byte for byte, a dedup or sequence key is its changelog key without the `d/` or `s/` in front
 //! (see `hub::task`). `meta` keys are `offset/<family>` → big-endian i64: how far the family's
 //! changelog has been applied (the jobs family's offset counts for all three; the dedup and
-//! sequence families' for the changelogs earlier versions wrote).
+//! sequence families' for the changelogs earlier versions wrote). `written_at` → big-endian i64:
+//! when the store was last written (ms since the epoch).
 use std::path::Path;
 
 use std::sync::LazyLock;
@@ -75,6 +76,7 @@ pub struct Store {
 }
 
 const META: &str = "meta";
+const WRITTEN_AT: &[u8] = b"written_at";
 
 impl Store {
     /// Opens (or creates) the database at `path` with the given store families.
@@ -119,8 +121,33 @@ impl Store {
             .map(i64::from_be_bytes))
     }
 
-    /// Applies staged writes and the new changelog offsets atomically.
+    /// When the store was last written (wall clock, ms since the epoch; None: never, or by a
+    /// version that did not record it). See [`Store::apply_at`].
+    pub fn written_at(&self) -> Result<Option<i64>, StoreError> {
+        Ok(self
+            .db
+            .get_cf(self.cf(META)?, WRITTEN_AT)?
+            .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+            .map(i64::from_be_bytes))
+    }
+
+    /// Applies staged writes and the new changelog offsets atomically, stamped with the time.
     pub fn apply(&self, staged: Staged, offsets: &[(&str, i64)]) -> Result<(), StoreError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        self.apply_at(staged, offsets, now)
+    }
+
+    /// [`Store::apply`] stamped with `written_at` (ms since the epoch): how old the store is
+    /// tells whether a restore may start from its offsets (tombstones written to the compacted
+    /// changelog since then may be gone: `hub::task`).
+    pub fn apply_at(
+        &self,
+        staged: Staged,
+        offsets: &[(&str, i64)],
+        written_at: i64,
+    ) -> Result<(), StoreError> {
         // Sized up front: a batch of a few thousand payloads grew by doubling, each step a copy
         // into freshly mapped pages (page faults showed in the hub thread's profile). Per entry
         // RocksDB adds a tag, a column family id and two length varints: 16 bytes covers them.
@@ -155,6 +182,7 @@ impl Store {
                 offset.to_be_bytes(),
             );
         }
+        batch.put_cf(meta, WRITTEN_AT, written_at.to_be_bytes());
         let mut no_wal = WriteOptions::default();
         no_wal.disable_wal(true);
         self.db.write_opt(batch, &no_wal)?;

@@ -38,6 +38,9 @@ pub struct TopicSpec {
     /// Delete topics only; "forever" keeps everything.
     #[serde(default)]
     pub retention: Option<String>,
+    /// Compacted topics: how long a tombstone stays after cleaning (`delete.retention.ms`).
+    #[serde(default)]
+    pub delete_retention: Option<String>,
     pub min_insync_replicas: i32,
     #[serde(default)]
     pub max_message_bytes: Option<u64>,
@@ -158,6 +161,10 @@ impl Topology {
             if let Some(r) = &t.retention {
                 retention_ms(r).map_err(|e| format!("topic {}: retention: {e}", t.name))?;
             }
+            if let Some(r) = &t.delete_retention {
+                humantime::parse_duration(r)
+                    .map_err(|e| format!("topic {}: delete_retention: {e}", t.name))?;
+            }
         }
         Ok(Topology {
             prefix: prefix.to_string(),
@@ -188,6 +195,15 @@ impl Topology {
             m.insert(
                 "retention.ms",
                 retention_ms(r).expect("validated at parse").to_string(),
+            );
+        }
+        if let Some(r) = &t.delete_retention {
+            m.insert(
+                "delete.retention.ms",
+                humantime::parse_duration(r)
+                    .expect("validated at parse")
+                    .as_millis()
+                    .to_string(),
             );
         }
         if let Some(b) = t.max_message_bytes {
