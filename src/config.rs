@@ -588,6 +588,14 @@ impl Config {
         if let Err(e) = regex::Regex::new(&self.follow_pattern) {
             return Err(invalid("STREAMING_HUB_FOLLOW_PATTERN", &e.to_string()));
         }
+        // librdkafka matches the subscription as a POSIX extended expression (so does the
+        // group watch, `runtime::orphans`).
+        if crate::runtime::orphans::PosixRegex::new(&self.follow_pattern).is_none() {
+            return Err(invalid(
+                "STREAMING_HUB_FOLLOW_PATTERN",
+                "not a POSIX extended regular expression (librdkafka matches it as one)",
+            ));
+        }
         if !self.follow_pattern.starts_with('^') {
             return Err(invalid(
                 "STREAMING_HUB_FOLLOW_PATTERN",

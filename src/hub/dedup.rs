@@ -82,14 +82,17 @@ pub fn expires_at_fast(codec: &crate::runtime::avro::Codec, bytes: &[u8]) -> Opt
     {
         return None;
     }
+    // Everything the full decode would refuse is refused here too (a record taken here that the
+    // hub later fails to decode would stop its partition on every batch).
     let mut r = &bytes[10..];
     for _ in 0..2 {
         let len = usize::try_from(varint(&mut r)?).ok()?;
-        r = r.get(len..)?;
+        std::str::from_utf8(r.get(..len)?).ok()?;
+        r = &r[len..];
     }
-    for _ in 0..3 {
-        varint(&mut r)?;
-    }
+    i32::try_from(varint(&mut r)?).ok()?; // inbox_partition
+    varint(&mut r)?; // first_offset
+    u64::try_from(varint(&mut r)?).ok()?; // sequence
     let expires_at = varint(&mut r)?;
     r.is_empty().then_some(expires_at)
 }
@@ -145,6 +148,45 @@ mod tests {
             );
         }
         assert_eq!(expires_at_fast(&codec, b"\xc3\x01garbage!!"), None);
+    }
+
+    #[test]
+    fn the_fast_read_refuses_what_the_full_decode_refuses() {
+        let codec = crate::runtime::avro::Codec::new().unwrap();
+        let zigzag = |v: i64, out: &mut Vec<u8>| {
+            let mut n = ((v << 1) ^ (v >> 63)) as u64;
+            while n >= 0x80 {
+                out.push((n as u8) | 0x80);
+                n >>= 7;
+            }
+            out.push(n as u8);
+        };
+        let record = |tenant: &[u8], partition: i64, sequence: i64| {
+            let mut b = vec![0xC3, 0x01];
+            b.extend(codec.fingerprint(crate::runtime::avro::RecordKind::DedupEntry));
+            zigzag(tenant.len() as i64, &mut b);
+            b.extend(tenant);
+            zigzag(2, &mut b);
+            b.extend(b"id");
+            for v in [partition, 7, sequence, 1_796_025_075_554] {
+                zigzag(v, &mut b);
+            }
+            b
+        };
+        let good = record(b"t", 3, 41);
+        assert_eq!(expires_at_fast(&codec, &good), Some(1_796_025_075_554));
+        for bad in [
+            record(b"t\xff", 3, 41),
+            record(b"t", 1 << 40, 41),
+            record(b"t", 3, -1),
+        ] {
+            assert!(
+                codec
+                    .decode::<DedupEntry>(crate::runtime::avro::RecordKind::DedupEntry, &bad)
+                    .is_err()
+            );
+            assert_eq!(expires_at_fast(&codec, &bad), None);
+        }
     }
 
     fn entry(offset: i64, sequence: u64, expires_at: i64) -> DedupEntry {

@@ -395,12 +395,22 @@ impl ConsumerContext for HubContext {
         });
     }
 
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
+            // Given up in order (not lost to a session timeout): nobody else wrote these
+            // partitions' changelogs while we held them, so their stores are current now.
+            let current = !consumer.assignment_lost();
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
             for p in &parts {
-                shared.tasks.remove(p); // closes its RocksDB
+                // Dropping the task closes its RocksDB.
+                let stamped = match shared.tasks.remove(p) {
+                    Some(task) if current => task.store.stamp(now_ms()),
+                    _ => Ok(()),
+                };
+                if let Err(e) = stamped {
+                    tracing::warn!(partition = p, error = %e, "could not stamp a store given up");
+                }
                 shared.revoked.insert(*p);
             }
             self.router.gave_up(self.stage, &parts);
@@ -418,7 +428,7 @@ impl ConsumerContext for HubContext {
         }
     }
 
-    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
             telemetry::Rebalance {
@@ -436,12 +446,21 @@ impl ConsumerContext for HubContext {
             // (`Task::next_offset`). Restoring before they are stable could miss that
             // transaction's changelog records, which may not even have reached the brokers yet
             // (a tenant sequence number given twice, found by the fault suite).
+            // A partition the group never committed (a new group, offsets expired) starts at
+            // its low watermark, which then fences claim-only transactions like a committed
+            // offset would (None only if the watermark cannot be read).
             let next: HashMap<i32, Option<i64>> = tpl
                 .elements()
                 .iter()
                 .map(|e| match e.offset() {
                     Offset::Offset(o) => (e.partition(), Some(o)),
-                    _ => (e.partition(), None),
+                    _ => (
+                        e.partition(),
+                        consumer
+                            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10))
+                            .ok()
+                            .map(|(low, _)| low),
+                    ),
                 })
                 .collect();
             let restored = open_and_restore(&self.env, &parts).map(|(mut tasks, n)| {
@@ -483,6 +502,11 @@ pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
 fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, u64), HubError> {
     // Another instance may have added holders to these stores' payloads since we last had them.
     jobs::payload_holds_moved();
+    // A restore's records are read from now on: once it reaches the ends, the stores are as
+    // current as this moment. Until then each keeps its own stamp (a restore cut short must not
+    // make an old store look recent); a new or discarded one gets this moment.
+    let restore_started = now_ms();
+    let mut stamps = Vec::new();
     let mut tasks = Vec::new();
     let mut specs = Vec::new();
     for &partition in partitions {
@@ -492,6 +516,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             why: e.to_string(),
         })?;
         let store = open_current(&path, partition)?;
+        stamps.push(store.written_at()?.unwrap_or(restore_started));
         for family in CHANGELOGGED {
             specs.push((
                 tasks.len(),
@@ -534,7 +559,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             }
             let last = records.last().map(|r| r.2).unwrap_or_default();
             store
-                .apply(staged, &[(family, last)])
+                .apply_at(staged, &[(family, last)], stamps[*task_index])
                 .map_err(|e| e.to_string())
         })
         .map_err(|e| HubError::Restore {
@@ -550,6 +575,9 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
         took,
     }
     .emit();
+    for (_, task) in &tasks {
+        task.store.stamp(restore_started)?;
+    }
     for (i, (_, task)) in tasks.iter_mut().enumerate() {
         // Tenants with timers: from the restored tail, and from the store for the part before it.
         for t in &tenants[i] {
@@ -577,17 +605,41 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
 /// clocks that disagree and a restore that takes its time.
 pub const STALE_AFTER: Duration = Duration::from_secs(12 * 3600);
 
-/// Opens the store at `path`, discarding it first if it is older than [`STALE_AFTER`] (or holds
-/// offsets but no time: written by a version that did not record it).
+/// Wall-clock now, in ms since the epoch (stores' stamps compare with it on the same host).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The newest modification time of the store's table files (ms since the epoch), for a store a
+/// version before stamps wrote: RocksDB writes one at each flush (every clean close), never
+/// touches them after, and rewrites other files when it opens. None: no table file.
+fn newest_table_file_ms(path: &std::path::Path) -> Option<i64> {
+    std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "sst"))
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .filter_map(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as i64)
+        .max()
+}
+
+/// Opens the store at `path`, discarding it first if it was last known current more than
+/// [`STALE_AFTER`] ago. A store with offsets and no stamp (written by an earlier version) is
+/// dated by its newest table file. The directory is renamed before it is deleted, so a crash
+/// in between leaves no half-deleted database where a store is looked for.
 fn open_current(path: &std::path::Path, partition: i32) -> Result<Store, HubError> {
+    let table_files_ms = newest_table_file_ms(path);
     let store = Store::open(path, &FAMILIES)?;
     if store.changelog_offset(JOBS)?.is_none() {
         return Ok(store);
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
-    let age_ms = store.written_at()?.map(|at| now.saturating_sub(at));
+    let age_ms = store
+        .written_at()?
+        .or(table_files_ms)
+        .map(|at| now_ms().saturating_sub(at));
     if age_ms.is_some_and(|a| a <= STALE_AFTER.as_millis() as i64) {
         return Ok(store);
     }
@@ -601,7 +653,12 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<Store, HubErro
         partition,
         why: format!("discarding stale local state: {e}"),
     };
-    std::fs::remove_dir_all(path).map_err(gone)?;
+    let aside = path.with_extension("discarded");
+    if aside.exists() {
+        std::fs::remove_dir_all(&aside).map_err(gone)?;
+    }
+    std::fs::rename(path, &aside).map_err(gone)?;
+    std::fs::remove_dir_all(&aside).map_err(gone)?;
     std::fs::create_dir_all(path).map_err(gone)?;
     Ok(Store::open(path, &FAMILIES)?)
 }
@@ -1090,6 +1147,20 @@ impl HubStage {
             }
         }
         self.drain_on_stop(&producer, &consumer, &shared)?;
+        if !consumer.assignment_lost() {
+            // Still the owner: the stores are current (see `STALE_AFTER`).
+            let stopped = now_ms();
+            for task in shared
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .tasks
+                .values()
+            {
+                if let Err(e) = task.store.stamp(stopped) {
+                    tracing::warn!(error = %e, "could not stamp a store at stop");
+                }
+            }
+        }
         crate::runtime::liveness::rest(self.liveness());
         tracing::info!(stage = self.stage, "hub stage stopping");
         consumer.unsubscribe();

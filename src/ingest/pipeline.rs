@@ -192,8 +192,8 @@ impl Ingest {
             .subscribe(&[self.config.follow_pattern.as_str()])
             .map_err(KafkaError::from)?;
         tracing::info!(pattern = %self.config.follow_pattern, group = %self.config.group_id, transactional_id = %txn_id, "ingest started");
-        // Matched as librdkafka matches the subscription; `None` only if POSIX refuses a pattern
-        // Rust's regex took when the configuration was read (then ingest runs unwatched).
+        // Matched as librdkafka matches the subscription (checked when the configuration was
+        // read; `None` only for a configuration built otherwise, then ingest runs unwatched).
         let watch = PosixRegex::new(&self.config.follow_pattern)
             .map(|re| GroupWatch::shared(&self.config, &self.config.group_id, Covers::Pattern(re)));
         if watch.is_none() {

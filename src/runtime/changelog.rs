@@ -128,7 +128,11 @@ pub fn restore(
         return Ok(stats);
     }
     consumer.assign(&tpl)?;
-    let deadline = Instant::now() + Duration::from_secs(600);
+    // A restore fails only when it stopped moving: a long one (a state directory deleted, a
+    // store discarded as stale, the first start after an upgrade) that still reads records goes
+    // on; one that waits that long for an open transaction (which the transaction timeout ends
+    // in a minute) or reads nothing through errors stops, and its process restarts.
+    let mut progress_at = Instant::now();
     let mut idle_since = Instant::now();
     let mut waiting_logged = false;
     loop {
@@ -151,6 +155,7 @@ pub fn restore(
         }
         if !chunk.is_empty() {
             idle_since = Instant::now();
+            progress_at = idle_since;
             // Hand records over per partition, in order.
             let mut by_spec: HashMap<usize, Vec<ChangelogRecord<'_>>> = HashMap::new();
             for m in &chunk {
@@ -198,9 +203,10 @@ pub fn restore(
                 "restore waiting for an open transaction on a changelog to end"
             );
         }
-        if Instant::now() > deadline {
+        if progress_at.elapsed() > RESTORE_STALL {
             return Err(KafkaError::Setup(format!(
-                "restore stalled with {} partitions left",
+                "restore stalled: no record in {} s with {} partitions left",
+                RESTORE_STALL.as_secs(),
                 pending.len()
             )));
         }
@@ -208,6 +214,9 @@ pub fn restore(
     stats.took = started.elapsed();
     Ok(stats)
 }
+
+/// How long a restore may read nothing before it fails.
+const RESTORE_STALL: Duration = Duration::from_secs(600);
 
 /// A partition's watermarks, retried for up to a minute: right after a topic is created or a
 /// broker dies, its leader may not be known yet (`NotLeaderForPartition`, transport errors), and

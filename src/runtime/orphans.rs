@@ -13,12 +13,13 @@
 //! thread that describes the group every session timeout (at least 5 s) and, while it is stable,
 //! compares its members' assignments with the partitions it should cover. A set of partitions
 //! held by no member in two readings at least [`PERSIST`] apart is a finding. Members are ranked
-//! by the partitions they hold (fewest first, the cheapest to move, then by member id); the
-//! member of rank k leaves the group and joins again ([`Rejoin`]) from reading 2 + 2k on, which
-//! starts a rebalance that hands every partition out. Each rejoin that works ends the finding
-//! (the group rebalances); one that did not (its leave lost) lets the next member try. A set that
-//! comes back after a rejoin is left alone for [`RETRY_AFTER`], so a difference between the
-//! watch's view and the assignor's costs a rebalance every ten minutes at most.
+//! by the partitions they hold (fewest first, the cheapest to move, then by member id); from the
+//! reading that makes it a finding (`due`), the member of rank k leaves the group and joins
+//! again ([`Rejoin`]) at reading `due + 2k`, which starts a rebalance that hands every partition
+//! out. Each rejoin that works ends the finding (the group rebalances); one that did not (its
+//! leave lost) lets the next member try. A set that comes back after a rejoin, or outlasts every
+//! member's turn, is left alone for [`RETRY_AFTER`], so a difference between the watch's view
+//! and the assignor's costs a round of rejoins every ten minutes at most.
 //!
 //! A false finding is possible while a member takes longer than [`PERSIST`] to give up what
 //! round one took from it (its revocation waits behind a long restore): the rejoin then costs one
@@ -42,6 +43,8 @@ pub const FIRST_AFTER: u32 = 2;
 pub const PERSIST: Duration = Duration::from_secs(30);
 /// How long a set acted on is left alone if it comes back.
 pub const RETRY_AFTER: Duration = Duration::from_secs(600);
+/// A finding read longer ago than this is not acted on.
+const STALE_FINDING: Duration = Duration::from_secs(60);
 /// How long a loop waits for its leave to go out before it subscribes again anyway.
 const LEAVE_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -222,6 +225,17 @@ impl Tracker {
             if !self.acted.iter().any(|(set, _)| *set == finding.orphans) {
                 self.acted.push((finding.orphans.clone(), now));
             }
+        }
+        if finding
+            .due
+            .is_some_and(|due| finding.times >= due + 2 * finding.ranked.len() as u32)
+        {
+            // Every member had its turn and the set is still there: not something a rejoin
+            // mends (or one the watch sees and the assignor does not). Left alone for a while.
+            tracing::warn!(partitions = %names(&finding.orphans), "partitions still held by no member after every member rejoined; next try in 10 minutes");
+            self.acted.retain(|(set, _)| *set != finding.orphans);
+            self.acted.push((finding.orphans.clone(), now));
+            self.holding = true;
         }
         self.current = Some(finding.clone());
         if self.holding {
@@ -460,8 +474,8 @@ impl Rejoin {
         let Some(finding) = watch.latest() else {
             return Ok(());
         };
-        // A finding two readings old is stale (the watch could not read the group since).
-        if !settled || finding.read_at.elapsed() > 2 * LEAVE_PATIENCE.max(PERSIST) {
+        // A finding older than a minute is stale (the watch could not read the group since).
+        if !settled || finding.read_at.elapsed() > STALE_FINDING {
             return Ok(());
         }
         // The same finding again only once every member had its turn (each rejoin that works
@@ -595,6 +609,14 @@ mod tests {
         assert!(fifth.calls_on("b"), "then rank 1, two readings later");
         assert!(!fifth.calls_on("c"), "never a stranger");
         assert_eq!(fifth.id, first.id);
+        // Still there once every member had its turn (due 3 + 2 x 2 members): held back.
+        assert!(read(&stuck, 60).is_some());
+        assert_eq!(read(&stuck, 70), None, "held after every member's turn");
+        let mut t = Tracker::default();
+        let mut read = |v: &GroupView, s: u64| t.observe(Some((v, &expected)), at(s));
+        for s in [0, 10, 30] {
+            read(&stuck, s);
+        }
 
         // The rejoin's rebalance: the set goes, then comes back at once: held back.
         let moving = view("PreparingRebalance", &[("b", &[3, 4, 5]), ("a", &[])]);

@@ -131,6 +131,11 @@ impl Store {
             .map(i64::from_be_bytes))
     }
 
+    /// Records that the store was current at `at` (ms since the epoch), writing nothing else.
+    pub fn stamp(&self, at: i64) -> Result<(), StoreError> {
+        self.apply_at(Staged::default(), &[], at)
+    }
+
     /// Applies staged writes and the new changelog offsets atomically, stamped with the time.
     pub fn apply(&self, staged: Staged, offsets: &[(&str, i64)]) -> Result<(), StoreError> {
         let now = std::time::SystemTime::now()

@@ -297,7 +297,7 @@ impl Topology {
                         .get(key)
                         .and_then(|e| e.value.clone())
                         .unwrap_or_default();
-                    if have != want {
+                    if !satisfies(key, &have, &want) {
                         differs = true;
                         findings.push(Finding::Differs {
                             topic: name.clone(),
@@ -389,6 +389,15 @@ async fn wait_for_topics<'a>(
     }
 }
 
+/// Whether a topic's setting `have` meets the topology's `want`: equal, or for
+/// `delete.retention.ms` at least as long (tombstones kept longer only help a restore).
+fn satisfies(key: &str, have: &str, want: &str) -> bool {
+    match (key, have.parse::<i64>(), want.parse::<i64>()) {
+        ("delete.retention.ms", Ok(h), Ok(w)) => h >= w,
+        _ => have == want,
+    }
+}
+
 fn retention_ms(text: &str) -> Result<i64, String> {
     if text == "forever" {
         return Ok(-1);
@@ -432,6 +441,17 @@ mod tests {
             CleanupPolicy::Compact
         );
         assert_eq!(t.full_name("inbox"), "streaming-hub.inbox");
+    }
+
+    #[test]
+    fn a_longer_tombstone_retention_satisfies_the_topology_a_shorter_one_does_not() {
+        assert!(satisfies("delete.retention.ms", "86400000", "86400000"));
+        assert!(satisfies("delete.retention.ms", "604800000", "86400000"));
+        assert!(!satisfies("delete.retention.ms", "3600000", "86400000"));
+        assert!(
+            !satisfies("retention.ms", "604800000", "86400000"),
+            "others: equal only"
+        );
     }
 
     #[test]
