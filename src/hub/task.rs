@@ -454,12 +454,19 @@ impl ConsumerContext for HubContext {
                 .iter()
                 .map(|e| match e.offset() {
                     Offset::Offset(o) => (e.partition(), Some(o)),
+                    // If the watermark cannot be read, 0: committed below the log start it
+                    // means the log start (`auto.offset.reset` is earliest).
                     _ => (
                         e.partition(),
-                        consumer
-                            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10))
-                            .ok()
-                            .map(|(low, _)| low),
+                        Some(
+                            consumer
+                                .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
+                                .map(|(low, _)| low)
+                                .unwrap_or_else(|err| {
+                                    tracing::warn!(partition = e.partition(), error = %err, "low watermark not read; the partition's fence offset is 0");
+                                    0
+                                }),
+                        ),
                     ),
                 })
                 .collect();
@@ -515,8 +522,8 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             partition,
             why: e.to_string(),
         })?;
-        let store = open_current(&path, partition)?;
-        stamps.push(store.written_at()?.unwrap_or(restore_started));
+        let (store, current_at) = open_current(&path, partition)?;
+        stamps.push(current_at.unwrap_or(restore_started));
         for family in CHANGELOGGED {
             specs.push((
                 tasks.len(),
@@ -630,18 +637,26 @@ fn newest_table_file_ms(path: &std::path::Path) -> Option<i64> {
 /// [`STALE_AFTER`] ago. A store with offsets and no stamp (written by an earlier version) is
 /// dated by its newest table file. The directory is renamed before it is deleted, so a crash
 /// in between leaves no half-deleted database where a store is looked for.
-fn open_current(path: &std::path::Path, partition: i32) -> Result<Store, HubError> {
+/// Returns the store and the time it was last known current (None: empty or just discarded).
+fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option<i64>), HubError> {
+    let gone = |e: std::io::Error| HubError::Restore {
+        partition,
+        why: format!("discarding stale local state: {e}"),
+    };
+    let aside = path.with_extension("discarded");
+    if aside.exists() {
+        // Left by a crash between the rename and the delete below.
+        std::fs::remove_dir_all(&aside).map_err(gone)?;
+    }
     let table_files_ms = newest_table_file_ms(path);
     let store = Store::open(path, &FAMILIES)?;
     if store.changelog_offset(JOBS)?.is_none() {
-        return Ok(store);
+        return Ok((store, None));
     }
-    let age_ms = store
-        .written_at()?
-        .or(table_files_ms)
-        .map(|at| now_ms().saturating_sub(at));
+    let current_at = store.written_at()?.or(table_files_ms);
+    let age_ms = current_at.map(|at| now_ms().saturating_sub(at));
     if age_ms.is_some_and(|a| a <= STALE_AFTER.as_millis() as i64) {
-        return Ok(store);
+        return Ok((store, current_at));
     }
     drop(store);
     tracing::info!(
@@ -649,18 +664,10 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<Store, HubErro
         age_h = age_ms.map(|a| a / 3_600_000),
         "local state older than tombstones are sure to stay on the changelog: discarded, restoring from the start"
     );
-    let gone = |e: std::io::Error| HubError::Restore {
-        partition,
-        why: format!("discarding stale local state: {e}"),
-    };
-    let aside = path.with_extension("discarded");
-    if aside.exists() {
-        std::fs::remove_dir_all(&aside).map_err(gone)?;
-    }
     std::fs::rename(path, &aside).map_err(gone)?;
     std::fs::remove_dir_all(&aside).map_err(gone)?;
     std::fs::create_dir_all(path).map_err(gone)?;
-    Ok(Store::open(path, &FAMILIES)?)
+    Ok((Store::open(path, &FAMILIES)?, None))
 }
 
 /// Opens and restores the stores of `partitions`, then closes them; returns the records read.

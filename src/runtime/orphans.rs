@@ -226,9 +226,10 @@ impl Tracker {
                 self.acted.push((finding.orphans.clone(), now));
             }
         }
-        if finding
-            .due
-            .is_some_and(|due| finding.times >= due + 2 * finding.ranked.len() as u32)
+        if !self.holding
+            && finding
+                .due
+                .is_some_and(|due| finding.times >= due + 2 * finding.ranked.len() as u32)
         {
             // Every member had its turn and the set is still there: not something a rejoin
             // mends (or one the watch sees and the assignor does not). Left alone for a while.
@@ -612,6 +613,11 @@ mod tests {
         // Still there once every member had its turn (due 3 + 2 x 2 members): held back.
         assert!(read(&stuck, 60).is_some());
         assert_eq!(read(&stuck, 70), None, "held after every member's turn");
+        for s in (80..670).step_by(10) {
+            assert_eq!(read(&stuck, s), None, "still held at {s}");
+        }
+        let after = read(&stuck, 670).expect("tried again ten minutes later");
+        assert_eq!(after.times, 1);
         let mut t = Tracker::default();
         let mut read = |v: &GroupView, s: u64| t.observe(Some((v, &expected)), at(s));
         for s in [0, 10, 30] {
