@@ -477,17 +477,8 @@ fn squatter(group: &str, topic: &str) -> BaseConsumer {
 /// (group `<group>` on the source topic).
 async fn partitions_given_up_between_rounds_are_handed_out_again(stage: &str) {
     let mut run = Run::new(&format!("orphan{stage}")).await;
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-        .args(["topology", "apply"])
-        .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
-        .env("STREAMING_HUB_TOPIC_PREFIX", &run.prefix)
-        .env(
-            "STREAMING_HUB_TOPOLOGY_FILE",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
-        )
-        .output()
-        .expect("topology apply");
-    assert!(out.status.success(), "{out:?}");
+    let (code, out) = topology_apply(&run.prefix, &[]);
+    assert_eq!(code, 0, "{out}");
     let (group, topic, partitions) = match stage {
         "hub" => (format!("{}-group.hub", run.prefix), run.inbox(), 6i32),
         _ => (format!("{}-group", run.prefix), run.topic.clone(), 3i32),

@@ -2,31 +2,10 @@
 //! settings, changes nothing the second time, and reports a topic whose settings differ.
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 use rdkafka::admin::{AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
-
-fn apply(prefix: &str, extra: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-        .args(["topology", "apply"])
-        .args(extra)
-        .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
-        .env("STREAMING_HUB_TOPIC_PREFIX", prefix)
-        .env(
-            "STREAMING_HUB_TOPOLOGY_FILE",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
-        )
-        .output()
-        .expect("run topology apply");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), text)
-}
 
 async fn config_of(topic: &str, key: &str) -> String {
     let a = admin();
@@ -44,7 +23,7 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
     require_broker();
     let prefix = unique("topo");
 
-    let (code, text) = apply(&prefix, &["--dry-run"]);
+    let (code, text) = topology_apply(&prefix, &["--dry-run"]);
     assert_eq!(code, 0, "{text}");
     assert!(
         text.contains(&format!("missing  {prefix}.inbox (would create)")),
@@ -59,7 +38,7 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
         "dry run created something"
     );
 
-    let (code, text) = apply(&prefix, &[]);
+    let (code, text) = topology_apply(&prefix, &[]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains(&format!("created  {prefix}.inbox")), "{text}");
     assert!(
@@ -98,7 +77,7 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
         "2097152"
     );
 
-    let (code, text) = apply(&prefix, &[]);
+    let (code, text) = topology_apply(&prefix, &[]);
     assert_eq!(code, 0, "{text}");
     assert!(
         !text.contains("created"),
@@ -121,7 +100,7 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     {
         r.unwrap();
     }
-    let (code, text) = apply(&prefix, &[]);
+    let (code, text) = topology_apply(&prefix, &[]);
     assert_eq!(code, 1, "{text}");
     assert!(
         text.contains(&format!(

@@ -612,11 +612,11 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
 /// clocks that disagree and a restore that takes its time.
 pub const STALE_AFTER: Duration = Duration::from_secs(12 * 3600);
 
-/// Wall-clock now, in ms since the epoch (stores' stamps compare with it on the same host).
+/// Wall-clock now, in ms since the epoch: stores' stamps are compared on the same host, and
+/// with the brokers' real time, never the injected clock.
 fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+    use crate::runtime::clock::Clock;
+    crate::runtime::clock::SystemClock.now_ms()
 }
 
 /// The newest modification time of the store's table files (ms since the epoch), for a store a
@@ -1061,9 +1061,14 @@ impl HubStage {
         let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
-            let settled = kafka::membership_confirmed(&consumer, &consumer.context().membership);
             rejoin
-                .tick(&watch, &consumer, settled, &self.env.inbox, "hub")
+                .tick(
+                    &watch,
+                    &consumer,
+                    &consumer.context().membership,
+                    &self.env.inbox,
+                    "hub",
+                )
                 .map_err(KafkaError::from)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();

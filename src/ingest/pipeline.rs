@@ -206,13 +206,11 @@ impl Ingest {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
             batch.clear();
             if let Some(watch) = &watch {
-                let settled =
-                    kafka::membership_confirmed(&consumer, &consumer.context().membership);
                 rejoin
                     .tick(
                         watch,
                         &consumer,
-                        settled,
+                        &consumer.context().membership,
                         &self.config.follow_pattern,
                         "ingest",
                     )

@@ -442,13 +442,13 @@ pub struct Rejoin {
 impl Rejoin {
     /// Called once per turn of the loop (at least every few hundred milliseconds, idle or not),
     /// between batches; the loop keeps polling, which serves the revocation the leave waits for.
-    /// `settled`: the loop's membership is the one its last rebalance callback ran under (no
-    /// rebalance half served).
+    /// It acts only while the loop's membership is the one its last rebalance callback ran under
+    /// (`confirmed`: no rebalance half served), read only when a finding calls on it.
     pub fn tick<C: ConsumerContext>(
         &mut self,
         watch: &GroupWatch,
         consumer: &BaseConsumer<C>,
-        settled: bool,
+        confirmed: &crate::runtime::kafka::ConfirmedMembership,
         subscription: &str,
         stage: &'static str,
     ) -> Result<(), rdkafka::error::KafkaError> {
@@ -476,7 +476,7 @@ impl Rejoin {
             return Ok(());
         };
         // A finding older than a minute is stale (the watch could not read the group since).
-        if !settled || finding.read_at.elapsed() > STALE_FINDING {
+        if finding.read_at.elapsed() > STALE_FINDING {
             return Ok(());
         }
         // The same finding again only once every member had its turn (each rejoin that works
@@ -491,7 +491,10 @@ impl Rejoin {
         let me = crate::runtime::kafka::membership(consumer)
             .map(|m| m.member_id)
             .unwrap_or_default();
-        if me.is_empty() || !finding.calls_on(&me) {
+        if me.is_empty()
+            || !finding.calls_on(&me)
+            || !crate::runtime::kafka::membership_confirmed(consumer, confirmed)
+        {
             return Ok(());
         }
         self.acted = Some((finding.id, finding.times));

@@ -138,10 +138,8 @@ impl Store {
 
     /// Applies staged writes and the new changelog offsets atomically, stamped with the time.
     pub fn apply(&self, staged: Staged, offsets: &[(&str, i64)]) -> Result<(), StoreError> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
-        self.apply_at(staged, offsets, now)
+        use crate::runtime::clock::Clock;
+        self.apply_at(staged, offsets, crate::runtime::clock::SystemClock.now_ms())
     }
 
     /// [`Store::apply`] stamped with `written_at` (ms since the epoch): how old the store is

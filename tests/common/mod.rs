@@ -945,3 +945,25 @@ pub fn delete_records_before(topic: &str, partition: i32, offset: i64) {
         (low == offset).then_some(())
     });
 }
+
+/// `streaming-hub topology apply [extra]` for `prefix` with the repository's topology file:
+/// (exit code, stdout + stderr).
+pub fn topology_apply(prefix: &str, extra: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["topology", "apply"])
+        .args(extra)
+        .env("STREAMING_HUB_KAFKA_BROKERS", brokers())
+        .env("STREAMING_HUB_TOPIC_PREFIX", prefix)
+        .env(
+            "STREAMING_HUB_TOPOLOGY_FILE",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
+        )
+        .output()
+        .expect("run topology apply");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
