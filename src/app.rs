@@ -319,7 +319,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             state.sinks,
             clock.clone(),
         );
-        let retrier = PendingRetrier::new(state.subs.clone(), prober, clock.clone());
+        let retrier = PendingRetrier::new(state.subs.clone(), prober, clock.clone())
+            .with_write_lock(state.write_lock());
         tokio::spawn(retrier.run(stop.clone()));
         router = router.merge(api::router(state));
     }

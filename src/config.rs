@@ -500,7 +500,8 @@ settings! {
     autodisable_failure_spread: std::time::Duration = "12h";
     /// DANGEROUS, tests only: run on a virtual clock that `POST /admin/clock/advance` moves.
     dangerous_test_clock: bool = "false";
-    /// Timeout of one outgoing HTTP request (delivery or verification), whole response included.
+    /// Timeout of one outgoing HTTP request (delivery or verification), whole response included
+    /// (at least 100ms).
     http_timeout: std::time::Duration = "15s";
     /// Pull API: requests per second per tenant (per instance); `0` turns the limit off.
     pull_rate: u32 = "10";
@@ -516,7 +517,7 @@ settings! {
     shutdown_timeout: std::time::Duration = "30s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
     /// for this long, e.g. stuck in a Kafka call that never returns. The consumers' own poll
-    /// limit (`max.poll.interval.ms`) is set above it: this exit comes first.
+    /// limit (`max.poll.interval.ms`) is set above it: this exit comes first (at least 10s).
     stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
@@ -631,6 +632,24 @@ impl Config {
                 "STREAMING_HUB_HUB_BATCH_JOBS",
                 "must be at least 1",
             ));
+        }
+        // Durations that make the process useless at zero or near it: every delivery timing
+        // out, or the watchdog restarting the process before a loop can turn.
+        for (var, value, least) in [
+            (
+                "STREAMING_HUB_HTTP_TIMEOUT",
+                self.http_timeout,
+                Duration::from_millis(100),
+            ),
+            (
+                "STREAMING_HUB_STALL_TIMEOUT",
+                self.stall_timeout,
+                Duration::from_secs(10),
+            ),
+        ] {
+            if value < least {
+                return Err(invalid(var, &format!("must be at least {least:?}")));
+            }
         }
         if self.max_payload_bytes == 0 || self.max_payload_bytes > MAX_PAYLOAD_BYTES {
             return Err(invalid(
@@ -884,6 +903,28 @@ mod tests {
                 .starts_with("STREAMING_HUB_KAFKA_SASL_USERNAME is required"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn durations_too_short_to_work_are_refused_naming_the_variable() {
+        for (var, value) in [
+            ("STREAMING_HUB_HTTP_TIMEOUT", "0s"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "50ms"),
+            ("STREAMING_HUB_STALL_TIMEOUT", "0s"),
+            ("STREAMING_HUB_STALL_TIMEOUT", "5s"),
+        ] {
+            let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
+            assert!(
+                e.to_string().starts_with(var) && e.to_string().contains("at least"),
+                "{var}={value}: {e}"
+            );
+        }
+        let c = Config::from_vars(vars(&[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "100ms"),
+            ("STREAMING_HUB_STALL_TIMEOUT", "10s"),
+        ]))
+        .unwrap();
+        assert_eq!(c.stall_timeout, Duration::from_secs(10));
     }
 
     #[test]

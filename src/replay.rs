@@ -22,6 +22,8 @@ pub enum Target {
     /// The first offset at or after this time (ms since the epoch) in every partition.
     Time(i64),
     /// This offset in every partition (clamped to what the log still holds).
+    ///
+    /// Whatever the target, no partition moves past the group's committed offset ([`moved_to`]).
     Offset(i64),
     Earliest,
 }
@@ -84,7 +86,7 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
         let (low, high) = consumer
             .fetch_watermarks(&inbox, *p, timeout)
             .map_err(kafka_err)?;
-        let new = match target {
+        let to = match target {
             Target::Earliest => low,
             Target::Offset(o) => (*o).clamp(low, high),
             Target::Time(_) => match by_time
@@ -100,6 +102,7 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
             Some(Offset::Offset(o)) => Some(o),
             _ => None,
         };
+        let new = moved_to(to, old, low);
         wanted
             .add_partition_offset(&inbox, *p, Offset::Offset(new))
             .map_err(kafka_err)?;
@@ -115,6 +118,18 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
             ) => Err(ReplayError::GroupActive { group }),
             _ => Err(kafka_err(e)),
         },
+    }
+}
+
+/// Where a partition goes: back to `to`, never forward. A target past the group's committed
+/// offset (a time after the partition's last record, one inside a backlog the hub has not
+/// reached, an offset ahead of it) would skip records the hub never processed, so such a
+/// partition stays where it is; one the group never committed starts at the log start (where
+/// the hub would start it anyway).
+fn moved_to(to: i64, committed: Option<i64>, low: i64) -> i64 {
+    match committed {
+        Some(c) => to.min(c.max(low)),
+        None => low,
     }
 }
 
@@ -138,6 +153,19 @@ pub fn parse_time(text: &str) -> Result<Target, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_moves_back_never_forward() {
+        // Back to the target.
+        assert_eq!(moved_to(100, Some(500), 0), 100);
+        // A target past what the hub committed (its backlog, the log end): stays.
+        assert_eq!(moved_to(1000, Some(900), 0), 900);
+        assert_eq!(moved_to(900, Some(900), 0), 900);
+        // Committed below the log start (truncated): the log start, not further.
+        assert_eq!(moved_to(800, Some(10), 50), 50);
+        // Never committed: the log start, whatever the target.
+        assert_eq!(moved_to(700, None, 20), 20);
+    }
 
     #[test]
     fn targets_parse_and_bad_input_is_named() {

@@ -582,3 +582,193 @@ async fn two_hub_loops_split_the_inbox_and_deliver_every_event_once() {
     assert_eq!(all.len(), 6, "{owned:?}");
     assert_eq!(owned.values().map(Vec::len).sum::<usize>(), 6, "{owned:?}");
 }
+
+/// A member of the hub's group outside any hub (dynamic: it leaves when dropped), polling until
+/// `stop`; `held` is its assignment as of its last poll.
+fn squatter_thread(
+    group: String,
+    inbox: String,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    held: Arc<Mutex<Vec<i32>>>,
+) -> std::thread::JoinHandle<()> {
+    use rdkafka::config::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    std::thread::spawn(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("group.id", &group)
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set("session.timeout.ms", "6000")
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("squatter");
+        c.subscribe(&[inbox.as_str()]).expect("subscribe");
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            // Records it is handed are never committed: the hub reads them after it leaves.
+            let _ = c.poll(Duration::from_millis(50));
+            if let Ok(a) = c.assignment() {
+                *held.lock().unwrap() = a.elements().iter().map(|e| e.partition()).collect();
+            }
+        }
+        c.unsubscribe();
+    })
+}
+
+/// A newly assigned partition is restored beside the loop, not inside the rebalance callback:
+/// while one waits for its changelog (here an open transaction at its end, as a previous
+/// owner's would leave), the partitions the loop already had keep delivering, and the waiting
+/// one delivers nothing until it is restored; then every event is delivered, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_already_held_keep_delivering_while_a_new_one_restores() {
+    use rdkafka::config::ClientConfig;
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let s = setup("bgrestore").await;
+    let (url, sink) = start_sink(vec![200]).await;
+    let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
+    for t in &tenants {
+        subscribe(&s, t, &url, None).await;
+    }
+    let inbox = format!("{}.inbox", s.prefix);
+    let group = format!("{}-group.hub", s.prefix);
+    let owned = |want: usize| {
+        let s = &s;
+        async move {
+            for _ in 0..1200 {
+                let n = partitions_by_loop(s)
+                    .await
+                    .values()
+                    .map(Vec::len)
+                    .sum::<usize>();
+                if n == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("the hub never owned {want} inbox partitions");
+        }
+    };
+    // State in every store first: a wave of events, delivered.
+    let first: Vec<Rec> = tenants
+        .iter()
+        .map(|t| event(t, "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &first);
+    wait_for_deliveries(&sink, first.len(), Duration::from_secs(90));
+    owned(6).await;
+
+    // Another member takes half of the inbox.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let squatter = squatter_thread(group, inbox.clone(), stop.clone(), held.clone());
+    let theirs: Vec<i32> = wait_until(Duration::from_secs(120), "the squatter holds 3", || {
+        let h = held.lock().unwrap().clone();
+        (h.len() == 3).then_some(h)
+    });
+    owned(3).await;
+    let blocked = *theirs.iter().min().unwrap();
+
+    // A transaction left open at the end of one of those partitions' state changelog.
+    let blocker: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("blocker"))
+        .set("transaction.timeout.ms", "180000")
+        .create()
+        .expect("producer");
+    blocker.init_transactions(Duration::from_secs(30)).unwrap();
+    blocker.begin_transaction().unwrap();
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    blocker
+        .send(
+            BaseRecord::<[u8], [u8]>::to(&changelog)
+                .partition(blocked)
+                .key(&b"test/restore-blocker"[..]),
+        )
+        .map_err(|(e, _)| e)
+        .unwrap();
+    blocker.flush(Duration::from_secs(10)).unwrap();
+
+    // The squatter leaves; its partitions come back to the hub and wait on the changelog.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    squatter.join().unwrap();
+    s.wait_metric("streaming_hub_restoring_partitions", 1).await;
+
+    let second: Vec<Rec> = tenants
+        .iter()
+        .flat_map(|t| (0..2).map(move |_| event(t, "ledger", "transaction", "created")))
+        .collect();
+    produce(&producer(), &s.topic, &second);
+    let wanted: std::collections::BTreeSet<String> = second.iter().map(Rec::id).collect();
+    let on_inbox = read_until(&[&inbox], Duration::from_secs(60), |got| {
+        got.iter()
+            .filter(|g| g.rec.header("ce-id").is_some_and(|id| wanted.contains(id)))
+            .count()
+            == wanted.len()
+    });
+    let partition_of: BTreeMap<String, i32> = on_inbox
+        .iter()
+        .filter_map(|g| Some((g.rec.header("ce-id")?.to_string(), g.partition)))
+        .filter(|(id, _)| wanted.contains(id))
+        .collect();
+    let mine: Vec<&String> = partition_of
+        .iter()
+        .filter(|(_, p)| !theirs.contains(p))
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        !mine.is_empty(),
+        "no event landed on the hub's own partitions: {partition_of:?}"
+    );
+    let delivered_ids = |sink: &Sink| -> Vec<String> {
+        sink.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|r| r.headers.get("x-lerian-event-id").cloned())
+            .collect()
+    };
+    wait_until(
+        Duration::from_secs(60),
+        "the events of the partitions the hub kept delivered during the restore",
+        || {
+            let got = delivered_ids(&sink);
+            mine.iter().all(|id| got.contains(id)).then_some(())
+        },
+    );
+    let text = s.metrics_text().await;
+    assert!(
+        metric_sum(&text, "streaming_hub_restoring_partitions") > 0,
+        "the restore ended before the open transaction did"
+    );
+    let got = delivered_ids(&sink);
+    let early: Vec<&String> = partition_of
+        .iter()
+        .filter(|(id, p)| **p == blocked && got.contains(id))
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        early.is_empty(),
+        "events of partition {blocked} delivered before its stores were restored: {early:?}"
+    );
+
+    // The transaction ends; the restore finishes and the rest is delivered, each event once.
+    blocker.abort_transaction(Duration::from_secs(30)).unwrap();
+    let all = wait_for_deliveries(&sink, first.len() + second.len(), Duration::from_secs(120));
+    let mut ids: Vec<String> = all
+        .iter()
+        .filter_map(|r| r.headers.get("x-lerian-event-id").cloned())
+        .collect();
+    ids.sort_unstable();
+    let n = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), n, "an event was delivered twice");
+    assert!(
+        wanted.iter().all(|id| ids.contains(id)),
+        "every event delivered"
+    );
+    owned(6).await;
+    assert_eq!(
+        s.metric("streaming_hub_restoring_partitions").await,
+        0,
+        "no restore left"
+    );
+}

@@ -160,13 +160,18 @@ async fn restore_waits_for_an_open_transaction_and_reads_what_was_committed_afte
     let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
     let restore = std::thread::spawn(move || {
         let mut keys: Vec<String> = Vec::new();
-        streaming_hub::runtime::changelog::restore(&config, &[spec], |_, records| {
-            for (k, _, _) in records {
-                keys.push(String::from_utf8_lossy(k).into_owned());
-            }
-            let _ = started_tx.send(());
-            Ok(())
-        })
+        streaming_hub::runtime::changelog::restore(
+            &config,
+            &[spec],
+            &Default::default(),
+            |_, records| {
+                for (k, _, _) in records {
+                    keys.push(String::from_utf8_lossy(k).into_owned());
+                }
+                let _ = started_tx.send(());
+                Ok(())
+            },
+        )
         .expect("restore");
         keys
     });

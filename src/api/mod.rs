@@ -110,6 +110,12 @@ impl ApiState {
         }
     }
 
+    /// The lock every read-modify-write of this instance's subscriptions is made under (the
+    /// handlers', the pending-verification retrier's).
+    pub fn write_lock(&self) -> Arc<tokio::sync::Mutex<()>> {
+        self.writes.clone()
+    }
+
     /// The state with the KEK and the delivery client built from `config`.
     pub fn from_config(
         config: &Config,

@@ -38,8 +38,23 @@ use crate::subscriptions::model::{
 use crate::subscriptions::secrets::generate_signing_secret;
 use crate::subscriptions::table::Sub;
 
-/// The tenant's subscription `id`, or `404`.
+/// `503` until this instance's subscription table has read the whole control topic (a start):
+/// until then a subscription may be missing or at an old version, so an answer would be wrong
+/// and a write made from it could undo a newer one (a rotated secret, a patch).
+pub fn caught_up(state: &ApiState) -> Result<(), ApiError> {
+    if state.subs.table().is_caught_up() {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        super::errors::codes::UNAVAILABLE,
+        "the subscription table is still loading; retry shortly",
+    ))
+}
+
+/// The tenant's subscription `id`, or `404` (`503` while the table loads).
 pub fn load(state: &ApiState, tenant: &str, id: &str) -> Result<Sub, ApiError> {
+    caught_up(state)?;
     state
         .subs
         .get(id)
@@ -81,6 +96,7 @@ pub async fn create(
     JsonBody(body): JsonBody<CreateSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    caught_up(&state)?;
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();
     let now = state.clock.now_ms();
@@ -189,7 +205,8 @@ pub async fn create(
     responses(
         (status = 200, description = "One page of the tenant's subscriptions", body = SubscriptionPage),
         (status = 400, description = "Bad `limit`, or an admin token without `tenant_id`", body = ErrorBody),
-        (status = 401, description = "Missing, forged or expired token", body = ErrorBody)))]
+        (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 503, description = "The subscription table is still loading (a start)", body = ErrorBody)))]
 pub async fn list(
     State(state): State<ApiState>,
     caller: Caller,
@@ -197,6 +214,7 @@ pub async fn list(
 ) -> Result<Json<SubscriptionPage>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     let limit = query.limit()?;
+    caught_up(&state)?;
     let after = query.cursor.as_deref().unwrap_or("");
     let mut rest = state
         .subs
@@ -221,7 +239,8 @@ pub async fn list(
     responses(
         (status = 200, description = "The subscription; `ETag` is its version", body = SubscriptionView),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
-        (status = 404, description = "No such subscription for this tenant", body = ErrorBody)))]
+        (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 503, description = "The subscription table is still loading (a start)", body = ErrorBody)))]
 pub async fn get_one(
     State(state): State<ApiState>,
     caller: Caller,

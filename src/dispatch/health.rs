@@ -10,6 +10,11 @@
 //! `disabled_at` (never `verification_state`) to the control topic inside the hub transaction;
 //! its remaining jobs are then dead-lettered as `subscription_disabled` when they come due, and
 //! `POST /v1/subscriptions/{id}/verify` re-enables it in place.
+//!
+//! A span belongs to the subscription as it was when the span opened: one that opened before
+//! the subscription last changed (`updated_at`: a patched URL, a re-enable, a verdict, a
+//! rotation) restarts at the next failure, so a destination fixed by its owner is not disabled
+//! for the broken one's hours.
 use crate::dispatch::jobs::{JobError, JobStore};
 use crate::runtime::records::{BreakerState, HealthRecord};
 
@@ -37,12 +42,23 @@ pub enum Verdict {
     Disable { reason: String },
 }
 
-/// Updates the subscription's failure span with one attempt's result.
+/// When the span a failure at `now` belongs to opened: the stored span's start, unless the
+/// subscription changed since (`changed_at`), when a new one opens now.
+pub fn span_start(stored_first: Option<i64>, changed_at: i64, now: i64) -> i64 {
+    match stored_first {
+        Some(first) if first >= changed_at => first,
+        _ => now,
+    }
+}
+
+/// Updates the subscription's failure span with one attempt's result; `changed_at` is the
+/// subscription's `updated_at`.
 pub fn record(
     js: &mut JobStore<'_>,
     subscription_id: &str,
     success: bool,
     now: i64,
+    changed_at: i64,
     gates: &Gates,
 ) -> Result<Verdict, JobError> {
     let key = health_key(subscription_id);
@@ -54,15 +70,21 @@ pub fn record(
         }
         return Ok(Verdict::Keep);
     }
-    let mut h = existing.unwrap_or(HealthRecord {
-        subscription_id: subscription_id.to_string(),
-        first_failure_at: Some(now),
-        last_failure_at: None,
-        consecutive_failures: 0,
-        breaker_state: BreakerState::Closed,
-        breaker_opened_at: None,
-    });
-    let first = h.first_failure_at.unwrap_or(now);
+    let first = span_start(
+        existing.as_ref().and_then(|h| h.first_failure_at),
+        changed_at,
+        now,
+    );
+    let mut h = existing
+        .filter(|h| h.first_failure_at == Some(first))
+        .unwrap_or(HealthRecord {
+            subscription_id: subscription_id.to_string(),
+            first_failure_at: Some(now),
+            last_failure_at: None,
+            consecutive_failures: 0,
+            breaker_state: BreakerState::Closed,
+            breaker_opened_at: None,
+        });
     h.first_failure_at = Some(first);
     h.last_failure_at = Some(now);
     h.consecutive_failures += 1;
@@ -105,6 +127,21 @@ mod tests {
             "spread not reached"
         );
         assert!(should_disable(&GATES, 0, 12 * H, 130 * H));
+    }
+
+    #[test]
+    fn a_span_restarts_when_the_subscription_changed_after_it_opened() {
+        // Failing since hour 0, unchanged since before: the span goes on.
+        assert_eq!(span_start(Some(0), -5 * H, 100 * H), 0);
+        // Changed at hour 0, the span opened then: the same.
+        assert_eq!(span_start(Some(0), 0, 100 * H), 0);
+        // The owner fixed the URL at hour 100; a failure at 121h opens a new span there, so
+        // both gates start again (not disabled for the old URL's 100 hours).
+        let first = span_start(Some(0), 100 * H, 121 * H);
+        assert_eq!(first, 121 * H);
+        assert!(!should_disable(&GATES, first, 121 * H, 121 * H));
+        // No span yet: it opens now.
+        assert_eq!(span_start(None, 0, 7 * H), 7 * H);
     }
 
     #[test]

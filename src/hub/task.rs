@@ -7,11 +7,14 @@
 //! jobs hang off it), the changelog records of every store write, the handler's outputs, and the
 //! inbox offsets. Store writes are staged and reach RocksDB only after the commit.
 //!
-//! Rebalance: a partition assigned to us is restored from its changelogs inside the rebalance
-//! callback, before any of its records is processed. A partition revoked while a batch was being
+//! Rebalance: a partition assigned to us is paused and restored from its changelogs in a thread
+//! beside the loop ([`RestoreJob`]); the loop takes its task and resumes it once restored, so
+//! none of its records is processed before, and the other partitions are served meanwhile. A
+//! revocation stops a restore of the partition (closing its stores) before the callback
+//! returns. A partition revoked while a batch was being
 //! filled has its records dropped from that batch (no transaction is open while polling, so
 //! nothing of it was written): the new owner reads them from the committed offset.
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -282,10 +285,80 @@ struct Shared {
     tasks: HashMap<i32, Task>,
     revoked: HashSet<i32>,
     fatal: Option<HubError>,
+    /// Partitions assigned to this loop and not restored yet (paused meanwhile), with where
+    /// each starts: the restore under way, then those waiting for the next one.
+    restore: Option<RestoreJob>,
+    to_restore: BTreeMap<i32, Start>,
+}
+
+impl Shared {
+    fn restoring(&self) -> usize {
+        self.to_restore.len() + self.restore.as_ref().map_or(0, |j| j.partitions.len())
+    }
+}
+
+/// Where a partition taken by this loop starts: the offset its records are read from once it
+/// is restored, and its fence offset (`Task::next_offset`).
+#[derive(Clone, Copy, Debug)]
+struct Start {
+    from: Offset,
+    fence: Option<i64>,
+}
+
+/// A restore running in a thread of its own, so the loop goes on serving the partitions it has
+/// (their records, timers and outcomes) while newly assigned ones catch up with their
+/// changelogs. Its partitions stay paused until the loop takes the restored tasks.
+struct RestoreJob {
+    partitions: BTreeMap<i32, Start>,
+    cancel: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<Vec<(i32, Task)>, HubError>>,
+}
+
+impl RestoreJob {
+    fn start(env: &Env, partitions: BTreeMap<i32, Start>) -> Result<RestoreJob, HubError> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (env, stop) = (env.clone(), cancel.clone());
+        let parts: Vec<i32> = partitions.keys().copied().collect();
+        let thread = std::thread::Builder::new()
+            .name("hub-restore".into())
+            .spawn(move || open_and_restore(&env, &parts, &stop).map(|(tasks, _)| tasks))
+            .map_err(|e| HubError::Restore {
+                partition: partitions.keys().next().copied().unwrap_or(-1),
+                why: format!("restore thread not started: {e}"),
+            })?;
+        Ok(RestoreJob {
+            partitions,
+            cancel,
+            thread,
+        })
+    }
+
+    /// Stops the restore and waits for its thread, which closes the stores it opened (another
+    /// loop or the next restore may open them at once). Returns its partitions.
+    fn stop(self) -> BTreeMap<i32, Start> {
+        self.cancel.store(true, Ordering::SeqCst);
+        match self.thread.join() {
+            Ok(Ok(_)) | Ok(Err(HubError::Kafka(KafkaError::Cancelled))) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "restore of partitions given up ended in an error")
+            }
+            Err(_) => tracing::error!("restore thread panicked"),
+        }
+        self.partitions
+    }
+}
+
+/// Moves the process-wide count of partitions being restored by `to - from`.
+fn restoring_moved(from: usize, to: usize) {
+    let n = if to >= from {
+        RESTORING.fetch_add(to - from, Ordering::SeqCst) + (to - from)
+    } else {
+        RESTORING.fetch_sub(from - to, Ordering::SeqCst) - (from - to)
+    };
+    telemetry::restoring(n);
 }
 
 struct HubContext {
-    env: Env,
     shared: Arc<Mutex<Shared>>,
     router: Arc<OutcomeRouter>,
     stage: usize,
@@ -402,6 +475,21 @@ impl ConsumerContext for HubContext {
             let current = !consumer.assignment_lost();
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+            let restoring = shared.restoring();
+            // A restore that includes a partition given up stops here, its stores closed before
+            // the callback returns (the next owner may be another loop of this process); its
+            // other partitions wait for the next one.
+            let stopped = shared
+                .restore
+                .take_if(|j| parts.iter().any(|p| j.partitions.contains_key(p)));
+            if let Some(job) = stopped {
+                let back = job.stop();
+                shared.to_restore.extend(back);
+            }
+            for p in &parts {
+                shared.to_restore.remove(p);
+            }
+            restoring_moved(restoring, shared.restoring());
             for p in &parts {
                 // Dropping the task closes its RocksDB.
                 let stamped = match shared.tasks.remove(p) {
@@ -437,8 +525,6 @@ impl ConsumerContext for HubContext {
                 partitions: &format!("{parts:?}"),
             }
             .emit();
-            let n = RESTORING.fetch_add(parts.len(), Ordering::SeqCst) + parts.len();
-            telemetry::restoring(n);
             // The committed offsets come first (`kafka::rebalance_at_committed` reads them as
             // stable and starts the partitions there): the broker holds them back while a
             // transaction that carries an offset of these partitions is still open (a previous
@@ -448,52 +534,143 @@ impl ConsumerContext for HubContext {
             // (a tenant sequence number given twice, found by the fault suite).
             // A partition the group never committed (a new group, offsets expired) starts at
             // its low watermark, which then fences claim-only transactions like a committed
-            // offset would (None only if the watermark cannot be read).
-            let next: HashMap<i32, Option<i64>> = tpl
+            // offset would.
+            let starts: Vec<(i32, Start)> = tpl
                 .elements()
                 .iter()
-                .map(|e| match e.offset() {
-                    Offset::Offset(o) => (e.partition(), Some(o)),
-                    // If the watermark cannot be read, 0: committed below the log start it
-                    // means the log start (`auto.offset.reset` is earliest).
-                    _ => (
-                        e.partition(),
-                        Some(
-                            consumer
-                                .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
-                                .map(|(low, _)| low)
-                                .unwrap_or_else(|err| {
-                                    tracing::warn!(partition = e.partition(), error = %err, "low watermark not read; the partition's fence offset is 0");
-                                    0
-                                }),
-                        ),
-                    ),
+                .map(|e| {
+                    let fence = match e.offset() {
+                        Offset::Offset(o) => o,
+                        // If the watermark cannot be read, 0: committed below the log start it
+                        // means the log start (`auto.offset.reset` is earliest).
+                        _ => consumer
+                            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
+                            .map(|(low, _)| low)
+                            .unwrap_or_else(|err| {
+                                tracing::warn!(partition = e.partition(), error = %err, "low watermark not read; the partition's fence offset is 0");
+                                0
+                            }),
+                    };
+                    let start = Start {
+                        from: e.offset(),
+                        fence: Some(fence),
+                    };
+                    (e.partition(), start)
                 })
                 .collect();
-            let restored = open_and_restore(&self.env, &parts).map(|(mut tasks, n)| {
-                for (p, task) in tasks.iter_mut() {
-                    task.next_offset = next.get(p).copied().flatten();
-                }
-                (tasks, n)
-            });
-            let n = RESTORING.fetch_sub(parts.len(), Ordering::SeqCst) - parts.len();
-            telemetry::restoring(n);
-            match restored {
-                Ok((tasks, _)) => {
-                    telemetry::partitions_owned(self.stage, &parts, true);
-                    self.shared
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .tasks
-                        .extend(tasks);
-                    self.router.took(self.stage, &parts);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "restore failed");
-                    self.shared.lock().unwrap_or_else(|e| e.into_inner()).fatal = Some(e);
-                }
+            // Restored outside this callback (`advance_restores`): the loop keeps serving the
+            // partitions it has meanwhile, and a long restore cannot hold the poll past
+            // `max.poll.interval.ms`. Paused until then: no record of a partition is processed
+            // before its stores are current.
+            if let Err(e) = consumer.pause(tpl) {
+                tracing::error!(error = %e, "assigned partitions could not be paused for their restore");
+                self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal =
+                    Some(fatal_or_kafka(e));
+                return;
+            }
+            let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            let restoring = shared.restoring();
+            shared.to_restore.extend(starts);
+            restoring_moved(restoring, shared.restoring());
+        }
+    }
+}
+
+/// Takes the tasks of a finished restore (their partitions resume where they start) and starts
+/// the next restore when assigned partitions wait for one. Runs on the loop's thread, between
+/// polls: rebalance callbacks, which also change what is restored, run on it too.
+fn advance_restores(
+    env: &Env,
+    consumer: &BaseConsumer<HubContext>,
+    router: &OutcomeRouter,
+    stage: usize,
+) -> Result<(), HubError> {
+    let mut shared = consumer
+        .context()
+        .shared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let restoring = shared.restoring();
+    let taken = take_restored(env, consumer, &mut shared, router, stage);
+    if taken.is_ok() && shared.restore.is_none() && !shared.to_restore.is_empty() {
+        let next = std::mem::take(&mut shared.to_restore);
+        match RestoreJob::start(env, next.clone()) {
+            Ok(job) => shared.restore = Some(job),
+            Err(e) => {
+                shared.to_restore = next;
+                restoring_moved(restoring, shared.restoring());
+                return Err(e);
             }
         }
+    }
+    restoring_moved(restoring, shared.restoring());
+    taken
+}
+
+fn take_restored(
+    env: &Env,
+    consumer: &BaseConsumer<HubContext>,
+    shared: &mut Shared,
+    router: &OutcomeRouter,
+    stage: usize,
+) -> Result<(), HubError> {
+    if !shared
+        .restore
+        .as_ref()
+        .is_some_and(|j| j.thread.is_finished())
+    {
+        return Ok(());
+    }
+    let job = shared.restore.take().expect("checked above");
+    let tasks = job.thread.join().unwrap_or_else(|_| {
+        Err(HubError::Restore {
+            partition: job.partitions.keys().next().copied().unwrap_or(-1),
+            why: "the restore thread panicked".into(),
+        })
+    });
+    let tasks = match tasks {
+        Ok(tasks) => tasks,
+        Err(e) => {
+            tracing::error!(error = %e, "restore failed");
+            return Err(e);
+        }
+    };
+    let mut from = TopicPartitionList::new();
+    let mut parts = Vec::with_capacity(tasks.len());
+    for (p, mut task) in tasks {
+        let start = job.partitions[&p];
+        task.next_offset = start.fence;
+        from.add_partition_offset(&env.inbox, p, start.from)
+            .map_err(KafkaError::from)?;
+        shared.tasks.insert(p, task);
+        parts.push(p);
+    }
+    // From where each partition starts: records fetched before the pause went with it, and
+    // resuming alone would go on after them.
+    let sought = consumer
+        .seek_partitions(from.clone(), Duration::from_secs(10))
+        .map_err(KafkaError::from)?;
+    for e in sought.elements() {
+        e.error().map_err(KafkaError::from)?;
+    }
+    consumer.resume(&from).map_err(KafkaError::from)?;
+    telemetry::partitions_owned(stage, &parts, true);
+    router.took(stage, &parts);
+    Ok(())
+}
+
+/// Stops this loop's restore when the loop ends, however it ends.
+struct StopRestores(Arc<Mutex<Shared>>);
+
+impl Drop for StopRestores {
+    fn drop(&mut self) {
+        let mut shared = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let restoring = shared.restoring();
+        if let Some(job) = shared.restore.take() {
+            job.stop();
+        }
+        shared.to_restore.clear();
+        restoring_moved(restoring, 0);
     }
 }
 
@@ -506,7 +683,11 @@ pub fn store_path(config: &Config, partition: i32) -> std::path::PathBuf {
 
 /// Opens the stores of newly assigned partitions and brings them up to date with their
 /// changelogs (one consumer for all of them) before any of their records is processed.
-fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, u64), HubError> {
+fn open_and_restore(
+    env: &Env,
+    partitions: &[i32],
+    cancel: &AtomicBool,
+) -> Result<(Vec<(i32, Task)>, u64), HubError> {
     // Another instance may have added holders to these stores' payloads since we last had them.
     jobs::payload_holds_moved();
     // A restore's records are read from now on: once it reaches the ends, the stores are as
@@ -555,7 +736,7 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
             .filter(|&i| (specs[i].1 != JOBS) == legacy)
             .collect();
         let plain: Vec<changelog::RestoreSpec> = pass.iter().map(|&i| specs[i].2.clone()).collect();
-        let stats = changelog::restore(&env.config, &plain, |j, records| {
+        let stats = changelog::restore(&env.config, &plain, cancel, |j, records| {
             let (task_index, family, _) = &specs[pass[j]];
             let store = &tasks[*task_index].1.store;
             let mut staged = Staged::default();
@@ -569,9 +750,12 @@ fn open_and_restore(env: &Env, partitions: &[i32]) -> Result<(Vec<(i32, Task)>, 
                 .apply_at(staged, &[(family, last)], stamps[*task_index])
                 .map_err(|e| e.to_string())
         })
-        .map_err(|e| HubError::Restore {
-            partition: partitions.first().copied().unwrap_or(-1),
-            why: e.to_string(),
+        .map_err(|e| match e {
+            KafkaError::Cancelled => HubError::Kafka(e),
+            e => HubError::Restore {
+                partition: partitions.first().copied().unwrap_or(-1),
+                why: e.to_string(),
+            },
         })?;
         records += stats.records;
         took += stats.took;
@@ -683,7 +867,7 @@ pub fn restore_only(
         Arc::new(crate::runtime::clock::SystemClock),
         Box::new(NoHandler),
     );
-    open_and_restore(&stage.env, partitions).map(|(_, records)| records)
+    open_and_restore(&stage.env, partitions, &AtomicBool::new(false)).map(|(_, records)| records)
 }
 
 /// Applies one changelog record to the staging, keeping the expiry index in step.
@@ -1038,7 +1222,6 @@ impl HubStage {
             &format!("hub-{instance}"),
         )
         .create_with_context(HubContext {
-            env: self.env.clone(),
             shared: shared.clone(),
             router: self.router.clone(),
             stage: self.stage,
@@ -1048,6 +1231,7 @@ impl HubStage {
         consumer
             .subscribe(&[self.env.inbox.as_str()])
             .map_err(KafkaError::from)?;
+        let _restores = StopRestores(shared.clone());
         tracing::info!(group = %config.hub_group_id(), stage = self.stage, dispatch = self.dispatch.is_some(), "hub stage started");
         let watch = GroupWatch::shared(
             &config,
@@ -1070,6 +1254,7 @@ impl HubStage {
                     "hub",
                 )
                 .map_err(KafkaError::from)?;
+            advance_restores(&self.env, &consumer, &self.router, self.stage)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
@@ -1373,10 +1558,18 @@ impl HubStage {
         let mut outputs = Outputs { producer };
         for (batch_index, m) in batch.iter().enumerate() {
             let p = m.partition();
-            offsets.insert(p, m.offset() + 1);
             let Some(task) = tasks.get_mut(&p) else {
-                continue; // unreachable: revoked partitions were dropped from the batch
+                // Not expected: revoked partitions were dropped from the batch, and assigned
+                // ones stay paused until restored. Never skipped: its offset would commit.
+                return Err(HubError::Restore {
+                    partition: p,
+                    why: format!(
+                        "a record at offset {} before the partition's stores were restored",
+                        m.offset()
+                    ),
+                });
             };
+            offsets.insert(p, m.offset() + 1);
             let st = staged.entry(p).or_default();
             let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
                 HubEvent {
@@ -1692,7 +1885,7 @@ fn dispatch_work(
                 spread_ms: env.config.autodisable_failure_spread.as_millis() as i64,
             };
             if let health::Verdict::Disable { reason } =
-                health::record(&mut js, &sub.id, o.success(), now, &gates)?
+                health::record(&mut js, &sub.id, o.success(), now, sub.updated_at, &gates)?
             {
                 if sub.enabled {
                     let mut disabled = (**sub).clone();

@@ -9,7 +9,10 @@
 //! every instance indexes every partition and any instance answers) reads them from the start of
 //! their retention and never commits: the index is rebuilt at each start. It keeps records for
 //! `STREAMING_HUB_DLQ_RETENTION` (by record time) and at most [`MAX_PER_KIND`] of each kind,
-//! payloads up to [`MAX_PAYLOAD`] bytes (larger: size only).
+//! payloads up to [`MAX_PAYLOAD`] bytes (larger: size only), and at most [`MAX_BYTES_PER_KIND`]
+//! of producer dead letters and of quarantined records each (the oldest go first): a flood of
+//! large malformed records must not take the process's memory. Payloads are kept as bytes and
+//! parsed only for an answer.
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +35,9 @@ use crate::runtime::records::{DeadLetterReason, DeadLetterRecord};
 pub const MAX_PER_KIND: usize = 100_000;
 /// Largest payload kept in the index.
 pub const MAX_PAYLOAD: usize = 64 * 1024;
+/// Bytes of producer dead letters, and of quarantined records, kept at most (payloads, headers,
+/// keys, as [`Kept::weigh`] counts them).
+pub const MAX_BYTES_PER_KIND: usize = 64 * 1024 * 1024;
 /// The producers' dead-letter topics.
 pub const PRODUCER_DLQ_PATTERN: &str = r"^lerian\.streaming\.[a-z0-9_-]+\.dlq$";
 
@@ -109,9 +115,96 @@ pub struct Filter {
 
 #[derive(Default)]
 struct Inner {
-    dlq: VecDeque<(i64, ForensicRecord)>,
-    quarantine: VecDeque<(i64, ForensicRecord)>,
+    dlq: Queue,
+    quarantine: Queue,
     dead: VecDeque<DeadDelivery>,
+}
+
+/// A record as the index keeps it: its payload raw (a parsed JSON value takes many times its
+/// text), turned into `payload` or `payload_base64` when it is answered.
+struct Kept {
+    time: i64,
+    rec: ForensicRecord,
+    raw: Option<Box<[u8]>>,
+    bytes: usize,
+}
+
+impl Kept {
+    fn new(time: i64, rec: ForensicRecord, raw: Option<&[u8]>) -> Kept {
+        let mut kept = Kept {
+            time,
+            rec,
+            raw: raw.map(Box::from),
+            bytes: 0,
+        };
+        kept.bytes = kept.weigh();
+        kept
+    }
+
+    /// About what the record holds in memory: its texts (headers twice for the `dlq` copies),
+    /// its payload, and a fixed part for the rest.
+    fn weigh(&self) -> usize {
+        let r = &self.rec;
+        let texts = [&r.topic, &r.time]
+            .iter()
+            .map(|t| t.len())
+            .chain(
+                [&r.source, &r.tenant_id, &r.cause, &r.reason, &r.key]
+                    .iter()
+                    .map(|t| t.as_ref().map_or(0, String::len)),
+            )
+            .sum::<usize>();
+        let headers: usize = r
+            .headers
+            .iter()
+            .map(|h| 48 + h.key.len() + h.value.as_ref().map_or(0, String::len))
+            .sum();
+        let dlq: usize = r.dlq.iter().map(|(k, v)| 64 + k.len() + v.len()).sum();
+        256 + texts + headers + dlq + self.raw.as_ref().map_or(0, |p| p.len())
+    }
+
+    /// The record as answered, its payload as JSON when it parses, else base64.
+    fn answer(&self) -> ForensicRecord {
+        let mut rec = self.rec.clone();
+        if let Some(p) = &self.raw {
+            match serde_json::from_slice::<serde_json::Value>(p) {
+                Ok(json) => rec.payload = Some(json),
+                Err(_) => rec.payload_base64 = Some(STANDARD.encode(p)),
+            }
+        }
+        rec
+    }
+}
+
+/// One kind's records, oldest first, bounded by count and by bytes.
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<Kept>,
+    bytes: usize,
+}
+
+impl Queue {
+    fn push(&mut self, kept: Kept) {
+        while !self.items.is_empty()
+            && (self.items.len() >= MAX_PER_KIND || self.bytes + kept.bytes > MAX_BYTES_PER_KIND)
+        {
+            self.pop_front();
+        }
+        self.bytes += kept.bytes;
+        self.items.push_back(kept);
+    }
+
+    fn pop_front(&mut self) {
+        if let Some(k) = self.items.pop_front() {
+            self.bytes -= k.bytes;
+        }
+    }
+
+    fn prune(&mut self, horizon: i64) {
+        while self.items.front().is_some_and(|k| k.time < horizon) {
+            self.pop_front();
+        }
+    }
 }
 
 /// The index; cheap to clone (shared).
@@ -170,12 +263,8 @@ impl Forensics {
     fn prune(&self) {
         let horizon = self.clock.now_ms() - self.retention_ms;
         let mut inner = self.lock();
-        while inner.dlq.front().is_some_and(|(t, _)| *t < horizon) {
-            inner.dlq.pop_front();
-        }
-        while inner.quarantine.front().is_some_and(|(t, _)| *t < horizon) {
-            inner.quarantine.pop_front();
-        }
+        inner.dlq.prune(horizon);
+        inner.quarantine.prune(horizon);
         while inner.dead.front().is_some_and(|d| d.dead_at_ms < horizon) {
             inner.dead.pop_front();
         }
@@ -192,16 +281,13 @@ impl Forensics {
         let mut inner = self.lock();
         match kind {
             Kind::ProducerDlq | Kind::Quarantine => {
-                let rec = forensic_record(m, time, kind);
+                let kept = forensic_record(m, time, kind);
                 let q = if kind == Kind::Quarantine {
                     &mut inner.quarantine
                 } else {
                     &mut inner.dlq
                 };
-                if q.len() >= MAX_PER_KIND {
-                    q.pop_front();
-                }
-                q.push_back((time, rec));
+                q.push(kept);
             }
             Kind::Dead => {
                 let Some(dl) = m.payload().and_then(|v| {
@@ -297,27 +383,32 @@ pub fn reason_code(r: DeadLetterReason) -> &'static str {
     }
 }
 
-fn query(q: &VecDeque<(i64, ForensicRecord)>, f: &Filter) -> Vec<ForensicRecord> {
-    q.iter()
+fn query(q: &Queue, f: &Filter) -> Vec<ForensicRecord> {
+    q.items
+        .iter()
         .rev()
-        .filter(|(t, r)| {
-            f.source
-                .as_ref()
-                .is_none_or(|s| r.source.as_ref() == Some(s))
-                && f.tenant
+        .filter(
+            |Kept {
+                 time: t, rec: r, ..
+             }| {
+                f.source
                     .as_ref()
-                    .is_none_or(|s| r.tenant_id.as_ref() == Some(s))
-                && f.cause
-                    .as_ref()
-                    .is_none_or(|s| r.cause.as_ref() == Some(s) || r.reason.as_ref() == Some(s))
-                && f.since_ms.is_none_or(|s| *t >= s)
-        })
+                    .is_none_or(|s| r.source.as_ref() == Some(s))
+                    && f.tenant
+                        .as_ref()
+                        .is_none_or(|s| r.tenant_id.as_ref() == Some(s))
+                    && f.cause
+                        .as_ref()
+                        .is_none_or(|s| r.cause.as_ref() == Some(s) || r.reason.as_ref() == Some(s))
+                    && f.since_ms.is_none_or(|s| *t >= s)
+            },
+        )
         .take(f.limit)
-        .map(|(_, r)| r.clone())
+        .map(Kept::answer)
         .collect()
 }
 
-fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> ForensicRecord {
+fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
     let mut headers = Vec::new();
     let mut dlq = BTreeMap::new();
     if let Some(h) = m.headers() {
@@ -364,8 +455,7 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> ForensicRe
         0
     });
     let kept = payload.filter(|p| p.len() <= MAX_PAYLOAD);
-    let json = kept.and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok());
-    ForensicRecord {
+    let rec = ForensicRecord {
         topic: m.topic().to_string(),
         partition: m.partition(),
         offset: m.offset(),
@@ -382,12 +472,79 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> ForensicRe
         dlq,
         headers,
         key,
-        payload_base64: match (&json, kept) {
-            (None, Some(p)) => Some(STANDARD.encode(p)),
-            _ => None,
-        },
-        payload: json,
+        payload_base64: None,
+        payload: None,
         payload_bytes,
         payload_omitted: omitted_by_writer || (payload.is_some() && kept.is_none()),
+    };
+    Kept::new(time, rec, kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(time: i64, payload: &[u8]) -> Kept {
+        let rec = ForensicRecord {
+            topic: "lerian.streaming.x.dlq".into(),
+            partition: 0,
+            offset: time,
+            time: rfc3339_ms(time),
+            source: Some("x".into()),
+            tenant_id: None,
+            cause: None,
+            reason: None,
+            dlq: BTreeMap::new(),
+            headers: vec![HeaderText {
+                key: "ce-id".into(),
+                value: Some(format!("id-{time}")),
+            }],
+            key: None,
+            payload: None,
+            payload_base64: None,
+            payload_bytes: payload.len(),
+            payload_omitted: false,
+        };
+        Kept::new(time, rec, Some(payload))
+    }
+
+    #[test]
+    fn large_records_are_bounded_by_bytes_the_oldest_going_first() {
+        let mut q = Queue::default();
+        // A JSON array of 64 KiB, as a flood of malformed records would carry.
+        let big = format!("[{}0]", "0,".repeat(32 * 1024 - 2)).into_bytes();
+        assert!(big.len() <= MAX_PAYLOAD && big.len() > MAX_PAYLOAD - 4);
+        let n = MAX_BYTES_PER_KIND / big.len() + 100;
+        for t in 0..n as i64 {
+            q.push(kept(t, &big));
+            assert!(q.bytes <= MAX_BYTES_PER_KIND, "{} bytes at {t}", q.bytes);
+        }
+        assert!(
+            q.items.len() < n && q.items.len() > n - 200,
+            "{}",
+            q.items.len()
+        );
+        assert_eq!(
+            q.items.back().unwrap().time,
+            n as i64 - 1,
+            "the newest kept"
+        );
+        assert!(
+            q.items.front().unwrap().time >= 100,
+            "the oldest gone first"
+        );
+        assert_eq!(q.bytes, q.items.iter().map(|k| k.bytes).sum::<usize>());
+        q.prune(n as i64);
+        assert_eq!((q.items.len(), q.bytes), (0, 0));
+    }
+
+    #[test]
+    fn a_payload_is_answered_as_json_when_it_parses_and_base64_when_not() {
+        let json = kept(1, br#"{"amount":10}"#).answer();
+        assert_eq!(json.payload, Some(serde_json::json!({"amount": 10})));
+        assert_eq!(json.payload_base64, None);
+        let raw = kept(2, b"\x00not json").answer();
+        assert_eq!(raw.payload, None);
+        assert_eq!(raw.payload_base64, Some(STANDARD.encode(b"\x00not json")));
     }
 }

@@ -27,6 +27,7 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::ingest::classify::schema_major;
 use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::changelog::TrackingContext;
 use crate::runtime::kafka;
 use crate::runtime::records::{DeadLetterRecord, DestinationType, SubscriptionRecord};
 use crate::subscriptions::table::{EventRef, sub_matches};
@@ -73,20 +74,24 @@ pub struct Progress {
 pub struct Redeliverer {
     config: Config,
     codec: Arc<Codec>,
-    producer: BaseProducer,
+    producer: BaseProducer<TrackingContext>,
     inbox: String,
     dlq: String,
 }
 
 impl Redeliverer {
     pub fn new(config: &Config, codec: Arc<Codec>) -> Result<Redeliverer, RedeliverError> {
-        let producer: BaseProducer = kafka::base(config)
+        let producer: BaseProducer<TrackingContext> = kafka::base(config)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "5")
             // The same partitioner as ingest: key = tenant lands in the tenant's inbox partition.
             .set("partitioner", "murmur2_random")
-            .create()
+            // As large as what ingest and the hub write to the inbox (an event up to
+            // `STREAMING_HUB_MAX_PAYLOAD_BYTES` and its headers): librdkafka's 1 MB default
+            // refused the larger events' requests.
+            .set("message.max.bytes", "4194304")
+            .create_with_context(TrackingContext::default())
             .map_err(k)?;
         Ok(Redeliverer {
             config: config.clone(),
@@ -144,8 +149,16 @@ impl Redeliverer {
         kafka::send_waiting(&self.producer, r).map_err(k)
     }
 
+    /// Waits for every request sent; fails if the brokers refused one (a flush alone succeeds
+    /// once the queue is empty, delivered or not).
     fn flush(&self) -> Result<(), RedeliverError> {
-        self.producer.flush(TIMEOUT).map_err(k)
+        self.producer.flush(TIMEOUT).map_err(k)?;
+        match self.producer.context().take().1 {
+            Some(e) => Err(RedeliverError::Kafka(format!(
+                "a redelivery request was not written: {e}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Per-subscription replay: the tenant's inbox events in `[from_ms, to_ms)` that match `sub`.

@@ -24,12 +24,15 @@ pub enum KafkaError {
     /// A call failed; retrying later may help.
     #[error("kafka call failed: {0}")]
     Call(#[from] rdkafka::error::KafkaError),
+    /// The caller gave the work up (a restore of partitions given up meanwhile).
+    #[error("cancelled")]
+    Cancelled,
 }
 
 impl KafkaError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            KafkaError::Setup(_) => false,
+            KafkaError::Setup(_) | KafkaError::Cancelled => false,
             KafkaError::Call(e) => !matches!(
                 e.rdkafka_error_code(),
                 Some(rdkafka::types::RDKafkaErrorCode::Fenced)

@@ -269,6 +269,16 @@ impl Subscriptions {
         }
     }
 
+    /// [`Subscriptions::in_memory`] whose table has not read the control topic to its end yet
+    /// (an instance starting).
+    #[cfg(test)]
+    pub fn loading(codec: Arc<Codec>) -> Subscriptions {
+        Subscriptions {
+            table: SharedTable::default(),
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
     pub fn table(&self) -> &SharedTable {
         &self.table
     }

@@ -201,6 +201,9 @@ pub struct PendingRetrier {
     clock: SharedClock,
     pass: u64,
     attempts: HashMap<(String, u64), Attempts>,
+    /// The API's lock on this instance's read-modify-writes: a verdict is written under it, so
+    /// it cannot take the version a rotation or patch of this instance is writing (and undo it).
+    writes: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl PendingRetrier {
@@ -211,7 +214,14 @@ impl PendingRetrier {
             clock,
             pass: 0,
             attempts: HashMap::new(),
+            writes: Arc::default(),
         }
+    }
+
+    /// Writes under `writes`, the lock the API's handlers take ([`crate::api::ApiState::write_lock`]).
+    pub fn with_write_lock(mut self, writes: Arc<tokio::sync::Mutex<()>>) -> PendingRetrier {
+        self.writes = writes;
+        self
     }
 
     /// Runs a pass every [`PASS_INTERVAL`] (once the table has caught up) until `stop`.
@@ -337,6 +347,7 @@ impl PendingRetrier {
         probed: &SubscriptionRecord,
         state: VerificationState,
     ) -> Result<bool, RepoError> {
+        let _guard = self.writes.lock().await;
         let Some(latest) = self.subs.get(&probed.id) else {
             return Ok(false);
         };

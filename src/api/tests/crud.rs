@@ -342,3 +342,39 @@ async fn openapi_document_is_served_without_a_token() {
     assert_eq!(a.headers["content-type"], "application/json");
     assert!(a.body["paths"]["/v1/subscriptions/{id}/rotate-secret"]["post"].is_object());
 }
+
+#[tokio::test]
+async fn every_subscription_call_is_503_until_the_table_has_read_the_control_topic() {
+    let h = Harness::loading();
+    let t = h.token("acme");
+    let id = "0190a000-0000-7000-8000-000000000000";
+    let one = format!("/v1/subscriptions/{id}");
+    let body = pull_body();
+    let answers = [
+        h.post("/v1/subscriptions", &t, body.clone()).await,
+        h.get("/v1/subscriptions", &t).await,
+        h.get(&one, &t).await,
+        h.call(
+            Method::PATCH,
+            &one,
+            Some(&t),
+            Some(json!({"enabled": false})),
+            &[],
+        )
+        .await,
+        h.call(Method::DELETE, &one, Some(&t), None, &[]).await,
+        h.post(&format!("{one}/rotate-secret"), &t, json!({})).await,
+        h.post(&format!("{one}/verify"), &t, json!({})).await,
+    ];
+    for a in &answers {
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
+        assert_eq!(a.body["error"]["code"], "unavailable", "{}", a.text);
+    }
+    // Nothing was written meanwhile, and the same calls are served once it has caught up.
+    assert!(h.state.subs.table().read().iter().next().is_none());
+    h.state.subs.table().set_caught_up();
+    assert_eq!(h.get("/v1/subscriptions", &t).await.status, StatusCode::OK);
+    assert_eq!(h.get(&one, &t).await.status, StatusCode::NOT_FOUND);
+    let a = h.post("/v1/subscriptions", &t, body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+}

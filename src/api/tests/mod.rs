@@ -63,6 +63,14 @@ impl Harness {
         )
     }
 
+    /// [`Harness::new`] whose table is still reading the control topic (a start).
+    pub fn loading() -> Harness {
+        Harness::with_subs(
+            true,
+            Subscriptions::loading(Arc::new(Codec::new().unwrap())),
+        )
+    }
+
     fn with(open: bool) -> Harness {
         Harness::with_subs(
             open,
