@@ -655,6 +655,27 @@ async fn partitions_already_held_keep_delivering_while_a_new_one_restores() {
     produce(&producer(), &s.topic, &first);
     wait_for_deliveries(&sink, first.len(), Duration::from_secs(90));
     owned(6).await;
+    // Which inbox partition each tenant's events go to (ingest keys them by tenant).
+    let first_ids: std::collections::BTreeSet<String> = first.iter().map(Rec::id).collect();
+    let with_tenants: std::collections::BTreeSet<i32> =
+        read_until(&[&inbox], Duration::from_secs(60), |got| {
+            got.iter()
+                .filter(|g| {
+                    g.rec
+                        .header("ce-id")
+                        .is_some_and(|id| first_ids.contains(id))
+                })
+                .count()
+                == first_ids.len()
+        })
+        .iter()
+        .filter(|g| {
+            g.rec
+                .header("ce-id")
+                .is_some_and(|id| first_ids.contains(id))
+        })
+        .map(|g| g.partition)
+        .collect();
 
     // Another member takes half of the inbox.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -665,7 +686,11 @@ async fn partitions_already_held_keep_delivering_while_a_new_one_restores() {
         (h.len() == 3).then_some(h)
     });
     owned(3).await;
-    let blocked = *theirs.iter().min().unwrap();
+    // One of them that some tenant's events go to, so that holding it back shows.
+    let blocked = *theirs
+        .iter()
+        .find(|p| with_tenants.contains(p))
+        .expect("a tenant on the squatter's partitions");
 
     // A transaction left open at the end of one of those partitions' state changelog.
     let blocker: BaseProducer = ClientConfig::new()
@@ -738,6 +763,10 @@ async fn partitions_already_held_keep_delivering_while_a_new_one_restores() {
     assert!(
         metric_sum(&text, "streaming_hub_restoring_partitions") > 0,
         "the restore ended before the open transaction did"
+    );
+    assert!(
+        partition_of.values().any(|p| *p == blocked),
+        "no event of the second wave on partition {blocked}: {partition_of:?}"
     );
     let got = delivered_ids(&sink);
     let early: Vec<&String> = partition_of

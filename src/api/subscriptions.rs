@@ -366,6 +366,7 @@ fn apply(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "Updated; a new URL was probed before this answer", body = CheckedSubscription),
+        (status = 202, description = "Written to the control topic but not yet visible to this instance (a new URL is probed in the background); the body is the version written", body = CheckedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
@@ -407,7 +408,24 @@ pub async fn patch(
     }
     rec.version = current.version + 1;
     rec.updated_at = state.clock.now_ms();
-    state.subs.put(rec.clone()).await?;
+    match state.subs.put(rec.clone()).await {
+        Ok(()) => {}
+        // The broker has it: a 503 would invite a retry that its own If-Match then refuses.
+        Err(RepoError::NotSeen(waited)) => {
+            tracing::warn!(subscription_id = %rec.id, waited_secs = waited.as_secs(), "subscription update written but not seen back; answered 202");
+            let verification = url_changed.then(VerificationOutcome::not_yet_visible);
+            return Ok((
+                StatusCode::ACCEPTED,
+                etag(rec.version),
+                Json(CheckedSubscription {
+                    subscription: view_of(&state, &rec),
+                    verification,
+                }),
+            )
+                .into_response());
+        }
+        Err(e) => return Err(e.into()),
+    }
     drop(guard);
     let (rec, verification) = if url_changed {
         let (rec, outcome) =
@@ -443,7 +461,11 @@ pub async fn delete(
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     let _guard = state.writes.lock().await;
     let sub = load(&state, &tenant, &id)?;
-    state.subs.delete(&sub.id).await?;
+    match state.subs.delete(&sub.id).await {
+        // The tombstone is on the control topic: deleted, whenever this instance shows it.
+        Ok(()) | Err(RepoError::NotSeen(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
     tracing::info!(subscription_id = %sub.id, tenant_id = %tenant, "subscription deleted");
     Ok(StatusCode::NO_CONTENT)
 }

@@ -178,10 +178,15 @@ impl Breakers {
         None
     }
 
-    /// An admitted attempt was never sent (it waited past its lease): if it was the half-open
-    /// probe, the next due job may probe instead. Counts as neither success nor failure.
-    pub fn unsent(&mut self, tenant: &str, origin: &str) {
-        if self.get_mut(tenant, origin).is_none() {
+    /// An attempt admitted at `admitted_at` was never sent (it waited past its lease): if it was
+    /// the half-open probe (admitted when the probe was), the next due job may probe instead;
+    /// another attempt's does not free the probe's slot (several probes would hit a fragile
+    /// destination at once). Counts as neither success nor failure.
+    pub fn unsent(&mut self, tenant: &str, origin: &str, admitted_at: i64) {
+        if self
+            .get_mut(tenant, origin)
+            .is_none_or(|s| s.probing != Some(admitted_at))
+        {
             return;
         }
         self.journal(tenant, origin);
@@ -326,7 +331,13 @@ mod tests {
             b.admit("t", "https://a", later),
             Admit::Shed { .. }
         ));
-        b.unsent("t", "https://a");
+        // An attempt admitted before the breaker opened, never sent: not the probe.
+        b.unsent("t", "https://a", 3);
+        assert!(matches!(
+            b.admit("t", "https://a", later),
+            Admit::Shed { .. }
+        ));
+        b.unsent("t", "https://a", later);
         assert_eq!(b.admit("t", "https://a", later), Admit::Go, "a new probe");
         assert!(
             b.is_open("t", "https://a"),

@@ -112,6 +112,11 @@ pub enum HubError {
     Idle,
     #[error("jobs: {0}")]
     Jobs(#[from] crate::dispatch::jobs::JobError),
+    /// A record of a partition the loop has no stores for (never expected): the loop stops.
+    #[error(
+        "a record at offset {offset} of inbox partition {partition}, which this loop has no stores for"
+    )]
+    Unowned { partition: i32, offset: i64 },
 }
 
 /// An accepted, deduplicated, sequenced event, as the next stage receives it.
@@ -286,14 +291,19 @@ struct Shared {
     revoked: HashSet<i32>,
     fatal: Option<HubError>,
     /// Partitions assigned to this loop and not restored yet (paused meanwhile), with where
-    /// each starts: the restore under way, then those waiting for the next one.
-    restore: Option<RestoreJob>,
+    /// each starts: the restores under way (one per assignment), then those waiting for one.
+    restores: Vec<RestoreJob>,
     to_restore: BTreeMap<i32, Start>,
 }
 
 impl Shared {
     fn restoring(&self) -> usize {
-        self.to_restore.len() + self.restore.as_ref().map_or(0, |j| j.partitions.len())
+        self.to_restore.len()
+            + self
+                .restores
+                .iter()
+                .map(|j| j.partitions.len())
+                .sum::<usize>()
     }
 }
 
@@ -334,9 +344,15 @@ impl RestoreJob {
     }
 
     /// Stops the restore and waits for its thread, which closes the stores it opened (another
-    /// loop or the next restore may open them at once). Returns its partitions.
+    /// loop or the next restore may open them at once). Returns its partitions. The wait beats
+    /// the calling loop's liveness: a step between two looks at the cancel flag (opening a
+    /// store, a watermark request) can take seconds.
     fn stop(self) -> BTreeMap<i32, Start> {
         self.cancel.store(true, Ordering::SeqCst);
+        while !self.thread.is_finished() {
+            crate::runtime::liveness::beat_current();
+            std::thread::sleep(Duration::from_millis(5));
+        }
         match self.thread.join() {
             Ok(Ok(_)) | Ok(Err(HubError::Kafka(KafkaError::Cancelled))) => {}
             Ok(Err(e)) => {
@@ -348,8 +364,11 @@ impl RestoreJob {
     }
 }
 
-/// Moves the process-wide count of partitions being restored by `to - from`.
+/// Moves the process-wide count of partitions being restored by `to - from` (the gauge set
+/// under the same lock, so two loops cannot leave it at an older count).
 fn restoring_moved(from: usize, to: usize) {
+    static GAUGE: Mutex<()> = Mutex::new(());
+    let _order = GAUGE.lock().unwrap_or_else(|p| p.into_inner());
     let n = if to >= from {
         RESTORING.fetch_add(to - from, Ordering::SeqCst) + (to - from)
     } else {
@@ -479,10 +498,12 @@ impl ConsumerContext for HubContext {
             // A restore that includes a partition given up stops here, its stores closed before
             // the callback returns (the next owner may be another loop of this process); its
             // other partitions wait for the next one.
-            let stopped = shared
-                .restore
-                .take_if(|j| parts.iter().any(|p| j.partitions.contains_key(p)));
-            if let Some(job) = stopped {
+            let (stopped, going): (Vec<RestoreJob>, Vec<RestoreJob>) =
+                std::mem::take(&mut shared.restores)
+                    .into_iter()
+                    .partition(|j| parts.iter().any(|p| j.partitions.contains_key(p)));
+            shared.restores = going;
+            for job in stopped {
                 let back = job.stop();
                 shared.to_restore.extend(back);
             }
@@ -525,6 +546,16 @@ impl ConsumerContext for HubContext {
                 partitions: &format!("{parts:?}"),
             }
             .emit();
+            // Restored outside this callback (`advance_restores`): the loop keeps serving the
+            // partitions it has meanwhile, and a long restore cannot hold the poll past
+            // `max.poll.interval.ms`. Paused until then: no record of a partition is processed
+            // before its stores are current.
+            if let Err(e) = consumer.pause(tpl) {
+                tracing::error!(error = %e, "assigned partitions could not be paused for their restore");
+                self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal =
+                    Some(fatal_or_kafka(e));
+                return;
+            }
             // The committed offsets come first (`kafka::rebalance_at_committed` reads them as
             // stable and starts the partitions there): the broker holds them back while a
             // transaction that carries an offset of these partitions is still open (a previous
@@ -558,16 +589,6 @@ impl ConsumerContext for HubContext {
                     (e.partition(), start)
                 })
                 .collect();
-            // Restored outside this callback (`advance_restores`): the loop keeps serving the
-            // partitions it has meanwhile, and a long restore cannot hold the poll past
-            // `max.poll.interval.ms`. Paused until then: no record of a partition is processed
-            // before its stores are current.
-            if let Err(e) = consumer.pause(tpl) {
-                tracing::error!(error = %e, "assigned partitions could not be paused for their restore");
-                self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal =
-                    Some(fatal_or_kafka(e));
-                return;
-            }
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
             let restoring = shared.restoring();
             shared.to_restore.extend(starts);
@@ -576,9 +597,11 @@ impl ConsumerContext for HubContext {
     }
 }
 
-/// Takes the tasks of a finished restore (their partitions resume where they start) and starts
-/// the next restore when assigned partitions wait for one. Runs on the loop's thread, between
-/// polls: rebalance callbacks, which also change what is restored, run on it too.
+/// Takes the tasks of finished restores (their partitions resume where they start) and starts a
+/// restore of the assigned partitions waiting for one. Runs on the loop's thread, between polls:
+/// rebalance callbacks, which also change what is restored, run on it too. Restores of
+/// different assignments run side by side, so a partition that waits long for its changelog
+/// (an open transaction at its end) holds back only those assigned with it.
 fn advance_restores(
     env: &Env,
     consumer: &BaseConsumer<HubContext>,
@@ -592,10 +615,10 @@ fn advance_restores(
         .unwrap_or_else(|p| p.into_inner());
     let restoring = shared.restoring();
     let taken = take_restored(env, consumer, &mut shared, router, stage);
-    if taken.is_ok() && shared.restore.is_none() && !shared.to_restore.is_empty() {
+    if taken.is_ok() && !shared.to_restore.is_empty() {
         let next = std::mem::take(&mut shared.to_restore);
         match RestoreJob::start(env, next.clone()) {
-            Ok(job) => shared.restore = Some(job),
+            Ok(job) => shared.restores.push(job),
             Err(e) => {
                 shared.to_restore = next;
                 restoring_moved(restoring, shared.restoring());
@@ -614,48 +637,54 @@ fn take_restored(
     router: &OutcomeRouter,
     stage: usize,
 ) -> Result<(), HubError> {
-    if !shared
-        .restore
-        .as_ref()
-        .is_some_and(|j| j.thread.is_finished())
-    {
-        return Ok(());
-    }
-    let job = shared.restore.take().expect("checked above");
-    let tasks = job.thread.join().unwrap_or_else(|_| {
-        Err(HubError::Restore {
-            partition: job.partitions.keys().next().copied().unwrap_or(-1),
-            why: "the restore thread panicked".into(),
-        })
-    });
-    let tasks = match tasks {
-        Ok(tasks) => tasks,
-        Err(e) => {
-            tracing::error!(error = %e, "restore failed");
-            return Err(e);
+    let (done, running): (Vec<RestoreJob>, Vec<RestoreJob>) = std::mem::take(&mut shared.restores)
+        .into_iter()
+        .partition(|j| j.thread.is_finished());
+    shared.restores = running;
+    for job in done {
+        let tasks = job.thread.join().unwrap_or_else(|_| {
+            Err(HubError::Restore {
+                partition: job.partitions.keys().next().copied().unwrap_or(-1),
+                why: "the restore thread panicked".into(),
+            })
+        });
+        let tasks = match tasks {
+            Ok(tasks) => tasks,
+            Err(e) => {
+                tracing::error!(error = %e, "restore failed");
+                return Err(e);
+            }
+        };
+        let mut from = TopicPartitionList::new();
+        for (p, _) in &tasks {
+            from.add_partition_offset(&env.inbox, *p, job.partitions[p].from)
+                .map_err(KafkaError::from)?;
         }
-    };
-    let mut from = TopicPartitionList::new();
-    let mut parts = Vec::with_capacity(tasks.len());
-    for (p, mut task) in tasks {
-        let start = job.partitions[&p];
-        task.next_offset = start.fence;
-        from.add_partition_offset(&env.inbox, p, start.from)
-            .map_err(KafkaError::from)?;
-        shared.tasks.insert(p, task);
-        parts.push(p);
+        // From where each partition starts: records fetched before the pause went with it, and
+        // resuming alone would go on after them. A seek that fails (a broker going away) leaves
+        // the partitions paused and restores them again (from their stores, so quickly).
+        let sought = consumer
+            .seek_partitions(from.clone(), Duration::from_secs(10))
+            .and_then(|tpl| {
+                tpl.elements().iter().try_for_each(|e| e.error())?;
+                Ok(())
+            });
+        if let Err(e) = sought {
+            tracing::warn!(error = %e, "restored partitions could not be sought to their start; restoring them again");
+            drop(tasks); // closes their stores before they are opened again
+            shared.to_restore.extend(job.partitions);
+            continue;
+        }
+        consumer.resume(&from).map_err(KafkaError::from)?;
+        let mut parts = Vec::with_capacity(tasks.len());
+        for (p, mut task) in tasks {
+            task.next_offset = job.partitions[&p].fence;
+            shared.tasks.insert(p, task);
+            parts.push(p);
+        }
+        telemetry::partitions_owned(stage, &parts, true);
+        router.took(stage, &parts);
     }
-    // From where each partition starts: records fetched before the pause went with it, and
-    // resuming alone would go on after them.
-    let sought = consumer
-        .seek_partitions(from.clone(), Duration::from_secs(10))
-        .map_err(KafkaError::from)?;
-    for e in sought.elements() {
-        e.error().map_err(KafkaError::from)?;
-    }
-    consumer.resume(&from).map_err(KafkaError::from)?;
-    telemetry::partitions_owned(stage, &parts, true);
-    router.took(stage, &parts);
     Ok(())
 }
 
@@ -666,7 +695,7 @@ impl Drop for StopRestores {
     fn drop(&mut self) {
         let mut shared = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let restoring = shared.restoring();
-        if let Some(job) = shared.restore.take() {
+        for job in std::mem::take(&mut shared.restores) {
             job.stop();
         }
         shared.to_restore.clear();
@@ -1324,6 +1353,14 @@ impl HubStage {
                 }
                 Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
                 Err(HubError::Idle) => {}
+                Err(e @ HubError::Unowned { .. }) => {
+                    let _ = crate::runtime::kafka::abort_waiting(
+                        &producer,
+                        TXN_TIMEOUT,
+                        ABORT_PATIENCE,
+                    );
+                    return Err(e);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
                     if let Err(abort) =
@@ -1560,13 +1597,12 @@ impl HubStage {
             let p = m.partition();
             let Some(task) = tasks.get_mut(&p) else {
                 // Not expected: revoked partitions were dropped from the batch, and assigned
-                // ones stay paused until restored. Never skipped: its offset would commit.
-                return Err(HubError::Restore {
+                // ones stay paused until restored (a failed unassign could leave one fetching).
+                // Never skipped (its offset would commit), and not retried in place either
+                // (every batch would meet it again): the loop stops, the process restarts.
+                return Err(HubError::Unowned {
                     partition: p,
-                    why: format!(
-                        "a record at offset {} before the partition's stores were restored",
-                        m.offset()
-                    ),
+                    offset: m.offset(),
                 });
             };
             offsets.insert(p, m.offset() + 1);
@@ -1845,7 +1881,9 @@ fn dispatch_work(
                 .and_then(|j| d.table.read().get(&j.subscription_id));
             if let Some(sub) = sub {
                 let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
-                d.breakers.unsent(&sub.tenant_id, &origin);
+                // Claimed (and admitted) a lease before its end.
+                d.breakers
+                    .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
             }
             jobs::release_unattempted(&mut js, o, now)?;
             continue;
@@ -1865,7 +1903,8 @@ fn dispatch_work(
         });
         if let (Some(sub), true, true) = (&sub, hub_side, current) {
             let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
-            d.breakers.unsent(&sub.tenant_id, &origin);
+            d.breakers
+                .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
         }
         if let (Some(sub), false) = (&sub, hub_side) {
             let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
@@ -2210,7 +2249,7 @@ fn claim(
         return Ok(false);
     }
     let Some(payload_key) = jobs::payload_key_of(&key) else {
-        d.breakers.unsent(&job.tenant_id, &origin);
+        d.breakers.unsent(&job.tenant_id, &origin, now);
         return Ok(false);
     };
     let (event, sole) = match fresh.and_then(|i| views.of(i)) {
@@ -2218,7 +2257,7 @@ fn claim(
         Some(event) => (event, js.staged_refcount(&payload_key) == Some(1)),
         None => {
             let Some(stored) = views.stored(js, p, payload_key)? else {
-                d.breakers.unsent(&job.tenant_id, &origin);
+                d.breakers.unsent(&job.tenant_id, &origin, now);
                 js.finish_job(&key, &job)?;
                 return Ok(false);
             };

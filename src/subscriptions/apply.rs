@@ -19,7 +19,8 @@
 //!    following, so each write below is read back before the next: read-your-writes);
 //! 3. each entry is compared with the table ([`plan`]):
 //!    - an unknown id is created at version 1; a webhook gets the entry's `signing_secret`, or
-//!      a new one, sealed under the KEK and printed once on stdout as
+//!      a new one, sealed under the KEK; a new one (never the entry's: the file has it, and
+//!      stdout often goes to CI logs) is printed once on stdout as
 //!      `{"id":…,"signing_secret":"whsec_…"}`;
 //!    - a known id gets the entry's fields, keeps its secrets (an entry's `signing_secret` is
 //!      for its creation only, so the file can keep it; rotate to change it) and goes to
@@ -224,10 +225,24 @@ async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired
     })
 }
 
+/// A serde message without the string value it quotes (`invalid type: string "Bearer …",
+/// expected a map`): the value may be a credential put in the wrong field, and apply's errors go
+/// to stderr, often a CI log.
+fn without_string_value(message: &str) -> String {
+    let Some(start) = message.find("string \"") else {
+        return message.to_string();
+    };
+    let from = start + "string".len();
+    match message[from..].rfind("\", expected") {
+        Some(end) => format!("{}{}", &message[..from], &message[from + end + 1..]),
+        None => format!("{} (value not shown)", &message[..from]),
+    }
+}
+
 /// Names the field of a serde error the way the API's body parser does: the path to it, plus the
 /// field serde names for an unknown or missing one (serde puts that in the message).
 fn serde_field_error(path: &str, inner: &serde_json::Error) -> FieldError {
-    let message = inner.to_string();
+    let message = without_string_value(&inner.to_string());
     let named = |prefix: &str| {
         let rest = message.strip_prefix(prefix)?;
         let name = rest.strip_prefix('`')?.split('`').next()?;
@@ -252,10 +267,12 @@ fn serde_field_error(path: &str, inner: &serde_json::Error) -> FieldError {
 
 /// What apply does with one entry.
 pub enum Step {
-    /// `secret` is the plaintext of a new webhook's signing secret (printed once, after the write).
+    /// `secret` is the plaintext of a new webhook's signing secret (printed once, after the
+    /// write, when `generated`: one the entry gave is not printed).
     Create {
         rec: SubscriptionRecord,
         secret: Option<Secret>,
+        generated: bool,
     },
     Update {
         rec: SubscriptionRecord,
@@ -318,6 +335,7 @@ enum Planned {
 
 fn create(d: Desired, kek: &Kek, now: i64) -> Step {
     let chosen = d.spec.signing_secret;
+    let generated = chosen.is_none();
     let (destination, secret) = match d.spec.destination {
         ValidDestination::Webhook {
             url,
@@ -370,7 +388,11 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
         updated_at: now,
         version: 1,
     };
-    Step::Create { rec, secret }
+    Step::Create {
+        rec,
+        secret,
+        generated,
+    }
 }
 
 fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Result<Step, Planned> {
@@ -512,7 +534,11 @@ pub async fn execute(
                 summary.unchanged += 1;
                 continue;
             }
-            Step::Create { rec, secret } => (rec, secret, "created"),
+            Step::Create {
+                rec,
+                secret,
+                generated,
+            } => (rec, secret.filter(|_| generated), "created"),
             Step::Update { rec, .. } => (rec, None, "updated"),
         };
         let mut why = String::new();
@@ -1011,6 +1037,28 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_string_value_in_a_serde_error_is_not_repeated() {
+        let e = serde_json::from_str::<std::collections::BTreeMap<String, String>>(
+            r#""Bearer sk_live_123""#,
+        )
+        .unwrap_err();
+        let shown = without_string_value(&e.to_string());
+        assert!(!shown.contains("sk_live_123"), "{shown}");
+        assert!(
+            shown.starts_with("invalid type: string, expected a map"),
+            "{shown}"
+        );
+        assert_eq!(
+            without_string_value("missing field `url`"),
+            "missing field `url`"
+        );
+        assert_eq!(
+            without_string_value("invalid value: string \"a\", b\""),
+            "invalid value: string (value not shown)"
+        );
+    }
+
     #[tokio::test]
     async fn an_entrys_signing_secret_is_used_on_create_and_kept_out_of_later_runs() {
         let t = target();
@@ -1020,8 +1068,12 @@ mod tests {
             "signing_secret": chosen, "destination": {"type": "webhook", "url": url}}]);
         let (r, out) = run(&t, &file).await;
         assert_eq!(r.unwrap().created, 1);
-        let printed: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
-        assert_eq!(printed["signing_secret"], chosen);
+        // The file has it: not printed again (stdout often lands in CI logs).
+        assert!(
+            !out.contains(chosen) && !out.contains("signing_secret"),
+            "{out}"
+        );
+        assert!(out.starts_with(&format!("created {B} v1 ")), "{out}");
         let b = t.subs.get(B).unwrap();
         let stored = t.kek.open_secret(&b.signing_secrets[0], B).unwrap();
         assert_eq!(stored.expose(), chosen);

@@ -358,6 +358,11 @@ impl Subscriptions {
         {
             Ok(())
         } else {
+            // The broker has the tombstone: this instance stops using the subscription now, as
+            // `put` starts from a version it wrote (the reader's records, when they come, win).
+            self.table.apply(|t| {
+                t.remove(id);
+            });
             Err(RepoError::NotSeen(READ_YOUR_WRITES))
         }
     }

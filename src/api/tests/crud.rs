@@ -378,3 +378,32 @@ async fn every_subscription_call_is_503_until_the_table_has_read_the_control_top
     let a = h.post("/v1/subscriptions", &t, body).await;
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
 }
+
+/// The control topic took the write but this instance has not read it back in time: the change
+/// is made, so it is not answered as a failure (a retry with the same `If-Match` would be 412).
+#[tokio::test]
+async fn an_update_or_delete_not_yet_seen_back_is_accepted_not_503() {
+    let h = Harness::lagging();
+    let t = h.token("acme");
+    let created = h.post("/v1/subscriptions", &t, pull_body()).await;
+    assert_eq!(created.status, StatusCode::ACCEPTED, "{}", created.text);
+    let id = created.body["id"].as_str().unwrap();
+    let one = format!("/v1/subscriptions/{id}");
+    let patched = h
+        .call(
+            Method::PATCH,
+            &one,
+            Some(&t),
+            Some(json!({"enabled": false})),
+            &[("if-match", "\"1\"")],
+        )
+        .await;
+    assert_eq!(patched.status, StatusCode::ACCEPTED, "{}", patched.text);
+    assert_eq!(patched.headers["etag"], "\"2\"");
+    assert_eq!(patched.body["enabled"], false, "{}", patched.text);
+    // This instance goes on from the version it wrote.
+    let got = h.get(&one, &t).await;
+    assert_eq!(got.headers["etag"], "\"2\"", "{}", got.text);
+    let deleted = h.call(Method::DELETE, &one, Some(&t), None, &[]).await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT, "{}", deleted.text);
+}
