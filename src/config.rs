@@ -359,6 +359,9 @@ macro_rules! upper {
     (dispatch_claims_ahead) => {
         "DISPATCH_CLAIMS_AHEAD"
     };
+    (dispatch_claims_ahead_bytes) => {
+        "DISPATCH_CLAIMS_AHEAD_BYTES"
+    };
     (poison_threshold) => {
         "POISON_THRESHOLD"
     };
@@ -490,6 +493,9 @@ settings! {
     /// Attempts claimed ahead of the workers (each holds its payload in memory until it ends);
     /// `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the workers.
     dispatch_claims_ahead: usize = "0";
+    /// Event bytes those claims may hold in memory at most, per instance (split between its hub
+    /// loops): large events claim fewer attempts ahead. One attempt is always allowed.
+    dispatch_claims_ahead_bytes: usize = "268435456";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
@@ -606,6 +612,12 @@ impl Config {
         if self.dispatch_workers == 0 {
             return Err(invalid(
                 "STREAMING_HUB_DISPATCH_WORKERS",
+                "must be at least 1",
+            ));
+        }
+        if self.dispatch_claims_ahead_bytes == 0 {
+            return Err(invalid(
+                "STREAMING_HUB_DISPATCH_CLAIMS_AHEAD_BYTES",
                 "must be at least 1",
             ));
         }

@@ -801,3 +801,65 @@ async fn partitions_already_held_keep_delivering_while_a_new_one_restores() {
         "no restore left"
     );
 }
+
+/// Claims ahead of the workers are bounded by the event bytes they hold, not only by count: with
+/// `STREAMING_HUB_DISPATCH_CLAIMS_AHEAD_BYTES` at 250 kB and events of ~100 kB to a slow sink,
+/// at most three attempts are out at once (64 workers would send all ten together), and every
+/// event is still delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_ahead_are_bounded_by_the_bytes_their_events_hold() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    #[derive(Clone, Default)]
+    struct Gauge {
+        now: Arc<AtomicUsize>,
+        most: Arc<AtomicUsize>,
+        done: Arc<AtomicUsize>,
+    }
+    async fn slow(State(g): State<Gauge>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
+        if headers
+            .get("x-lerian-event-type")
+            .and_then(|v| v.to_str().ok())
+            == Some("streaming_hub.verification")
+        {
+            return (StatusCode::OK, body); // echo the challenge
+        }
+        let n = g.now.fetch_add(1, Ordering::SeqCst) + 1;
+        g.most.fetch_max(n, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        g.now.fetch_sub(1, Ordering::SeqCst);
+        g.done.fetch_add(1, Ordering::SeqCst);
+        (StatusCode::OK, Bytes::new())
+    }
+    let s = ApiHub::start(
+        "claimbytes",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+            ("STREAMING_HUB_DISPATCH_CLAIMS_AHEAD_BYTES", "250000"),
+        ],
+    )
+    .await;
+    let gauge = Gauge::default();
+    let app = Router::new()
+        .route("/hook", post(slow))
+        .with_state(gauge.clone());
+    let addr = serve(app).await;
+    let url = format!("http://{addr}/hook");
+    subscribe(&s, "tenant-big", &url, None).await;
+    let pad = "x".repeat(100_000);
+    let events: Vec<Rec> = (0..10)
+        .map(|_| {
+            let mut e = event("tenant-big", "ledger", "transaction", "created");
+            e.value = Some(format!("{{\"pad\":\"{pad}\"}}").into_bytes());
+            e
+        })
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    wait_until(Duration::from_secs(120), "ten deliveries", || {
+        (gauge.done.load(Ordering::SeqCst) >= events.len()).then_some(())
+    });
+    let most = gauge.most.load(Ordering::SeqCst);
+    assert!(
+        (1..=3).contains(&most),
+        "{most} deliveries of ~100 kB events at once under a 250 kB bound"
+    );
+}

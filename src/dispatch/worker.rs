@@ -76,6 +76,8 @@ pub struct Outcome {
     pub tenant: String,
     /// The attempt's [`Attempt::sole_payload`].
     pub sole_payload: Option<u64>,
+    /// The size of the event body the attempt held (the hub bounds the bytes claimed ahead).
+    pub body_bytes: usize,
 }
 
 impl Outcome {
@@ -138,6 +140,7 @@ impl Workers {
                     ingest_ms: a.event.ingest_ms,
                     tenant: a.tenant.clone(),
                     sole_payload: a.sole_payload,
+                    body_bytes: a.event.body.len(),
                 });
                 return;
             }
@@ -158,6 +161,7 @@ impl Workers {
                 ingest_ms: a.event.ingest_ms,
                 tenant: a.tenant.clone(),
                 sole_payload: a.sole_payload,
+                body_bytes: a.event.body.len(),
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))

@@ -1044,6 +1044,10 @@ pub struct Dispatch {
     done_tx: std::sync::mpsc::Sender<Outcome>,
     done_rx: std::sync::mpsc::Receiver<Outcome>,
     in_flight: usize,
+    /// Event body bytes the attempts in flight hold, and the most they may
+    /// (`STREAMING_HUB_DISPATCH_CLAIMS_AHEAD_BYTES`, split between the loops).
+    in_flight_bytes: usize,
+    max_in_flight_bytes: usize,
     breakers: breaker::Breakers,
     /// Claim rounds so far (rotates which task claims first).
     round: usize,
@@ -1085,6 +1089,8 @@ impl Dispatch {
             done_tx,
             done_rx,
             in_flight: 0,
+            in_flight_bytes: 0,
+            max_in_flight_bytes: config.dispatch_claims_ahead_bytes,
             breakers: breaker::Breakers::default(),
             round: 0,
             quiet_until: None,
@@ -1102,12 +1108,14 @@ impl Dispatch {
             .max_in_flight
             .div_ceil(stages.max(1))
             .max(self.max_in_flight_per_tenant);
+        self.max_in_flight_bytes = self.max_in_flight_bytes.div_ceil(stages.max(1));
         self
     }
 
     fn drain(&mut self) {
         while let Ok(o) = self.done_rx.try_recv() {
             self.in_flight = self.in_flight.saturating_sub(1);
+            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
             if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
@@ -1144,6 +1152,14 @@ impl Dispatch {
         }
     }
 
+    /// Whether another claim fits, `claimed` bytes claimed so far in this transaction: under
+    /// both bounds, and always when nothing is in flight (an event larger than the byte bound
+    /// still gets its attempt, one at a time).
+    fn may_claim(&self, claimed_bytes: usize) -> bool {
+        let held = self.in_flight_bytes + claimed_bytes;
+        self.in_flight < self.max_in_flight && (held == 0 || held < self.max_in_flight_bytes)
+    }
+
     /// Starts the attempts of a committed transaction's claims.
     fn launch(&mut self, attempts: Vec<Attempt>) {
         for a in attempts {
@@ -1154,6 +1170,7 @@ impl Dispatch {
 
     fn started(&mut self, a: &Attempt) {
         self.in_flight += 1;
+        self.in_flight_bytes += a.event.body.len();
         *self
             .in_flight_by_tenant
             .entry(a.tenant.clone())
@@ -1323,7 +1340,7 @@ impl HubStage {
             let has_dispatch_work = self
                 .dispatch
                 .as_ref()
-                .is_some_and(|d| !d.pending.is_empty() || d.in_flight < d.max_in_flight);
+                .is_some_and(|d| !d.pending.is_empty() || d.may_claim(0));
             // Outcomes and claims alone wait for a pace: committing them as fast as attempts end
             // (a transaction every few ms at light load) costs the hub and the brokers CPU for
             // nothing; new events (a non-empty batch) never wait.
@@ -1559,10 +1576,7 @@ impl HubStage {
         let ttl = env.config.idempotency_ttl.as_millis() as i64;
         // Due work is looked for before the transaction opens, so an idle loop opens none.
         let claimable = match &self.dispatch {
-            Some(d)
-                if d.in_flight < d.max_in_flight
-                    && d.quiet_until.is_none_or(|t| Instant::now() >= t) =>
-            {
+            Some(d) if d.may_claim(0) && d.quiet_until.is_none_or(|t| Instant::now() >= t) => {
                 tasks.values().any(|t| !t.ring.is_empty())
             }
             _ => false,
@@ -1978,6 +1992,8 @@ fn dispatch_work(
     }
     telemetry::breakers_open(d.stage, d.breakers.open_count(now));
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
+    // Body bytes the claims of this transaction hold (see `Dispatch::may_claim`).
+    let mut claimed_bytes = 0usize;
     // Fair across tasks too: each task with timers gets an equal share of this round's capacity
     // (and the order rotates), so one partition's backlog cannot starve another's tenants.
     let mut order: Vec<i32> = tasks
@@ -2023,6 +2039,10 @@ fn dispatch_work(
         };
         let due = js.due_jobs(&mut task.ring, now, capacity_here)?;
         for (key, job) in due {
+            if !d.may_claim(claimed_bytes) {
+                capacity = 0;
+                break;
+            }
             if claim(
                 env,
                 d,
@@ -2039,6 +2059,7 @@ fn dispatch_work(
                 None,
             )? {
                 capacity -= 1;
+                claimed_bytes += attempts.last().map_or(0, |a| a.event.body.len());
             }
         }
     }
@@ -2056,7 +2077,7 @@ fn dispatch_work(
             codec: &env.codec,
         };
         for (key, batch_index) in keys {
-            if capacity == 0 {
+            if capacity == 0 || !d.may_claim(claimed_bytes) {
                 return Ok(());
             }
             let Some(job) = js.get_job(key)? else {
@@ -2081,6 +2102,7 @@ fn dispatch_work(
                 Some(*batch_index),
             )? {
                 capacity -= 1;
+                claimed_bytes += attempts.last().map_or(0, |a| a.event.body.len());
             }
         }
     }
@@ -2580,6 +2602,7 @@ mod tests {
             ingest_ms: None,
             tenant: "t".into(),
             sole_payload: None,
+            body_bytes: 0,
         }
     }
 
