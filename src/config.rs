@@ -493,8 +493,9 @@ settings! {
     /// Attempts claimed ahead of the workers (each holds its payload in memory until it ends);
     /// `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the workers.
     dispatch_claims_ahead: usize = "0";
-    /// Event bytes those claims may hold in memory at most, per instance (split between its hub
-    /// loops): large events claim fewer attempts ahead. One attempt is always allowed.
+    /// Event bytes those claims may hold in memory, per instance (split between its hub loops,
+    /// and between the tenants with due deliveries): large events claim fewer attempts ahead. A
+    /// claim is made while under it (so one event may pass it) and one attempt always is.
     dispatch_claims_ahead_bytes: usize = "268435456";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";

@@ -343,14 +343,23 @@ impl RestoreJob {
         })
     }
 
+    /// Asks the restore to stop (it looks at the flag between steps).
+    fn cancel(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+
     /// Stops the restore and waits for its thread, which closes the stores it opened (another
     /// loop or the next restore may open them at once). Returns its partitions. The wait beats
-    /// the calling loop's liveness: a step between two looks at the cancel flag (opening a
-    /// store, a watermark request) can take seconds.
+    /// the calling loop's liveness for up to [`STOP_PATIENCE`] (a step between two looks at the
+    /// cancel flag, opening a store or a watermark request, can take seconds); a thread stuck
+    /// for longer lets the watchdog restart the process.
     fn stop(self) -> BTreeMap<i32, Start> {
-        self.cancel.store(true, Ordering::SeqCst);
+        self.cancel();
+        let asked = Instant::now();
         while !self.thread.is_finished() {
-            crate::runtime::liveness::beat_current();
+            if asked.elapsed() < STOP_PATIENCE {
+                crate::runtime::liveness::beat_current();
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
         match self.thread.join() {
@@ -363,6 +372,9 @@ impl RestoreJob {
         self.partitions
     }
 }
+
+/// How long a loop waits for a restore it stopped while still counting as alive.
+const STOP_PATIENCE: Duration = Duration::from_secs(60);
 
 /// Moves the process-wide count of partitions being restored by `to - from` (the gauge set
 /// under the same lock, so two loops cannot leave it at an older count).
@@ -503,6 +515,7 @@ impl ConsumerContext for HubContext {
                     .into_iter()
                     .partition(|j| parts.iter().any(|p| j.partitions.contains_key(p)));
             shared.restores = going;
+            stopped.iter().for_each(RestoreJob::cancel); // all at once, then each waited for
             for job in stopped {
                 let back = job.stop();
                 shared.to_restore.extend(back);
@@ -642,6 +655,7 @@ fn take_restored(
         .partition(|j| j.thread.is_finished());
     shared.restores = running;
     for job in done {
+        crate::runtime::liveness::beat_current(); // a seek below may take its 10 s
         let tasks = job.thread.join().unwrap_or_else(|_| {
             Err(HubError::Restore {
                 partition: job.partitions.keys().next().copied().unwrap_or(-1),
@@ -695,7 +709,9 @@ impl Drop for StopRestores {
     fn drop(&mut self) {
         let mut shared = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let restoring = shared.restoring();
-        for job in std::mem::take(&mut shared.restores) {
+        let jobs = std::mem::take(&mut shared.restores);
+        jobs.iter().for_each(RestoreJob::cancel);
+        for job in jobs {
             job.stop();
         }
         shared.to_restore.clear();
@@ -1038,7 +1054,7 @@ pub struct Dispatch {
     /// Most attempts of one tenant claimed and not finished (fairness: another tenant's next
     /// event waits behind at most this many of a backlogged tenant's attempts).
     pub max_in_flight_per_tenant: usize,
-    in_flight_by_tenant: FastMap<String, usize>,
+    in_flight_by_tenant: FastMap<String, TenantCap>,
     pub lease_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
@@ -1117,8 +1133,9 @@ impl Dispatch {
             self.in_flight = self.in_flight.saturating_sub(1);
             self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
             if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
+                n.attempts = n.attempts.saturating_sub(1);
+                n.bytes = n.bytes.saturating_sub(o.body_bytes);
+                if n.attempts == 0 {
                     self.in_flight_by_tenant.remove(&o.tenant);
                 }
             }
@@ -1171,10 +1188,12 @@ impl Dispatch {
     fn started(&mut self, a: &Attempt) {
         self.in_flight += 1;
         self.in_flight_bytes += a.event.body.len();
-        *self
+        let n = self
             .in_flight_by_tenant
             .entry(a.tenant.clone())
-            .or_default() += 1;
+            .or_default();
+        n.attempts += 1;
+        n.bytes += a.event.body.len();
     }
 }
 
@@ -2012,11 +2031,16 @@ fn dispatch_work(
     // `max_in_flight_per_tenant`: a tenant alone (a 10,000-subscription fan-out) gets them all;
     // the worker permits go round-robin across tenants anyway.
     let tenants_with_timers: usize = tasks.values().map(|t| t.ring.tenants()).sum();
-    let per_tenant_cap = d
-        .max_in_flight_per_tenant
-        .max(d.max_in_flight / tenants_with_timers.max(1));
+    // Bytes likewise: an equal share of the byte bound (one attempt always), so a tenant of
+    // large events to a slow sink cannot hold the whole bound while others wait.
+    let per_tenant_cap = TenantCap {
+        attempts: d
+            .max_in_flight_per_tenant
+            .max(d.max_in_flight / tenants_with_timers.max(1)),
+        bytes: d.max_in_flight_bytes / tenants_with_timers.max(1),
+    };
     // Claimed in this transaction per tenant (a tenant's events are all in one partition).
-    let mut claimed_here: FastMap<String, usize> = FastMap::default();
+    let mut claimed_here: FastMap<String, TenantCap> = FastMap::default();
     let mut views = EventViews {
         batch,
         last: None,
@@ -2163,6 +2187,13 @@ impl EventViews<'_, '_> {
     }
 }
 
+/// A tenant's attempts and event bytes: claimed or in flight, or the most it may have.
+#[derive(Clone, Copy, Default)]
+struct TenantCap {
+    attempts: usize,
+    bytes: usize,
+}
+
 /// Claims one due job: leases it and queues its attempt (true), or sheds, finishes or
 /// dead-letters it without an attempt, or leaves it due for a busy tenant (false).
 #[allow(clippy::too_many_arguments)]
@@ -2175,19 +2206,23 @@ fn claim(
     mut job: JobRecord,
     now: i64,
     p: i32,
-    per_tenant_cap: usize,
-    claimed_here: &mut FastMap<String, usize>,
+    per_tenant_cap: TenantCap,
+    claimed_here: &mut FastMap<String, TenantCap>,
     attempts: &mut Vec<Attempt>,
     views: &mut EventViews<'_, '_>,
     fresh: Option<usize>,
 ) -> Result<bool, HubError> {
-    let busy = d
+    let flying = d
         .in_flight_by_tenant
         .get(&job.tenant_id)
         .copied()
-        .unwrap_or(0)
-        + claimed_here.get(&job.tenant_id).copied().unwrap_or(0);
-    if busy >= per_tenant_cap {
+        .unwrap_or_default();
+    let here = claimed_here
+        .get(&job.tenant_id)
+        .copied()
+        .unwrap_or_default();
+    let (busy, bytes) = (flying.attempts + here.attempts, flying.bytes + here.bytes);
+    if busy >= per_tenant_cap.attempts || (busy > 0 && bytes >= per_tenant_cap.bytes) {
         return Ok(false); // this tenant has enough in flight; its job stays due
     }
     let old_due = job.due_at;
@@ -2292,7 +2327,9 @@ fn claim(
     js.put_job(&key, &job, Some(old_due))?;
     // Only attempts count against the tenant's share: jobs shed, held or finished above do not
     // keep its other destinations' jobs from being claimed.
-    *claimed_here.entry(job.tenant_id.clone()).or_default() += 1;
+    let here = claimed_here.entry(job.tenant_id.clone()).or_default();
+    here.attempts += 1;
+    here.bytes += event.body.len();
     attempts.push(Attempt {
         partition: p,
         job_key: key,

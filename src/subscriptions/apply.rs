@@ -225,17 +225,29 @@ async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired
     })
 }
 
-/// A serde message without the string value it quotes (`invalid type: string "Bearer …",
-/// expected a map`): the value may be a credential put in the wrong field, and apply's errors go
-/// to stderr, often a CI log.
+/// A serde message without the value it quotes (`invalid type: string "Bearer …", expected a
+/// map`, an integer or a variant in backticks): the value may be a credential put in the wrong
+/// field, and apply's errors go to stderr, often a CI log. The kind of value stays.
 fn without_string_value(message: &str) -> String {
-    let Some(start) = message.find("string \"") else {
-        return message.to_string();
+    let end = message.rfind(", expected");
+    let cut = |at: usize| match end {
+        Some(end) if end >= at => format!("{}{}", &message[..at], &message[end..]),
+        _ => format!("{} (value not shown)", &message[..at]),
     };
-    let from = start + "string".len();
-    match message[from..].rfind("\", expected") {
-        Some(end) => format!("{}{}", &message[..from], &message[from + end + 1..]),
-        None => format!("{} (value not shown)", &message[..from]),
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some(i) = message.find(prefix) {
+            let from = i + prefix.len();
+            let upto = end.filter(|&e| e >= from).unwrap_or(message.len());
+            // Keep the kind ("string", "integer", "map"); cut what follows it.
+            return match message[from..upto].find(' ') {
+                Some(k) => cut(from + k),
+                None => message.to_string(),
+            };
+        }
+    }
+    match message.find("unknown variant ") {
+        Some(i) => cut(i + "unknown variant".len()),
+        None => message.to_string(),
     }
 }
 
@@ -1056,6 +1068,18 @@ mod tests {
         assert_eq!(
             without_string_value("invalid value: string \"a\", b\""),
             "invalid value: string (value not shown)"
+        );
+        assert_eq!(
+            without_string_value("invalid type: integer `12345678`, expected a string"),
+            "invalid type: integer, expected a string"
+        );
+        assert_eq!(
+            without_string_value("unknown variant `sk_live`, expected `webhook` or `pull`"),
+            "unknown variant, expected `webhook` or `pull`"
+        );
+        assert_eq!(
+            without_string_value("invalid type: map, expected a string"),
+            "invalid type: map, expected a string"
         );
     }
 

@@ -358,11 +358,8 @@ impl Subscriptions {
         {
             Ok(())
         } else {
-            // The broker has the tombstone: this instance stops using the subscription now, as
-            // `put` starts from a version it wrote (the reader's records, when they come, win).
-            self.table.apply(|t| {
-                t.remove(id);
-            });
+            // The broker has the tombstone; the table drops it when the reader gets there (a
+            // removal now would let the reader's older records of it, still to come, add it back).
             Err(RepoError::NotSeen(READ_YOUR_WRITES))
         }
     }
