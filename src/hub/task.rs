@@ -677,6 +677,7 @@ fn take_restored(
         // From where each partition starts: records fetched before the pause went with it, and
         // resuming alone would go on after them. A seek that fails (a broker going away) leaves
         // the partitions paused and restores them again (from their stores, so quickly).
+        let seek_started = Instant::now();
         let sought = consumer
             .seek_partitions(from.clone(), Duration::from_secs(10))
             .and_then(|tpl| {
@@ -690,6 +691,12 @@ fn take_restored(
             continue;
         }
         consumer.resume(&from).map_err(KafkaError::from)?;
+        // librdkafka starts fetching a partition that was paused before its fetch began only
+        // when the consumer group next serves its assignment: up to a second later (measured: the
+        // first record 1.0 s after the resume, deliveries resuming ~0.9 s later after a restart).
+        // A committed-offsets request makes the group serve it now (1 ms on a local broker);
+        // its answer is not needed.
+        let _ = consumer.committed_offsets(from.clone(), Duration::from_secs(2));
         let mut parts = Vec::with_capacity(tasks.len());
         for (p, mut task) in tasks {
             task.next_offset = job.partitions[&p].fence;
@@ -698,6 +705,11 @@ fn take_restored(
         }
         telemetry::partitions_owned(stage, &parts, true);
         router.took(stage, &parts);
+        tracing::info!(
+            partitions = ?parts,
+            seek_ms = seek_started.elapsed().as_millis() as u64,
+            "restored partitions resumed"
+        );
     }
     Ok(())
 }
