@@ -16,7 +16,7 @@
 #
 # Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
 # --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's
-# output in run.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
+# output in run.log, the hub's log in hub.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
 # CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,8 @@ for r in $(seq 1 "$rounds"); do
       echo "ab.sh: $(name_of "$v") round $r failed; see $dir/run.log" >&2
       continue
     fi
+    # The hub's own log (of its last start: a restart writes it anew), kept beside the run.
+    cp "${TMPDIR:-/tmp}/streaming-hub-load-hub.log" "$dir/hub.log" 2>/dev/null || true
     python3 - "$dir/results.jsonl" "$(name_of "$v")" "$r" <<'EOF' | tee -a "$out/summary.txt"
 import json, sys
 path, name, rnd = sys.argv[1:]

@@ -333,7 +333,7 @@ impl RestoreJob {
             .name("hub-restore".into())
             .spawn(move || open_and_restore(&env, &parts, &stop).map(|(tasks, _)| tasks))
             .map_err(|e| HubError::Restore {
-                partition: partitions.keys().next().copied().unwrap_or(-1),
+                partition: first_of(&partitions),
                 why: format!("restore thread not started: {e}"),
             })?;
         Ok(RestoreJob {
@@ -373,6 +373,11 @@ impl RestoreJob {
     }
 }
 
+/// The partition a restore's error names: its first (-1 for none).
+fn first_of(partitions: &BTreeMap<i32, Start>) -> i32 {
+    partitions.keys().next().copied().unwrap_or(-1)
+}
+
 /// How long a loop waits for a restore it stopped while still counting as alive.
 const STOP_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -390,6 +395,7 @@ fn restoring_moved(from: usize, to: usize) {
 }
 
 struct HubContext {
+    env: Env,
     shared: Arc<Mutex<Shared>>,
     router: Arc<OutcomeRouter>,
     stage: usize,
@@ -559,7 +565,7 @@ impl ConsumerContext for HubContext {
                 partitions: &format!("{parts:?}"),
             }
             .emit();
-            // Restored outside this callback (`advance_restores`): the loop keeps serving the
+            // Restored in a thread started here (`RestoreJob`): the loop keeps serving the
             // partitions it has meanwhile, and a long restore cannot hold the poll past
             // `max.poll.interval.ms`. Paused until then: no record of a partition is processed
             // before its stores are current.
@@ -605,7 +611,12 @@ impl ConsumerContext for HubContext {
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
             let restoring = shared.restoring();
             shared.to_restore.extend(starts);
+            let started = start_queued(&self.env, &mut shared);
             restoring_moved(restoring, shared.restoring());
+            if let Err(e) = started {
+                tracing::error!(error = %e, "restore of assigned partitions not started");
+                shared.fatal = Some(e);
+            }
         }
     }
 }
@@ -626,21 +637,35 @@ fn advance_restores(
         .shared
         .lock()
         .unwrap_or_else(|p| p.into_inner());
+    if shared.restores.is_empty() && shared.to_restore.is_empty() {
+        return Ok(());
+    }
     let restoring = shared.restoring();
     let taken = take_restored(env, consumer, &mut shared, router, stage);
-    if taken.is_ok() && !shared.to_restore.is_empty() {
-        let next = std::mem::take(&mut shared.to_restore);
-        match RestoreJob::start(env, next.clone()) {
-            Ok(job) => shared.restores.push(job),
-            Err(e) => {
-                shared.to_restore = next;
-                restoring_moved(restoring, shared.restoring());
-                return Err(e);
-            }
+    let started = match taken {
+        Ok(()) => start_queued(env, &mut shared),
+        Err(e) => Err(e),
+    };
+    restoring_moved(restoring, shared.restoring());
+    started
+}
+
+/// Starts a restore of the partitions waiting for one (all of them in one thread).
+fn start_queued(env: &Env, shared: &mut Shared) -> Result<(), HubError> {
+    if shared.to_restore.is_empty() {
+        return Ok(());
+    }
+    let next = std::mem::take(&mut shared.to_restore);
+    match RestoreJob::start(env, next.clone()) {
+        Ok(job) => {
+            shared.restores.push(job);
+            Ok(())
+        }
+        Err(e) => {
+            shared.to_restore = next;
+            Err(e)
         }
     }
-    restoring_moved(restoring, shared.restoring());
-    taken
 }
 
 fn take_restored(
@@ -658,7 +683,7 @@ fn take_restored(
         crate::runtime::liveness::beat_current(); // a seek below may take its 10 s
         let tasks = job.thread.join().unwrap_or_else(|_| {
             Err(HubError::Restore {
-                partition: job.partitions.keys().next().copied().unwrap_or(-1),
+                partition: first_of(&job.partitions),
                 why: "the restore thread panicked".into(),
             })
         });
@@ -674,9 +699,14 @@ fn take_restored(
             from.add_partition_offset(&env.inbox, *p, job.partitions[p].from)
                 .map_err(KafkaError::from)?;
         }
-        // From where each partition starts: records fetched before the pause went with it, and
-        // resuming alone would go on after them. A seek that fails (a broker going away) leaves
-        // the partitions paused and restores them again (from their stores, so quickly).
+        // Resumed first, then sought to where each starts: records fetched before the pause went
+        // with it, and resuming alone would go on after them. The order matters: librdkafka's
+        // fetcher looks at a partition again when a seek starts its fetch, not when a resume
+        // clears its pause, so a seek before the resume left it waiting for the fetcher's next
+        // round, a second later (measured: the first record 1.0 s after the resume, deliveries
+        // after a restart resuming a second later). A seek that fails (a broker going away)
+        // pauses the partitions again and restores them again (from their stores, so quickly).
+        consumer.resume(&from).map_err(KafkaError::from)?;
         let seek_started = Instant::now();
         let sought = consumer
             .seek_partitions(from.clone(), Duration::from_secs(10))
@@ -686,17 +716,11 @@ fn take_restored(
             });
         if let Err(e) = sought {
             tracing::warn!(error = %e, "restored partitions could not be sought to their start; restoring them again");
+            consumer.pause(&from).map_err(KafkaError::from)?;
             drop(tasks); // closes their stores before they are opened again
             shared.to_restore.extend(job.partitions);
             continue;
         }
-        consumer.resume(&from).map_err(KafkaError::from)?;
-        // librdkafka starts fetching a partition that was paused before its fetch began only
-        // when the consumer group next serves its assignment: up to a second later (measured: the
-        // first record 1.0 s after the resume, deliveries resuming ~0.9 s later after a restart).
-        // A committed-offsets request makes the group serve it now (1 ms on a local broker);
-        // its answer is not needed.
-        let _ = consumer.committed_offsets(from.clone(), Duration::from_secs(2));
         let mut parts = Vec::with_capacity(tasks.len());
         for (p, mut task) in tasks {
             task.next_offset = job.partitions[&p].fence;
@@ -1299,6 +1323,7 @@ impl HubStage {
             &format!("hub-{instance}"),
         )
         .create_with_context(HubContext {
+            env: self.env.clone(),
             shared: shared.clone(),
             router: self.router.clone(),
             stage: self.stage,
@@ -1345,16 +1370,16 @@ impl HubStage {
                     telemetry::attempts_claimed(self.stage, d.in_flight);
                 }
             }
+            // A restore under way counts as busy too: its tasks are taken between polls, so
+            // short ones.
             let busy = self
                 .dispatch
                 .as_ref()
                 .is_some_and(|d| d.in_flight > 0 || !d.pending.is_empty())
-                || shared
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .tasks
-                    .values()
-                    .any(|t| !t.ring.is_empty());
+                || {
+                    let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                    guard.tasks.values().any(|t| !t.ring.is_empty()) || guard.restoring() > 0
+                };
             let batch = self.fill_batch(&consumer, busy);
             if let Some(e) = shared
                 .lock()

@@ -159,6 +159,11 @@ impl HubCommit {
     pub fn emit(&self) {
         histogram!(HUB_COMMIT_SECONDS).record(self.took.as_secs_f64());
         histogram!(HUB_BATCH_RECORDS).record(self.records as f64);
+        tracing::debug!(
+            records = self.records,
+            took_ms = self.took.as_millis() as u64,
+            "hub transaction committed"
+        );
     }
 }
 
