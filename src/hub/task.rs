@@ -294,6 +294,8 @@ struct Shared {
     /// each starts: the restores under way (one per assignment), then those waiting for one.
     restores: Vec<RestoreJob>,
     to_restore: BTreeMap<i32, Start>,
+    /// The loop has ended: an assignment served while its consumer closes starts no restore.
+    stopped: bool,
 }
 
 impl Shared {
@@ -609,6 +611,9 @@ impl ConsumerContext for HubContext {
                 })
                 .collect();
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            if shared.stopped {
+                return;
+            }
             let restoring = shared.restoring();
             shared.to_restore.extend(starts);
             let started = start_queued(&self.env, &mut shared);
@@ -738,12 +743,14 @@ fn take_restored(
     Ok(())
 }
 
-/// Stops this loop's restore when the loop ends, however it ends.
+/// Stops this loop's restores when the loop ends, however it ends, and marks it stopped: it is
+/// dropped before the consumer, whose close may still serve an assignment, which then starts none.
 struct StopRestores(Arc<Mutex<Shared>>);
 
 impl Drop for StopRestores {
     fn drop(&mut self) {
         let mut shared = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        shared.stopped = true;
         let restoring = shared.restoring();
         let jobs = std::mem::take(&mut shared.restores);
         jobs.iter().for_each(RestoreJob::cancel);
@@ -1370,17 +1377,17 @@ impl HubStage {
                     telemetry::attempts_claimed(self.stage, d.in_flight);
                 }
             }
-            // A restore under way counts as busy too: its tasks are taken between polls, so
-            // short ones.
-            let busy = self
-                .dispatch
-                .as_ref()
-                .is_some_and(|d| d.in_flight > 0 || !d.pending.is_empty())
-                || {
-                    let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-                    guard.tasks.values().any(|t| !t.ring.is_empty()) || guard.restoring() > 0
-                };
-            let batch = self.fill_batch(&consumer, busy);
+            let (due, restoring) = {
+                let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                let due = guard.tasks.values().any(|t| !t.ring.is_empty());
+                (due, guard.restoring() > 0)
+            };
+            let busy = due
+                || self
+                    .dispatch
+                    .as_ref()
+                    .is_some_and(|d| d.in_flight > 0 || !d.pending.is_empty());
+            let batch = self.fill_batch(&consumer, busy, restoring);
             if let Some(e) = shared
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -1551,12 +1558,14 @@ impl HubStage {
         &self,
         consumer: &'c BaseConsumer<HubContext>,
         busy: bool,
+        restoring: bool,
     ) -> Vec<BorrowedMessage<'c>> {
         let config = &self.env.config;
         let mut batch = Vec::new();
         let mut deadline: Option<Instant> = None;
         let mut last: HashMap<i32, i64> = HashMap::new();
-        let idle_wait = if busy {
+        // A restore under way: its tasks are taken between polls, so short waits.
+        let idle_wait = if busy || restoring {
             Duration::from_millis(10)
         } else {
             Duration::from_millis(100)
