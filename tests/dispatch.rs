@@ -136,7 +136,10 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
     let (url, sink) = start_sink(vec![200]).await;
     let (sub_id, secret) = subscribe(&s, "tenant-a", &url, None).await;
     let ev = event("tenant-a", "ledger", "transaction", "created")
-        .set("ce-subject", Some(b"acc-7"))
+        .set(
+            "ce-subject",
+            Some("acc 7 \u{2013} Jo\u{e3}o \"50%\"".as_bytes()),
+        )
         .set(
             "ce-datacontenttype",
             Some(b"application/vnd.lerian.ledger+json; charset=utf-8"),
@@ -163,7 +166,16 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
     assert_eq!(h["x-lerian-attempt"], "1");
     assert_eq!(h["ce-id"], ev.id());
     assert_eq!(h["ce-type"], "studio.lerian.ledger.transaction.created");
-    assert_eq!(h["ce-subject"], "acc-7");
+    // CloudEvents HTTP binding: space, `"`, `%` and non-ASCII bytes percent-encoded; the
+    // subscriber's SDK decodes the producer's subject back.
+    assert_eq!(
+        h["ce-subject"],
+        "acc%207%20%E2%80%93%20Jo%C3%A3o%20%2250%25%22"
+    );
+    assert_eq!(
+        percent_encoding::percent_decode_str(&h["ce-subject"]).decode_utf8_lossy(),
+        "acc 7 \u{2013} Jo\u{e3}o \"50%\""
+    );
     assert_eq!(h["ce-tenantid"], "tenant-a");
     assert!(uuid::Uuid::parse_str(&h["x-lerian-delivery-id"]).is_ok());
     assert_eq!(h["webhook-id"], ev.id());

@@ -243,6 +243,13 @@ fn hold_payload(
     Ok(())
 }
 
+/// What the CloudEvents HTTP binding (§3.1.3.2) has percent-encoded in a `ce-*` header value:
+/// space, `"`, `%` and everything outside printable ASCII (the value's UTF-8 bytes). Kafka's
+/// binding carries the values raw, so a subject like `conta 7 – João` reaches a subscriber as
+/// `conta%207%20%E2%80%93%20Jo%C3%A3o`, which its CloudEvents SDK decodes back.
+const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
+    &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
+
 /// What an attempt sends of its event: its `ce-*` headers, `<resource>.<event>` type, body and
 /// ingest time. Read once per event and shared by the attempts of its jobs (a fan-out event's
 /// claims in one transaction share one), from the inbox record when the job was created in the
@@ -254,9 +261,9 @@ pub struct EventView {
     /// `<resource>.<event>`, as `X-Lerian-Event-Type` sends it.
     pub event_type: reqwest::header::HeaderValue,
     /// `ce-*` headers of the event, in order, except `ce-datacontenttype` (sent as the
-    /// `Content-Type`). Ingest quarantines what could not go on the wire (a value that is not
-    /// UTF-8 or has control characters, a name HTTP does not allow); such a header in a record
-    /// that bypassed it is left out.
+    /// `Content-Type`), values percent-encoded ([`CE_HEADER_ESCAPED`]). Ingest quarantines what
+    /// could not go on the wire (a value that is not UTF-8, a name HTTP does not allow); such a
+    /// header in a record that bypassed it is left out.
     pub ce_headers: Arc<[(reqwest::header::HeaderName, reqwest::header::HeaderValue)]>,
     /// `ce-datacontenttype` (the last one), else `application/json`.
     pub content_type: reqwest::header::HeaderValue,
@@ -290,14 +297,22 @@ impl EventView {
             let (true, Some(v)) = (key.starts_with("ce-"), text) else {
                 continue;
             };
-            let Ok(v) = reqwest::header::HeaderValue::from_str(v) else {
+            if key == "ce-datacontenttype" {
+                // A media type, sent as the `Content-Type` as it is.
+                if let Ok(v) = reqwest::header::HeaderValue::from_str(v) {
+                    content_type = Some(v);
+                }
+                continue;
+            }
+            let v: std::borrow::Cow<str> =
+                percent_encoding::utf8_percent_encode(v, CE_HEADER_ESCAPED).into();
+            let (Ok(k), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(key.as_bytes()),
+                reqwest::header::HeaderValue::from_str(&v),
+            ) else {
                 continue;
             };
-            if key == "ce-datacontenttype" {
-                content_type = Some(v);
-            } else if let Ok(k) = reqwest::header::HeaderName::from_bytes(key.as_bytes()) {
-                ce_headers.push((k, v));
-            }
+            ce_headers.push((k, v));
         }
         let event_type = format!("{}.{}", resource.unwrap_or(""), event.unwrap_or(""));
         EventView {
@@ -357,8 +372,12 @@ mod tests {
             header("ce-subject", None),
             header("ce-datacontenttype", Some(b"application/xml")),
             header("ce-datacontenttype", Some(b"text/plain")), // the last one counts
-            header("ce-title", Some(b"two\nlines")),           // not a valid header value: not sent
-            header("ce-bad name", Some(b"x")),                 // not a valid header name: not sent
+            header("ce-title", Some(b"two\nlines")),           // encoded, as any control
+            header(
+                "ce-subject",
+                Some("conta 7 \u{2013} Jo\u{e3}o \"50%\"".as_bytes()),
+            ),
+            header("ce-bad name", Some(b"x")), // not a valid header name: not sent
             header("x-other", Some(b"kept out")),
             header("ce-eventtype", Some(b"second")), // repeated: the first counts
             header(
@@ -388,6 +407,11 @@ mod tests {
                     ("ce-id", "0193-id"),
                     ("ce-resourcetype", "transaction"),
                     ("ce-eventtype", "created"),
+                    ("ce-title", "two%0Alines"),
+                    (
+                        "ce-subject",
+                        "conta%207%20%E2%80%93%20Jo%C3%A3o%20%2250%25%22"
+                    ),
                     ("ce-eventtype", "second"),
                 ]
             );
