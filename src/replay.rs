@@ -88,7 +88,7 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
             .map_err(kafka_err)?;
         let to = match target {
             Target::Earliest => low,
-            Target::Offset(o) => (*o).clamp(low, high),
+            Target::Offset(o) => (*o).min(high).max(low), // `clamp` panics if low > high
             Target::Time(_) => match by_time
                 .as_ref()
                 .and_then(|t| t.find_partition(&inbox, *p))

@@ -190,7 +190,18 @@ async fn invalid_custom_header_is_named_and_nothing_is_sent() {
     let custom = BTreeMap::from([("bad name".to_string(), "v".to_string())]);
     let e = probe_local(&sink.url(), &custom).await.unwrap_err();
     assert_eq!(e.code(), "invalid_header");
+    // More than a subscription may have (a control record the API did not write): refused, not
+    // a panic (`HeaderMap` panics past 32,768), and at the limit the probe goes.
+    let many = |n: usize| -> BTreeMap<String, String> {
+        (0..n)
+            .map(|i| (format!("x-h{i}"), "v".to_string()))
+            .collect()
+    };
+    let e = probe_local(&sink.url(), &many(40_000)).await.unwrap_err();
+    assert_eq!(e, VerifyError::TooManyHeaders(40_000));
     assert_eq!(sink.hits(), 0);
+    probe_local(&sink.url(), &many(32)).await.unwrap();
+    assert_eq!(sink.hits(), 1);
 }
 
 #[tokio::test]

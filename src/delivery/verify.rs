@@ -57,6 +57,9 @@ pub enum VerifyError {
     /// A custom header whose name or value HTTP cannot carry (the name is given, not the value).
     #[error("custom header {0:?} is not a valid HTTP header")]
     InvalidHeader(String),
+    /// More custom headers than a subscription may have (a record the API did not write).
+    #[error("{0} custom headers, at most {max}", max = crate::subscriptions::model::MAX_HEADERS)]
+    TooManyHeaders(usize),
     #[error(transparent)]
     Signing(#[from] SigningError),
 }
@@ -73,6 +76,7 @@ impl VerifyError {
             VerifyError::ChallengeMissing => "challenge_missing",
             VerifyError::Redirect(_) => "redirect",
             VerifyError::InvalidHeader(_) => "invalid_header",
+            VerifyError::TooManyHeaders(_) => "too_many_headers",
             VerifyError::Signing(_) => "signing_failed",
         }
     }
@@ -85,6 +89,7 @@ impl VerifyError {
             VerifyError::Url(_)
                 | VerifyError::Forbidden
                 | VerifyError::InvalidHeader(_)
+                | VerifyError::TooManyHeaders(_)
                 | VerifyError::Signing(_)
         )
     }
@@ -118,6 +123,10 @@ pub async fn probe(
     let timestamp = unix_seconds();
     let signature = signature_header(secrets, &msg_id, timestamp, &body)?;
 
+    if headers.len() > crate::subscriptions::model::MAX_HEADERS {
+        // `HeaderMap` panics past 32,768 entries; the API allows 32.
+        return Err(VerifyError::TooManyHeaders(headers.len()));
+    }
     let mut map = HeaderMap::new();
     for (name, value) in headers {
         let invalid = || VerifyError::InvalidHeader(name.clone());
@@ -221,6 +230,7 @@ mod tests {
             VerifyError::ChallengeMissing,
             VerifyError::Redirect(302),
             VerifyError::InvalidHeader("x".into()),
+            VerifyError::TooManyHeaders(40),
             VerifyError::Signing(SigningError::NoSecrets),
         ];
         let mut codes: Vec<_> = all.iter().map(VerifyError::code).collect();

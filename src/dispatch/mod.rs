@@ -250,6 +250,11 @@ fn hold_payload(
 const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
     &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
 
+/// Most `ce-*` headers an attempt sends: ingest quarantines a record with more headers than this
+/// (`headers_too_large`), so only a record written to the inbox around it has more, and an HTTP
+/// header map panics past 32,768 entries.
+const MAX_CE_HEADERS: usize = 256;
+
 /// What an attempt sends of its event: its `ce-*` headers, `<resource>.<event>` type, body and
 /// ingest time. Read once per event and shared by the attempts of its jobs (a fan-out event's
 /// claims in one transaction share one), from the inbox record when the job was created in the
@@ -312,7 +317,9 @@ impl EventView {
             ) else {
                 continue;
             };
-            ce_headers.push((k, v));
+            if ce_headers.len() < MAX_CE_HEADERS {
+                ce_headers.push((k, v));
+            }
         }
         let event_type = format!("{}.{}", resource.unwrap_or(""), event.unwrap_or(""));
         EventView {

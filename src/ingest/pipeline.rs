@@ -201,7 +201,9 @@ impl Ingest {
         }
         let mut rejoin = Rejoin::default();
 
-        let mut batch: Vec<BorrowedMessage<'_>> = Vec::with_capacity(self.config.ingest_batch_max);
+        // Not all of a huge setting up front (it would fail to allocate): the batch grows to it.
+        let mut batch: Vec<BorrowedMessage<'_>> =
+            Vec::with_capacity(self.config.ingest_batch_max.min(65_536));
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
             batch.clear();

@@ -197,8 +197,12 @@ pub enum KeySpecError {
         "signature key entry {index}: the key id (before the '@') must match ^[a-z0-9][a-z0-9._-]{{0,63}}$"
     )]
     InvalidKid { index: usize },
-    #[error("signature key {kid:?}: source {source_name:?} must match ^[a-z0-9][a-z0-9_-]*$")]
-    InvalidSource { kid: String, source_name: String },
+    /// The source is not shown either: in an entry with the secret and source swapped, or a
+    /// trailing ':', it is the secret.
+    #[error(
+        "signature key {kid:?}: the source (between '@' and ':') must match ^[a-z0-9][a-z0-9_-]*$"
+    )]
+    InvalidSource { kid: String },
     #[error("signature key {kid:?}: secret is not valid standard base64")]
     InvalidSecretEncoding { kid: String },
     #[error("signature key {kid:?}: secret is {len} bytes, at least {MIN_SECRET_BYTES} required")]
@@ -269,10 +273,8 @@ impl SignatureKeys {
             });
         }
         if !is_valid_source(source) {
-            let (kid, source) = (kid.to_owned(), source.to_owned());
             return Err(KeySpecError::InvalidSource {
-                kid,
-                source_name: source,
+                kid: kid.to_owned(),
             });
         }
         if secret.len() < MIN_SECRET_BYTES {
@@ -515,6 +517,10 @@ mod tests {
             format!("{}@ledger:{secret}", "k".repeat(65)),
             // In the wrong order the secret stands where the key id belongs.
             format!("{secret}@ledger:k1"),
+            // Secret and source swapped (`fees` decodes as base64), or a trailing ':': the
+            // secret stands where the source belongs.
+            format!("k1@{secret}:fees"),
+            format!("k1@{secret}:"),
         ];
         for spec in &cases {
             let err = SignatureKeys::parse(spec).expect_err(spec);
