@@ -1085,6 +1085,8 @@ pub struct HubStage {
     router: Arc<OutcomeRouter>,
     /// Outcomes other loops handed to this one.
     handed: Option<std::sync::mpsc::Receiver<Outcome>>,
+    /// How long the next batch stays open (follows this loop's transaction times).
+    window: kafka::BatchWindow,
 }
 
 /// The delivery side of the hub loop: claims due jobs, hands them to the workers after the claim
@@ -1266,6 +1268,7 @@ impl HubStage {
             stage: 0,
             router: Arc::new(OutcomeRouter::default()),
             handed: None,
+            window: kafka::BatchWindow::new(),
         }
     }
 
@@ -1418,6 +1421,7 @@ impl HubStage {
             match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
                 Ok((n, launched)) => {
                     last_txn_at = Instant::now();
+                    self.window.took(started.elapsed());
                     if n > 0 || launched > 0 {
                         telemetry::HubCommit {
                             records: n,
@@ -1598,12 +1602,12 @@ impl HubStage {
                     if deadline.is_none() {
                         // With deliveries under way, outcomes and claims wait for this batch to
                         // commit: keep it short so the delivery loop turns quickly.
-                        let interval = if busy {
+                        let longest = if busy {
                             config.commit_interval.min(BUSY_BATCH)
                         } else {
                             config.commit_interval
                         };
-                        deadline = Some(Instant::now() + interval);
+                        deadline = Some(Instant::now() + self.window.window(longest));
                     }
                 }
                 Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code)))
@@ -1849,6 +1853,7 @@ impl HubStage {
                 offsets.insert(*p, next);
             }
         }
+        kafka::push(producer.client());
         phase_done("work");
         if !offsets.is_empty() {
             let mut tpl = TopicPartitionList::new();

@@ -200,6 +200,7 @@ impl Ingest {
             tracing::warn!(pattern = %self.config.follow_pattern, "the follow pattern is not a POSIX extended regular expression: partitions held by no member will not be looked for");
         }
         let mut rejoin = Rejoin::default();
+        let mut window = kafka::BatchWindow::new();
 
         // Not all of a huge setting up front (it would fail to allocate): the batch grows to it.
         let mut batch: Vec<BorrowedMessage<'_>> =
@@ -218,18 +219,25 @@ impl Ingest {
                     )
                     .map_err(KafkaError::from)?;
             }
-            self.fill_batch(&consumer, &mut batch)?;
+            self.fill_batch(
+                &consumer,
+                &mut batch,
+                window.window(self.config.commit_interval),
+            )?;
             if batch.is_empty() {
                 continue;
             }
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
-                Ok(()) => IngestCommit {
-                    records: batch.len(),
-                    took: started.elapsed(),
-                    outcome: CommitOutcome::Committed,
+                Ok(()) => {
+                    window.took(started.elapsed());
+                    IngestCommit {
+                        records: batch.len(),
+                        took: started.elapsed(),
+                        outcome: CommitOutcome::Committed,
+                    }
+                    .emit(None)
                 }
-                .emit(None),
                 Err(e) => {
                     let msg = e.to_string();
                     if let Some(code) = e.rdkafka_error_code() {
@@ -260,11 +268,13 @@ impl Ingest {
         Ok(())
     }
 
-    /// Polls until the batch is full, or the commit interval has passed since its first record.
+    /// Polls until the batch is full, or `window` has passed since its first record (see
+    /// [`kafka::BatchWindow`]), or no record came for [`QUIET_GAP`].
     fn fill_batch<'c>(
         &self,
         consumer: &'c BaseConsumer<IngestContext>,
         batch: &mut Vec<BorrowedMessage<'c>>,
+        window: Duration,
     ) -> Result<(), IngestError> {
         let mut deadline: Option<Instant> = None;
         // Never take an offset twice in one batch (a fetch restarted at a position we already
@@ -304,7 +314,7 @@ impl Ingest {
                     last.insert(key, msg.offset());
                     batch.push(msg);
                     if deadline.is_none() {
-                        deadline = Some(Instant::now() + self.config.commit_interval);
+                        deadline = Some(Instant::now() + window);
                     }
                 }
                 Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code)))
@@ -352,6 +362,7 @@ impl Ingest {
             tpl.add_partition_offset(topic, partition, Offset::Offset(next))?;
         }
         let metadata = kafka::member_metadata(consumer, &consumer.context().membership)?;
+        kafka::push(producer.client());
         phase_done("work");
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         phase_done("offsets");
