@@ -320,6 +320,9 @@ macro_rules! upper {
     (commit_interval) => {
         "COMMIT_INTERVAL"
     };
+    (commit_interval_min) => {
+        "COMMIT_INTERVAL_MIN"
+    };
     (idempotency_ttl) => {
         "IDEMPOTENCY_TTL"
     };
@@ -454,20 +457,17 @@ settings! {
     /// (BENCHMARKS.md).
     hub_stages: usize = "1";
     /// Longest a batch stays open before it commits. Within it a batch stays open about as long as
-    /// the loop's last transactions took (at least 5 ms), so windows are short while transactions
-    /// are quick and grow to this as load or a slow broker lengthens them; a batch also closes
-    /// after 5 ms without a new record, so light load commits at once. Against fixed 100 ms
-    /// windows at 5,000 events/s: p50 / p99 39-41 / 64-72 ms instead of 82-87 / 150-163 ms, for
-    /// 30% more CPU per delivery, and the same deliveries/s at full load (session 30). Measured
-    /// with fixed windows before: 10 ms wrote
-    /// 2-9% fewer Kafka bytes per delivery than 100 ms in every measured pair, but its
-    /// deliveries/s and CPU per delivery stayed within the spread between runs (BENCHMARKS.md,
-    /// sessions 10-11); it loses nothing either (recovery and fault-suite runs, session 11). At
-    /// 5,000 events/s it was worse in three of three pairs: p99 953-3,117 ms against 219-620 ms,
-    /// with more CPU per delivery (session 18); 25 ms there took the median p50 from 126 to 91 ms
-    /// over seven runs each, the p99 (218 against 201 ms) within the spread, for 10% more CPU per
-    /// delivery (session 21).
+    /// the loop's last transactions took (at least `STREAMING_HUB_COMMIT_INTERVAL_MIN`): short
+    /// windows while transactions are quick, growing to this as load or a slow broker lengthens
+    /// them; a batch also closes after 5 ms without a new record. Against fixed 100 ms windows:
+    /// p50 / p99 39-41 / 64-72 ms instead of 82-87 / 150-163 ms at 5,000 events/s, 36 / 52-56
+    /// instead of 58-60 / 132-133 ms at 1,000/s, the same deliveries/s at full load, for 30-40%
+    /// more hub CPU per delivery at 5,000/s and 55% more at 1,000/s (BENCHMARKS.md, session 30).
     commit_interval: std::time::Duration = "100ms";
+    /// Shortest a batch stays open (unless a 5 ms quiet gap closes it): the floor of the window
+    /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to
+    /// `STREAMING_HUB_COMMIT_INTERVAL` it gives fixed windows (the behaviour before session 30).
+    commit_interval_min: std::time::Duration = "5ms";
     /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time.
     idempotency_ttl: std::time::Duration = "24h";
     /// Consumer group session timeout (how fast a dead instance's partitions move).
@@ -649,6 +649,12 @@ impl Config {
             return Err(invalid(
                 "STREAMING_HUB_HUB_BATCH_JOBS",
                 "must be at least 1",
+            ));
+        }
+        if self.commit_interval_min > self.commit_interval {
+            return Err(invalid(
+                "STREAMING_HUB_COMMIT_INTERVAL_MIN",
+                "must be at most STREAMING_HUB_COMMIT_INTERVAL",
             ));
         }
         // Durations that make the process useless at zero or near it: every delivery timing
@@ -891,6 +897,20 @@ mod tests {
                 && e.to_string().contains("at most 100 years"),
             "{e}"
         );
+        let e =
+            Config::from_vars(vars(&[("STREAMING_HUB_COMMIT_INTERVAL_MIN", "200ms")])).unwrap_err();
+        assert!(
+            e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL_MIN")
+                && e.to_string()
+                    .contains("at most STREAMING_HUB_COMMIT_INTERVAL"),
+            "{e}"
+        );
+        let fixed = Config::from_vars(vars(&[
+            ("STREAMING_HUB_COMMIT_INTERVAL", "50ms"),
+            ("STREAMING_HUB_COMMIT_INTERVAL_MIN", "50ms"),
+        ]))
+        .unwrap();
+        assert_eq!(fixed.commit_interval_min, Duration::from_millis(50));
         let e = Config::from_vars(vars(&[("STREAMING_HUB_COMMIT_INTERVAL", "soon")])).unwrap_err();
         assert!(
             e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL"),

@@ -206,6 +206,13 @@ impl Workers {
                 return out;
             }
         };
+        // More than a subscription may have is a record the API did not write (an HTTP header
+        // map panics past 32,768 entries): refused, not sent.
+        let max_headers = crate::subscriptions::model::MAX_HEADERS;
+        if sub.destination.headers.len() > max_headers {
+            out.error_kind = Some("invalid_request".into());
+            return out;
+        }
         for (k, v) in &sub.destination.headers {
             req = req.header(k.as_str(), v.as_str());
         }
@@ -220,6 +227,10 @@ impl Workers {
                     match serde_json::from_slice::<std::collections::BTreeMap<String, String>>(
                         &plain,
                     ) {
+                        Ok(map) if map.len() > max_headers => {
+                            out.error_kind = Some("invalid_request".into());
+                            return out;
+                        }
                         Ok(map) => {
                             for (k, v) in map {
                                 req = req.header(k, v);

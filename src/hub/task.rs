@@ -1421,7 +1421,8 @@ impl HubStage {
             match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
                 Ok((n, launched)) => {
                     last_txn_at = Instant::now();
-                    self.window.took(started.elapsed());
+                    self.window
+                        .took(started.elapsed(), self.env.config.commit_interval);
                     if n > 0 || launched > 0 {
                         telemetry::HubCommit {
                             records: n,
@@ -1607,7 +1608,8 @@ impl HubStage {
                         } else {
                             config.commit_interval
                         };
-                        deadline = Some(Instant::now() + self.window.window(longest));
+                        let shortest = config.commit_interval_min.min(longest);
+                        deadline = Some(Instant::now() + self.window.window(shortest, longest));
                     }
                 }
                 Some(Err(rdkafka::error::KafkaError::MessageConsumptionFatal(code)))

@@ -10,8 +10,9 @@
 //!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8,
 //!    a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1), or a name
 //!    that is not an HTTP token (it could not be sent as a header of a delivery) →
-//!    `invalid_header_encoding`; a value over 8 KiB (it becomes an HTTP header of every delivery)
-//!    → `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
+//!    `invalid_header_encoding`; a value over 8 KiB as sent (it becomes an HTTP header of every
+//!    delivery, percent-encoded: space, `"`, `%` and non-ASCII bytes count three) →
+//!    `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
 //!    (`traceparent`, …) are carried, never judged.
 //! 2. **Payload size** — over `max_payload_bytes` → `payload_too_large`. A null value is an empty one.
 //! 3. **System event** — `ce-systemevent` exactly `true` → [`Verdict::Drop`]. A system event with a
@@ -248,6 +249,12 @@ fn has_control(s: &str) -> bool {
     }
 }
 
+/// A byte a delivery sends percent-encoded in a `ce-*` header (the dispatcher's
+/// `CE_HEADER_ESCAPED`, controls aside: they are refused before).
+fn percent_encoded(b: u8) -> bool {
+    matches!(b, b' ' | b'"' | b'%') || !(0x20..0x7f).contains(&b)
+}
+
 /// Step 1: one pass over the headers, filling the known slots.
 /// Longest `ce-*` value: each becomes an HTTP request header of every delivery, and receivers
 /// commonly refuse header lines over 8 KiB.
@@ -285,6 +292,18 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
         };
         if has_control(value) {
             return encoding(format_args!("control character in the value"));
+        }
+        // Deliveries percent-encode `ce-*` values (space, `"`, `%`, non-ASCII: three bytes each
+        // on the wire), all but the content type, which goes as the `Content-Type` as it is.
+        if name != "ce-datacontenttype" {
+            let sent = value.len() + 2 * value.bytes().filter(|&b| percent_encoded(b)).count();
+            if sent > MAX_CE_VALUE_BYTES {
+                let what = format_args!(
+                    "{sent} bytes once percent-encoded for HTTP, over the limit of \
+                     {MAX_CE_VALUE_BYTES} bytes"
+                );
+                return Err(quarantine(Reason::HeadersTooLarge, at(name, what)));
+            }
         }
         match slot_of(name) {
             Some(slot) if slots[slot].is_some() => {
@@ -748,6 +767,32 @@ mod tests {
             Rec::ledger().set("ce-subject", &over).classify(&cfg),
             Reason::HeadersTooLarge,
             "ce-subject",
+        );
+        // The limit is on what goes on the wire: percent-encoded, "é" is 6 bytes, "%" 3.
+        let encoded_at_limit = "\u{e9}".repeat(MAX_CE_VALUE_BYTES / 6);
+        accepted(
+            Rec::ledger()
+                .set("ce-subject", &encoded_at_limit)
+                .classify(&cfg),
+        );
+        let encoded_over = format!("{encoded_at_limit}%");
+        assert!(
+            encoded_over.len() < MAX_CE_VALUE_BYTES,
+            "short before encoding"
+        );
+        assert_quarantined(
+            Rec::ledger()
+                .set("ce-subject", &encoded_over)
+                .classify(&cfg),
+            Reason::HeadersTooLarge,
+            "ce-subject",
+        );
+        // The content type is sent as it is (encoded, these spaces would pass the limit).
+        let long_type = format!("text/plain; a=\"{}\"", " ".repeat(4000));
+        accepted(
+            Rec::ledger()
+                .set("ce-datacontenttype", &long_type)
+                .classify(&cfg),
         );
     }
 

@@ -222,7 +222,7 @@ impl Ingest {
             self.fill_batch(
                 &consumer,
                 &mut batch,
-                window.window(self.config.commit_interval),
+                window.window(self.config.commit_interval_min, self.config.commit_interval),
             )?;
             if batch.is_empty() {
                 continue;
@@ -230,7 +230,7 @@ impl Ingest {
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
                 Ok(()) => {
-                    window.took(started.elapsed());
+                    window.took(started.elapsed(), self.config.commit_interval);
                     IngestCommit {
                         records: batch.len(),
                         took: started.elapsed(),

@@ -227,8 +227,8 @@ pub fn push<C: rdkafka::client::ClientContext>(client: &rdkafka::client::Client<
 }
 
 /// How long a transaction's batch stays open: as long as the last transactions took (an average
-/// of the last and the one before, roughly), at least [`BatchWindow::FLOOR`] and at most the
-/// configured commit interval. A loop that polls, then commits, in turn spends about as long
+/// of the last and the one before, roughly), at least `STREAMING_HUB_COMMIT_INTERVAL_MIN` and at
+/// most `STREAMING_HUB_COMMIT_INTERVAL`. A loop that polls, then commits, in turn spends about as long
 /// gathering as committing: at light load transactions are short and so are the windows (an
 /// event waits little), and as the load or the broker slows the transactions, the windows grow
 /// with them up to the interval, so the transactions per second fall instead of piling up.
@@ -238,24 +238,23 @@ pub struct BatchWindow {
 }
 
 impl BatchWindow {
-    /// Shortest window: the quiet gap that closes a batch anyway.
-    pub const FLOOR: Duration = Duration::from_millis(5);
-
-    /// Starts at the floor: the first batch of a loop commits as soon as it may.
+    /// Starts with nothing measured: the first batch's window is the floor.
     pub fn new() -> BatchWindow {
         BatchWindow {
-            recent: Self::FLOOR,
+            recent: Duration::ZERO,
         }
     }
 
-    /// The window for the next batch, at most `longest` (the commit interval).
-    pub fn window(&self, longest: Duration) -> Duration {
-        self.recent.max(Self::FLOOR).min(longest)
+    /// The window for the next batch: at least `shortest`, at most `longest` (`longest` wins).
+    pub fn window(&self, shortest: Duration, longest: Duration) -> Duration {
+        self.recent.max(shortest).min(longest)
     }
 
-    /// A transaction took `took`, from its start to its commit.
-    pub fn took(&mut self, took: Duration) {
-        self.recent = (self.recent + took) / 2;
+    /// A transaction took `took`, from its start to its commit. One longer than `longest` (a
+    /// broker that stalled) counts as `longest`, so the windows come back down within a few
+    /// transactions once it recovers.
+    pub fn took(&mut self, took: Duration, longest: Duration) {
+        self.recent = (self.recent + took.min(longest)) / 2;
     }
 }
 
@@ -741,29 +740,42 @@ mod tests {
     #[test]
     fn a_batch_window_follows_the_transactions_between_the_floor_and_the_interval() {
         let ms = Duration::from_millis;
+        let (floor, interval) = (ms(5), ms(100));
         let mut w = BatchWindow::new();
-        assert_eq!(w.window(ms(100)), BatchWindow::FLOOR, "starts at the floor");
+        assert_eq!(w.window(floor, interval), floor, "starts at the floor");
         // Fast transactions keep it at the floor.
-        w.took(ms(2));
-        w.took(ms(1));
-        assert_eq!(w.window(ms(100)), BatchWindow::FLOOR);
+        w.took(ms(2), interval);
+        w.took(ms(1), interval);
+        assert_eq!(w.window(floor, interval), floor);
         // Slower ones widen it, halfway each time.
         for _ in 0..20 {
-            w.took(ms(30));
+            w.took(ms(30), interval);
         }
-        let now = w.window(ms(100));
+        let now = w.window(floor, interval);
         assert!(now > ms(29) && now <= ms(30), "{now:?}");
-        // Never past the interval, however slow.
-        w.took(ms(5_000));
-        assert_eq!(w.window(ms(100)), ms(100));
-        // And it comes back down as they speed up again.
+        // A stall counts as the interval (no overflow on an absurd one): never past it.
+        w.took(Duration::MAX, interval);
+        let once = w.window(floor, interval);
+        assert!(once > ms(64) && once <= ms(65), "(30 + 100) / 2: {once:?}");
         for _ in 0..20 {
-            w.took(ms(8));
+            w.took(ms(5_000), interval);
         }
-        let back = w.window(ms(100));
+        let stalled = w.window(floor, interval);
+        assert!(stalled > ms(99) && stalled <= interval, "{stalled:?}");
+        // Two quick transactions after it halve the window twice: (100 + 4) / 2, (52 + 4) / 2.
+        w.took(ms(4), interval);
+        w.took(ms(4), interval);
+        let after = w.window(floor, interval);
+        assert!(after > ms(27) && after <= ms(28), "{after:?}");
+        // And it comes back down as they speed up again.
+        for _ in 0..30 {
+            w.took(ms(8), interval);
+        }
+        let back = w.window(floor, interval);
         assert!(back >= ms(8) && back < ms(9), "{back:?}");
-        // An interval below the floor wins (an operator's choice).
-        assert_eq!(BatchWindow::new().window(ms(2)), ms(2));
+        // A floor equal to the interval is a fixed window; an interval below the floor wins.
+        assert_eq!(w.window(interval, interval), interval);
+        assert_eq!(BatchWindow::new().window(floor, ms(2)), ms(2));
     }
 
     /// The format is librdkafka's own: metadata it builds and serialises parses back.
