@@ -109,6 +109,18 @@ fn watch_broker(
     Ok(())
 }
 
+/// Ends the liveness watchdog when `run` returns (however it returns), and forgets the beats
+/// of its loops (a loop that failed keeps its last one), so a later run in the same process
+/// does not start from them.
+struct WatchdogOff(Arc<AtomicBool>);
+
+impl Drop for WatchdogOff {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+        crate::runtime::liveness::rest_all();
+    }
+}
+
 pub async fn run(config: Config) -> Result<(), AppError> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
@@ -237,13 +249,17 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         }
     }
 
+    // Liveness watchdog: a loop stuck in a call that never returns ends the process. It watches
+    // through the shutdown too (until every stage has been joined): a loop stuck while the
+    // process shuts down would otherwise hold its partitions, delivering nothing, for good (seen
+    // in the fault suite: an instance whose hub stage was fenced never finished shutting down).
+    let watchdog_off = WatchdogOff(Arc::new(AtomicBool::new(false)));
     {
-        // Liveness watchdog: a loop stuck in a call that never returns ends the process.
-        let (stop, limit) = (stop.clone(), config.stall_timeout);
+        let (off, limit) = (watchdog_off.0.clone(), config.stall_timeout);
         std::thread::Builder::new()
             .name("watchdog".into())
             .spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
+                while !off.load(Ordering::SeqCst) {
                     std::thread::sleep(std::time::Duration::from_secs(1));
                     if let Some(stage) = crate::runtime::liveness::stalled(limit) {
                         tracing::error!(

@@ -528,8 +528,9 @@ settings! {
     /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
     shutdown_timeout: std::time::Duration = "30s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
-    /// for this long, e.g. stuck in a Kafka call that never returns. The consumers' own poll
-    /// limit (`max.poll.interval.ms`) is set above it: this exit comes first (at least 10s).
+    /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down.
+    /// The consumers' own poll limit (`max.poll.interval.ms`) is set above it: this exit comes
+    /// first (at least 10s).
     stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";

@@ -49,6 +49,11 @@ pub fn rest(loop_: &AtomicI64) {
     loop_.store(0, Ordering::Relaxed);
 }
 
+/// Every loop stopped (the process's stages have all been joined).
+pub fn rest_all() {
+    HUB.iter().chain([&INGEST]).for_each(rest);
+}
+
 /// The first loop (by name) that has not beaten for `limit`, if any.
 pub fn stalled(limit: Duration) -> Option<&'static str> {
     let now = now_ms();
