@@ -22,6 +22,7 @@ use rdkafka::message::Message;
 
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
+use crate::ingest::classify::CE_HEADER_ESCAPED;
 use crate::runtime::{fast_avro, kafka};
 use std::sync::Arc;
 
@@ -242,13 +243,6 @@ fn hold_payload(
     ctx.ring.add(event.tenant);
     Ok(())
 }
-
-/// What the CloudEvents HTTP binding (§3.1.3.2) has percent-encoded in a `ce-*` header value:
-/// space, `"`, `%` and everything outside printable ASCII (the value's UTF-8 bytes). Kafka's
-/// binding carries the values raw, so a subject like `conta 7 – João` reaches a subscriber as
-/// `conta%207%20%E2%80%93%20Jo%C3%A3o`, which its CloudEvents SDK decodes back.
-const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
-    &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
 
 /// Most `ce-*` headers an attempt sends: ingest quarantines a record with more headers than this
 /// (`headers_too_large`), so only a record written to the inbox around it has more, and an HTTP

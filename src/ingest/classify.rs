@@ -249,11 +249,13 @@ fn has_control(s: &str) -> bool {
     }
 }
 
-/// A byte a delivery sends percent-encoded in a `ce-*` header (the dispatcher's
-/// `CE_HEADER_ESCAPED`, controls aside: they are refused before).
-fn percent_encoded(b: u8) -> bool {
-    matches!(b, b' ' | b'"' | b'%') || !(0x20..0x7f).contains(&b)
-}
+/// What the CloudEvents HTTP binding (§3.1.3.2) has percent-encoded in a `ce-*` header value:
+/// space, `"`, `%` and everything outside printable ASCII (the value's UTF-8 bytes). Kafka's
+/// binding carries the values raw, so a subject like `conta 7 – João` reaches a subscriber as
+/// `conta%207%20%E2%80%93%20Jo%C3%A3o`, which its CloudEvents SDK decodes back. Deliveries
+/// encode with it ([`crate::dispatch::EventView`]); the size limit below is checked on it.
+pub const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
+    &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
 
 /// Step 1: one pass over the headers, filling the known slots.
 /// Longest `ce-*` value: each becomes an HTTP request header of every delivery, and receivers
@@ -296,7 +298,9 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
         // Deliveries percent-encode `ce-*` values (space, `"`, `%`, non-ASCII: three bytes each
         // on the wire), all but the content type, which goes as the `Content-Type` as it is.
         if name != "ce-datacontenttype" {
-            let sent = value.len() + 2 * value.bytes().filter(|&b| percent_encoded(b)).count();
+            let sent: usize = percent_encoding::utf8_percent_encode(value, CE_HEADER_ESCAPED)
+                .map(str::len)
+                .sum();
             if sent > MAX_CE_VALUE_BYTES {
                 let what = format_args!(
                     "{sent} bytes once percent-encoded for HTTP, over the limit of \

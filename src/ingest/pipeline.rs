@@ -230,10 +230,11 @@ impl Ingest {
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
                 Ok(()) => {
-                    window.took(started.elapsed(), self.config.commit_interval);
+                    let took = started.elapsed();
+                    window.took(took, self.config.commit_interval);
                     IngestCommit {
                         records: batch.len(),
-                        took: started.elapsed(),
+                        took,
                         outcome: CommitOutcome::Committed,
                     }
                     .emit(None)
