@@ -30,6 +30,8 @@
 #   KAFKA_DATA_DIR   log dirs, configs, pid files, logs      (default $HOME/.cache/streaming-hub/kafka-data-$KAFKA_PORT)
 #   KAFKA_CACHE_DIR  where the jars are cached               (default $HOME/.cache/streaming-hub/kafka-$KAFKA_VERSION)
 #   KAFKA_HEAP       JVM heap per broker                     (default 640m)
+#   KAFKA_EXTRA_CONFIG  more server.properties lines, one per line (default none; for experiments,
+#                    e.g. KAFKA_EXTRA_CONFIG='num.io.threads=2')
 #   KAFKA_SASL_PORT  --sasl: the SASL_PLAINTEXT port         (default $KAFKA_PORT+2; SASL_SSL is +1)
 #   KAFKA_SASL_USER, KAFKA_SASL_PASSWORD
 #                    --sasl: the SCRAM-SHA-256 user          (default streaming-hub / streaming-hub-secret)
@@ -186,6 +188,9 @@ log.segment.bytes=16777216
 num.network.threads=2
 num.io.threads=4
 EOF
+  if [[ -n ${KAFKA_EXTRA_CONFIG:-} ]]; then
+    printf '%s\n' "$KAFKA_EXTRA_CONFIG" >>"$dir/server.properties"
+  fi
   if [[ $sasl == 1 ]]; then
     # SCRAM-SHA-256 on both SASL listeners; the credentials live in the cluster metadata (made at
     # format time), so the server side needs only the login module.
