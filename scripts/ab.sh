@@ -17,7 +17,8 @@
 # Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
 # --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's
 # output in run.log, the hub's log in hub.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
-# CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures.
+# CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures, then the
+# harness's and the broker's CPU s per 1,000 deliveries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=3
@@ -50,7 +51,7 @@ for v in "${variants[@]}"; do
   [[ -x "$bin" ]] || { echo "ab.sh: $bin is not an executable" >&2; exit 2; }
 done
 mkdir -p "$out"
-echo "variant round deliveries_per_s p50_ms p99_ms cpu_s_per_1k rss_mib missing dup bad_sig" | tee "$out/summary.txt"
+echo "variant round deliveries_per_s p50_ms p99_ms cpu_s_per_1k rss_mib missing dup bad_sig harness_cpu broker_cpu" | tee "$out/summary.txt"
 for r in $(seq 1 "$rounds"); do
   for v in "${variants[@]}"; do
     bin="${v%%:*}"
@@ -74,7 +75,9 @@ for line in open(path):
         continue
     print(name, rnd, round(d["deliveries_per_s"]), d["p50_ms"], d["p99_ms"],
           round(d["hub_cpu_s_per_1k"], 3), d["hub_peak_rss_mib"], d["missing"],
-          d["duplicates"], d["bad_signatures"])
+          d["duplicates"], d["bad_signatures"],
+          round(d.get("harness_cpu_s_per_1k", 0), 3),
+          "-" if d.get("broker_cpu_s_per_1k") is None else round(d["broker_cpu_s_per_1k"], 3))
 EOF
   done
 done

@@ -88,6 +88,11 @@ pub struct RunResult {
     pub max_ms: f64,
     pub healthy_p99_ms: Option<f64>,
     pub hub_cpu_s_per_1k: f64,
+    /// The harness's own CPU (the sink, the load producer) per 1,000 deliveries: it shares the
+    /// machine with the hub, so what it takes the hub cannot have.
+    pub harness_cpu_s_per_1k: f64,
+    /// The broker's CPU per 1,000 deliveries, when it is `scripts/kafka.sh`'s single broker.
+    pub broker_cpu_s_per_1k: Option<f64>,
     pub hub_peak_rss_mib: u64,
     pub kafka_bytes_per_delivery: Option<f64>,
     /// The same, per topic of the hub (name after the prefix); its values sum to the above.
@@ -422,7 +427,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
     };
     let mut results = Vec::new();
     println!(
-        "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8} {:>8} {:>9} {:>6}",
+        "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8} {:>8} {:>9} {:>6} {:>8} {:>8}",
         "scenario",
         "rate",
         "events",
@@ -434,13 +439,15 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
         "p99 ms",
         "p99.9",
         "cpu/1k",
-        "rss"
+        "rss",
+        "harn/1k",
+        "brk/1k"
     );
     for spec in specs {
         let mut r = run_one(config, &opts, &spec).await?;
         r.broker_warmed_s = broker_warmed_s;
         println!(
-            "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>9.3} {:>6}",
+            "{:<22} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>9.3} {:>6} {:>8.3} {:>8}",
             r.scenario,
             r.target_rate.map_or("max".into(), |r| r.to_string()),
             r.events,
@@ -452,7 +459,10 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
             r.p99_ms,
             r.p999_ms,
             r.hub_cpu_s_per_1k,
-            r.hub_peak_rss_mib
+            r.hub_peak_rss_mib,
+            r.harness_cpu_s_per_1k,
+            r.broker_cpu_s_per_1k
+                .map_or("-".into(), |c| format!("{c:.3}"))
         );
         let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
         eprintln!("{line}");
@@ -627,6 +637,9 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     let stop = Arc::new(AtomicBool::new(false));
     let produced: Arc<Mutex<Vec<(String, usize, i64)>>> = Arc::default();
     let cpu0 = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
+    let broker = broker_pid(data_dir.as_deref());
+    let harness_cpu0 = cpu_seconds(std::process::id());
+    let broker_cpu0 = broker.map(cpu_seconds);
     let started = Instant::now();
     let producer = {
         let (config, topic, stop, produced, spec, size) = (
@@ -694,6 +707,13 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0;
+    let harness_cpu = cpu_seconds(std::process::id()) - harness_cpu0;
+    // None when the broker was not there to read at both ends (not `scripts/kafka.sh`'s, or
+    // restarted meanwhile: its counters then start again below the first reading).
+    let broker_cpu = broker
+        .zip(broker_cpu0)
+        .map(|(pid, c0)| cpu_seconds(pid) - c0)
+        .filter(|c| *c > 0.0);
     let rss = hub.as_ref().map_or(0, |h| peak_rss_mib(h.pid()));
     // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
     // outcome) as the run left them, next to the results.
@@ -820,11 +840,9 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         p999_ms: ms(&all, 0.999),
         max_ms: all.max() as f64 / 1000.0,
         healthy_p99_ms: (spec.failing_tenants > 0).then(|| ms(&healthy, 0.99)),
-        hub_cpu_s_per_1k: if delivered > 0 {
-            cpu * 1000.0 / delivered as f64
-        } else {
-            0.0
-        },
+        hub_cpu_s_per_1k: per_1k(cpu, delivered),
+        harness_cpu_s_per_1k: per_1k(harness_cpu, delivered),
+        broker_cpu_s_per_1k: broker_cpu.map(|c| per_1k(c, delivered)),
         hub_peak_rss_mib: rss,
         kafka_bytes_per_delivery,
         kafka_bytes_per_delivery_by_topic: kafka_bytes_by_topic,
@@ -848,6 +866,25 @@ fn longest_tenant_wait(deliveries: impl IntoIterator<Item = (usize, i64)>) -> Op
             at.windows(2).map(|w| w[1] - w[0]).max()
         })
         .max()
+}
+
+/// CPU seconds per 1,000 deliveries (0 without a delivery).
+fn per_1k(cpu_s: f64, delivered: u64) -> f64 {
+    if delivered > 0 {
+        cpu_s * 1000.0 / delivered as f64
+    } else {
+        0.0
+    }
+}
+
+/// The pid of the broker whose data directory is `data_dir` (`scripts/kafka.sh` writes it next to
+/// the data), if that process runs.
+fn broker_pid(data_dir: Option<&std::path::Path>) -> Option<u32> {
+    let file = data_dir?.parent()?.join("kafka.pid");
+    let pid: u32 = std::fs::read_to_string(file).ok()?.trim().parse().ok()?;
+    std::path::Path::new(&format!("/proc/{pid}"))
+        .exists()
+        .then_some(pid)
 }
 
 /// The single broker's data directory from `scripts/kafka.sh` (write amplification), if present.
@@ -1223,8 +1260,31 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ceiling, longest_tenant_wait, specs_of, topics_of_run};
+    use super::{broker_pid, ceiling, longest_tenant_wait, per_1k, specs_of, topics_of_run};
     use std::time::Duration;
+
+    #[test]
+    fn the_broker_is_found_by_the_pid_file_beside_its_data_while_it_runs() {
+        let node = tempfile::tempdir().unwrap();
+        let data = node.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        assert_eq!(broker_pid(Some(&data)), None, "no pid file");
+        assert_eq!(broker_pid(None), None, "no data directory");
+        // A running process (this test's own) stands in for the broker.
+        std::fs::write(
+            node.path().join("kafka.pid"),
+            format!("{}\n", std::process::id()),
+        )
+        .unwrap();
+        assert_eq!(broker_pid(Some(&data)), Some(std::process::id()));
+        // A pid no process has (above the kernel's pid_max), or not a pid at all.
+        std::fs::write(node.path().join("kafka.pid"), "4294967294").unwrap();
+        assert_eq!(broker_pid(Some(&data)), None);
+        std::fs::write(node.path().join("kafka.pid"), "kafka").unwrap();
+        assert_eq!(broker_pid(Some(&data)), None);
+        assert_eq!(per_1k(3.0, 2_000), 1.5);
+        assert_eq!(per_1k(3.0, 0), 0.0);
+    }
 
     #[test]
     fn a_runs_topics_are_its_source_and_those_under_its_prefix_only() {
