@@ -462,7 +462,9 @@ settings! {
     /// them; a batch also closes after 5 ms without a new record. Against fixed 100 ms windows:
     /// p50 / p99 39-41 / 64-72 ms instead of 82-87 / 150-163 ms at 5,000 events/s, 36 / 52-56
     /// instead of 58-60 / 132-133 ms at 1,000/s, the same deliveries/s at full load, for 30-40%
-    /// more hub CPU per delivery at 5,000/s and 55% more at 1,000/s (BENCHMARKS.md, session 30).
+    /// more hub CPU per delivery at 5,000/s and 55% more at 1,000/s (BENCHMARKS.md, session 30);
+    /// the broker spends about 0.2 cores more on the shorter transactions at 1,000 and 5,000/s
+    /// (session 31).
     commit_interval: std::time::Duration = "100ms";
     /// Shortest a batch stays open (unless a 5 ms quiet gap closes it): the floor of the window
     /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to

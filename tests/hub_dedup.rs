@@ -1,6 +1,7 @@
 //! The hub stage in-process against the real broker, with a manual clock and a recording handler:
 //! duplicates at other offsets are dropped, a replay after an offset reset is processed again with
-//! its first sequence number, and a duplicate whose first copy expired is accepted.
+//! its first sequence number, a duplicate whose first copy expired is accepted, and a record of
+//! an aborted transaction is never taken in.
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -260,4 +261,48 @@ async fn copies_read_a_day_late_are_still_duplicates() {
     let seen = rec.events();
     assert_eq!(seen.len(), 1, "one event, two copies dropped: {seen:?}");
     assert_eq!((seen[0].1.as_str(), seen[0].2), (id.as_str(), 0));
+}
+
+/// A transactional producer, as ingest writes the inbox, that has written `rec` to `inbox` in a
+/// transaction it leaves open.
+fn open_transaction_with(inbox: &str, rec: Rec) -> TestProducer {
+    use rdkafka::producer::Producer;
+    let p: TestProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", format!("{inbox}.test-ingest"))
+        .create_with_context(FailOnError::default())
+        .expect("transactional producer");
+    p.init_transactions(Duration::from_secs(30)).unwrap();
+    p.begin_transaction().unwrap();
+    produce(&p, inbox, &[rec]);
+    p
+}
+
+/// The hub reads its inbox `read_committed`: a record of an aborted ingest transaction (a batch
+/// that failed, a killed instance's open one after it is fenced) is never processed.
+#[tokio::test]
+async fn a_record_of_an_aborted_ingest_transaction_is_never_processed() {
+    use rdkafka::producer::Producer;
+    let (cfg, _state, inbox) = topics("dedup-committed").await;
+    let clock = clock_at("2026-09-26T12:00:00Z");
+    let t0 = "2026-09-26T12:00:00.000Z";
+    let rec = Recorder::default();
+    let hub = start(&cfg, &clock, &rec);
+
+    let id_a = uuid::Uuid::now_v7().to_string();
+    let id_b = uuid::Uuid::now_v7().to_string();
+    let ingest = open_transaction_with(&inbox, inbox_record("t1", &id_a, t0));
+    ingest.abort_transaction(Duration::from_secs(30)).unwrap();
+    // After the aborted record, in the same partition.
+    produce(&producer(), &inbox, &[inbox_record("t1", &id_b, t0)]);
+    wait_until(Duration::from_secs(60), "the later event processed", || {
+        (rec.len() >= 1 && group_caught_up(&cfg.hub_group_id(), &inbox)).then_some(())
+    });
+    hub.stop();
+    let seen = rec.events();
+    assert_eq!(
+        seen.iter().map(|e| e.1.clone()).collect::<Vec<_>>(),
+        vec![id_b],
+        "only the committed event: {seen:?}"
+    );
 }
