@@ -365,6 +365,9 @@ macro_rules! upper {
     (dispatch_claims_ahead_bytes) => {
         "DISPATCH_CLAIMS_AHEAD_BYTES"
     };
+    (early_attempt_wait) => {
+        "EARLY_ATTEMPT_WAIT"
+    };
     (poison_threshold) => {
         "POISON_THRESHOLD"
     };
@@ -506,6 +509,14 @@ settings! {
     dispatch_claims_ahead_bytes: usize = "268435456";
     /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
     poison_threshold: u32 = "5";
+    /// How long a hub transaction waits for the first attempts of the new events it took in,
+    /// started before it commits: an attempt that ends within it is recorded in the same
+    /// transaction, and a delivered job then writes no job or payload record at all. `0` starts
+    /// every attempt after its claim has committed. Events the partition's previous owner may
+    /// have been attempting uncommitted (read again after a crash or a handover) take the
+    /// committed-claim path, their possible attempt counted as one reclaim (README, "Claims and
+    /// first attempts"). At most 30s. Measured in BENCHMARKS.md (session 33).
+    early_attempt_wait: std::time::Duration = "20ms";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
     autodisable_enabled: bool = "true";
     /// Auto-disable gate 1: a subscription's failure span (no success since) has been open this long.
@@ -652,6 +663,14 @@ impl Config {
             return Err(invalid(
                 "STREAMING_HUB_HUB_BATCH_JOBS",
                 "must be at least 1",
+            ));
+        }
+        // A transaction may stay open that long on top of its work: well inside the
+        // transactions' 60 s timeout.
+        if self.early_attempt_wait > std::time::Duration::from_secs(30) {
+            return Err(invalid(
+                "STREAMING_HUB_EARLY_ATTEMPT_WAIT",
+                "must be at most 30s",
             ));
         }
         if self.commit_interval_min > self.commit_interval {

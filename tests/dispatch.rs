@@ -875,3 +875,110 @@ async fn claims_ahead_are_bounded_by_the_bytes_their_events_hold() {
         "{most} deliveries of ~100 kB events at once under a 250 kB bound"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_the_state_changelog()
+{
+    // A new event's first attempts start before its transaction commits, and one that ends
+    // within `STREAMING_HUB_EARLY_ATTEMPT_WAIT` (generous here: a slow machine's first
+    // connection) is recorded in that transaction: its job, timers and payload were new to the
+    // store, so nothing of them is written. An event with a failed first attempt keeps its job
+    // and payload, and its retry still carries its body.
+    let s = ApiHub::start(
+        "early",
+        &[
+            ("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "10s"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+        ],
+    )
+    .await;
+    let (ok_url, ok_sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-e", &ok_url, None).await;
+    s.commit_inbox_offsets().await;
+    let events: Vec<Rec> = (0..5)
+        .map(|_| event("tenant-e", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    wait_for_deliveries(&ok_sink, 5, Duration::from_secs(60));
+    let codec = Codec::new().unwrap();
+    let attempts_topic = format!("{}.attempts", s.prefix);
+    let attempts = read_until(&[&attempts_topic], Duration::from_secs(30), |r| {
+        r.len() >= 5
+    });
+    for a in &attempts {
+        let a: AttemptRecord = codec
+            .decode(RecordKind::Attempt, a.rec.value.as_ref().unwrap())
+            .unwrap();
+        assert_eq!(a.status, Some(200));
+    }
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let keys = |got: &[Got]| -> Vec<String> {
+        got.iter()
+            .map(|g| String::from_utf8_lossy(g.rec.key.as_deref().unwrap_or_default()).into_owned())
+            .collect()
+    };
+    let written = keys(&read_all(&[&changelog], Duration::from_secs(30)));
+    assert_eq!(
+        written
+            .iter()
+            .filter(|k| k.starts_with("d/tenant-e"))
+            .count(),
+        5,
+        "each event's dedup entry: {written:?}"
+    );
+    assert!(
+        !written
+            .iter()
+            .any(|k| k.starts_with("j/") || k.starts_with("p/")),
+        "no job or payload written for events delivered within their transaction: {written:?}"
+    );
+
+    // A second subscription whose first attempt fails: the event's job for it, and its payload
+    // (one holder left), are written; the retry gets the event's body.
+    let (retry_url, retry_sink) = start_sink(vec![500, 200]).await;
+    subscribe(&s, "tenant-e", &retry_url, Some(vec!["1s"])).await;
+    let ev = event("tenant-e", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&retry_sink, 2, Duration::from_secs(60));
+    assert_eq!(got[1].body, ev.value.clone().unwrap(), "the retry's body");
+    assert_eq!(got[1].headers["x-lerian-event-id"], ev.id());
+    wait_for_deliveries(&ok_sink, 6, Duration::from_secs(60));
+    let job = format!("j/tenant-e\0{}\0", ev.id());
+    let payload = format!("p/tenant-e\0{}", ev.id());
+    // Written while it waited for its retry, then deleted once delivered (a tombstone last).
+    let history = |got: &[Got], key: &str| -> Vec<bool> {
+        got.iter()
+            .filter(|g| {
+                g.rec
+                    .key
+                    .as_deref()
+                    .is_some_and(|k| k.starts_with(key.as_bytes()))
+            })
+            .map(|g| g.rec.value.is_some())
+            .collect()
+    };
+    let got = read_until(&[&changelog], Duration::from_secs(30), |r| {
+        history(r, &job).last() == Some(&false)
+    });
+    let (jobs, payloads) = (history(&got, &job), history(&got, &payload));
+    assert!(jobs.len() >= 2 && jobs[0], "job records: {jobs:?}");
+    assert!(
+        payloads.len() >= 2 && payloads[0] && payloads.last() == Some(&false),
+        "payload records: {payloads:?}"
+    );
+
+    // Nothing was lost to a restart: the delivered events are not delivered again.
+    let mut s = s;
+    let env = s.hub.env.clone();
+    s.hub.kill();
+    s.hub = Hub::start(&env);
+    let last = event("tenant-e", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&last));
+    let got = wait_for_deliveries(&ok_sink, 7, Duration::from_secs(60));
+    assert_eq!(got[6].headers["x-lerian-event-id"], last.id());
+    let ids: std::collections::HashSet<&str> = got
+        .iter()
+        .map(|d| d.headers["x-lerian-event-id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), 7, "every event once at the first sink");
+}

@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -355,12 +355,46 @@ async fn one_success_in_between_resets_the_failure_span() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison() {
-    // A sink that never answers; the hub is SIGKILLed while each attempt hangs. After a restart the
-    // lease has to run out (the test clock is moved past it) before the job is reclaimed.
-    let mut s = clock_hub("poison", &[]).await;
+    // Attempts after a committed claim only.
+    static HUNG: AtomicU32 = AtomicU32::new(0);
+    five_kills_mid_attempt(
+        "poison",
+        &[("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "0s")],
+        &HUNG,
+        false,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_during_an_attempt_started_before_its_claim_committed_counts_towards_poison() {
+    // The event's first attempt starts before its transaction commits, and the transaction waits
+    // for it far longer than the kill comes: nothing of the claim is committed when the process
+    // dies. Read again, the event's job starts with that reclaim counted, so five kills still
+    // dead-letter it, with no sixth attempt.
+    static HUNG: AtomicU32 = AtomicU32::new(0);
+    five_kills_mid_attempt(
+        "poison-early",
+        &[("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "20s")],
+        &HUNG,
+        true,
+    )
+    .await;
+}
+
+/// A sink that never answers; the hub is SIGKILLed while each attempt hangs. After a restart the
+/// lease has to run out (the test clock is moved past it) before the job is reclaimed. `early`:
+/// the first attempt is expected to start before its claim is committed.
+async fn five_kills_mid_attempt(
+    tag: &str,
+    extra: &[(&str, &str)],
+    hung: &'static AtomicU32,
+    early: bool,
+) {
+    let mut s = clock_hub(tag, extra).await;
     let hang = Router::new().route(
         "/hook",
-        post(|headers: HeaderMap, body: Bytes| async move {
+        post(move |headers: HeaderMap, body: Bytes| async move {
             if headers
                 .get("x-lerian-event-type")
                 .and_then(|v| v.to_str().ok())
@@ -368,7 +402,7 @@ async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison()
             {
                 return (StatusCode::OK, body);
             }
-            HUNG.fetch_add(1, Ordering::SeqCst);
+            hung.fetch_add(1, Ordering::SeqCst);
             std::future::pending::<()>().await;
             (StatusCode::OK, body)
         }),
@@ -377,22 +411,44 @@ async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison()
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, hang).await.unwrap() });
     subscribe(&s, "tenant-p", &url).await;
+    s.commit_inbox_offsets().await;
     let ev = event("tenant-p", "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let job_written = |prefix: &str| {
+        let key = format!("j/tenant-p\0{}\0", ev.id());
+        read_all(
+            &[&format!("{prefix}.hub.jobs.changelog")],
+            Duration::from_secs(30),
+        )
+        .iter()
+        .any(|g| {
+            g.rec
+                .key
+                .as_deref()
+                .is_some_and(|k| k.starts_with(key.as_bytes()))
+        })
+    };
     for k in 1..=5u32 {
         for _ in 0..600 {
-            if HUNG.load(Ordering::SeqCst) >= k {
+            if hung.load(Ordering::SeqCst) >= k {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(
-            HUNG.load(Ordering::SeqCst),
+            hung.load(Ordering::SeqCst),
             k,
             "attempt {k} is hanging at the sink"
         );
         let env = s.hub.env.clone();
         s.hub.kill();
+        if k == 1 {
+            assert_eq!(
+                job_written(&s.prefix),
+                !early,
+                "the first attempt's claim committed before the kill"
+            );
+        }
         s.hub = Hub::start(&env);
         // The virtual clock restarts at wall time: move it past every lease taken so far.
         s.advance(&format!("{}m", 10 * k)).await;
@@ -410,10 +466,8 @@ async fn job_reclaimed_after_five_kills_mid_attempt_is_dead_lettered_as_poison()
         (dl.reason, dl.event_id.as_str()),
         (DeadLetterReason::Poison, ev.id().as_str())
     );
-    assert_eq!(HUNG.load(Ordering::SeqCst), 5, "no sixth attempt");
+    assert_eq!(hung.load(Ordering::SeqCst), 5, "no sixth attempt");
 }
-
-static HUNG: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_subscription_gets_each_matched_event_on_the_pull_topic_with_its_sequence() {

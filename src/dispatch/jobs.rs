@@ -10,7 +10,8 @@
 //! and a backlog of millions stays on disk.
 //!
 //! A job's life: created `pending`, due now → claimed (`leased`, due again at `lease_until`, in a
-//! committed transaction, *then* sent) → outcome: success deletes it; failure reschedules it on the
+//! committed transaction, *then* sent; a new event's first attempt may be sent before, see
+//! `hub::task::attempt_early`) → outcome: success deletes it; failure reschedules it on the
 //! curve or dead-letters it when the curve is exhausted; a lease that expires with no outcome is
 //! reclaimed, and after `STREAMING_HUB_POISON_THRESHOLD` reclaims the job is dead-lettered as poison.
 use std::collections::{HashSet, VecDeque};

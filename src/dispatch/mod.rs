@@ -21,7 +21,7 @@ pub mod worker;
 use rdkafka::message::Message;
 
 use crate::hub::matching::matches_for;
-use crate::hub::task::{EventHandler, HubError, SequencedEvent, TaskCtx};
+use crate::hub::task::{EventHandler, Fresh, HubError, SequencedEvent, TaskCtx};
 use crate::ingest::classify::CE_HEADER_ESCAPED;
 use crate::runtime::{fast_avro, kafka};
 use std::sync::Arc;
@@ -189,6 +189,9 @@ fn create_job(
 ) -> Result<bool, HubError> {
     let key = jobs::job_key(event.tenant, event.ce_id, subscription_id);
     let now = ctx.now;
+    // Read again where its previous owner may have died mid-attempt (see `TaskCtx::recount`).
+    let reclaims = u32::from(ctx.recount.contains(&event.offset));
+    let early = !check && event.offset >= ctx.early_from;
     let mut js = ctx.jobs();
     if check && js.get_job(&key).map_err(HubError::from)?.is_some() {
         return Ok(false);
@@ -200,13 +203,18 @@ fn create_job(
         attempt: 1,
         due_at: now,
         lease_until: None,
-        reclaims: 0,
+        reclaims,
         last_status: None,
         last_error: None,
         state: JobState::Pending,
     };
     js.put_job(&key, &job, None).map_err(HubError::from)?;
-    ctx.fresh.push((key, event.batch_index));
+    ctx.fresh.push(Fresh {
+        key,
+        batch_index: event.batch_index,
+        // Unchecked: the event has no stored payload, so none of its keys is stored.
+        early,
+    });
     Ok(true)
 }
 

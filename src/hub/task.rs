@@ -229,9 +229,24 @@ pub struct TaskCtx<'a, 'p> {
     pub ring: &'a mut TenantRing,
     pub codec: &'a Codec,
     pub now: i64,
-    /// Jobs created in this transaction (claimed at its end when there is room): key, and the
-    /// batch index of the event's record.
-    pub fresh: &'a mut Vec<(Vec<u8>, usize)>,
+    /// Jobs created in this transaction (claimed at its end when there is room).
+    pub fresh: &'a mut Vec<Fresh>,
+    /// Inbox offsets from which a new event's first attempts may start before the transaction
+    /// commits (`i64::MAX`: none may): see [`Task::careful_until`].
+    pub early_from: i64,
+    /// Inbox offsets whose new jobs start with one reclaim counted: see [`Task::recount`].
+    pub recount: std::ops::Range<i64>,
+}
+
+/// A job created in this transaction.
+pub struct Fresh {
+    pub key: Vec<u8>,
+    /// The batch index of its event's record.
+    pub batch_index: usize,
+    /// Its first attempt may start before the transaction commits: the event is new (its keys
+    /// were never stored, so a job delivered within the transaction need write nothing) and read
+    /// past [`Task::careful_until`].
+    pub early: bool,
 }
 
 impl TaskCtx<'_, '_> {
@@ -256,6 +271,19 @@ struct Task {
     /// (a session that ran out while it was busy) still committed after the new owner restored,
     /// and the jobs it released were never seen again (found by the fault suite).
     next_offset: Option<i64>,
+    /// Records below this inbox offset take the committed-claim path: their attempts start
+    /// after the transaction that claims them has committed. Past it, a new event's first
+    /// attempts start before (`STREAMING_HUB_EARLY_ATTEMPT_WAIT`). A crash during such an attempt
+    /// leaves nothing committed of it, so the records a previous owner may have been attempting
+    /// (its last open batch: at most `STREAMING_HUB_HUB_BATCH_MAX` records past the committed
+    /// offset, and only those in the log at the assignment) are read back on the committed-claim
+    /// path, where a crash mid-attempt is counted towards poison; so are the records of a
+    /// batch that aborted.
+    careful_until: i64,
+    /// The records of that window: their new jobs start with one reclaim, the attempt the
+    /// previous owner may have died in (so a poison event is dead-lettered after
+    /// `STREAMING_HUB_POISON_THRESHOLD` crashes, as with committed claims).
+    recount: std::ops::Range<i64>,
 }
 
 /// Names and settings every task shares.
@@ -311,10 +339,13 @@ impl Shared {
 
 /// Where a partition taken by this loop starts: the offset its records are read from once it
 /// is restored, and its fence offset (`Task::next_offset`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Start {
     from: Offset,
     fence: Option<i64>,
+    /// See [`Task::careful_until`] and [`Task::recount`].
+    careful_until: i64,
+    recount: std::ops::Range<i64>,
 }
 
 /// A restore running in a thread of its own, so the loop goes on serving the partitions it has
@@ -603,9 +634,33 @@ impl ConsumerContext for HubContext {
                                 0
                             }),
                     };
+                    // The previous owner's last open batch lay within `hub_batch_max` records
+                    // of the committed offset, and could hold only records already written.
+                    let window_end = fence.saturating_add(self.env.config.hub_batch_max as i64);
+                    let careful_until = match consumer.fetch_watermarks(
+                        e.topic(),
+                        e.partition(),
+                        Duration::from_secs(5),
+                    ) {
+                        Ok((_, high)) => high.clamp(fence, window_end),
+                        Err(err) => {
+                            tracing::warn!(partition = e.partition(), error = %err, "high watermark not read; the whole batch window past the committed offset takes the committed-claim path");
+                            window_end
+                        }
+                    };
+                    // Counted only past a committed offset. A partition the group never
+                    // committed may have had an owner that died in its first transaction, which
+                    // cannot be told from none: its records take the committed-claim path until
+                    // this owner's first commit, so that a later owner has an offset to go by.
+                    let (careful_until, recount) = match e.offset() {
+                        Offset::Offset(_) => (careful_until, fence..careful_until),
+                        _ => (i64::MAX, fence..fence),
+                    };
                     let start = Start {
                         from: e.offset(),
                         fence: Some(fence),
+                        careful_until,
+                        recount,
                     };
                     (e.partition(), start)
                 })
@@ -728,7 +783,10 @@ fn take_restored(
         }
         let mut parts = Vec::with_capacity(tasks.len());
         for (p, mut task) in tasks {
-            task.next_offset = job.partitions[&p].fence;
+            let start = &job.partitions[&p];
+            task.next_offset = start.fence;
+            task.careful_until = start.careful_until;
+            task.recount = start.recount.clone();
             shared.tasks.insert(p, task);
             parts.push(p);
         }
@@ -810,6 +868,8 @@ fn open_and_restore(
                 store,
                 ring: TenantRing::default(),
                 next_offset: None,
+                careful_until: i64::MAX,
+                recount: 0..0,
             },
         ));
     }
@@ -1090,7 +1150,8 @@ pub struct HubStage {
 }
 
 /// The delivery side of the hub loop: claims due jobs, hands them to the workers after the claim
-/// committed, and records their outcomes in the next transaction.
+/// committed, and records their outcomes in the next transaction (a new event's first attempts
+/// start before, and may be recorded in the same transaction: [`attempt_early`]).
 pub struct Dispatch {
     pub table: SharedTable,
     pub workers: Workers,
@@ -1121,6 +1182,9 @@ pub struct Dispatch {
     stage: usize,
     /// Breaker origin per destination URL (see [`cached_origin`]).
     origins: FastMap<String, String>,
+    /// Transactions left that start early attempts without waiting for them (see
+    /// [`attempt_early`]).
+    early_unwaited: u32,
 }
 
 impl Dispatch {
@@ -1158,6 +1222,7 @@ impl Dispatch {
             pending: Vec::new(),
             stage: 0,
             origins: FastMap::default(),
+            early_unwaited: 0,
         }
     }
 
@@ -1175,17 +1240,42 @@ impl Dispatch {
 
     fn drain(&mut self) {
         while let Ok(o) = self.done_rx.try_recv() {
-            self.in_flight = self.in_flight.saturating_sub(1);
-            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
-            if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
-                n.attempts = n.attempts.saturating_sub(1);
-                n.bytes = n.bytes.saturating_sub(o.body_bytes);
-                if n.attempts == 0 {
-                    self.in_flight_by_tenant.remove(&o.tenant);
-                }
-            }
-            self.pending.push(o);
+            self.ended(o);
         }
+    }
+
+    /// An attempt of this loop ended: its slot is free, its outcome waits to be recorded.
+    fn ended(&mut self, o: Outcome) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
+        if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
+            n.attempts = n.attempts.saturating_sub(1);
+            n.bytes = n.bytes.saturating_sub(o.body_bytes);
+            if n.attempts == 0 {
+                self.in_flight_by_tenant.remove(&o.tenant);
+            }
+        }
+        self.pending.push(o);
+    }
+
+    /// Takes outcomes until every attempt of `keys` has ended or `until`; how many of them did.
+    fn wait_for(&mut self, keys: &HashSet<Vec<u8>>, until: Instant) -> usize {
+        let mut ended = 0;
+        while ended < keys.len() {
+            let Some(left) = until.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            match self.done_rx.recv_timeout(left) {
+                Ok(o) => {
+                    if keys.contains(&o.job_key) {
+                        ended += 1;
+                    }
+                    self.ended(o);
+                }
+                Err(_) => break,
+            }
+        }
+        ended
     }
 
     /// Outcomes other loops of this process handed over (their attempts, this loop's
@@ -1456,6 +1546,13 @@ impl HubStage {
                     for task in guard.tasks.values_mut() {
                         task.ring.aborted();
                     }
+                    // Its early attempts may have been made: read again, its records take the
+                    // committed-claim path (see `Task::careful_until`).
+                    for m in &batch {
+                        if let Some(task) = guard.tasks.get_mut(&m.partition()) {
+                            task.careful_until = task.careful_until.max(m.offset() + 1);
+                        }
+                    }
                     if let Some(d) = self.dispatch.as_mut() {
                         d.breakers.rollback();
                     }
@@ -1676,7 +1773,8 @@ impl HubStage {
         let mut staged: HashMap<i32, Staged> = HashMap::new();
         let mut sequences: FastMap<(i32, String), u64> = FastMap::default();
         let mut offsets: HashMap<i32, i64> = HashMap::new();
-        let mut fresh: HashMap<i32, Vec<(Vec<u8>, usize)>> = HashMap::new();
+        let mut fresh: HashMap<i32, Vec<Fresh>> = HashMap::new();
+        let early_on = self.dispatch.is_some() && !env.config.early_attempt_wait.is_zero();
         let mut outputs = Outputs { producer };
         for (batch_index, m) in batch.iter().enumerate() {
             let p = m.partition();
@@ -1796,6 +1894,12 @@ impl HubStage {
                 codec: &env.codec,
                 now,
                 fresh: fresh.entry(p).or_default(),
+                early_from: if early_on {
+                    task.careful_until
+                } else {
+                    i64::MAX
+                },
+                recount: task.recount.clone(),
             };
             match redeliver {
                 Some(sub_id) => self.handler.on_redeliver(&event, sub_id, &mut ctx)?,
@@ -1827,8 +1931,10 @@ impl HubStage {
             purge_expired(env, &task.store, st, &mut outputs, *p, now)?;
         }
         let mut attempts = Vec::new();
+        let mut early = Vec::new();
         if let Some(d) = self.dispatch.as_mut() {
-            self::dispatch_work(
+            record_outcomes(env, d, tasks, &mut staged, &mut outputs, now, 0)?;
+            claim_due(
                 env,
                 d,
                 tasks,
@@ -1838,7 +1944,12 @@ impl HubStage {
                 batch,
                 &fresh,
                 &mut attempts,
+                &mut early,
             )?;
+        }
+        let launched_early = early.len();
+        if let (Some(d), false) = (self.dispatch.as_mut(), early.is_empty()) {
+            attempt_early(env, d, tasks, &mut staged, &mut outputs, now, early)?;
         }
         // The jobs changelog is the batch's final job writes: a key written twice in one
         // transaction (a job created and claimed) needs only its last record in the compacted
@@ -1889,7 +2000,7 @@ impl HubStage {
         // The claims are durable: their attempts start now, not after the stores below have
         // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
         // this thread, which handles them in a later transaction, after this one's writes.
-        let launched = attempts.len();
+        let launched = attempts.len() + launched_early;
         if let Some(d) = self.dispatch.as_mut() {
             d.breakers.commit();
             d.launch(attempts);
@@ -1899,6 +2010,9 @@ impl HubStage {
             task.ring.committed();
             if let Some(next) = offsets.get(p) {
                 task.next_offset = Some(*next);
+                if task.careful_until == i64::MAX {
+                    task.careful_until = *next; // the partition's first committed offset
+                }
             }
         }
         for (p, st) in staged {
@@ -1936,22 +2050,19 @@ fn cached_origin(origins: &mut FastMap<String, String>, url: Option<&str>) -> St
     o
 }
 
-/// Inside the transaction: records the workers' outcomes, then claims due jobs (fair across
-/// tenants) up to the free worker capacity. Claimed attempts start only after the commit.
-#[allow(clippy::too_many_arguments)]
-fn dispatch_work(
+/// Inside the transaction: records the outcomes taken from the workers since `from` (their index
+/// in `Dispatch::pending`).
+fn record_outcomes(
     env: &Env,
     d: &mut Dispatch,
     tasks: &mut HashMap<i32, Task>,
     staged: &mut HashMap<i32, Staged>,
     out: &mut Outputs<'_>,
     now: i64,
-    batch: &[BorrowedMessage<'_>],
-    fresh: &HashMap<i32, Vec<(Vec<u8>, usize)>>,
-    attempts: &mut Vec<Attempt>,
+    from: usize,
 ) -> Result<(), HubError> {
     let mut rng = rand::thread_rng();
-    for o in &d.pending {
+    for o in &d.pending[from.min(d.pending.len())..] {
         let Some(task) = tasks.get(&o.partition) else {
             continue;
         };
@@ -2063,6 +2174,26 @@ fn dispatch_work(
         }
     }
     telemetry::breakers_open(d.stage, d.breakers.open_count(now));
+    Ok(())
+}
+
+/// Inside the transaction: claims due jobs (fair across tenants) up to the free worker capacity,
+/// then the jobs this transaction created: the attempts of committed claims go
+/// to `attempts` (started once the transaction has committed), the first attempts of new events
+/// past `Task::careful_until` to `early` (started before).
+#[allow(clippy::too_many_arguments)]
+fn claim_due(
+    env: &Env,
+    d: &mut Dispatch,
+    tasks: &mut HashMap<i32, Task>,
+    staged: &mut HashMap<i32, Staged>,
+    out: &mut Outputs<'_>,
+    now: i64,
+    batch: &[BorrowedMessage<'_>],
+    fresh: &HashMap<i32, Vec<Fresh>>,
+    attempts: &mut Vec<Attempt>,
+    early: &mut Vec<Attempt>,
+) -> Result<(), HubError> {
     let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
     // Body bytes the claims of this transaction hold (see `Dispatch::may_claim`).
     let mut claimed_bytes = 0usize;
@@ -2153,33 +2284,34 @@ fn dispatch_work(
             staged: st,
             codec: &env.codec,
         };
-        for (key, batch_index) in keys {
+        for f in keys {
             if capacity == 0 || !d.may_claim(claimed_bytes) {
                 return Ok(());
             }
-            let Some(job) = js.get_job(key)? else {
+            let Some(job) = js.get_job(&f.key)? else {
                 continue;
             };
             if job.state != JobState::Pending || job.due_at > now {
                 continue;
             }
+            let to = if f.early { &mut *early } else { &mut *attempts };
             if claim(
                 env,
                 d,
                 &mut js,
                 out,
-                key.clone(),
+                f.key.clone(),
                 job,
                 now,
                 *p,
                 per_tenant_cap,
                 &mut claimed_here,
-                attempts,
+                to,
                 &mut views,
-                Some(*batch_index),
+                Some(f.batch_index),
             )? {
                 capacity -= 1;
-                claimed_bytes += attempts.last().map_or(0, |a| a.event.body.len());
+                claimed_bytes += to.last().map_or(0, |a| a.event.body.len());
             }
         }
     }
@@ -2396,6 +2528,70 @@ fn claim(
     });
     Ok(true)
 }
+
+/// Starts the first attempts of new events before the transaction commits, waits up to
+/// `STREAMING_HUB_EARLY_ATTEMPT_WAIT` for them, and records the outcomes that came meanwhile in
+/// this transaction. A job created and delivered within it leaves no write at all: its job,
+/// timers and (with its event's last job) payload were new to the store, so their staged
+/// writes are dropped rather than sent as records and tombstones. Where most attempts outlast
+/// the wait (a slow destination), the next transactions start theirs early without waiting.
+fn attempt_early(
+    env: &Env,
+    d: &mut Dispatch,
+    tasks: &mut HashMap<i32, Task>,
+    staged: &mut HashMap<i32, Staged>,
+    out: &mut Outputs<'_>,
+    now: i64,
+    early: Vec<Attempt>,
+) -> Result<(), HubError> {
+    let keys: HashSet<Vec<u8>> = early.iter().map(|a| a.job_key.clone()).collect();
+    // Each job's partition, key, and its two timers: as created (due now) and as claimed.
+    let written: Vec<[Vec<u8>; 3]> = early
+        .iter()
+        .map(|a| {
+            [
+                a.job_key.clone(),
+                jobs::due_key(&a.tenant, now, &a.job_key),
+                jobs::due_key(&a.tenant, a.lease_until, &a.job_key),
+            ]
+        })
+        .collect();
+    let partitions: Vec<i32> = early.iter().map(|a| a.partition).collect();
+    let launched = early.len();
+    d.launch(early);
+    if d.early_unwaited > 0 {
+        d.early_unwaited -= 1;
+        return Ok(());
+    }
+    let from = d.pending.len();
+    let ended = d.wait_for(&keys, Instant::now() + env.config.early_attempt_wait);
+    telemetry::early_attempts(launched, ended);
+    if ended * 2 < launched {
+        d.early_unwaited = EARLY_UNWAITED;
+    }
+    record_outcomes(env, d, tasks, staged, out, now, from)?;
+    for (p, [key, created, leased]) in partitions.into_iter().zip(written) {
+        let Some(st) = staged.get_mut(&p) else {
+            continue;
+        };
+        if st.get(JOBS, &key) != Some(None) {
+            continue; // not finished here (still leased, rescheduled) or not ours
+        }
+        st.forget(JOBS, &key);
+        st.forget(DUE, &created);
+        st.forget(DUE, &leased);
+        if let Some(pk) = jobs::payload_key_of(&key) {
+            if st.get(JOBS, &pk) == Some(None) {
+                st.forget(JOBS, &pk);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Transactions that start their early attempts without waiting for them after one where fewer
+/// than half ended within the wait.
+const EARLY_UNWAITED: u32 = 16;
 
 /// Makes a due job due again at `until`, no attempt made or counted.
 fn postpone(

@@ -291,6 +291,12 @@ impl Staged {
         self.family(family).insert(key, None);
     }
 
+    /// Drops whatever this batch wrote to `key` in `family`: nothing of it reaches the store. For
+    /// a key the batch created and deleted again, which the store never held.
+    pub fn forget(&mut self, family: &'static str, key: &[u8]) {
+        self.family(family).remove(key);
+    }
+
     /// Keys this batch puts (not deletes) in `family`.
     pub fn puts_in<'a>(&'a self, family: &'static str) -> impl Iterator<Item = &'a [u8]> + 'a {
         self.writes_of(family)

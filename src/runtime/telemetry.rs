@@ -149,6 +149,15 @@ pub fn txn_phase(stage: &'static str, phase: &'static str, took: Duration) {
     histogram!(TXN_PHASE_SECONDS, "stage" => stage, "phase" => phase).record(took.as_secs_f64());
 }
 
+pub const EARLY_ATTEMPTS: &str = "streaming_hub_early_attempts_total";
+
+/// A hub transaction started `launched` first attempts of new events before committing and
+/// waited for them: `ended` came back within the wait (recorded in that transaction).
+pub fn early_attempts(launched: usize, ended: usize) {
+    counter!(EARLY_ATTEMPTS, "ended" => "within_wait").increment(ended as u64);
+    counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment((launched - ended) as u64);
+}
+
 /// A hub batch committed.
 pub struct HubCommit {
     pub records: usize,

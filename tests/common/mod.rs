@@ -783,6 +783,19 @@ impl ApiHub {
         );
     }
 
+    /// Has the hub commit its inbox offsets once, with an event no one subscribed to: until a
+    /// partition has a committed offset its new events' first attempts start only after their
+    /// claim committed (a later owner could not tell what this one was attempting).
+    pub async fn commit_inbox_offsets(&self) {
+        produce(
+            &producer(),
+            &self.topic,
+            &[event("tenant-nobody", "ledger", "transaction", "posted")],
+        );
+        self.wait_metric("streaming_hub_hub_commit_seconds_count", 1)
+            .await;
+    }
+
     /// Moves the hub's dangerous test clock (`POST /admin/clock/advance`).
     pub async fn advance(&self, by: &str) {
         let admin = streaming_hub::api::mint(
