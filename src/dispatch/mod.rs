@@ -190,8 +190,8 @@ fn create_job(
     let key = jobs::job_key(event.tenant, event.ce_id, subscription_id);
     let now = ctx.now;
     // Read again where its previous owner may have died mid-attempt (see `TaskCtx::recount`).
-    let reclaims = u32::from(ctx.recount.contains(&event.offset));
-    let early = !check && event.offset >= ctx.early_from;
+    let reclaims = u32::from(ctx.recount);
+    let early = !check && !ctx.careful;
     let mut js = ctx.jobs();
     if check && js.get_job(&key).map_err(HubError::from)?.is_some() {
         return Ok(false);

@@ -231,11 +231,10 @@ pub struct TaskCtx<'a, 'p> {
     pub now: i64,
     /// Jobs created in this transaction (claimed at its end when there is room).
     pub fresh: &'a mut Vec<Fresh>,
-    /// Inbox offsets from which a new event's first attempts may start before the transaction
-    /// commits (`i64::MAX`: none may): see [`Task::careful_until`].
-    pub early_from: i64,
-    /// Inbox offsets whose new jobs start with one reclaim counted: see [`Task::recount`].
-    pub recount: std::ops::Range<i64>,
+    /// The event's new jobs take the committed-claim path: see [`Task::careful_until`].
+    pub careful: bool,
+    /// The event's new jobs start with one reclaim counted: see [`Task::recount`].
+    pub recount: bool,
 }
 
 /// A job created in this transaction.
@@ -244,8 +243,8 @@ pub struct Fresh {
     /// The batch index of its event's record.
     pub batch_index: usize,
     /// Its first attempt may start before the transaction commits: the event is new (its keys
-    /// were never stored, so a job delivered within the transaction need write nothing) and read
-    /// past [`Task::careful_until`].
+    /// were never stored, so a job delivered within the transaction need write nothing) and not
+    /// read on the committed-claim path ([`Task::careful_until`]).
     pub early: bool,
 }
 
@@ -275,15 +274,49 @@ struct Task {
     /// after the transaction that claims them has committed. Past it, a new event's first
     /// attempts start before (`STREAMING_HUB_EARLY_ATTEMPT_WAIT`). A crash during such an attempt
     /// leaves nothing committed of it, so the records a previous owner may have been attempting
-    /// (its last open batch: at most `STREAMING_HUB_HUB_BATCH_MAX` records past the committed
-    /// offset, and only those in the log at the assignment) are read back on the committed-claim
-    /// path, where a crash mid-attempt is counted towards poison; so are the records of a
-    /// batch that aborted.
+    /// ([`Recount`]) take that path too, where a crash mid-attempt is counted towards poison;
+    /// so do the records of a batch that aborted, and every record of a partition the group
+    /// never committed until this owner's first commit (`i64::MAX` until then: an owner that
+    /// died in its first transaction cannot be told from none).
     careful_until: i64,
-    /// The records of that window: their new jobs start with one reclaim, the attempt the
-    /// previous owner may have died in (so a poison event is dead-lettered after
-    /// `STREAMING_HUB_POISON_THRESHOLD` crashes, as with committed claims).
-    recount: std::ops::Range<i64>,
+    /// The records a previous owner may have been attempting: their new jobs start with one
+    /// reclaim, the attempt that owner may have died in (so a poison event is dead-lettered
+    /// after `STREAMING_HUB_POISON_THRESHOLD` crashes, as with committed claims).
+    recount: Recount,
+}
+
+/// The records a partition's previous owner may have been attempting without a committed claim:
+/// those of its last open batch, at most `STREAMING_HUB_HUB_BATCH_MAX` records (counted as
+/// read: transaction markers and aborted records take offsets too) from the committed offset,
+/// among those already in the log when the partition was assigned.
+#[derive(Clone, Debug)]
+struct Recount {
+    /// The offsets counted so far: from the committed offset to past the last record counted.
+    seen: std::ops::Range<i64>,
+    /// Records still to count.
+    left: usize,
+    /// The high watermark at the assignment (`i64::MAX` when it could not be read).
+    until: i64,
+}
+
+impl Recount {
+    fn none(at: i64) -> Recount {
+        Recount {
+            seen: at..at,
+            left: 0,
+            until: at,
+        }
+    }
+
+    /// Whether the record at `offset` lies in the window, counting it if it is the next one.
+    /// Records come in offset order; one read again after an abort is not counted twice.
+    fn take(&mut self, offset: i64) -> bool {
+        if offset >= self.seen.end && offset < self.until && self.left > 0 {
+            self.seen.end = offset + 1;
+            self.left -= 1;
+        }
+        self.seen.contains(&offset)
+    }
 }
 
 /// Names and settings every task shares.
@@ -345,7 +378,7 @@ struct Start {
     fence: Option<i64>,
     /// See [`Task::careful_until`] and [`Task::recount`].
     careful_until: i64,
-    recount: std::ops::Range<i64>,
+    recount: Recount,
 }
 
 /// A restore running in a thread of its own, so the loop goes on serving the partitions it has
@@ -634,27 +667,25 @@ impl ConsumerContext for HubContext {
                                 0
                             }),
                     };
-                    // The previous owner's last open batch lay within `hub_batch_max` records
-                    // of the committed offset, and could hold only records already written.
-                    let window_end = fence.saturating_add(self.env.config.hub_batch_max as i64);
-                    let careful_until = match consumer.fetch_watermarks(
-                        e.topic(),
-                        e.partition(),
-                        Duration::from_secs(5),
-                    ) {
-                        Ok((_, high)) => high.clamp(fence, window_end),
-                        Err(err) => {
-                            tracing::warn!(partition = e.partition(), error = %err, "high watermark not read; the whole batch window past the committed offset takes the committed-claim path");
-                            window_end
-                        }
-                    };
-                    // Counted only past a committed offset. A partition the group never
-                    // committed may have had an owner that died in its first transaction, which
-                    // cannot be told from none: its records take the committed-claim path until
-                    // this owner's first commit, so that a later owner has an offset to go by.
+                    // See `Recount`. Only past a committed offset: a partition the group never
+                    // committed takes the committed-claim path until this owner's first commit.
                     let (careful_until, recount) = match e.offset() {
-                        Offset::Offset(_) => (careful_until, fence..careful_until),
-                        _ => (i64::MAX, fence..fence),
+                        Offset::Offset(_) => {
+                            let until = consumer
+                                .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
+                                .map(|(_, high)| high)
+                                .unwrap_or_else(|err| {
+                                    tracing::warn!(partition = e.partition(), error = %err, "high watermark not read; the whole batch window past the committed offset takes the committed-claim path");
+                                    i64::MAX
+                                });
+                            let recount = Recount {
+                                seen: fence..fence,
+                                left: self.env.config.hub_batch_max,
+                                until,
+                            };
+                            (fence, recount)
+                        }
+                        _ => (i64::MAX, Recount::none(fence)),
                     };
                     let start = Start {
                         from: e.offset(),
@@ -869,7 +900,7 @@ fn open_and_restore(
                 ring: TenantRing::default(),
                 next_offset: None,
                 careful_until: i64::MAX,
-                recount: 0..0,
+                recount: Recount::none(0),
             },
         ));
     }
@@ -1789,6 +1820,8 @@ impl HubStage {
                 });
             };
             offsets.insert(p, m.offset() + 1);
+            let recount = task.recount.take(m.offset());
+            let careful = !early_on || recount || m.offset() < task.careful_until;
             let st = staged.entry(p).or_default();
             let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
                 HubEvent {
@@ -1894,12 +1927,8 @@ impl HubStage {
                 codec: &env.codec,
                 now,
                 fresh: fresh.entry(p).or_default(),
-                early_from: if early_on {
-                    task.careful_until
-                } else {
-                    i64::MAX
-                },
-                recount: task.recount.clone(),
+                careful,
+                recount,
             };
             match redeliver {
                 Some(sub_id) => self.handler.on_redeliver(&event, sub_id, &mut ctx)?,
@@ -1949,7 +1978,8 @@ impl HubStage {
         }
         let launched_early = early.len();
         if let (Some(d), false) = (self.dispatch.as_mut(), early.is_empty()) {
-            attempt_early(env, d, tasks, &mut staged, &mut outputs, now, early)?;
+            let router = &self.router;
+            attempt_early(env, d, router, tasks, &mut staged, &mut outputs, now, early)?;
         }
         // The jobs changelog is the batch's final job writes: a key written twice in one
         // transaction (a job created and claimed) needs only its last record in the compacted
@@ -2535,9 +2565,11 @@ fn claim(
 /// timers and (with its event's last job) payload were new to the store, so their staged
 /// writes are dropped rather than sent as records and tombstones. Where most attempts outlast
 /// the wait (a slow destination), the next transactions start theirs early without waiting.
+#[allow(clippy::too_many_arguments)]
 fn attempt_early(
     env: &Env,
     d: &mut Dispatch,
+    router: &OutcomeRouter,
     tasks: &mut HashMap<i32, Task>,
     staged: &mut HashMap<i32, Staged>,
     out: &mut Outputs<'_>,
@@ -2565,6 +2597,9 @@ fn attempt_early(
     }
     let from = d.pending.len();
     let ended = d.wait_for(&keys, Instant::now() + env.config.early_attempt_wait);
+    // Other attempts of this loop ended meanwhile too: those of partitions it no longer owns go
+    // to the loop that does, as before a transaction (the ones before `from` are all its own).
+    d.hand_over(tasks, router, now);
     telemetry::early_attempts(launched, ended);
     if ended * 2 < launched {
         d.early_unwaited = EARLY_UNWAITED;
@@ -2890,6 +2925,38 @@ mod tests {
             sole_payload: None,
             body_bytes: 0,
         }
+    }
+
+    #[test]
+    fn the_recount_window_is_counted_in_records_read_not_in_offsets() {
+        // Committed at 100, three records of the previous owner's batch at most, the log ended
+        // at 120 when the partition was assigned. Offsets 101 and 103 are transaction markers.
+        let mut w = Recount {
+            seen: 100..100,
+            left: 3,
+            until: 120,
+        };
+        let taken: Vec<bool> = [100, 102, 104, 105].iter().map(|o| w.take(*o)).collect();
+        assert_eq!(
+            taken,
+            [true, true, true, false],
+            "three records, not three offsets"
+        );
+        // Read again after an abort: still inside, and not counted again.
+        assert!(w.take(102) && w.take(104));
+        assert!(!w.take(106));
+        // Records written after the assignment were never read by anyone before.
+        let mut w = Recount {
+            seen: 100..100,
+            left: 50,
+            until: 102,
+        };
+        let taken: Vec<bool> = [100, 101, 102, 103].iter().map(|o| w.take(*o)).collect();
+        assert_eq!(taken, [true, true, false, false]);
+        assert!(
+            !Recount::none(100).take(100),
+            "never committed: nothing counted"
+        );
     }
 
     #[test]
