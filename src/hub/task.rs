@@ -2210,7 +2210,7 @@ fn record_outcomes(
 /// Inside the transaction: claims due jobs (fair across tenants) up to the free worker capacity,
 /// then the jobs this transaction created: the attempts of committed claims go
 /// to `attempts` (started once the transaction has committed), the first attempts of new events
-/// past `Task::careful_until` to `early` (started before).
+/// not on the committed-claim path (`Fresh::early`) to `early` (started before).
 #[allow(clippy::too_many_arguments)]
 fn claim_due(
     env: &Env,
@@ -2578,17 +2578,17 @@ fn attempt_early(
 ) -> Result<(), HubError> {
     let keys: HashSet<Vec<u8>> = early.iter().map(|a| a.job_key.clone()).collect();
     // Each job's partition, key, and its two timers: as created (due now) and as claimed.
-    let written: Vec<[Vec<u8>; 3]> = early
+    let written: Vec<(i32, [Vec<u8>; 3])> = early
         .iter()
         .map(|a| {
-            [
+            let timers = [
                 a.job_key.clone(),
                 jobs::due_key(&a.tenant, now, &a.job_key),
                 jobs::due_key(&a.tenant, a.lease_until, &a.job_key),
-            ]
+            ];
+            (a.partition, timers)
         })
         .collect();
-    let partitions: Vec<i32> = early.iter().map(|a| a.partition).collect();
     let launched = early.len();
     d.launch(early);
     if d.early_unwaited > 0 {
@@ -2605,7 +2605,7 @@ fn attempt_early(
         d.early_unwaited = EARLY_UNWAITED;
     }
     record_outcomes(env, d, tasks, staged, out, now, from)?;
-    for (p, [key, created, leased]) in partitions.into_iter().zip(written) {
+    for (p, [key, created, leased]) in written {
         let Some(st) = staged.get_mut(&p) else {
             continue;
         };
