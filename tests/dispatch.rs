@@ -895,11 +895,14 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
     let (ok_url, ok_sink) = start_sink(vec![200]).await;
     subscribe(&s, "tenant-e", &ok_url, None).await;
     s.commit_inbox_offsets().await;
-    let events: Vec<Rec> = (0..5)
-        .map(|_| event("tenant-e", "ledger", "transaction", "posted"))
-        .collect();
-    produce(&producer(), &s.topic, &events);
-    wait_for_deliveries(&ok_sink, 5, Duration::from_secs(60));
+    // One at a time: a transaction stops waiting once later records have come in (see
+    // `a_transaction_stops_waiting_for_its_first_attempts_once_new_events_come_in`).
+    let p = producer();
+    for n in 1..=5 {
+        let ev = event("tenant-e", "ledger", "transaction", "posted");
+        produce(&p, &s.topic, std::slice::from_ref(&ev));
+        wait_for_deliveries(&ok_sink, n, Duration::from_secs(60));
+    }
     let codec = Codec::new().unwrap();
     let attempts_topic = format!("{}.attempts", s.prefix);
     let attempts = read_until(&[&attempts_topic], Duration::from_secs(30), |r| {
@@ -981,4 +984,98 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
         .map(|d| d.headers["x-lerian-event-id"].as_str())
         .collect();
     assert_eq!(ids.len(), 7, "every event once at the first sink");
+}
+
+/// A sink that holds every delivery until the test opens its gate.
+async fn start_gated_sink() -> (String, Arc<Mutex<usize>>, tokio::sync::watch::Sender<bool>) {
+    #[derive(Clone)]
+    struct Gated {
+        got: Arc<Mutex<usize>>,
+        open: tokio::sync::watch::Receiver<bool>,
+    }
+    async fn held(State(g): State<Gated>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
+        let probe = headers
+            .get("x-lerian-event-type")
+            .is_some_and(|v| v == "streaming_hub.verification");
+        if probe {
+            return (StatusCode::OK, body); // echo the challenge
+        }
+        *g.got.lock().unwrap() += 1;
+        let mut open = g.open.clone();
+        let _ = open.wait_for(|o| *o).await;
+        (StatusCode::OK, Bytes::new())
+    }
+    let (gate, open) = tokio::sync::watch::channel(false);
+    let got = Arc::new(Mutex::new(0));
+    let app = Router::new().route("/hook", post(held)).with_state(Gated {
+        got: got.clone(),
+        open,
+    });
+    let addr = serve(app).await;
+    (format!("http://{addr}/hook"), got, gate)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_stops_waiting_for_its_first_attempts_once_new_events_come_in() {
+    // The transaction that took A's event in waits for A's first attempt (up to the 30 s set
+    // here) while the hub cannot take in anything else; once B's event has come in, it stops
+    // waiting and commits, so B is delivered while A's receiver still holds its request. A
+    // hub that waited the whole bound would deliver B only after it (the 20 s below fail then).
+    let s = ApiHub::start(
+        "early-stop",
+        &[
+            ("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "30s"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
+        ],
+    )
+    .await;
+    let (held_url, held, gate) = start_gated_sink().await;
+    let (fast_url, fast) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-a", &held_url, None).await;
+    subscribe(&s, "tenant-b", &fast_url, None).await;
+    s.commit_inbox_offsets().await;
+    let p = producer();
+    let a = event("tenant-a", "ledger", "transaction", "posted");
+    produce(&p, &s.topic, std::slice::from_ref(&a));
+    wait_until(
+        Duration::from_secs(60),
+        "A's first attempt at its sink",
+        || (*held.lock().unwrap() == 1).then_some(()),
+    );
+    let b = event("tenant-b", "ledger", "transaction", "posted");
+    produce(&p, &s.topic, std::slice::from_ref(&b));
+    let got = wait_for_deliveries(&fast, 1, Duration::from_secs(20));
+    assert_eq!(got[0].headers["x-lerian-event-id"], b.id());
+    // The transaction committed without A's outcome: A's job was written, to be finished later.
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let job = format!("j/tenant-a\0{}\0", a.id());
+    read_until(&[&changelog], Duration::from_secs(30), |r| {
+        r.iter().any(|g| {
+            g.rec.value.is_some()
+                && g.rec
+                    .key
+                    .as_deref()
+                    .is_some_and(|k| k.starts_with(job.as_bytes()))
+        })
+    });
+    // Opened, A's attempt ends and is recorded: one attempt, delivered.
+    gate.send(true).unwrap();
+    let codec = Codec::new().unwrap();
+    let attempts_topic = format!("{}.attempts", s.prefix);
+    let attempts = read_until(&[&attempts_topic], Duration::from_secs(60), |r| {
+        r.iter()
+            .any(|g| g.rec.key.as_deref() == Some(a.id().as_bytes()))
+    });
+    let of_a: Vec<AttemptRecord> = attempts
+        .iter()
+        .filter(|g| g.rec.key.as_deref() == Some(a.id().as_bytes()))
+        .map(|g| {
+            codec
+                .decode(RecordKind::Attempt, g.rec.value.as_ref().unwrap())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(of_a.len(), 1, "A's attempts: {of_a:?}");
+    assert_eq!(of_a[0].status, Some(200));
+    assert_eq!(*held.lock().unwrap(), 1, "A was sent once");
 }

@@ -1289,21 +1289,28 @@ impl Dispatch {
         self.pending.push(o);
     }
 
-    /// Takes outcomes until every attempt of `keys` has ended or `until`; how many of them did.
-    fn wait_for(&mut self, keys: &HashSet<Vec<u8>>, until: Instant) -> usize {
+    /// Takes outcomes until every attempt of `keys` has ended, `until`, or `more_to_read` says
+    /// records wait to be read; how many of them ended.
+    fn wait_for(
+        &mut self,
+        keys: &HashSet<Vec<u8>>,
+        until: Instant,
+        more_to_read: &dyn Fn() -> bool,
+    ) -> usize {
         let mut ended = 0;
-        while ended < keys.len() {
+        while ended < keys.len() && !more_to_read() {
             let Some(left) = until.checked_duration_since(Instant::now()) else {
                 break;
             };
-            match self.done_rx.recv_timeout(left) {
+            match self.done_rx.recv_timeout(left.min(EARLY_WAIT_SLICE)) {
                 Ok(o) => {
                     if keys.contains(&o.job_key) {
                         ended += 1;
                     }
                     self.ended(o);
                 }
-                Err(_) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
         ended
@@ -1979,7 +1986,18 @@ impl HubStage {
         let launched_early = early.len();
         if let (Some(d), false) = (self.dispatch.as_mut(), early.is_empty()) {
             let router = &self.router;
-            attempt_early(env, d, router, tasks, &mut staged, &mut outputs, now, early)?;
+            let more = || kafka::has_queued(consumer);
+            attempt_early(
+                env,
+                d,
+                router,
+                tasks,
+                &mut staged,
+                &mut outputs,
+                now,
+                early,
+                &more,
+            )?;
         }
         // The jobs changelog is the batch's final job writes: a key written twice in one
         // transaction (a job created and claimed) needs only its last record in the compacted
@@ -2561,7 +2579,10 @@ fn claim(
 
 /// Starts the first attempts of new events before the transaction commits, waits up to
 /// `STREAMING_HUB_EARLY_ATTEMPT_WAIT` for them, and records the outcomes that came meanwhile in
-/// this transaction. A job created and delivered within it leaves no write at all: its job,
+/// this transaction. The wait ends early once `more_to_read` says new inbox records have come:
+/// while the loop waits they cannot be taken in, so under a steady stream (5,000 events/s on a
+/// 2-core machine) waiting for every attempt put the whole wait on the next events' latency
+/// (BENCHMARKS.md, session 34). A job created and delivered within it leaves no write at all: its job,
 /// timers and (with its event's last job) payload were new to the store, so their staged
 /// writes are dropped rather than sent as records and tombstones. Where most attempts outlast
 /// the wait (a slow destination), the next transactions start theirs early without waiting.
@@ -2575,6 +2596,7 @@ fn attempt_early(
     out: &mut Outputs<'_>,
     now: i64,
     early: Vec<Attempt>,
+    more_to_read: &dyn Fn() -> bool,
 ) -> Result<(), HubError> {
     let keys: HashSet<Vec<u8>> = early.iter().map(|a| a.job_key.clone()).collect();
     // Each job's partition, key, and its two timers: as created (due now) and as claimed.
@@ -2596,7 +2618,11 @@ fn attempt_early(
         return Ok(());
     }
     let from = d.pending.len();
-    let ended = d.wait_for(&keys, Instant::now() + env.config.early_attempt_wait);
+    let ended = d.wait_for(
+        &keys,
+        Instant::now() + env.config.early_attempt_wait,
+        more_to_read,
+    );
     // Other attempts of this loop ended meanwhile too: those of partitions it no longer owns go
     // to the loop that does, as before a transaction (the ones before `from` are all its own).
     d.hand_over(tasks, router, now);
@@ -2627,6 +2653,9 @@ fn attempt_early(
 /// Transactions that start their early attempts without waiting for them after one where fewer
 /// than half ended within the wait.
 const EARLY_UNWAITED: u32 = 16;
+
+/// How often the wait for early attempts looks whether records wait to be read.
+const EARLY_WAIT_SLICE: Duration = Duration::from_millis(1);
 
 /// Makes a due job due again at `until`, no attempt made or counted.
 fn postpone(

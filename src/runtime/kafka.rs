@@ -646,6 +646,22 @@ pub fn membership_confirmed<C: ConsumerContext>(
     membership(consumer).is_some_and(|m| m.is_member() && confirmed.get().as_ref() == Some(&m))
 }
 
+/// Whether the consumer holds fetched records (or other events) not yet polled.
+pub fn has_queued<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> bool {
+    use rdkafka::bindings as rd;
+    // SAFETY: the client pointer is valid while `consumer` lives; the queue handle librdkafka
+    // returns is a new reference we own, destroyed right after its length is read.
+    unsafe {
+        let q = rd::rd_kafka_queue_get_consumer(consumer.client().native_ptr());
+        if q.is_null() {
+            return false;
+        }
+        let n = rd::rd_kafka_queue_length(q);
+        rd::rd_kafka_queue_destroy(q);
+        n > 0
+    }
+}
+
 /// The consumer's generation and member id now (librdkafka's group metadata, serialised).
 pub fn membership<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> Option<Membership> {
     use rdkafka::bindings as rd;
