@@ -1615,9 +1615,14 @@ impl HubStage {
                 }
             }
         }
-        crate::runtime::liveness::rest(self.liveness());
         tracing::info!(stage = self.stage, "hub stage stopping");
-        consumer.unsubscribe();
+        let live = self.liveness();
+        kafka::leave_group(&consumer, kafka::LEAVE_PATIENCE, &|| {
+            crate::runtime::liveness::beat(live)
+        });
+        // Closed while the loop is still watched (see the ingest loop's end).
+        drop(consumer);
+        crate::runtime::liveness::rest(live);
         Ok(())
     }
 

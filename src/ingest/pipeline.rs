@@ -262,10 +262,14 @@ impl Ingest {
                 }
             }
         }
-        crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
         tracing::info!("ingest stopping");
         drop(batch);
-        consumer.unsubscribe();
+        let beat = || crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
+        kafka::leave_group(&consumer, kafka::LEAVE_PATIENCE, &beat);
+        // Closed while the loop is still watched: a close that never returns ends the process
+        // after `STREAMING_HUB_STALL_TIMEOUT` instead of keeping it from exiting.
+        drop(consumer);
+        crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
         Ok(())
     }
 

@@ -646,6 +646,33 @@ pub fn membership_confirmed<C: ConsumerContext>(
     membership(consumer).is_some_and(|m| m.is_member() && confirmed.get().as_ref() == Some(&m))
 }
 
+/// How long a stopping loop waits for its consumer's partitions to be revoked (see
+/// [`leave_group`]).
+pub const LEAVE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Leaves the consumer group before the consumer is dropped (which closes it): unsubscribes,
+/// then polls, serving the revocation that follows, until nothing is assigned or `patience`
+/// has passed; records polled meanwhile are dropped (nothing is committed after them). A
+/// consumer closed while it still holds partitions calls the rebalance callback from within the
+/// close, and the unassign made there can wait forever (librdkafka 2.12, its issue #4884): an
+/// instance was seen never to exit after SIGTERM. `beat` keeps the loop's liveness meanwhile.
+pub fn leave_group<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    patience: Duration,
+    beat: &dyn Fn(),
+) {
+    consumer.unsubscribe();
+    let until = std::time::Instant::now() + patience;
+    loop {
+        beat();
+        let held = consumer.assignment().map(|a| a.count()).unwrap_or(0);
+        if held == 0 || std::time::Instant::now() >= until {
+            break;
+        }
+        let _ = consumer.poll(Duration::from_millis(100));
+    }
+}
+
 /// Whether the consumer holds fetched records (or other events) not yet polled.
 pub fn has_queued<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> bool {
     use rdkafka::bindings as rd;

@@ -504,9 +504,24 @@ impl Hub {
         let _ = self.child.wait();
     }
 
+    /// SIGTERM, then waits for the process to end. A graceful stop longer than the default
+    /// stall timeout (120 s) plus a margin is a hang: it fails the test (the hub is killed when
+    /// this `Hub` drops) instead of hanging the suite; so does an exit by the stall watchdog
+    /// (code 70), which only a loop stuck during the stop triggers.
     pub fn terminate(&mut self) {
         unsafe_sigterm(self.child.id());
-        let _ = self.child.wait();
+        let child = &mut self.child;
+        let status = wait_until(
+            Duration::from_secs(150),
+            "the hub to stop after SIGTERM",
+            || child.try_wait().unwrap(),
+        );
+        assert_ne!(
+            status.code(),
+            Some(70),
+            "the stall watchdog ended the hub during its stop:\n{}",
+            self.log_text()
+        );
     }
 
     pub fn log_text(&self) -> String {
