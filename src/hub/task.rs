@@ -1290,15 +1290,18 @@ impl Dispatch {
     }
 
     /// Takes outcomes until every attempt of `keys` has ended, `until`, or `more_to_read` says
-    /// records wait to be read; how many of them ended.
+    /// records wait to be read; how many of them ended, and whether records cut the wait short.
     fn wait_for(
         &mut self,
         keys: &HashSet<Vec<u8>>,
         until: Instant,
         more_to_read: &dyn Fn() -> bool,
-    ) -> usize {
+    ) -> (usize, bool) {
         let mut ended = 0;
-        while ended < keys.len() && !more_to_read() {
+        while ended < keys.len() {
+            if more_to_read() {
+                return (ended, true);
+            }
             let Some(left) = until.checked_duration_since(Instant::now()) else {
                 break;
             };
@@ -1313,7 +1316,7 @@ impl Dispatch {
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
-        ended
+        (ended, false)
     }
 
     /// Outcomes other loops of this process handed over (their attempts, this loop's
@@ -2623,7 +2626,7 @@ fn attempt_early(
         return Ok(());
     }
     let from = d.pending.len();
-    let ended = d.wait_for(
+    let (ended, cut) = d.wait_for(
         &keys,
         Instant::now() + env.config.early_attempt_wait,
         more_to_read,
@@ -2632,7 +2635,8 @@ fn attempt_early(
     // to the loop that does, as before a transaction (the ones before `from` are all its own).
     d.hand_over(tasks, router, now);
     telemetry::early_attempts(launched, ended);
-    if ended * 2 < launched {
+    // A wait that new records cut short says nothing of how long the attempts take.
+    if ended * 2 < launched && !cut {
         d.early_unwaited = EARLY_UNWAITED;
     }
     record_outcomes(env, d, tasks, staged, out, now, from)?;
@@ -2656,7 +2660,7 @@ fn attempt_early(
 }
 
 /// Transactions that start their early attempts without waiting for them after one where fewer
-/// than half ended within the wait.
+/// than half ended within the whole wait.
 const EARLY_UNWAITED: u32 = 16;
 
 /// How often the wait for early attempts looks whether records wait to be read.
