@@ -50,6 +50,8 @@ use streaming_hub::runtime::secret::Secret;
 #[derive(Clone, Debug)]
 struct Delivery {
     headers: BTreeMap<String, String>,
+    /// Every value of `webhook-signature`, one per header line.
+    signature_lines: Vec<String>,
     body: Vec<u8>,
 }
 
@@ -85,6 +87,11 @@ async fn sink_handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> (StatusCode, Bytes) {
+    let signature_lines = headers
+        .get_all("webhook-signature")
+        .iter()
+        .map(|v| v.to_str().unwrap_or("").to_string())
+        .collect();
     let headers: BTreeMap<String, String> = headers
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
@@ -96,6 +103,7 @@ async fn sink_handler(
     }
     s.deliveries.lock().unwrap().push(Delivery {
         headers,
+        signature_lines,
         body: body.to_vec(),
     });
     (StatusCode::NO_CONTENT, Bytes::new())
@@ -845,6 +853,67 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
     env.insert("STREAMING_HUB_SEND_UNBOUND_HEADERS".into(), "true".into());
     api.hub = Hub::start(&env);
     assert_eq!(deliver(&sink_a).header("authorization"), credential);
+}
+
+/// Anyone who can write the control topic can put on a record what the API refuses: custom
+/// headers named like the hub's own or the connection's, and a signing secret sealed under a key
+/// this hub does not have. Neither may forge what the subscriber checks, nor stop deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_written_past_the_api_forges_no_hub_header_and_an_unopenable_secret_stops_no_delivery()
+ {
+    let api = ApiHub::start("forged", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
+    let tenant = "tenant-forged";
+    let (url, sink) = Sink::start().await;
+    let (id, secret) = subscribe_webhook(&api, tenant, &url, json!({})).await;
+    let mut forged = control_records(&api.prefix)[&id].clone();
+    forged.destination.headers = [
+        ("Webhook-Signature", "v1,forged"),
+        ("content-type", "text/plain"),
+        ("X-Lerian-Attempt", "99"),
+        ("Host", "evil.example"),
+        ("X-Team", "payments"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    // A newer secret first, sealed under a key this hub was never given.
+    let foreign = streaming_hub::subscriptions::secrets::Kek::new(
+        "k9",
+        "Hx8dHBsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=",
+    )
+    .unwrap();
+    let unopenable = foreign.seal_secret(&Secret::new(unique("whsec_x")), &id, None);
+    forged.signing_secrets.insert(0, unopenable);
+    forged.version += 1;
+    write_control_record(&api, &forged).await;
+
+    let ev = event(tenant, "ledger", "transaction", "created");
+    produce(&producer(), &api.topic, std::slice::from_ref(&ev));
+    let d = sink.wait_for(&ev.id());
+    assert_eq!(
+        d.signature_lines,
+        [d.header("webhook-signature").to_string()],
+        "one webhook-signature line, the hub's"
+    );
+    assert!(d.signed_by(&secret), "signed with the secret that opens");
+    assert!(!d.header("webhook-signature").contains("forged"));
+    assert_eq!(d.header("content-type"), "application/json");
+    assert_eq!(d.header("x-lerian-attempt"), "1");
+    assert_eq!(
+        d.header("host"),
+        url.trim_start_matches("http://").trim_end_matches("/hook")
+    );
+    assert_eq!(d.header("x-team"), "payments", "other custom headers go");
+    assert!(
+        api.metric("streaming_hub_reserved_headers_dropped_total")
+            .await
+            >= 4
+    );
+    assert!(
+        api.metric("streaming_hub_signing_secrets_unopened_total")
+            .await
+            >= 1
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -171,9 +171,12 @@ async fn custom_headers_cannot_replace_the_hub_headers() {
     let custom = BTreeMap::from([
         ("webhook-signature".to_string(), "v1,forged".to_string()),
         ("Content-Type".to_string(), "text/plain".to_string()),
+        // Refused by the API; a record written to the control topic by other means may carry it.
+        ("Host".to_string(), "evil.example".to_string()),
     ]);
     probe_local(&sink.url(), &custom).await.unwrap();
     let seen = &sink.seen()[0];
+    assert_eq!(header(seen, "host"), sink.addr.to_string());
     let signatures: Vec<_> = seen.headers.get_all("webhook-signature").iter().collect();
     assert_eq!(signatures.len(), 1);
     assert!(!signatures[0].to_str().unwrap().contains("forged"));

@@ -129,6 +129,11 @@ pub async fn probe(
     }
     let mut map = HeaderMap::new();
     for (name, value) in headers {
+        if crate::subscriptions::model::is_reserved_header(name) {
+            // Refused by the API; a record written to the control topic by other means may
+            // still carry one: the hub's own headers and the connection's are not replaceable.
+            continue;
+        }
         let invalid = || VerifyError::InvalidHeader(name.clone());
         let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| invalid())?;
         let value = HeaderValue::from_str(value).map_err(|_| invalid())?;

@@ -22,7 +22,10 @@ use crate::delivery::{client, signing};
 use crate::dispatch::fair::FairPermits;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
-use crate::subscriptions::secrets::{Kek, NotSent, headers_not_sent};
+use crate::subscriptions::model::is_reserved_header;
+use crate::subscriptions::secrets::{
+    Kek, NotSent, headers_not_sent, reserved_header_dropped, secret_unopened,
+};
 use crate::subscriptions::table::Sub;
 
 /// `Outcome::error_kind` of an attempt given up before it was sent (see [`Outcome::not_attempted`]).
@@ -214,6 +217,10 @@ impl Workers {
             return out;
         }
         for (k, v) in &sub.destination.headers {
+            if is_reserved_header(k) {
+                reserved_header_dropped(&sub.id, k);
+                continue;
+            }
             req = req.header(k.as_str(), v.as_str());
         }
         if let (Some(blob), Some(kek)) = (&sub.destination.sensitive_headers, &self.kek) {
@@ -233,6 +240,10 @@ impl Workers {
                         }
                         Ok(map) => {
                             for (k, v) in map {
+                                if is_reserved_header(&k) {
+                                    reserved_header_dropped(&sub.id, &k);
+                                    continue;
+                                }
                                 req = req.header(k, v);
                             }
                         }
@@ -312,24 +323,32 @@ impl Workers {
         out
     }
 
-    /// The secrets to sign with: every one not yet expired, newest first.
+    /// The secrets to sign with: every one not yet expired that opens, newest first. One that
+    /// does not open (a retired key no longer configured, a sealed value copied from another
+    /// record) is left out and counted, so a rotation's other secret still signs; only when none
+    /// opens is the attempt a hub-side failure.
     fn secrets(&self, sub: &Sub) -> Result<Vec<Secret>, &'static str> {
         let kek = self.kek.as_ref().ok_or("no_kek")?;
         let now = self.clock.now_ms();
         let mut out = Vec::new();
+        let mut unopened = false;
         for s in &sub.signing_secrets {
             if s.expires_at.is_some_and(|t| t <= now) {
                 continue;
             }
-            out.push(
-                kek.open_secret(s, &sub.id)
-                    .map_err(|_| "secret_unreadable")?,
-            );
+            match kek.open_secret(s, &sub.id) {
+                Ok(secret) => out.push(secret),
+                Err(_) => {
+                    unopened = true;
+                    secret_unopened(&sub.id);
+                }
+            }
         }
-        if out.is_empty() {
-            return Err("no_signing_secret");
+        match (out.is_empty(), unopened) {
+            (false, _) => Ok(out),
+            (true, true) => Err("secret_unreadable"),
+            (true, false) => Err("no_signing_secret"),
         }
-        Ok(out)
     }
 }
 

@@ -464,6 +464,18 @@ fn is_token(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
+/// A header name (any case) the hub sets itself or that belongs to the connection: refused by the
+/// API, and dropped at sending from a record that carries one anyway (any producer may write the
+/// control topic, and sealed headers are only seen once opened).
+pub fn is_reserved_header(name: &str) -> bool {
+    RESERVED_HEADERS
+        .iter()
+        .any(|r| r.eq_ignore_ascii_case(name))
+        || RESERVED_PREFIXES.iter().any(|p| {
+            name.len() >= p.len() && name.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes())
+        })
+}
+
 /// Checks one header map (`which` is `headers` or `sensitive_headers`); names come back lower case.
 pub fn validate_header_map(
     which: &str,
@@ -480,9 +492,7 @@ pub fn validate_header_map(
                 "a header name is an HTTP token of at most 128 bytes",
             ));
         }
-        if RESERVED_HEADERS.contains(&lower.as_str())
-            || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
-        {
+        if is_reserved_header(&lower) {
             return Err(FieldError::new(
                 field,
                 "reserved",

@@ -294,22 +294,13 @@ pub enum NotSent {
 /// line the first time for each subscription in this process (for the first 10,000
 /// subscriptions; the count goes on).
 pub fn headers_not_sent(subscription_id: &str, why: NotSent) {
-    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
-        std::sync::Mutex::new(None);
     let reason = match why {
         NotSent::Unbound => "unbound",
         NotSent::Unopened => "unopened",
     };
     metrics::counter!("streaming_hub_sensitive_headers_not_sent_total", "reason" => reason)
         .increment(1);
-    let first = {
-        let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
-        let warned = warned.get_or_insert_with(Default::default);
-        !warned.contains(subscription_id)
-            && warned.len() < 10_000
-            && warned.insert(subscription_id.to_string())
-    };
-    match (first, why) {
+    match (first_warning(reason, subscription_id), why) {
         (false, _) => {}
         (true, NotSent::Unbound) => tracing::warn!(
             subscription_id,
@@ -323,6 +314,50 @@ pub fn headers_not_sent(subscription_id: &str, why: NotSent) {
              them"
         ),
     }
+}
+
+/// Counts a request signed without one of the subscription's unexpired signing secrets, which
+/// did not open (sealed under a key not configured, copied from another record, tampered with):
+/// `streaming_hub_signing_secrets_unopened_total`, with a WARN line the first time for each
+/// subscription. The request is signed with the ones that opened; only when none did is the
+/// attempt a hub-side failure (`secret_unreadable`).
+pub fn secret_unopened(subscription_id: &str) {
+    metrics::counter!("streaming_hub_signing_secrets_unopened_total").increment(1);
+    if first_warning("secret", subscription_id) {
+        tracing::warn!(
+            subscription_id,
+            "a signing secret does not open for this subscription (sealed under a key not \
+             configured, copied from another record, or tampered with); requests are signed \
+             with the secrets that open"
+        );
+    }
+}
+
+/// Counts a custom header dropped from a request because the hub or the connection owns its
+/// name (a record the API did not write: any producer may write the control topic):
+/// `streaming_hub_reserved_headers_dropped_total`, with a WARN line the first time for each
+/// subscription. The name is logged, never the value.
+pub fn reserved_header_dropped(subscription_id: &str, name: &str) {
+    metrics::counter!("streaming_hub_reserved_headers_dropped_total").increment(1);
+    if first_warning("reserved", subscription_id) {
+        tracing::warn!(
+            subscription_id,
+            header = name,
+            "a custom header with a name the hub or the connection owns is not sent (the API \
+             refuses these; the record was written to the control topic by other means)"
+        );
+    }
+}
+
+/// True the first time `(what, subscription_id)` is seen in this process (for the first 10,000;
+/// after that, never): warnings once per subscription, however many requests.
+fn first_warning(what: &'static str, subscription_id: &str) -> bool {
+    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<(&'static str, String)>>> =
+        std::sync::Mutex::new(None);
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    let warned = warned.get_or_insert_with(Default::default);
+    let key = (what, subscription_id.to_string());
+    !warned.contains(&key) && warned.len() < 10_000 && warned.insert(key)
 }
 
 /// Associated data of a blob bound to a subscription and a URL: a version tag, the id's length
