@@ -986,12 +986,15 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
     assert_eq!(ids.len(), 7, "every event once at the first sink");
 }
 
-/// A sink that holds every delivery until the test opens its gate.
-async fn start_gated_sink() -> (String, Arc<Mutex<usize>>, tokio::sync::watch::Sender<bool>) {
+/// A sink that holds every delivery until the test opens its gate, then answers `status`.
+async fn start_gated_sink(
+    status: StatusCode,
+) -> (String, Arc<Mutex<usize>>, tokio::sync::watch::Sender<bool>) {
     #[derive(Clone)]
     struct Gated {
         got: Arc<Mutex<usize>>,
         open: tokio::sync::watch::Receiver<bool>,
+        status: StatusCode,
     }
     async fn held(State(g): State<Gated>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
         let probe = headers
@@ -1003,13 +1006,14 @@ async fn start_gated_sink() -> (String, Arc<Mutex<usize>>, tokio::sync::watch::S
         *g.got.lock().unwrap() += 1;
         let mut open = g.open.clone();
         let _ = open.wait_for(|o| *o).await;
-        (StatusCode::OK, Bytes::new())
+        (g.status, Bytes::new())
     }
     let (gate, open) = tokio::sync::watch::channel(false);
     let got = Arc::new(Mutex::new(0));
     let app = Router::new().route("/hook", post(held)).with_state(Gated {
         got: got.clone(),
         open,
+        status,
     });
     let addr = serve(app).await;
     (format!("http://{addr}/hook"), got, gate)
@@ -1029,7 +1033,7 @@ async fn a_transaction_stops_waiting_for_its_first_attempts_once_new_events_come
         ],
     )
     .await;
-    let (held_url, held, gate) = start_gated_sink().await;
+    let (held_url, held, gate) = start_gated_sink(StatusCode::OK).await;
     let (fast_url, fast) = start_sink(vec![200]).await;
     subscribe(&s, "tenant-a", &held_url, None).await;
     subscribe(&s, "tenant-b", &fast_url, None).await;
@@ -1078,4 +1082,60 @@ async fn a_transaction_stops_waiting_for_its_first_attempts_once_new_events_come
     assert_eq!(of_a.len(), 1, "A's attempts: {of_a:?}");
     assert_eq!(of_a[0].status, Some(200));
     assert_eq!(*held.lock().unwrap(), 1, "A was sent once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_of_attempts_sent_before_a_url_change_count_for_the_old_destinations_breaker() {
+    // Five attempts are in flight to A when the subscription moves to B; A then fails all five.
+    // They are A's failures: A's breaker opens, B's does not (it would shed B's deliveries for
+    // the cool-down while B is healthy).
+    let s = ApiHub::start("moved", &[("STREAMING_HUB_HTTP_TIMEOUT", "60s")]).await;
+    let (url_a, held, gate) = start_gated_sink(StatusCode::INTERNAL_SERVER_ERROR).await;
+    let (url_b, sink_b) = start_sink(vec![200]).await;
+    let (id, _) = subscribe(&s, "tenant-m", &url_a, None).await;
+    let p = producer();
+    let events: Vec<_> = (0..5)
+        .map(|_| event("tenant-m", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&p, &s.topic, &events);
+    wait_until(Duration::from_secs(60), "five attempts held at A", || {
+        (*held.lock().unwrap() == 5).then_some(())
+    });
+    let mut moved = control_records(&s.prefix)[&id].clone();
+    moved.destination.url = Some(url_b.clone());
+    moved.version += 1;
+    write_control_record(&s, &moved).await;
+    gate.send(true).unwrap();
+    let codec = Codec::new().unwrap();
+    let attempts_topic = format!("{}.attempts", s.prefix);
+    read_until(&[&attempts_topic], Duration::from_secs(60), |r| {
+        r.iter()
+            .filter_map(|g| g.rec.value.as_ref())
+            .filter(|v| {
+                codec
+                    .decode::<AttemptRecord>(RecordKind::Attempt, v)
+                    .is_ok_and(|a| a.status == Some(500))
+            })
+            .count()
+            >= 5
+    });
+    let origin = |url: &str| format!("destination=\"{}\"", url.trim_end_matches("/hook"));
+    let log = s.hub.log_text();
+    let opened: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("circuit breaker") && l.contains("opened"))
+        .collect();
+    assert!(
+        opened.iter().any(|l| l.contains(&origin(&url_a))),
+        "A's breaker opened: {opened:?}"
+    );
+    assert!(
+        !opened.iter().any(|l| l.contains(&origin(&url_b))),
+        "B's breaker opened on A's failures: {opened:?}"
+    );
+    // B takes the retries and a new event.
+    let ev = event("tenant-m", "ledger", "transaction", "posted");
+    produce(&p, &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&sink_b, 1, Duration::from_secs(60));
+    assert!(!got.is_empty());
 }

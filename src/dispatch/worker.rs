@@ -81,6 +81,9 @@ pub struct Outcome {
     pub sole_payload: Option<u64>,
     /// The size of the event body the attempt held (the hub bounds the bytes claimed ahead).
     pub body_bytes: usize,
+    /// The destination URL of the attempt (its subscription's when it was claimed): the breaker
+    /// the outcome counts for, even if the subscription has moved to another URL since.
+    pub url: Option<String>,
 }
 
 impl Outcome {
@@ -144,6 +147,7 @@ impl Workers {
                     tenant: a.tenant.clone(),
                     sole_payload: a.sole_payload,
                     body_bytes: a.event.body.len(),
+                    url: a.subscription.destination.url.clone(),
                 });
                 return;
             }
@@ -165,6 +169,7 @@ impl Workers {
                 tenant: a.tenant.clone(),
                 sole_payload: a.sole_payload,
                 body_bytes: a.event.body.len(),
+                url: a.subscription.destination.url.clone(),
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))

@@ -2133,7 +2133,7 @@ fn record_outcomes(
                 .get_job(&o.job_key)?
                 .and_then(|j| d.table.read().get(&j.subscription_id));
             if let Some(sub) = sub {
-                let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
+                let origin = cached_origin(&mut d.origins, o.url.as_deref());
                 // Claimed (and admitted) a lease before its end.
                 d.breakers
                     .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
@@ -2155,12 +2155,12 @@ fn record_outcomes(
             j.state == JobState::Leased && j.attempt == o.attempt && j.due_at == o.lease_until
         });
         if let (Some(sub), true, true) = (&sub, hub_side, current) {
-            let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
+            let origin = cached_origin(&mut d.origins, o.url.as_deref());
             d.breakers
                 .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
         }
         if let (Some(sub), false) = (&sub, hub_side) {
-            let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
+            let origin = cached_origin(&mut d.origins, o.url.as_deref());
             if let Some(t) = d.breakers.record(&sub.tenant_id, &origin, o.success(), now) {
                 telemetry::BreakerChanged {
                     tenant: &sub.tenant_id,
@@ -2962,6 +2962,7 @@ mod tests {
             tenant: "t".into(),
             sole_payload: None,
             body_bytes: 0,
+            url: None,
         }
     }
 
