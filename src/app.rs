@@ -328,6 +328,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             redeliver: Arc::new(redeliver),
             forensics,
             progress: Default::default(),
+            scans: Default::default(),
         }));
         let prober = Prober::new(
             state.kek.clone(),

@@ -30,6 +30,56 @@ pub struct Ops {
     pub forensics: Forensics,
     /// Replays, recovers and redrives of this instance, by id.
     pub progress: Mutex<HashMap<String, Arc<Mutex<Progress>>>>,
+    /// Recovers running now (each reads the whole dead-letter topic on a blocking thread).
+    pub scans: ScanGate,
+}
+
+/// Most recovers one instance runs at once; and one tenant runs one at a time. A recover reads
+/// every record of `<prefix>.dlq` (payloads included) before it answers: without a bound, a
+/// tenant's parallel calls would hold the instance's cores and slow every tenant's deliveries.
+pub const MAX_SCANS: usize = 2;
+
+/// Who is running a recover now: a tenant's second one, or one past [`MAX_SCANS`], is refused
+/// (`429`, `Retry-After`) rather than queued.
+#[derive(Default)]
+pub struct ScanGate(Arc<Mutex<std::collections::HashSet<String>>>);
+
+/// A recover's place in the [`ScanGate`], given back when dropped.
+pub struct ScanSlot {
+    gate: Arc<Mutex<std::collections::HashSet<String>>>,
+    tenant: String,
+}
+
+impl ScanGate {
+    pub fn enter(&self, tenant: &str) -> Option<ScanSlot> {
+        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if running.len() >= MAX_SCANS || !running.insert(tenant.to_string()) {
+            return None;
+        }
+        Some(ScanSlot {
+            gate: self.0.clone(),
+            tenant: tenant.to_string(),
+        })
+    }
+}
+
+impl Drop for ScanSlot {
+    fn drop(&mut self) {
+        self.gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.tenant);
+    }
+}
+
+/// `429` with `Retry-After` (whole seconds, at least 1).
+fn too_many(code: &'static str, message: String, wait_secs: u64) -> Response {
+    let mut r = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, message).into_response();
+    r.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from_str(&wait_secs.max(1).to_string()).expect("digits"),
+    );
+    r
 }
 
 /// Most replays, recovers and redrives remembered (oldest forgotten first).
@@ -147,17 +197,11 @@ pub async fn pull_events(
     let tenant = caller.tenant_for(q.tenant_id.as_deref())?;
     if let Err(wait) = ops.limiter.take(&tenant, Instant::now()) {
         let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-        let mut r = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
+        return Ok(too_many(
             "rate_limited",
             format!("pull rate exceeded; retry in {secs} s"),
-        )
-        .into_response();
-        r.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from_str(&secs.to_string()).expect("digits"),
-        );
-        return Ok(r);
+            secs,
+        ));
     }
     let id = q.subscription_id.as_deref().ok_or_else(|| {
         ApiError::bad_request("required", "subscription_id is required")
@@ -210,6 +254,7 @@ pub struct RecoverRequest {
     params(("id" = String, Path, description = "Subscription id")),
     responses(
         (status = 200, description = "Dead-lettered deliveries since then were queued again", body = Progress),
+        (status = 429, description = "A recover of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
@@ -219,23 +264,35 @@ pub async fn recover(
     caller: Caller,
     ApiPath(id): ApiPath<String>,
     JsonBody(body): JsonBody<RecoverRequest>,
-) -> Result<Json<Progress>, ApiError> {
+) -> Result<Response, ApiError> {
     let ops = ops(&state)?.clone();
     let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
     let since = body.since_ms()?;
+    let Some(slot) = ops.scans.enter(&tenant) else {
+        return Ok(too_many(
+            "recover_running",
+            "a recover of this tenant, or as many as this instance runs at once, is running; \
+             retry when it has answered"
+                .into(),
+            5,
+        ));
+    };
     let progress = remember(&ops, "recover", Some(&sub.id));
     let p = progress.clone();
-    let result = tokio::task::spawn_blocking(move || ops.redeliver.recover(&sub, since, &p))
-        .await
-        .map_err(|e| ApiError::internal("recover panicked", &e))?;
+    let result = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        ops.redeliver.recover(&sub, since, &p)
+    })
+    .await
+    .map_err(|e| ApiError::internal("recover panicked", &e))?;
     if let Err(RedeliverError::Kafka(e)) = &result {
         finish(&progress, Err(RedeliverError::Kafka(e.clone())));
         return Err(unavailable(e));
     }
-    Ok(Json(finish(&progress, result)))
+    Ok(Json(finish(&progress, result)).into_response())
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -517,5 +574,28 @@ pub async fn redrive(
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))
         }
         Ok(()) => Ok(Json(finish(&progress, Ok(())))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_runs_one_recover_at_a_time_and_an_instance_at_most_max_scans() {
+        let gate = ScanGate::default();
+        let a = gate.enter("tenant-a").expect("a first recover runs");
+        assert!(gate.enter("tenant-a").is_none(), "a second of one tenant");
+        let b = gate.enter("tenant-b").expect("another tenant's runs");
+        assert_eq!(MAX_SCANS, 2);
+        assert!(
+            gate.enter("tenant-c").is_none(),
+            "past the instance's bound"
+        );
+        drop(a);
+        assert!(gate.enter("tenant-a").is_some(), "its slot given back");
+        let c = gate.enter("tenant-c").expect("a slot is free again");
+        drop((b, c));
+        assert!(gate.0.lock().unwrap().is_empty());
     }
 }
