@@ -18,7 +18,7 @@
 //!   decoding, a datum that needs bytes beyond the end of the input is `Decode` (apache-avro would
 //!   otherwise read a missing union index as null and accept some truncated records), trailing
 //!   bytes are `Decode`, and [`Codec::new`] caps apache-avro's per-length allocation at
-//!   [`MAX_DECODE_ALLOCATION`] so a forged length cannot ask for gigabytes.
+//!   [`MAX_DECODE_ALLOCATION`] (2 MiB) so a forged length cannot ask for gigabytes.
 //! - A fingerprint of one kind is never decoded as another kind (`Decode`).
 //!
 //! Evolving a schema: change `schemas/<kind>.avsc` only in compatible ways (new fields with a
@@ -41,8 +41,12 @@ pub const MAGIC: [u8; 2] = [0xC3, 0x01];
 /// Magic plus fingerprint.
 pub const HEADER_LEN: usize = 10;
 /// Largest length (bytes of a string or `bytes` value, items in an array or map block) apache-avro
-/// may allocate for while decoding. The largest legitimate value is an event payload (≤ 1 MiB).
-pub const MAX_DECODE_ALLOCATION: usize = 8 * 1024 * 1024;
+/// may allocate for while decoding: the hub's topics' `max.message.bytes` (2 MiB), since no field
+/// is larger than the record that holds it. The largest legitimate value is an event payload (at
+/// most 1.5 MiB, `STREAMING_HUB_MAX_PAYLOAD_BYTES`). apache-avro checks an array's or map's item
+/// count against it, not their bytes: a forged count still reserves up to 2 Mi items (a few
+/// hundred MB of address space, not touched before the datum ends early and is refused).
+pub const MAX_DECODE_ALLOCATION: usize = 2 * 1024 * 1024;
 /// Namespace of every hub schema.
 pub const NAMESPACE: &str = "studio.lerian.streaming_hub";
 
