@@ -1139,3 +1139,47 @@ async fn failures_of_attempts_sent_before_a_url_change_count_for_the_old_destina
     let got = wait_for_deliveries(&sink_b, 1, Duration::from_secs(60));
     assert!(!got.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_and_the_signature()
+{
+    // With STREAMING_HUB_REQUIRE_UUIDV7=false an id may hold a space, `%` or non-ASCII letters.
+    // `ce-id` carries it percent-encoded (the CloudEvents HTTP binding); `webhook-id` and
+    // `X-Lerian-Event-Id` carry that same visible-ASCII string, and it is what is signed, so a
+    // receiver verifies over the header it reads whatever charset its framework decodes with.
+    let s = ApiHub::start(
+        "raw-id",
+        &[
+            ("STREAMING_HUB_REQUIRE_UUIDV7", "false"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "5s"),
+        ],
+    )
+    .await;
+    let (url, sink) = start_sink(vec![200]).await;
+    let (_, secret) = subscribe(&s, "tenant-r", &url, None).await;
+    let raw = format!(
+        "pedido 42/a\u{e7}\u{e3}o 100% {}",
+        uuid::Uuid::now_v7().simple()
+    );
+    let ev =
+        event("tenant-r", "ledger", "transaction", "created").set("ce-id", Some(raw.as_bytes()));
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&sink, 1, Duration::from_secs(60));
+    let h = &got[0].headers;
+    let encoded = h["ce-id"].clone();
+    assert!(
+        encoded.starts_with("pedido%2042/a%C3%A7%C3%A3o%20100%25%20"),
+        "{encoded}"
+    );
+    assert_eq!(
+        percent_encoding::percent_decode_str(&encoded)
+            .decode_utf8()
+            .unwrap(),
+        raw
+    );
+    assert_eq!(h["webhook-id"], encoded);
+    assert_eq!(h["x-lerian-event-id"], encoded);
+    let ts: i64 = h["webhook-timestamp"].parse().unwrap();
+    let want = signing::sign(&Secret::new(secret), &h["webhook-id"], ts, &got[0].body).unwrap();
+    assert_eq!(h["webhook-signature"], want);
+}

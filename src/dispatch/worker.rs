@@ -20,6 +20,7 @@ use reqwest::header::{CONTENT_TYPE, HeaderName, HeaderValue};
 
 use crate::delivery::{client, signing};
 use crate::dispatch::fair::FairPermits;
+use crate::ingest::classify::CE_HEADER_ESCAPED;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
 use crate::subscriptions::model::is_reserved_header;
@@ -199,8 +200,13 @@ impl Workers {
             }
         };
         let timestamp = self.clock.now_ms() / 1000;
+        // The id as its `ce-id` header carries it (percent-encoded as every `ce-*` value): the same
+        // string in `webhook-id`, `X-Lerian-Event-Id` and the signed content, visible ASCII even
+        // for an id that is not a UUID (`STREAMING_HUB_REQUIRE_UUIDV7=false`); a UUID is as it is.
+        let event_id: std::borrow::Cow<str> =
+            percent_encoding::utf8_percent_encode(&a.event_id, CE_HEADER_ESCAPED).into();
         let signature =
-            match signing::signature_header(&secrets, &a.event_id, timestamp, &a.event.body) {
+            match signing::signature_header(&secrets, &event_id, timestamp, &a.event.body) {
                 Ok(s) => s,
                 Err(_) => {
                     out.error_kind = Some("signing_failed".into());
@@ -275,7 +281,7 @@ impl Workers {
             headers.append(k.clone(), v.clone());
         }
         let value = |s: &str| HeaderValue::from_str(s).ok();
-        let event_id = value(&a.event_id);
+        let event_id = value(&event_id);
         let own = [
             (CONTENT_TYPE, Some(a.event.content_type.clone())),
             (X_LERIAN_EVENT_ID, event_id.clone()),
