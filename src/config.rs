@@ -434,7 +434,8 @@ settings! {
     state_dir: PathBuf = ".streaming-hub-state";
     /// Regex of the producer topics ingest follows.
     follow_pattern: String = r"^lerian\.streaming\.[a-z0-9_-]+$";
-    /// How often the follow set is re-evaluated (a new producer topic is followed within this).
+    /// How often the follow set is re-evaluated (a new producer topic is followed within this);
+    /// 1s to 1h.
     follow_refresh_interval: std::time::Duration = "10s";
     /// `ce-id` must be a UUIDv7; `false` accepts any id of at most 256 bytes without control characters.
     require_uuidv7: bool = "true";
@@ -473,9 +474,10 @@ settings! {
     /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to
     /// `STREAMING_HUB_COMMIT_INTERVAL` it gives fixed windows (the behaviour before session 30).
     commit_interval_min: std::time::Duration = "5ms";
-    /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time.
+    /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time (at least 1s).
     idempotency_ttl: std::time::Duration = "24h";
-    /// Consumer group session timeout (how fast a dead instance's partitions move).
+    /// Consumer group session timeout (how fast a dead instance's partitions move); 6s to 30m,
+    /// Kafka's default bounds.
     session_timeout: std::time::Duration = "10s";
     /// Key-encryption key for signing secrets and credentials: base64 of 32 bytes (secret).
     /// Required to run the subscription API; never logged.
@@ -521,7 +523,8 @@ settings! {
     early_attempt_wait: std::time::Duration = "20ms";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
     autodisable_enabled: bool = "true";
-    /// Auto-disable gate 1: a subscription's failure span (no success since) has been open this long.
+    /// Auto-disable gate 1: a subscription's failure span (no success since) has been open this long
+    /// (at least 1m; turn auto-disable off with `STREAMING_HUB_AUTODISABLE_ENABLED`).
     autodisable_failure_window: std::time::Duration = "120h";
     /// Auto-disable gate 2: its first and last failure are at least this far apart.
     autodisable_failure_spread: std::time::Duration = "12h";
@@ -694,9 +697,53 @@ impl Config {
                 self.stall_timeout,
                 Duration::from_secs(10),
             ),
+            // Zero is not "off" here: dedup would forget every id at once.
+            (
+                "STREAMING_HUB_IDEMPOTENCY_TTL",
+                self.idempotency_ttl,
+                Duration::from_secs(1),
+            ),
+            // Kafka's `group.min.session.timeout.ms` (6 s by default): a shorter one is refused
+            // at join, and the loops would wait for an assignment forever.
+            (
+                "STREAMING_HUB_SESSION_TIMEOUT",
+                self.session_timeout,
+                Duration::from_secs(6),
+            ),
+            // librdkafka never refreshes the follow set at 0: new producer topics unfollowed.
+            (
+                "STREAMING_HUB_FOLLOW_REFRESH_INTERVAL",
+                self.follow_refresh_interval,
+                Duration::from_secs(1),
+            ),
+            // Zero is not "off" (that is STREAMING_HUB_AUTODISABLE_ENABLED=false): every
+            // subscription would be disabled at its first failed delivery.
+            (
+                "STREAMING_HUB_AUTODISABLE_FAILURE_WINDOW",
+                self.autodisable_failure_window,
+                Duration::from_secs(60),
+            ),
         ] {
             if value < least {
                 return Err(invalid(var, &format!("must be at least {least:?}")));
+            }
+        }
+        for (var, value, most) in [
+            // Kafka's `group.max.session.timeout.ms` (30 min by default).
+            (
+                "STREAMING_HUB_SESSION_TIMEOUT",
+                self.session_timeout,
+                Duration::from_secs(1800),
+            ),
+            // librdkafka's `topic.metadata.refresh.interval.ms` takes at most an hour.
+            (
+                "STREAMING_HUB_FOLLOW_REFRESH_INTERVAL",
+                self.follow_refresh_interval,
+                Duration::from_secs(3600),
+            ),
+        ] {
+            if value > most {
+                return Err(invalid(var, &format!("must be at most {most:?}")));
             }
         }
         if self.max_payload_bytes == 0 || self.max_payload_bytes > MAX_PAYLOAD_BYTES {
@@ -974,6 +1021,10 @@ mod tests {
             ("STREAMING_HUB_HTTP_TIMEOUT", "50ms"),
             ("STREAMING_HUB_STALL_TIMEOUT", "0s"),
             ("STREAMING_HUB_STALL_TIMEOUT", "5s"),
+            ("STREAMING_HUB_IDEMPOTENCY_TTL", "0s"),
+            ("STREAMING_HUB_SESSION_TIMEOUT", "1s"),
+            ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "0s"),
+            ("STREAMING_HUB_AUTODISABLE_FAILURE_WINDOW", "0s"),
         ] {
             let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
             assert!(
@@ -981,12 +1032,28 @@ mod tests {
                 "{var}={value}: {e}"
             );
         }
+        for (var, value) in [
+            ("STREAMING_HUB_SESSION_TIMEOUT", "31m"),
+            ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "2h"),
+        ] {
+            let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
+            assert!(
+                e.to_string().starts_with(var) && e.to_string().contains("at most"),
+                "{var}={value}: {e}"
+            );
+        }
         let c = Config::from_vars(vars(&[
             ("STREAMING_HUB_HTTP_TIMEOUT", "100ms"),
             ("STREAMING_HUB_STALL_TIMEOUT", "10s"),
+            ("STREAMING_HUB_IDEMPOTENCY_TTL", "1s"),
+            ("STREAMING_HUB_SESSION_TIMEOUT", "6s"),
+            ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "1s"),
+            ("STREAMING_HUB_AUTODISABLE_FAILURE_WINDOW", "1m"),
+            ("STREAMING_HUB_AUTODISABLE_FAILURE_SPREAD", "0s"),
         ]))
         .unwrap();
         assert_eq!(c.stall_timeout, Duration::from_secs(10));
+        assert_eq!(c.session_timeout, Duration::from_secs(6));
     }
 
     #[test]

@@ -289,6 +289,70 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
 
 /// The readers that stop at a partition's end (pull, redelivery) see it as a librdkafka "error";
 /// it must not reach the log as an ERROR line (rdkafka's default context logged one per end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_page_of_large_events_ends_at_its_byte_bound_and_the_next_goes_on() {
+    let s = ApiHub::start("pull-big", &[]).await;
+    let v = s
+        .create_subscription(
+            "tenant-big",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "pull"}}),
+        )
+        .await;
+    let sub = v["id"].as_str().unwrap().to_string();
+    const SIZE: usize = 900_000;
+    let evs: Vec<Rec> = (0..12)
+        .map(|i| {
+            let mut e = event("tenant-big", "ledger", "transaction", "created");
+            let pad = "x".repeat(SIZE - 20);
+            e.value = Some(format!("{{\"n\":{i:>5},\"pad\":\"{pad}\"}}").into_bytes());
+            assert_eq!(e.value.as_ref().unwrap().len(), SIZE);
+            e
+        })
+        .collect();
+    produce(&producer(), &s.topic, &evs);
+    // All twelve on the pull topic first, so the first page could take them all.
+    let pull = format!("{}.pull", s.prefix);
+    read_until(&[&pull], Duration::from_secs(60), |r| {
+        r.iter()
+            .filter(|g| g.rec.key.as_deref() == Some(sub.as_bytes()))
+            .count()
+            >= 12
+    });
+    let token = s.token("tenant-big");
+    let addr = s.hub.addr();
+    let page = |cursor: Option<String>| {
+        let path = match cursor {
+            Some(c) => format!("/v1/events?subscription_id={sub}&cursor={c}&limit=500"),
+            None => format!("/v1/events?subscription_id={sub}&limit=500"),
+        };
+        let (s, addr, token) = (&s, &addr, &token);
+        async move {
+            let (st, body, _) = get_json(s, addr, &path, token).await;
+            assert_eq!(st, 200);
+            body
+        }
+    };
+    let ids = |p: &Value| -> Vec<String> {
+        p["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    // The event that crosses the bound is the page's last.
+    let first_page = streaming_hub::ops::pull::PAGE_BYTES.div_ceil(SIZE);
+    let p1 = page(None).await;
+    let want: Vec<String> = evs.iter().map(Rec::id).collect();
+    assert_eq!(ids(&p1), want[..first_page]);
+    let p2 = page(Some(p1["next_cursor"].as_str().unwrap().to_string())).await;
+    assert_eq!(
+        ids(&p2),
+        want[first_page..],
+        "the next page goes on after it"
+    );
+}
+
 fn assert_no_eof_errors(log: &str) {
     let eof: Vec<&str> = log
         .lines()

@@ -27,6 +27,10 @@ use crate::runtime::kafka;
 pub const SCAN_CAP: usize = 20_000;
 /// Longest one request reads.
 const READ_BUDGET: Duration = Duration::from_secs(3);
+/// Payload bytes past which a page ends (the event that crosses it is the page's last): a page
+/// of 500 events of a megabyte each would hold half a gigabyte in memory, twice over while it is
+/// written as JSON.
+pub const PAGE_BYTES: usize = 8 * 1024 * 1024;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +137,9 @@ impl PullReader {
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "true")
             .set("fetch.wait.max.ms", "50")
+            // One request reads one partition and at most a page: no 64 MiB prefetch each.
+            .set("queued.max.messages.kbytes", "16384")
+            .set("max.partition.fetch.bytes", "4194304")
             // An offset the topic no longer holds reads on from its oldest record.
             .set("auto.offset.reset", "earliest")
             .create_with_context(kafka::ReaderContext)
@@ -189,8 +196,13 @@ impl PullReader {
         let mut events = Vec::new();
         let mut next = start;
         let mut scanned = 0usize;
+        let mut page_bytes = 0usize;
         let deadline = Instant::now() + READ_BUDGET;
-        while events.len() < limit && scanned < SCAN_CAP && Instant::now() < deadline {
+        while events.len() < limit
+            && scanned < SCAN_CAP
+            && page_bytes < PAGE_BYTES
+            && Instant::now() < deadline
+        {
             match consumer.poll(deadline.saturating_duration_since(Instant::now())) {
                 None => break,
                 Some(Err(RdKafkaError::PartitionEOF(_))) => break,
@@ -199,6 +211,7 @@ impl PullReader {
                     scanned += 1;
                     next = m.offset() + 1;
                     if m.key() == Some(subscription.as_bytes()) {
+                        page_bytes += m.payload_len();
                         events.push(event_of(&m));
                     }
                 }

@@ -232,8 +232,14 @@ impl Redeliverer {
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX)?;
+        let request_id = progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .id
+            .clone();
+        // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
+        // the events (a long outage dead-letters many, each up to the payload limit).
         let mut seen: HashSet<String> = HashSet::new();
-        let mut selected = Vec::new();
         scan(&consumer, &self.dlq, &ranges, |m| {
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let Some(dl) = m.payload().and_then(|v| {
@@ -248,11 +254,11 @@ impl Redeliverer {
                 && dl.dead_at >= since_ms
                 && seen.insert(dl.event_id.clone())
             {
-                selected.push(dl);
+                self.request_one_dead(&dl, &request_id, progress)?;
             }
             Ok(())
         })?;
-        self.request_dead(&selected, progress)
+        self.flush()
     }
 
     /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
@@ -326,27 +332,39 @@ impl Redeliverer {
             .id
             .clone();
         for dl in dead {
-            let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
-            p.matched += 1;
-            let Some(headers) = &dl.event_headers else {
-                p.unrecoverable += 1;
-                continue;
-            };
-            drop(p);
-            let headers: Vec<(String, Option<Vec<u8>>)> = headers
-                .iter()
-                .map(|h| (h.key.clone(), h.value.clone()))
-                .collect();
-            self.request(
-                &dl.tenant_id,
-                &dl.subscription_id,
-                &request_id,
-                &headers,
-                dl.event_value.as_deref(),
-            )?;
-            progress.lock().unwrap_or_else(|p| p.into_inner()).requested += 1;
+            self.request_one_dead(dl, &request_id, progress)?;
         }
         self.flush()
+    }
+
+    /// One dead letter's redelivery request (counted in `progress`; one without the event's
+    /// headers, written by an earlier version, is counted unrecoverable).
+    fn request_one_dead(
+        &self,
+        dl: &DeadLetterRecord,
+        request_id: &str,
+        progress: &Mutex<Progress>,
+    ) -> Result<(), RedeliverError> {
+        let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+        p.matched += 1;
+        let Some(headers) = &dl.event_headers else {
+            p.unrecoverable += 1;
+            return Ok(());
+        };
+        drop(p);
+        let headers: Vec<(String, Option<Vec<u8>>)> = headers
+            .iter()
+            .map(|h| (h.key.clone(), h.value.clone()))
+            .collect();
+        self.request(
+            &dl.tenant_id,
+            &dl.subscription_id,
+            request_id,
+            &headers,
+            dl.event_value.as_deref(),
+        )?;
+        progress.lock().unwrap_or_else(|p| p.into_inner()).requested += 1;
+        Ok(())
     }
 }
 
