@@ -6,11 +6,12 @@
 //! `STREAMING_HUB_STALL_TIMEOUT`, so it is restarted and its partitions move.
 use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::config::MAX_HUB_STAGES;
 
-/// Last beat of each hub loop (ms since the epoch; 0 = not running), by stage number.
+/// Last beat of each hub loop (ms on this process's monotonic clock; 0 = not running), by stage
+/// number.
 pub static HUB: [AtomicI64; MAX_HUB_STAGES] = [const { AtomicI64::new(0) }; MAX_HUB_STAGES];
 /// Last beat of the ingest loop.
 pub static INGEST: AtomicI64 = AtomicI64::new(0);
@@ -33,11 +34,14 @@ pub fn beat_current() {
     }
 }
 
+/// Milliseconds on a monotonic clock, never 0 (that is "resting"), a day past this process's
+/// first call. Not the wall clock: an NTP step or a VM resumed after a pause moves it by minutes,
+/// which would stop every instance at once (forward) or blind the watchdog (backward).
 fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    const OFFSET_MS: i64 = 86_400_000;
+    let start = *START.get_or_init(Instant::now);
+    OFFSET_MS.saturating_add(i64::try_from(start.elapsed().as_millis()).unwrap_or(i64::MAX / 2))
 }
 
 pub fn beat(loop_: &AtomicI64) {
