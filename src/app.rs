@@ -150,6 +150,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     // A stage that ends while nobody asked it to (a fatal error) takes the process down, so that
     // it is restarted instead of answering HTTP while delivering nothing.
     let stage_down = Arc::new(tokio::sync::Notify::new());
+    // The port first: taken by another process, the hub stops here, before any stage has
+    // started (a stage left running while `run` returns would end without closing its
+    // transaction, and a restart loop would keep finding its partitions held).
+    let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
+        .await
+        .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
     let mut ingest_thread = None;
     if matches!(config.role, Role::All | Role::Ingest) {
         let ingest = Ingest::new(&config, clock.clone())?;
@@ -274,9 +280,6 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             .map_err(|e| AppError::Http(e.to_string()))?;
     }
 
-    let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
-        .await
-        .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
     let broker = Arc::new(AtomicBool::new(true)); // the topology was just applied through it
     watch_broker(&config, broker.clone(), stop.clone())?;
     let health = Health {
