@@ -34,6 +34,10 @@ pub enum ReplayError {
         "the hub group {group} is still active (or its members have not timed out yet): stop every hub instance, wait for the session timeout, and run replay again"
     )]
     GroupActive { group: String },
+    #[error(
+        "the hub group {group} has no committed offset on {inbox}: nothing to move back (a hub that never ran starts at the log start anyway); check STREAMING_HUB_GROUP_ID and STREAMING_HUB_TOPIC_PREFIX"
+    )]
+    NothingCommitted { group: String, inbox: String },
     #[error("kafka: {0}")]
     Kafka(String),
 }
@@ -69,6 +73,15 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
     let committed = consumer
         .committed_offsets(current, timeout)
         .map_err(kafka_err)?;
+    // A mistyped group or prefix finds none: committing the log start for a group nobody runs
+    // would print like a replay done.
+    if committed
+        .elements()
+        .iter()
+        .all(|e| !matches!(e.offset(), Offset::Offset(_)))
+    {
+        return Err(ReplayError::NothingCommitted { group, inbox });
+    }
     let mut wanted = TopicPartitionList::new();
     let mut out = Vec::new();
     let by_time = match target {

@@ -457,6 +457,19 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     );
     assert!(moved.contains("-> 0"), "{moved}");
 
+    // A group nobody runs (a mistyped STREAMING_HUB_GROUP_ID) is refused, not "replayed".
+    let mut wrong = env.clone();
+    wrong.insert("STREAMING_HUB_GROUP_ID".into(), unique("no-such-group"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["replay", "--to-offset", "earliest"])
+        .env_clear()
+        .envs(&wrong)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("has no committed offset"), "{err}");
+
     s.hub = Hub::start(&env);
     let got = wait_for_deliveries(&sink, 4, Duration::from_secs(60));
     // Parallel workers do not promise order between events: compare as sets.
