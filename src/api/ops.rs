@@ -30,16 +30,17 @@ pub struct Ops {
     pub forensics: Forensics,
     /// Replays, recovers and redrives of this instance, by id.
     pub progress: Mutex<HashMap<String, Arc<Mutex<Progress>>>>,
-    /// Recovers running now (each reads the whole dead-letter topic on a blocking thread).
+    /// Recovers and replays running now (each reads a whole topic on a blocking thread).
     pub scans: ScanGate,
 }
 
-/// Most recovers one instance runs at once; and one tenant runs one at a time. A recover reads
-/// every record of `<prefix>.dlq` (payloads included) before it answers: without a bound, a
-/// tenant's parallel calls would hold the instance's cores and slow every tenant's deliveries.
+/// Most recovers and per-subscription replays one instance runs at once; and one tenant runs one
+/// at a time. A recover reads every record of `<prefix>.dlq`, a replay every inbox record of its
+/// window: without a bound, parallel calls would hold the instance's cores and slow every
+/// tenant's deliveries.
 pub const MAX_SCANS: usize = 2;
 
-/// Who is running a recover now: a tenant's second one, or one past [`MAX_SCANS`], is refused
+/// Who is running a recover or replay now: a tenant's second one, or one past [`MAX_SCANS`], is refused
 /// (`429`, `Retry-After`) rather than queued.
 #[derive(Default)]
 pub struct ScanGate(Arc<Mutex<std::collections::HashSet<String>>>);
@@ -70,6 +71,17 @@ impl Drop for ScanSlot {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.tenant);
     }
+}
+
+/// A recover or replay refused by the [`ScanGate`].
+fn scans_busy() -> Response {
+    too_many(
+        "recover_running",
+        "a recover or replay of this tenant, or as many as this instance runs at once, is \
+         running; retry when it has ended"
+            .into(),
+        5,
+    )
 }
 
 /// `429` with `Retry-After` (whole seconds, at least 1).
@@ -254,7 +266,7 @@ pub struct RecoverRequest {
     params(("id" = String, Path, description = "Subscription id")),
     responses(
         (status = 200, description = "Dead-lettered deliveries since then were queued again", body = Progress),
-        (status = 429, description = "A recover of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
+        (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
@@ -272,13 +284,7 @@ pub async fn recover(
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
     let since = body.since_ms()?;
     let Some(slot) = ops.scans.enter(&tenant) else {
-        return Ok(too_many(
-            "recover_running",
-            "a recover of this tenant, or as many as this instance runs at once, is running; \
-             retry when it has answered"
-                .into(),
-            5,
-        ));
+        return Ok(scans_busy());
     };
     let progress = remember(&ops, "recover", Some(&sub.id));
     let p = progress.clone();
@@ -327,6 +333,7 @@ impl ReplayRequest {
     security(("bearer" = [])),
     responses(
         (status = 202, description = "Replay started; poll /admin/replay/{id}", body = Progress),
+        (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 403, description = "Not an admin token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody)))]
@@ -344,9 +351,13 @@ pub async fn start_replay(
         ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
     })?;
     let (from, to) = body.window()?;
+    let Some(slot) = ops.scans.enter(&sub.tenant_id) else {
+        return Ok(scans_busy());
+    };
     let progress = remember(&ops, "replay", Some(&sub.id));
     let snapshot = progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
     tokio::task::spawn_blocking(move || {
+        let _slot = slot;
         let result = ops.redeliver.replay(&sub, from, to, &progress);
         let done = finish(&progress, result);
         tracing::info!(id = %done.id, subscription_id = %sub.id, state = %done.state, requested = done.requested, "per-subscription replay finished");
