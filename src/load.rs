@@ -1233,7 +1233,7 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
         ))
         .map_err(|e| e.to_string())?
         .label("p99 target (50 ms at 5,000/s)")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], target));
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], target.stroke_width(3)));
     for (label, f, color) in series {
         let pts: Vec<(f64, f64)> = runs
             .iter()
@@ -1243,7 +1243,9 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?
             .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
             .map_err(|e| e.to_string())?;
