@@ -184,14 +184,26 @@ struct Queue {
 }
 
 impl Queue {
+    /// Keeps `kept` in record-time order (topics and partitions are read interleaved, and a
+    /// backlog may be read after newer records): when full, the oldest by record time goes, which
+    /// is `kept` itself when it is older than all the others.
     fn push(&mut self, kept: Kept) {
         while !self.items.is_empty()
             && (self.items.len() >= MAX_PER_KIND || self.bytes + kept.bytes > MAX_BYTES_PER_KIND)
         {
+            if self
+                .items
+                .front()
+                .is_some_and(|oldest| oldest.time > kept.time)
+            {
+                return;
+            }
             self.pop_front();
         }
+        // Mostly at the back (records come in about time order); VecDeque moves the shorter side.
+        let at = self.items.partition_point(|k| k.time <= kept.time);
         self.bytes += kept.bytes;
-        self.items.push_back(kept);
+        self.items.insert(at, kept);
     }
 
     fn pop_front(&mut self) {
@@ -536,6 +548,39 @@ mod tests {
         assert_eq!(q.bytes, q.items.iter().map(|k| k.bytes).sum::<usize>());
         q.prune(n as i64);
         assert_eq!((q.items.len(), q.bytes), (0, 0));
+    }
+
+    #[test]
+    fn the_newest_by_record_time_are_kept_whatever_order_they_are_read_in() {
+        let mut q = Queue::default();
+        let big = vec![b'x'; 60 * 1024];
+        let fits = MAX_BYTES_PER_KIND / kept(0, &big).bytes;
+        // A small producer's recent dead letters read first, then another topic's older backlog,
+        // more than the index holds.
+        for t in 0..10 {
+            q.push(kept(1_000_000 + t, &big));
+        }
+        for t in 0..fits as i64 + 50 {
+            q.push(kept(t, &big));
+        }
+        let newest: Vec<i64> = q.items.iter().rev().take(10).map(|k| k.time).collect();
+        assert_eq!(newest, (1_000_000..1_000_010).rev().collect::<Vec<i64>>());
+        assert!(
+            q.items
+                .iter()
+                .zip(q.items.iter().skip(1))
+                .all(|(a, b)| a.time <= b.time),
+            "in record-time order"
+        );
+        assert!(q.bytes <= MAX_BYTES_PER_KIND);
+        assert_eq!(q.bytes, q.items.iter().map(|k| k.bytes).sum::<usize>());
+        // Queries answer newest first by record time.
+        let f = Filter {
+            limit: 3,
+            ..Filter::default()
+        };
+        let times: Vec<i64> = query(&q, &f).iter().map(|r| r.offset).collect();
+        assert_eq!(times, [1_000_009, 1_000_008, 1_000_007]);
     }
 
     #[test]
