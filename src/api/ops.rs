@@ -45,7 +45,7 @@ pub const MAX_SCANS: usize = 2;
 #[derive(Default)]
 pub struct ScanGate(Arc<Mutex<std::collections::HashSet<String>>>);
 
-/// A recover's place in the [`ScanGate`], given back when dropped.
+/// A recover's or replay's place in the [`ScanGate`], given back when dropped.
 pub struct ScanSlot {
     gate: Arc<Mutex<std::collections::HashSet<String>>>,
     tenant: String,

@@ -171,11 +171,7 @@ impl Redeliverer {
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms)?;
-        let request_id = progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .id
-            .clone();
+        let request_id = request_id_of(progress);
         let mut seen: HashSet<Vec<u8>> = HashSet::new();
         scan(&consumer, &self.inbox, &ranges, |m| {
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
@@ -232,11 +228,7 @@ impl Redeliverer {
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX)?;
-        let request_id = progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .id
-            .clone();
+        let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
         // the events (a long outage dead-letters many, each up to the payload limit).
         let mut seen: HashSet<String> = HashSet::new();
@@ -326,11 +318,7 @@ impl Redeliverer {
         dead: &[DeadLetterRecord],
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
-        let request_id = progress
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .id
-            .clone();
+        let request_id = request_id_of(progress);
         for dl in dead {
             self.request_one_dead(dl, &request_id, progress)?;
         }
@@ -366,6 +354,15 @@ impl Redeliverer {
         progress.lock().unwrap_or_else(|p| p.into_inner()).requested += 1;
         Ok(())
     }
+}
+
+/// The id of the run `progress` follows, written into each of its redelivery requests.
+fn request_id_of(progress: &Mutex<Progress>) -> String {
+    progress
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .id
+        .clone()
 }
 
 /// Whether a subscription can be redelivered to (webhooks only: pull clients re-read by cursor).
