@@ -543,7 +543,8 @@ settings! {
     dlq_group: String = "";
     /// How long the forensics index keeps a record (by record time).
     dlq_retention: std::time::Duration = "168h";
-    /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
+    /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves; also
+    /// how long a loop giving partitions up in a rebalance waits for their in-flight deliveries.
     shutdown_timeout: std::time::Duration = "30s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
     /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down.

@@ -1196,3 +1196,108 @@ async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_
     let want = signing::sign(&Secret::new(secret), &h["webhook-id"], ts, &got[0].body).unwrap();
     assert_eq!(h["webhook-signature"], want);
 }
+
+/// A partition given up in order (another member joins the group) takes its attempts'
+/// outcomes with it (DESIGN.md §3: "on revocation it commits and closes"): the loop waits for
+/// the attempts in flight of the partitions it gives up and commits their outcomes inside the
+/// revocation, so each is on `<prefix>.attempts` while the new owner holds the partition. A hub
+/// that dropped them left those jobs leased: the next owner sent the events again after their
+/// leases (70 s here), and no attempt was recorded while another member held them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_before_they_go() {
+    let s = ApiHub::start("revoke", &[("STREAMING_HUB_HTTP_TIMEOUT", "60s")]).await;
+    let (url, got, gate) = start_gated_sink(StatusCode::OK).await;
+    let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
+    for t in &tenants {
+        subscribe(&s, t, &url, None).await;
+    }
+    let inbox = format!("{}.inbox", s.prefix);
+    let group = format!("{}-group.hub", s.prefix);
+    for _ in 0..1200 {
+        if partitions_by_loop(&s)
+            .await
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+            == 6
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let events: Vec<Rec> = tenants
+        .iter()
+        .map(|t| event(t, "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    // Every attempt is in flight, held by the sink.
+    wait_until(Duration::from_secs(90), "12 attempts at the sink", || {
+        (*got.lock().unwrap() == events.len()).then_some(())
+    });
+
+    // Another member joins: the hub gives up some partitions while their attempts are held.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let squatter = squatter_thread(group, inbox.clone(), stop.clone(), held.clone());
+    wait_until(
+        Duration::from_secs(120),
+        "the hub waiting for the attempts of the partitions it gives up",
+        || {
+            s.hub
+                .log_text()
+                .contains("partitions given up: waiting for their attempts in flight")
+                .then_some(())
+        },
+    );
+    gate.send(true).unwrap();
+    let theirs: Vec<i32> = wait_until(Duration::from_secs(120), "the squatter holds some", || {
+        let h = held.lock().unwrap().clone();
+        (!h.is_empty()).then_some(h)
+    });
+
+    // The events on the squatter's partitions, now nobody's in the hub.
+    let ids: std::collections::BTreeSet<String> = events.iter().map(Rec::id).collect();
+    let on_theirs: std::collections::BTreeSet<String> =
+        read_until(&[&inbox], Duration::from_secs(60), |got| {
+            got.iter()
+                .filter(|g| g.rec.header("ce-id").is_some_and(|id| ids.contains(id)))
+                .count()
+                == ids.len()
+        })
+        .iter()
+        .filter(|g| theirs.contains(&g.partition))
+        .filter_map(|g| g.rec.header("ce-id").map(str::to_string))
+        .filter(|id| ids.contains(id))
+        .collect();
+    assert!(
+        !on_theirs.is_empty(),
+        "no event on the partitions given up {theirs:?}: the test shows nothing"
+    );
+    // Their attempts are recorded, delivered, while the squatter holds their partitions.
+    let codec = Codec::new().unwrap();
+    let delivered = |recs: &[Got]| -> std::collections::BTreeSet<String> {
+        recs.iter()
+            .filter_map(|g| {
+                codec
+                    .decode::<AttemptRecord>(RecordKind::Attempt, g.rec.value.as_ref()?)
+                    .ok()
+            })
+            .filter(|a| a.outcome == streaming_hub::runtime::records::AttemptOutcome::Delivered)
+            .map(|a| a.event_id)
+            .collect()
+    };
+    let attempts = read_until(
+        &[&format!("{}.attempts", s.prefix)],
+        Duration::from_secs(30),
+        |recs| delivered(recs) == ids,
+    );
+    assert!(delivered(&attempts).is_superset(&on_theirs));
+    assert_eq!(
+        *held.lock().unwrap(),
+        theirs,
+        "the squatter held its partitions throughout"
+    );
+    assert_eq!(*got.lock().unwrap(), events.len(), "no attempt sent twice");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    squatter.join().unwrap();
+}

@@ -75,6 +75,9 @@ pub const FAMILIES: [&str; 5] = [DEDUP, DEDUP_EXPIRY, SEQUENCE, JOBS, DUE];
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an abort may keep being retried while a partition leader fails over.
 const ABORT_PATIENCE: Duration = Duration::from_secs(60);
+/// How long a commit that timed out may keep being retried, from its first call (with an abort
+/// after it, inside `STREAMING_HUB_STALL_TIMEOUT`'s default of 120 s).
+const COMMIT_PATIENCE: Duration = Duration::from_secs(45);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// Shortest gap between two transactions that carry only outcomes and claims (no inbox records).
@@ -357,6 +360,10 @@ struct Shared {
     to_restore: BTreeMap<i32, Start>,
     /// The loop has ended: an assignment served while its consumer closes starts no restore.
     stopped: bool,
+    /// The loop's dispatch, here only while the loop polls for records (the rebalance callbacks
+    /// run inside those polls): a revocation then commits the outcomes of the partitions given
+    /// up before they go (see `HubContext::commit_given_up`).
+    dispatch: Option<Dispatch>,
 }
 
 impl Shared {
@@ -463,6 +470,9 @@ fn restoring_moved(from: usize, to: usize) {
 struct HubContext {
     env: Env,
     shared: Arc<Mutex<Shared>>,
+    /// The loop's transactional producer (a revocation commits with it, inside the callback).
+    producer: Arc<BaseProducer<TrackingContext>>,
+    clock: SharedClock,
     router: Arc<OutcomeRouter>,
     stage: usize,
     /// The membership of the last rebalance callback (see `kafka::member_metadata`).
@@ -557,6 +567,107 @@ impl OutcomeRouter {
     }
 }
 
+impl HubContext {
+    /// On revocation (in order, not lost): waits up to `STREAMING_HUB_SHUTDOWN_TIMEOUT` for the
+    /// attempts in flight of the partitions given up, then commits every outcome taken so far in
+    /// one last transaction while this loop still owns them (DESIGN.md: "on revocation it
+    /// commits and closes"). Without it, their outcomes were dropped: the next owner sent those
+    /// events again after their leases, and counted the attempts towards poison. An attempt still
+    /// in flight then, or a commit that fails, leaves its job to the next owner as before
+    /// (at-least-once); the failed transaction is aborted.
+    fn commit_given_up(&self, consumer: &BaseConsumer<Self>, shared: &mut Shared, parts: &[i32]) {
+        let Shared {
+            tasks,
+            dispatch,
+            fatal,
+            ..
+        } = shared;
+        let Some(d) = dispatch.as_mut() else {
+            return; // not polling for records (stopping): drained by `drain_on_stop`
+        };
+        if !parts.iter().any(|p| tasks.contains_key(p)) {
+            return;
+        }
+        let deadline = Instant::now() + self.env.config.shutdown_timeout;
+        let waited = Instant::now();
+        let mut said = false;
+        loop {
+            crate::runtime::liveness::beat_current();
+            d.drain();
+            let left: usize = parts.iter().map(|p| d.in_flight_of(*p)).sum();
+            if left == 0 {
+                break;
+            }
+            if !said {
+                tracing::info!(
+                    in_flight = left,
+                    "partitions given up: waiting for their attempts in flight"
+                );
+                said = true;
+            }
+            let Some(rest) = deadline.checked_duration_since(Instant::now()) else {
+                tracing::warn!(
+                    in_flight = left,
+                    "partitions given up with attempts still in flight: their next owner sends them again after their leases"
+                );
+                break;
+            };
+            if let Ok(o) = d.done_rx.recv_timeout(rest.min(Duration::from_millis(100))) {
+                d.ended(o);
+            }
+        }
+        if !d.pending.iter().any(|o| parts.contains(&o.partition)) {
+            return;
+        }
+        let now = self.clock.now_ms();
+        d.hand_over(tasks, &self.router, now);
+        let producer = &*self.producer;
+        let committed = (|| {
+            producer.begin_transaction().map_err(fatal_or_kafka)?;
+            d.breakers.begin();
+            let _ = producer.context().take();
+            let mut staged: HashMap<i32, Staged> = HashMap::new();
+            let mut outputs = Outputs { producer };
+            record_outcomes(&self.env, d, tasks, &mut staged, &mut outputs, now, 0)?;
+            let mut offsets = HashMap::new();
+            let delivered = commit_staged(
+                &self.env,
+                producer,
+                consumer,
+                tasks,
+                &staged,
+                &mut offsets,
+                &mut outputs,
+                &mut |_| {},
+            )?;
+            d.breakers.commit();
+            apply_committed(&self.env, tasks, staged, &offsets, &delivered)
+        })();
+        match committed {
+            Ok(()) => {
+                tracing::info!(
+                    outcomes = d.pending.len(),
+                    waited_ms = waited.elapsed().as_millis() as u64,
+                    "outcomes of partitions given up committed"
+                );
+                d.pending.clear();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "outcomes of partitions given up not committed; their next owner sends them again after their leases");
+                if let Err(abort) = kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE) {
+                    fatal.get_or_insert(fatal_or_kafka(abort));
+                } else if let HubError::Fenced(_) = e {
+                    fatal.get_or_insert(e);
+                }
+                d.breakers.rollback();
+                for task in tasks.values_mut() {
+                    task.ring.aborted();
+                }
+            }
+        }
+    }
+}
+
 impl ConsumerContext for HubContext {
     fn rebalance(
         &self,
@@ -578,6 +689,9 @@ impl ConsumerContext for HubContext {
             let current = !consumer.assignment_lost();
             let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
             let parts: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+            if current {
+                self.commit_given_up(consumer, &mut shared, &parts);
+            }
             let restoring = shared.restoring();
             // A restore that includes a partition given up stops here, its stores closed before
             // the callback returns (the next owner may be another loop of this process); its
@@ -1192,6 +1306,8 @@ pub struct Dispatch {
     /// event waits behind at most this many of a backlogged tenant's attempts).
     pub max_in_flight_per_tenant: usize,
     in_flight_by_tenant: FastMap<String, TenantCap>,
+    /// Attempts in flight per inbox partition (a partition given up waits for its own).
+    in_flight_by_partition: FastMap<i32, usize>,
     pub lease_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
@@ -1240,6 +1356,7 @@ impl Dispatch {
             .max(config.dispatch_workers * 4),
             max_in_flight_per_tenant: config.dispatch_workers * 4,
             in_flight_by_tenant: FastMap::default(),
+            in_flight_by_partition: FastMap::default(),
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
             poison_threshold: config.poison_threshold,
             done_tx,
@@ -1279,6 +1396,12 @@ impl Dispatch {
     fn ended(&mut self, o: Outcome) {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
+        if let Some(n) = self.in_flight_by_partition.get_mut(&o.partition) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.in_flight_by_partition.remove(&o.partition);
+            }
+        }
         if let Some(n) = self.in_flight_by_tenant.get_mut(&o.tenant) {
             n.attempts = n.attempts.saturating_sub(1);
             n.bytes = n.bytes.saturating_sub(o.body_bytes);
@@ -1345,6 +1468,11 @@ impl Dispatch {
         }
     }
 
+    /// Attempts of inbox partition `p` in flight.
+    fn in_flight_of(&self, p: i32) -> usize {
+        self.in_flight_by_partition.get(&p).copied().unwrap_or(0)
+    }
+
     /// Whether another claim fits, `claimed` bytes claimed so far in this transaction: under
     /// both bounds, and always when nothing is in flight (an event larger than the byte bound
     /// still gets its attempt, one at a time).
@@ -1363,6 +1491,7 @@ impl Dispatch {
 
     fn started(&mut self, a: &Attempt) {
         self.in_flight += 1;
+        *self.in_flight_by_partition.entry(a.partition).or_default() += 1;
         self.in_flight_bytes += a.event.body.len();
         let n = self
             .in_flight_by_tenant
@@ -1448,13 +1577,16 @@ impl HubStage {
             }
         }
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let producer: BaseProducer<TrackingContext> = kafka::transactional_producer(
-            &config,
-            &format!("{}.hub.{instance}", config.topic_prefix),
-        )
-        .set("message.max.bytes", "4194304")
-        .create_with_context(TrackingContext::default())
-        .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        let owned_producer: Arc<BaseProducer<TrackingContext>> = Arc::new(
+            kafka::transactional_producer(
+                &config,
+                &format!("{}.hub.{instance}", config.topic_prefix),
+            )
+            .set("message.max.bytes", "4194304")
+            .create_with_context(TrackingContext::default())
+            .map_err(|e| KafkaError::Setup(e.to_string()))?,
+        );
+        let producer: &BaseProducer<TrackingContext> = &owned_producer;
         producer
             .init_transactions(TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
@@ -1466,6 +1598,8 @@ impl HubStage {
         .create_with_context(HubContext {
             env: self.env.clone(),
             shared: shared.clone(),
+            producer: owned_producer.clone(),
+            clock: self.clock.clone(),
             router: self.router.clone(),
             stage: self.stage,
             membership: Default::default(),
@@ -1521,14 +1655,15 @@ impl HubStage {
                     .dispatch
                     .as_ref()
                     .is_some_and(|d| d.in_flight > 0 || !d.pending.is_empty());
+            // Parked where the rebalance callbacks, which run inside the polls, can reach it.
+            shared.lock().unwrap_or_else(|p| p.into_inner()).dispatch = self.dispatch.take();
             let batch = self.fill_batch(&consumer, busy, restoring);
-            if let Some(e) = shared
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .fatal
-                .take()
             {
-                return Err(e);
+                let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                self.dispatch = guard.dispatch.take();
+                if let Some(e) = guard.fatal.take() {
+                    return Err(e);
+                }
             }
             if let Some(d) = &mut self.dispatch {
                 d.drain();
@@ -1549,7 +1684,7 @@ impl HubStage {
             if let Some(d) = &mut self.dispatch {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
-            match self.process_batch(&producer, &consumer, &mut guard.tasks, &batch) {
+            match self.process_batch(producer, &consumer, &mut guard.tasks, &batch) {
                 Ok((n, launched)) => {
                     last_txn_at = Instant::now();
                     self.window
@@ -1570,17 +1705,14 @@ impl HubStage {
                 Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
                 Err(HubError::Idle) => {}
                 Err(e @ HubError::Unowned { .. }) => {
-                    let _ = crate::runtime::kafka::abort_waiting(
-                        &producer,
-                        TXN_TIMEOUT,
-                        ABORT_PATIENCE,
-                    );
+                    let _ =
+                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
                     return Err(e);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
                     if let Err(abort) =
-                        crate::runtime::kafka::abort_waiting(&producer, TXN_TIMEOUT, ABORT_PATIENCE)
+                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE)
                     {
                         return Err(fatal_or_kafka(abort));
                     }
@@ -1603,7 +1735,7 @@ impl HubStage {
                 }
             }
         }
-        self.drain_on_stop(&producer, &consumer, &shared)?;
+        self.drain_on_stop(producer, &consumer, &shared)?;
         if !consumer.assignment_lost() {
             // Still the owner: the stores are current (see `STALE_AFTER`).
             let stopped = now_ms();
@@ -2007,52 +2139,16 @@ impl HubStage {
                 &more,
             )?;
         }
-        // The jobs changelog is the batch's final job writes: a key written twice in one
-        // transaction (a job created and claimed) needs only its last record in the compacted
-        // changelog, and the staging holds exactly that.
-        for (p, st) in &staged {
-            for (k, v) in st.writes_in(JOBS) {
-                outputs.send(&env.jobs_changelog, Some(*p), k, v)?;
-            }
-        }
-        // Every owned partition's offset goes with the transaction, read or not: the group
-        // generation then fences it as a whole (see `Task::next_offset`).
-        for (p, task) in tasks.iter() {
-            if let (false, Some(next)) = (offsets.contains_key(p), task.next_offset) {
-                offsets.insert(*p, next);
-            }
-        }
-        kafka::push(producer.client());
-        phase_done("work");
-        if !offsets.is_empty() {
-            let mut tpl = TopicPartitionList::new();
-            for (p, next) in &offsets {
-                tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
-                    .map_err(KafkaError::from)?;
-            }
-            let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
-                .map_err(KafkaError::from)?;
-            producer
-                .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
-                .map_err(fatal_or_kafka)?;
-        }
-        phase_done("offsets");
-        // Serves delivery reports: the changelog offsets.
-        kafka::wait_delivered(
-            || producer.in_flight_count(),
-            |d| producer.poll(d),
-            TXN_TIMEOUT,
-        )
-        .map_err(fatal_or_kafka)?;
-        phase_done("delivered");
-        let (delivered, failed) = producer.context().take();
-        if let Some(why) = failed {
-            return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
-        }
-        producer
-            .commit_transaction(TXN_TIMEOUT)
-            .map_err(fatal_or_kafka)?;
-        phase_done("commit");
+        let delivered = commit_staged(
+            env,
+            producer,
+            consumer,
+            tasks,
+            &staged,
+            &mut offsets,
+            &mut outputs,
+            &mut phase_done,
+        )?;
         // The claims are durable: their attempts start now, not after the stores below have
         // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
         // this thread, which handles them in a later transaction, after this one's writes.
@@ -2061,34 +2157,107 @@ impl HubStage {
             d.breakers.commit();
             d.launch(attempts);
         }
-        // Committed: now the local stores may move, each with its changelog offsets.
-        for (p, task) in tasks.iter_mut() {
-            task.ring.committed();
-            if let Some(next) = offsets.get(p) {
-                task.next_offset = Some(*next);
-                if task.careful_until == i64::MAX {
-                    task.careful_until = *next; // the partition's first committed offset
-                }
-            }
-        }
-        for (p, st) in staged {
-            let Some(task) = tasks.get_mut(&p) else {
-                continue;
-            };
-            task.ring.note_timers(&st);
-            // The state changelog is the only one written (for all three stores); its offset is
-            // kept with the jobs family (see `Env::changelog_of`).
-            let marks: Vec<(&str, i64)> = delivered
-                .get(env.jobs_changelog.as_str())
-                .and_then(|m| m.get(&p))
-                .map(|o| (JOBS, *o))
-                .into_iter()
-                .collect();
-            task.store.apply(st, &marks)?;
-        }
+        apply_committed(env, tasks, staged, &offsets, &delivered)?;
         phase_done("apply");
         Ok((batch.len(), launched))
     }
+}
+
+/// The end of a hub transaction, up to its commit: the jobs changelog writes `staged` holds,
+/// the inbox offset of every owned partition (`offsets` has those of the records read; the
+/// others go at `Task::next_offset`, so the group generation fences the whole transaction),
+/// the wait for the records' acknowledgements, and the commit. Returns the changelog offsets
+/// written, per topic and partition.
+#[allow(clippy::too_many_arguments)]
+fn commit_staged(
+    env: &Env,
+    producer: &BaseProducer<TrackingContext>,
+    consumer: &BaseConsumer<HubContext>,
+    tasks: &HashMap<i32, Task>,
+    staged: &HashMap<i32, Staged>,
+    offsets: &mut HashMap<i32, i64>,
+    outputs: &mut Outputs<'_>,
+    phase_done: &mut dyn FnMut(&'static str),
+) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
+    // The jobs changelog is the batch's final job writes: a key written twice in one
+    // transaction (a job created and claimed) needs only its last record in the compacted
+    // changelog, and the staging holds exactly that.
+    for (p, st) in staged {
+        for (k, v) in st.writes_in(JOBS) {
+            outputs.send(&env.jobs_changelog, Some(*p), k, v)?;
+        }
+    }
+    for (p, task) in tasks.iter() {
+        if let (false, Some(next)) = (offsets.contains_key(p), task.next_offset) {
+            offsets.insert(*p, next);
+        }
+    }
+    kafka::push(producer.client());
+    phase_done("work");
+    if !offsets.is_empty() {
+        let mut tpl = TopicPartitionList::new();
+        for (p, next) in offsets.iter() {
+            tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
+                .map_err(KafkaError::from)?;
+        }
+        let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
+            .map_err(KafkaError::from)?;
+        producer
+            .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
+            .map_err(fatal_or_kafka)?;
+    }
+    phase_done("offsets");
+    // Serves delivery reports: the changelog offsets.
+    kafka::wait_delivered(
+        || producer.in_flight_count(),
+        |d| producer.poll(d),
+        TXN_TIMEOUT,
+    )
+    .map_err(fatal_or_kafka)?;
+    phase_done("delivered");
+    let (delivered, failed) = producer.context().take();
+    if let Some(why) = failed {
+        return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
+    }
+    kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(fatal_or_kafka)?;
+    phase_done("commit");
+    Ok(delivered)
+}
+
+/// After a commit: the local stores move, each with its changelog offsets (`delivered`), and
+/// each partition's committed inbox offset becomes its fence (`Task::next_offset`).
+fn apply_committed(
+    env: &Env,
+    tasks: &mut HashMap<i32, Task>,
+    staged: HashMap<i32, Staged>,
+    offsets: &HashMap<i32, i64>,
+    delivered: &HashMap<String, HashMap<i32, i64>>,
+) -> Result<(), HubError> {
+    for (p, task) in tasks.iter_mut() {
+        task.ring.committed();
+        if let Some(next) = offsets.get(p) {
+            task.next_offset = Some(*next);
+            if task.careful_until == i64::MAX {
+                task.careful_until = *next; // the partition's first committed offset
+            }
+        }
+    }
+    for (p, st) in staged {
+        let Some(task) = tasks.get_mut(&p) else {
+            continue;
+        };
+        task.ring.note_timers(&st);
+        // The state changelog is the only one written (for all three stores); its offset is
+        // kept with the jobs family (see `Env::changelog_of`).
+        let marks: Vec<(&str, i64)> = delivered
+            .get(env.jobs_changelog.as_str())
+            .and_then(|m| m.get(&p))
+            .map(|o| (JOBS, *o))
+            .into_iter()
+            .collect();
+        task.store.apply(st, &marks)?;
+    }
+    Ok(())
 }
 
 /// The breaker origin of a destination URL, parsed once per URL (parsing it on every claim and

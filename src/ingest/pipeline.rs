@@ -53,6 +53,9 @@ const MAX_QUARANTINE_KEY_BYTES: usize = 16 * 1024;
 const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an abort may keep being retried while a partition leader fails over.
 const ABORT_PATIENCE: Duration = Duration::from_secs(60);
+/// How long a commit that timed out may keep being retried, from its first call (with an abort
+/// after it, inside `STREAMING_HUB_STALL_TIMEOUT`'s default of 120 s).
+const COMMIT_PATIENCE: Duration = Duration::from_secs(45);
 /// A batch with records closes after this long without a new one.
 const QUIET_GAP: Duration = Duration::from_millis(5);
 
@@ -375,7 +378,7 @@ impl Ingest {
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
-        producer.commit_transaction(TXN_TIMEOUT)?;
+        kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE)?;
         phase_done("commit");
         Ok(())
     }

@@ -168,15 +168,66 @@ where
     // (seen: 30 s of a hub stalled on a dead leader). Short tries with reports served between.
     let try_for = timeout.min(Duration::from_secs(2));
     let _ = producer.flush(Duration::from_millis(100));
+    retry_while(
+        || producer.abort_transaction(try_for),
+        |e| matches!(e, rdkafka::error::KafkaError::Transaction(e) if e.is_retriable()),
+        |e| {
+            tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
+            let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
+        },
+        deadline,
+    )
+}
+
+/// Commits the open transaction. A commit that runs out of `timeout` goes on in the background
+/// (librdkafka says it may be retried then, and an abort called meanwhile is refused as a
+/// conflicting call, which ended the process); so a retriable failure is retried, with delivery
+/// reports served in between, until `patience` from the first call. An error that requires an
+/// abort, a fatal one, or one still retriable at the end is returned: the caller aborts.
+pub fn commit_waiting<C, P>(
+    producer: &P,
+    timeout: Duration,
+    patience: Duration,
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    P: Producer<C>,
+{
+    let deadline = std::time::Instant::now() + patience;
+    let mut first = true;
+    retry_while(
+        || {
+            let try_for = if std::mem::take(&mut first) {
+                timeout
+            } else {
+                timeout.min(Duration::from_secs(2))
+            };
+            producer.commit_transaction(try_for)
+        },
+        |e| {
+            matches!(e, rdkafka::error::KafkaError::Transaction(e)
+                if e.is_retriable() && !e.txn_requires_abort() && !e.is_fatal())
+        },
+        |e| {
+            tracing::warn!(error = %e, "transaction commit not finished yet; retrying");
+            let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
+        },
+        deadline,
+    )
+}
+
+/// Runs `op` until it succeeds, fails with an error `retriable` refuses, or `deadline` passes
+/// (the last error is returned then); `between` runs before each retry.
+fn retry_while<E>(
+    mut op: impl FnMut() -> Result<(), E>,
+    retriable: impl Fn(&E) -> bool,
+    mut between: impl FnMut(&E),
+    deadline: std::time::Instant,
+) -> Result<(), E> {
     loop {
-        match producer.abort_transaction(try_for) {
+        match op() {
             Ok(()) => return Ok(()),
-            Err(rdkafka::error::KafkaError::Transaction(e))
-                if e.is_retriable() && std::time::Instant::now() < deadline =>
-            {
-                tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
-                let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
-            }
+            Err(e) if retriable(&e) && std::time::Instant::now() < deadline => between(&e),
             Err(e) => return Err(e),
         }
     }
@@ -779,6 +830,47 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retriable_failure_is_retried_until_it_passes_and_no_other_is() {
+        let far = std::time::Instant::now() + Duration::from_secs(60);
+        // Two retriable failures, then success: three calls, two waits between them.
+        let (mut calls, mut waits) = (0, 0);
+        let r = retry_while(
+            || {
+                calls += 1;
+                if calls < 3 { Err("timed out") } else { Ok(()) }
+            },
+            |e| *e == "timed out",
+            |_| waits += 1,
+            far,
+        );
+        assert_eq!((r, calls, waits), (Ok(()), 3, 2));
+        // An error that is not retriable comes back at once.
+        let mut calls = 0;
+        let r = retry_while(
+            || {
+                calls += 1;
+                Err("requires abort")
+            },
+            |e| *e == "timed out",
+            |_| {},
+            far,
+        );
+        assert_eq!((r, calls), (Err("requires abort"), 1));
+        // Past the deadline the retriable error is returned, after the one call.
+        let mut calls = 0;
+        let r = retry_while(
+            || {
+                calls += 1;
+                Err("timed out")
+            },
+            |e| *e == "timed out",
+            |_| {},
+            std::time::Instant::now(),
+        );
+        assert_eq!((r, calls), (Err("timed out"), 1));
+    }
 
     #[test]
     fn a_batch_window_follows_the_transactions_between_the_floor_and_the_interval() {
