@@ -317,6 +317,9 @@ macro_rules! upper {
     (stall_timeout) => {
         "STALL_TIMEOUT"
     };
+    (rebalance_wait) => {
+        "REBALANCE_WAIT"
+    };
     (commit_interval) => {
         "COMMIT_INTERVAL"
     };
@@ -543,9 +546,13 @@ settings! {
     dlq_group: String = "";
     /// How long the forensics index keeps a record (by record time).
     dlq_retention: std::time::Duration = "168h";
-    /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves; also
-    /// how long a loop giving partitions up in a rebalance waits for their in-flight deliveries.
+    /// On SIGTERM, how long in-flight deliveries may take to finish before the hub leaves.
     shutdown_timeout: std::time::Duration = "30s";
+    /// How long a hub loop giving partitions up in a rebalance waits for their in-flight
+    /// deliveries, whose outcomes it then commits before they go (one still running is sent
+    /// again by the next owner after its lease). The loop's other partitions wait too; `0s`
+    /// commits only the outcomes already in. At most 60s.
+    rebalance_wait: std::time::Duration = "5s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
     /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down.
     /// The consumers' own poll limit (`max.poll.interval.ms`) is set above it: this exit comes
@@ -741,6 +748,12 @@ impl Config {
                 "STREAMING_HUB_FOLLOW_REFRESH_INTERVAL",
                 self.follow_refresh_interval,
                 Duration::from_secs(3600),
+            ),
+            // The group's rebalance waits for it (and every other partition of the loop).
+            (
+                "STREAMING_HUB_REBALANCE_WAIT",
+                self.rebalance_wait,
+                Duration::from_secs(60),
             ),
         ] {
             if value > most {
@@ -1036,6 +1049,7 @@ mod tests {
         for (var, value) in [
             ("STREAMING_HUB_SESSION_TIMEOUT", "31m"),
             ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "2h"),
+            ("STREAMING_HUB_REBALANCE_WAIT", "61s"),
         ] {
             let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
             assert!(

@@ -1205,7 +1205,15 @@ async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_
 /// leases (70 s here), and no attempt was recorded while another member held them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_before_they_go() {
-    let s = ApiHub::start("revoke", &[("STREAMING_HUB_HTTP_TIMEOUT", "60s")]).await;
+    let s = ApiHub::start(
+        "revoke",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
+            // Longer than the default: the test opens the sink once it reads the hub waiting.
+            ("STREAMING_HUB_REBALANCE_WAIT", "30s"),
+        ],
+    )
+    .await;
     let (url, got, gate) = start_gated_sink(StatusCode::OK).await;
     let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
     for t in &tenants {

@@ -568,7 +568,7 @@ impl OutcomeRouter {
 }
 
 impl HubContext {
-    /// On revocation (in order, not lost): waits up to `STREAMING_HUB_SHUTDOWN_TIMEOUT` for the
+    /// On revocation (in order, not lost): waits up to `STREAMING_HUB_REBALANCE_WAIT` for the
     /// attempts in flight of the partitions given up, then commits every outcome taken so far in
     /// one last transaction while this loop still owns them (DESIGN.md: "on revocation it
     /// commits and closes"). Without it, their outcomes were dropped: the next owner sent those
@@ -588,7 +588,7 @@ impl HubContext {
         if !parts.iter().any(|p| tasks.contains_key(p)) {
             return;
         }
-        let deadline = Instant::now() + self.env.config.shutdown_timeout;
+        let deadline = Instant::now() + self.env.config.rebalance_wait;
         let waited = Instant::now();
         let mut said = false;
         loop {
@@ -598,13 +598,6 @@ impl HubContext {
             if left == 0 {
                 break;
             }
-            if !said {
-                tracing::info!(
-                    in_flight = left,
-                    "partitions given up: waiting for their attempts in flight"
-                );
-                said = true;
-            }
             let Some(rest) = deadline.checked_duration_since(Instant::now()) else {
                 tracing::warn!(
                     in_flight = left,
@@ -612,6 +605,13 @@ impl HubContext {
                 );
                 break;
             };
+            if !said {
+                tracing::info!(
+                    in_flight = left,
+                    "partitions given up: waiting for their attempts in flight"
+                );
+                said = true;
+            }
             if let Ok(o) = d.done_rx.recv_timeout(rest.min(Duration::from_millis(100))) {
                 d.ended(o);
             }
