@@ -66,6 +66,10 @@ struct Spec {
     workers: Option<usize>,
     /// SIGKILL the hub this long into the measured window, then restart it.
     kill_after: Option<Duration>,
+    /// Start a second instance of the hub this long into the measured window (it takes half
+    /// of the partitions in a rebalance); the run then also waits out the attempts' leases, so
+    /// a delivery sent again by the new owner is counted as a duplicate.
+    scale_out_after: Option<Duration>,
     /// Events to produce when `rate` is None.
     events: usize,
 }
@@ -247,8 +251,7 @@ struct HubProcess {
 impl HubProcess {
     fn start(env: &[(String, String)], addr: &str) -> Result<HubProcess, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let log = std::fs::File::create(std::env::temp_dir().join("streaming-hub-load-hub.log"))
-            .map_err(|e| e.to_string())?;
+        let log = std::fs::File::create(log_path(env)).map_err(|e| e.to_string())?;
         let child = Command::new(exe)
             .arg("run")
             .envs(env.iter().map(|(k, v)| (k, v)))
@@ -271,9 +274,7 @@ impl HubProcess {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!(
                     "the hub exited ({status}); its log: {}",
-                    std::env::temp_dir()
-                        .join("streaming-hub-load-hub.log")
-                        .display()
+                    log_path(&self.env).display()
                 ));
             }
             if let Ok(mut s) = std::net::TcpStream::connect(&self.addr) {
@@ -293,6 +294,19 @@ impl HubProcess {
     fn pid(&self) -> u32 {
         self.child.id()
     }
+}
+
+/// Where a hub the harness starts logs: `streaming-hub-load-hub.log` in the temporary
+/// directory, `-<n>` before `.log` for the instance a `scale-out` run adds.
+fn log_path(env: &[(String, String)]) -> std::path::PathBuf {
+    let second = env
+        .iter()
+        .any(|(k, v)| k == "STREAMING_HUB_INSTANCE_ID" && v.ends_with("-2"));
+    std::env::temp_dir().join(if second {
+        "streaming-hub-load-hub-2.log"
+    } else {
+        "streaming-hub-load-hub.log"
+    })
 }
 
 impl Drop for HubProcess {
@@ -326,6 +340,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         sink_delay: Duration::ZERO,
         workers: None,
         kill_after: None,
+        scale_out_after: None,
         events: 0,
     };
     let throughput = Spec {
@@ -367,6 +382,12 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         kill_after: Some(d / 3),
         ..at(1000)
     };
+    // Not in `all`: it adds the attempts' lease (25 s by default) to its run.
+    let scale_out = Spec {
+        name: "scale-out".into(),
+        scale_out_after: Some(d / 3),
+        ..at(2000)
+    };
     let specs: Vec<Spec> = match scenario {
         "throughput" => vec![throughput],
         "latency" => vec![at(1000), at(5000), at(10_000)],
@@ -374,6 +395,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         "slow-sink" => vec![slow(None), slow(Some(256))],
         "noisy-neighbour" => vec![noisy],
         "recovery" => vec![recovery],
+        "scale-out" => vec![scale_out],
         "limits" => vec![],
         // One rate of the latency curve, for A/B runs of a setting at that rate.
         one if one.starts_with("latency=") => match one["latency=".len()..].parse::<u32>() {
@@ -397,7 +419,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         ],
         other => {
             return Err(format!(
-                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, noisy-neighbour, recovery, limits or all"
+                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, noisy-neighbour, recovery, scale-out, limits or all"
             ));
         }
     };
@@ -654,6 +676,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     };
     let measure_from = started + opts.warmup;
     let mut recovery_s = None;
+    let mut second: Option<HubProcess> = None;
     if spec.rate.is_some() {
         {
             if let Some(after) = spec.kill_after {
@@ -673,6 +696,23 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
                     }
                     recovery_s = Some(killed.elapsed().as_secs_f64());
                 }
+                let left = (opts.warmup + opts.duration).saturating_sub(started.elapsed());
+                tokio::time::sleep(left).await;
+            } else if let Some(after) = spec.scale_out_after {
+                tokio::time::sleep(opts.warmup + after).await;
+                let addr2 = format!("127.0.0.1:{}", free_port());
+                let mut env2 = env.clone();
+                for (k, v) in env2.iter_mut() {
+                    match k.as_str() {
+                        "STREAMING_HUB_INSTANCE_ID" => *v = format!("{prefix}-2"),
+                        "STREAMING_HUB_HTTP_LISTEN_ADDR" => v.clone_from(&addr2),
+                        "STREAMING_HUB_STATE_DIR" => {
+                            *v = format!("{}-2", state_dir.display());
+                        }
+                        _ => {}
+                    }
+                }
+                second = Some(HubProcess::start(&env2, &addr2)?);
                 let left = (opts.warmup + opts.duration).saturating_sub(started.elapsed());
                 tokio::time::sleep(left).await;
             } else {
@@ -706,7 +746,16 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0;
+    if second.is_some() {
+        // An attempt whose outcome a rebalance dropped is sent again by its partition's new
+        // owner once its lease ends (`STREAMING_HUB_HTTP_TIMEOUT` + 10 s): waited out, so such a
+        // second delivery counts as a duplicate below.
+        let lease = config.http_timeout + Duration::from_secs(15);
+        tokio::time::sleep(lease).await;
+    }
+    // A second instance's CPU counts from its start.
+    let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0
+        + second.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
     let harness_cpu = cpu_seconds(std::process::id()) - harness_cpu0;
     // None when the broker was not there to read at both ends (not `scripts/kafka.sh`'s, or
     // restarted meanwhile: its counters then start again below the first reading).
@@ -714,7 +763,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         .zip(broker_cpu0)
         .map(|(pid, c0)| cpu_seconds(pid) - c0)
         .filter(|c| *c > 0.0);
-    let rss = hub.as_ref().map_or(0, |h| peak_rss_mib(h.pid()));
+    let rss = hub
+        .iter()
+        .chain(second.iter())
+        .map(|h| peak_rss_mib(h.pid()))
+        .max()
+        .unwrap_or(0);
     // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
     // outcome) as the run left them, next to the results.
     if hub.is_some() {
@@ -732,10 +786,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
             Err(e) => eprintln!("load: could not read the hub's metrics: {e}"),
         }
     }
+    drop(second);
     drop(hub);
     server.abort();
     let bytes1 = data_dir.as_deref().and_then(|d| kafka_bytes(d, &prefix));
     let _ = std::fs::remove_dir_all(&state_dir);
+    let _ = std::fs::remove_dir_all(format!("{}-2", state_dir.display()));
 
     // Results.
     let got = sink.got.lock().unwrap().clone();
@@ -1085,6 +1141,7 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
         sink_delay: Duration::ZERO,
         workers: None,
         kill_after: None,
+        scale_out_after: None,
         events: n,
     };
     let started = Instant::now();

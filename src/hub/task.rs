@@ -110,6 +110,10 @@ pub enum HubError {
     Restore { partition: i32, why: String },
     #[error("fenced by a newer instance: {0}")]
     Fenced(String),
+    /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
+    /// interrupt it, so the loop stops and the process restarts.
+    #[error("a transaction commit did not finish: {0}")]
+    Undecided(String),
     /// Nothing to do this round (no transaction was opened).
     #[error("idle")]
     Idle,
@@ -585,6 +589,9 @@ impl HubContext {
         let Some(d) = dispatch.as_mut() else {
             return; // not polling for records (stopping): drained by `drain_on_stop`
         };
+        if fatal.is_some() {
+            return; // the loop stops after this poll
+        }
         if !parts.iter().any(|p| tasks.contains_key(p)) {
             return;
         }
@@ -594,6 +601,7 @@ impl HubContext {
         loop {
             crate::runtime::liveness::beat_current();
             d.drain();
+            d.take_handed();
             let left: usize = parts.iter().map(|p| d.in_flight_of(*p)).sum();
             if left == 0 {
                 break;
@@ -654,10 +662,12 @@ impl HubContext {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "outcomes of partitions given up not committed; their next owner sends them again after their leases");
-                if let Err(abort) = kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE) {
-                    fatal.get_or_insert(fatal_or_kafka(abort));
-                } else if let HubError::Fenced(_) = e {
+                if let HubError::Fenced(_) | HubError::Undecided(_) = e {
                     fatal.get_or_insert(e);
+                } else if let Err(abort) =
+                    kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE)
+                {
+                    fatal.get_or_insert(fatal_or_kafka(abort));
                 }
                 d.breakers.rollback();
                 for task in tasks.values_mut() {
@@ -1288,7 +1298,7 @@ pub struct HubStage {
     stage: usize,
     /// Shared by the loops of this process (see [`OutcomeRouter`]).
     router: Arc<OutcomeRouter>,
-    /// Outcomes other loops handed to this one.
+    /// Outcomes other loops handed to this one (moved into the dispatch when the loop starts).
     handed: Option<std::sync::mpsc::Receiver<Outcome>>,
     /// How long the next batch stays open (follows this loop's transaction times).
     window: kafka::BatchWindow,
@@ -1308,6 +1318,9 @@ pub struct Dispatch {
     in_flight_by_tenant: FastMap<String, TenantCap>,
     /// Attempts in flight per inbox partition (a partition given up waits for its own).
     in_flight_by_partition: FastMap<i32, usize>,
+    /// Outcomes other loops of this process hand to this one (`OutcomeRouter`; taken from
+    /// `HubStage` when the loop starts).
+    handed: Option<std::sync::mpsc::Receiver<Outcome>>,
     pub lease_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
@@ -1357,6 +1370,7 @@ impl Dispatch {
             max_in_flight_per_tenant: config.dispatch_workers * 4,
             in_flight_by_tenant: FastMap::default(),
             in_flight_by_partition: FastMap::default(),
+            handed: None,
             lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
             poison_threshold: config.poison_threshold,
             done_tx,
@@ -1444,8 +1458,8 @@ impl Dispatch {
 
     /// Outcomes other loops of this process handed over (their attempts, this loop's
     /// partitions now): recorded like its own, with no worker slot of its own to give back.
-    fn take_handed(&mut self, handed: Option<&std::sync::mpsc::Receiver<Outcome>>) {
-        if let Some(rx) = handed {
+    fn take_handed(&mut self) {
+        if let Some(rx) = &self.handed {
             self.pending.extend(rx.try_iter());
         }
     }
@@ -1559,6 +1573,9 @@ impl HubStage {
             k => format!("{}-{k}", config.instance()),
         };
         crate::runtime::liveness::run_on_this_thread(self.liveness());
+        if let (Some(d), Some(rx)) = (self.dispatch.as_mut(), self.handed.take()) {
+            d.handed = Some(rx);
+        }
         // Matching and claims read the subscription table: before it has caught up with the
         // control topic (a restart), a new event would match nothing and a due job would look
         // like one of a deleted subscription, and both would be dropped. No partition is taken
@@ -1667,7 +1684,7 @@ impl HubStage {
             }
             if let Some(d) = &mut self.dispatch {
                 d.drain();
-                d.take_handed(self.handed.as_ref());
+                d.take_handed();
             }
             let has_dispatch_work = self
                 .dispatch
@@ -1702,7 +1719,7 @@ impl HubStage {
                         d.pending.clear();
                     }
                 }
-                Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
+                Err(e @ (HubError::Fenced(_) | HubError::Undecided(_))) => return Err(e),
                 Err(HubError::Idle) => {}
                 Err(e @ HubError::Unowned { .. }) => {
                     let _ =
@@ -1783,7 +1800,7 @@ impl HubStage {
             crate::runtime::liveness::beat(self.liveness());
             let d = self.dispatch.as_mut().expect("checked above");
             d.drain();
-            d.take_handed(self.handed.as_ref());
+            d.take_handed();
             if d.in_flight == 0 && d.pending.is_empty() {
                 break;
             }
@@ -1808,7 +1825,7 @@ impl HubStage {
                         d.pending.clear();
                     }
                 }
-                Err(HubError::Fenced(e)) => return Err(HubError::Fenced(e)),
+                Err(e @ (HubError::Fenced(_) | HubError::Undecided(_))) => return Err(e),
                 Err(e) => {
                     let _ =
                         crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
@@ -2219,7 +2236,7 @@ fn commit_staged(
     if let Some(why) = failed {
         return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
     }
-    kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(fatal_or_kafka)?;
+    kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(undecided_or_kafka)?;
     phase_done("commit");
     Ok(delivered)
 }
@@ -3019,6 +3036,16 @@ fn fatal_or_kafka(e: RdKafkaError) -> HubError {
             | RDKafkaErrorCode::InvalidProducerEpoch,
         ) => HubError::Fenced(e.to_string()),
         _ => HubError::Kafka(KafkaError::from(e)),
+    }
+}
+
+/// As [`fatal_or_kafka`], and a commit librdkafka left running after its patience
+/// (`kafka::commit_undecided`) is `Undecided`: an abort would be refused.
+fn undecided_or_kafka(e: RdKafkaError) -> HubError {
+    if kafka::commit_undecided(&e) {
+        HubError::Undecided(e.to_string())
+    } else {
+        fatal_or_kafka(e)
     }
 }
 

@@ -68,6 +68,24 @@ pub enum IngestError {
     /// Another instance with our transactional id took over: this one must stop.
     #[error("fenced by another instance with the same transactional id: {0}")]
     Fenced(String),
+    /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
+    /// interrupt it, so the loop stops and the process restarts.
+    #[error("a transaction commit did not finish: {0}")]
+    Undecided(String),
+}
+
+/// Why a batch did not commit: a Kafka error (the transaction is aborted, the batch read again),
+/// or a commit still running after its patience (`kafka::commit_undecided`: no abort may
+/// interrupt it, the loop stops).
+enum Failed {
+    Kafka(RdKafkaError),
+    Undecided(RdKafkaError),
+}
+
+impl From<RdKafkaError> for Failed {
+    fn from(e: RdKafkaError) -> Failed {
+        Failed::Kafka(e)
+    }
 }
 
 /// Partitions revoked since the loop last looked (filled by the rebalance callback, which runs
@@ -242,7 +260,8 @@ impl Ingest {
                     }
                     .emit(None)
                 }
-                Err(e) => {
+                Err(Failed::Undecided(e)) => return Err(IngestError::Undecided(e.to_string())),
+                Err(Failed::Kafka(e)) => {
                     let msg = e.to_string();
                     if let Some(code) = e.rdkafka_error_code() {
                         if is_fenced(code) {
@@ -347,11 +366,11 @@ impl Ingest {
         producer: &ThreadedProducer<DefaultProducerContext>,
         consumer: &BaseConsumer<IngestContext>,
         batch: &[BorrowedMessage<'_>],
-    ) -> Result<(), RdKafkaError> {
+    ) -> Result<(), Failed> {
         producer.begin_transaction()?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
         if !kafka::membership_confirmed(consumer, &consumer.context().membership) {
-            return Err(RdKafkaError::Subscription(kafka::NOT_TOLD.into()));
+            return Err(RdKafkaError::Subscription(kafka::NOT_TOLD.into()).into());
         }
         let mut phase = std::time::Instant::now();
         let mut phase_done = |name: &'static str| {
@@ -378,7 +397,13 @@ impl Ingest {
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
-        kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE)?;
+        kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(|e| {
+            if kafka::commit_undecided(&e) {
+                Failed::Undecided(e)
+            } else {
+                Failed::Kafka(e)
+            }
+        })?;
         phase_done("commit");
         Ok(())
     }

@@ -173,6 +173,7 @@ where
         |e| matches!(e, rdkafka::error::KafkaError::Transaction(e) if e.is_retriable()),
         |e| {
             tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
+            crate::runtime::liveness::beat_current(); // bounded by `patience`
             let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
         },
         deadline,
@@ -183,7 +184,9 @@ where
 /// (librdkafka says it may be retried then, and an abort called meanwhile is refused as a
 /// conflicting call, which ended the process); so a retriable failure is retried, with delivery
 /// reports served in between, until `patience` from the first call. An error that requires an
-/// abort, a fatal one, or one still retriable at the end is returned: the caller aborts.
+/// abort or a fatal one is returned, and the caller aborts; one still retriable at the end
+/// ([`commit_undecided`]) leaves the commit running, which no abort may interrupt: the loop
+/// stops and the process restarts (its successor's `init_transactions` settles it).
 pub fn commit_waiting<C, P>(
     producer: &P,
     timeout: Duration,
@@ -204,16 +207,23 @@ where
             };
             producer.commit_transaction(try_for)
         },
-        |e| {
-            matches!(e, rdkafka::error::KafkaError::Transaction(e)
-                if e.is_retriable() && !e.txn_requires_abort() && !e.is_fatal())
-        },
+        commit_undecided,
         |e| {
             tracing::warn!(error = %e, "transaction commit not finished yet; retrying");
+            crate::runtime::liveness::beat_current(); // bounded by `patience`
             let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
         },
         deadline,
     )
+}
+
+/// Whether [`commit_waiting`] gave up on a commit still running (librdkafka goes on with it in
+/// the background and refuses an abort meanwhile as a conflicting call). Only for the error of a
+/// commit: other calls' retriable errors (`send_offsets_to_transaction` is not resumable) leave
+/// the abort open.
+pub fn commit_undecided(e: &rdkafka::error::KafkaError) -> bool {
+    matches!(e, rdkafka::error::KafkaError::Transaction(e)
+        if e.is_retriable() && !e.txn_requires_abort() && !e.is_fatal())
 }
 
 /// Runs `op` until it succeeds, fails with an error `retriable` refuses, or `deadline` passes
