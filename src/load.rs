@@ -382,11 +382,14 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         kill_after: Some(d / 3),
         ..at(1000)
     };
-    // Not in `all`: it adds the attempts' lease (25 s by default) to its run.
+    // Not in `all`: it adds the attempts' lease (25 s by default) to its run. The sink takes
+    // 50 ms, as a real receiver might: attempts then outlast their transaction's early wait
+    // (`STREAMING_HUB_EARLY_ATTEMPT_WAIT`, 20 ms) and are in flight across the rebalance.
     let scale_out = Spec {
         name: "scale-out".into(),
         scale_out_after: Some(d / 3),
-        ..at(2000)
+        sink_delay: Duration::from_millis(50),
+        ..at(1000)
     };
     let specs: Vec<Spec> = match scenario {
         "throughput" => vec![throughput],
