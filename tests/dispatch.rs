@@ -1197,6 +1197,63 @@ async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_
     assert_eq!(h["webhook-signature"], want);
 }
 
+/// A hub with `extra` settings, 12 tenants subscribed to one gated sink (closed), and every inbox
+/// partition of the hub's: the sink's request count and its gate.
+async fn gated_hub(
+    tag: &str,
+    extra: &[(&str, &str)],
+) -> (
+    ApiHub,
+    Vec<String>,
+    Arc<Mutex<usize>>,
+    tokio::sync::watch::Sender<bool>,
+) {
+    let s = ApiHub::start(tag, extra).await;
+    let (url, got, gate) = start_gated_sink(StatusCode::OK).await;
+    let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
+    for t in &tenants {
+        subscribe(&s, t, &url, None).await;
+    }
+    wait_owned(&s, 6).await;
+    (s, tenants, got, gate)
+}
+
+/// Waits (up to 120 s) until the hub's loops own `n` inbox partitions; how many they own then.
+async fn wait_owned(s: &ApiHub, n: usize) -> usize {
+    let mut owned = 0;
+    for _ in 0..1200 {
+        owned = partitions_by_loop(s).await.values().map(Vec::len).sum();
+        if owned == n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    owned
+}
+
+/// One event per tenant, produced to the hub's source topic.
+fn produce_one_each(s: &ApiHub, tenants: &[String]) -> Vec<Rec> {
+    let events: Vec<Rec> = tenants
+        .iter()
+        .map(|t| event(t, "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    events
+}
+
+/// The events `<prefix>.attempts` records as delivered.
+fn delivered_events(codec: &Codec, recs: &[Got]) -> std::collections::BTreeSet<String> {
+    recs.iter()
+        .filter_map(|g| {
+            codec
+                .decode::<AttemptRecord>(RecordKind::Attempt, g.rec.value.as_ref()?)
+                .ok()
+        })
+        .filter(|a| a.outcome == streaming_hub::runtime::records::AttemptOutcome::Delivered)
+        .map(|a| a.event_id)
+        .collect()
+}
+
 /// A partition given up in order (another member joins the group) takes its attempts'
 /// outcomes with it (DESIGN.md §3: "on revocation it commits and closes"): the loop waits for
 /// the attempts in flight of the partitions it gives up and commits their outcomes inside the
@@ -1205,7 +1262,7 @@ async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_
 /// leases (70 s here), and no attempt was recorded while another member held them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_before_they_go() {
-    let s = ApiHub::start(
+    let (s, tenants, got, gate) = gated_hub(
         "revoke",
         &[
             ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
@@ -1214,30 +1271,9 @@ async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_bef
         ],
     )
     .await;
-    let (url, got, gate) = start_gated_sink(StatusCode::OK).await;
-    let tenants: Vec<String> = (0..12).map(|i| format!("tenant-{i}")).collect();
-    for t in &tenants {
-        subscribe(&s, t, &url, None).await;
-    }
     let inbox = format!("{}.inbox", s.prefix);
     let group = format!("{}-group.hub", s.prefix);
-    for _ in 0..1200 {
-        if partitions_by_loop(&s)
-            .await
-            .values()
-            .map(Vec::len)
-            .sum::<usize>()
-            == 6
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let events: Vec<Rec> = tenants
-        .iter()
-        .map(|t| event(t, "ledger", "transaction", "created"))
-        .collect();
-    produce(&producer(), &s.topic, &events);
+    let events = produce_one_each(&s, &tenants);
     // Every attempt is in flight, held by the sink.
     wait_until(Duration::from_secs(90), "12 attempts at the sink", || {
         (*got.lock().unwrap() == events.len()).then_some(())
@@ -1283,17 +1319,7 @@ async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_bef
     );
     // Their attempts are recorded, delivered, while the squatter holds their partitions.
     let codec = Codec::new().unwrap();
-    let delivered = |recs: &[Got]| -> std::collections::BTreeSet<String> {
-        recs.iter()
-            .filter_map(|g| {
-                codec
-                    .decode::<AttemptRecord>(RecordKind::Attempt, g.rec.value.as_ref()?)
-                    .ok()
-            })
-            .filter(|a| a.outcome == streaming_hub::runtime::records::AttemptOutcome::Delivered)
-            .map(|a| a.event_id)
-            .collect()
-    };
+    let delivered = |recs: &[Got]| delivered_events(&codec, recs);
     let attempts = read_until(
         &[&format!("{}.attempts", s.prefix)],
         Duration::from_secs(30),
@@ -1308,4 +1334,85 @@ async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_bef
     assert_eq!(*got.lock().unwrap(), events.len(), "no attempt sent twice");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     squatter.join().unwrap();
+}
+
+/// A hub transaction whose first attempts are still in flight when a rebalance aborts it (the
+/// group moved to a new generation, so its offsets are refused) reads its events again and claims
+/// them anew, here after their partitions went to another member and came back. Those claims
+/// wait for the attempts still in flight and take their deliveries: the receiver gets each event
+/// once. Before, each event of the aborted batch was sent a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_read_again_after_their_transaction_aborted_take_the_first_attempts_deliveries() {
+    let (s, tenants, got, gate) = gated_hub(
+        "aborted",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
+            // The transaction stays open on its held first attempts until the rebalance.
+            ("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "30s"),
+            ("STREAMING_HUB_REBALANCE_WAIT", "0s"),
+        ],
+    )
+    .await;
+    let inbox = format!("{}.inbox", s.prefix);
+    let group = format!("{}-group.hub", s.prefix);
+    // One event per tenant goes through first: a partition the group never committed takes
+    // every record on the committed-claim path, with no early attempt.
+    gate.send(true).unwrap();
+    let first = produce_one_each(&s, &tenants);
+    let ids = |events: &[Rec]| -> std::collections::BTreeSet<String> {
+        events.iter().map(Rec::id).collect()
+    };
+    let codec = Codec::new().unwrap();
+    let delivered = |recs: &[Got]| delivered_events(&codec, recs);
+    let attempts = format!("{}.attempts", s.prefix);
+    read_until(&[&attempts], Duration::from_secs(90), |recs| {
+        delivered(recs).is_superset(&ids(&first))
+    });
+    gate.send(false).unwrap();
+    let before = *got.lock().unwrap();
+
+    let events = produce_one_each(&s, &tenants);
+    wait_until(Duration::from_secs(90), "12 attempts at the sink", || {
+        (*got.lock().unwrap() == before + events.len()).then_some(())
+    });
+
+    // Another member joins while the last transaction waits for its attempts: it aborts.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let squatter = squatter_thread(group, inbox.clone(), stop.clone(), held.clone());
+    wait_until(Duration::from_secs(120), "a hub batch aborted", || {
+        s.hub.log_text().contains("hub batch aborted").then_some(())
+    });
+    wait_until(Duration::from_secs(120), "the squatter holds some", || {
+        (!held.lock().unwrap().is_empty()).then_some(())
+    });
+    // It leaves: every partition is the hub's again, its events read again and claimed.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    squatter.join().unwrap();
+    assert_eq!(
+        wait_owned(&s, 6).await,
+        6,
+        "the hub owns every partition again"
+    );
+    gate.send(true).unwrap();
+
+    read_until(&[&attempts], Duration::from_secs(120), |recs| {
+        delivered(recs).is_superset(&ids(&events))
+    });
+    assert_eq!(
+        *got.lock().unwrap(),
+        before + events.len(),
+        "an event of the aborted batch was sent again"
+    );
+    let avoided: f64 = s
+        .metrics_text()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("streaming_hub_resends_avoided_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        avoided >= 1.0,
+        "no claim took an earlier attempt's delivery"
+    );
 }

@@ -15,6 +15,7 @@
 //! filled has its records dropped from that batch (no transaction is open while polling, so
 //! nothing of it was written): the new owner reads them from the committed offset.
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1345,6 +1346,17 @@ pub struct Dispatch {
     /// Transactions left that start early attempts without waiting for them (see
     /// [`attempt_early`]).
     early_unwaited: u32,
+    /// Attempts in flight per job, by a hash of its key (no key copied per attempt; two jobs
+    /// with one hash only make an attempt wait for the other's, see [`Dispatch::launch`]).
+    in_flight_jobs: FastMap<u64, u32>,
+    /// Attempts launched while an earlier attempt of their job (by key hash) was still in
+    /// flight: each waits for it, and takes its outcome when it delivered the same job.
+    waiting: FastMap<u64, Vec<Attempt>>,
+    /// Hashes job keys for the two maps above.
+    job_hasher: foldhash::fast::RandomState,
+    /// Deliveries that found no lease of theirs to record them on (their transaction aborted),
+    /// by job key, with when they stop counting (see [`Dispatch::launch`]).
+    unrecorded: FastMap<Vec<u8>, (i64, Outcome)>,
 }
 
 impl Dispatch {
@@ -1385,6 +1397,10 @@ impl Dispatch {
             stage: 0,
             origins: FastMap::default(),
             early_unwaited: 0,
+            in_flight_jobs: FastMap::default(),
+            waiting: FastMap::default(),
+            job_hasher: Default::default(),
+            unrecorded: FastMap::default(),
         }
     }
 
@@ -1423,7 +1439,35 @@ impl Dispatch {
                 self.in_flight_by_tenant.remove(&o.tenant);
             }
         }
+        let job = self.job_hasher.hash_one(&o.job_key);
+        if let Some(n) = self.in_flight_jobs.get_mut(&job) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.in_flight_jobs.remove(&job);
+            }
+        }
+        if let Some(next) = self.next_waiting(job) {
+            match reused(&o, &next) {
+                Some(taken) => {
+                    telemetry::resend_avoided("waited");
+                    let _ = self.done_tx.send(taken);
+                }
+                None => self
+                    .workers
+                    .spawn(&self.runtime, next, self.done_tx.clone()),
+            }
+        }
         self.pending.push(o);
+    }
+
+    /// The first attempt waiting for the attempt of `key` that just ended.
+    fn next_waiting(&mut self, job: u64) -> Option<Attempt> {
+        let list = self.waiting.get_mut(&job)?;
+        let next = (!list.is_empty()).then(|| list.remove(0));
+        if list.is_empty() {
+            self.waiting.remove(&job);
+        }
+        next
     }
 
     /// Takes outcomes until every attempt of `keys` has ended, `until`, or `more_to_read` says
@@ -1495,15 +1539,42 @@ impl Dispatch {
         self.in_flight < self.max_in_flight && (held == 0 || held < self.max_in_flight_bytes)
     }
 
-    /// Starts the attempts of a committed transaction's claims.
+    /// Starts the attempts of a transaction's claims; one of a job with an attempt in flight or
+    /// a delivery not yet recorded (an event read again after its transaction aborted, its first
+    /// attempt made early) takes that attempt's outcome when it delivered to the same URL
+    /// instead of sending the event again: the receiver gets one request, and the attempt
+    /// record is that request's. The first attempt's own outcome finds no lease of its own.
     fn launch(&mut self, attempts: Vec<Attempt>) {
+        let now = self.workers.clock.now_ms();
         for a in attempts {
-            self.started(&a);
-            self.workers.spawn(&self.runtime, a, self.done_tx.clone());
+            let job = self.job_hasher.hash_one(&a.job_key);
+            let earlier = self.in_flight_jobs.contains_key(&job);
+            self.started(&a, job);
+            let kept = match self.unrecorded.is_empty() {
+                true => None,
+                false => match self.unrecorded.remove(&a.job_key) {
+                    Some((until, o)) if until > now => reused(&o, &a),
+                    _ => None,
+                },
+            };
+            if let Some(taken) = kept {
+                telemetry::resend_avoided("delivered");
+                let _ = self.done_tx.send(taken);
+            } else if earlier {
+                tracing::info!(
+                    event_id = %a.event_id,
+                    subscription_id = %a.subscription.id,
+                    "a claim waits for its job's attempt still in flight (its transaction aborted)"
+                );
+                self.waiting.entry(job).or_default().push(a);
+            } else {
+                self.workers.spawn(&self.runtime, a, self.done_tx.clone());
+            }
         }
     }
 
-    fn started(&mut self, a: &Attempt) {
+    fn started(&mut self, a: &Attempt, job: u64) {
+        *self.in_flight_jobs.entry(job).or_default() += 1;
         self.in_flight += 1;
         *self.in_flight_by_partition.entry(a.partition).or_default() += 1;
         self.in_flight_bytes += a.event.body.len();
@@ -2396,8 +2467,12 @@ fn record_outcomes(
             &mut rng,
         )?
         else {
+            keep_unrecorded(&mut d.unrecorded, o, now);
             continue;
         };
+        if o.success() && !d.unrecorded.is_empty() {
+            d.unrecorded.remove(&o.job_key);
+        }
         telemetry::AttemptDone {
             outcome: &records.attempt,
         }
@@ -2845,6 +2920,57 @@ fn attempt_early(
     Ok(())
 }
 
+/// How long a delivery recorded on no lease is kept for a claim of its job (see
+/// [`Dispatch::launch`]): an event read again after its transaction aborted is claimed within a
+/// second or so, or after the restore of a partition that went and came back.
+const UNRECORDED_KEPT_MS: i64 = 10_000;
+/// Most such deliveries kept per loop.
+const UNRECORDED_MAX: usize = 10_000;
+
+/// A delivery recorded on no lease (its job not found, or leased again since): its transaction
+/// aborted, and the event read again may be claimed anew. Kept for [`UNRECORDED_KEPT_MS`],
+/// within its lease, for that claim to take instead of sending again.
+fn keep_unrecorded(kept: &mut FastMap<Vec<u8>, (i64, Outcome)>, o: &Outcome, now: i64) {
+    if !o.success() {
+        return;
+    }
+    if kept.len() >= UNRECORDED_MAX {
+        kept.retain(|_, (until, _)| *until > now);
+        if kept.len() >= UNRECORDED_MAX {
+            return;
+        }
+    }
+    let until = o.lease_until.min(now + UNRECORDED_KEPT_MS);
+    kept.insert(o.job_key.clone(), (until, o.clone()));
+}
+
+/// What attempt `a` takes from `o`, an attempt of the same job that ended: its delivery, when
+/// it delivered to the URL `a` would send to (the request the receiver got, its delivery id and
+/// response), on `a`'s lease. None: `a` is sent.
+fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
+    if !o.success() || o.job_key != a.job_key || o.url != a.subscription.destination.url {
+        return None;
+    }
+    Some(Outcome {
+        partition: a.partition,
+        job_key: a.job_key.clone(),
+        attempt: a.attempt,
+        lease_until: a.lease_until,
+        delivery_id: o.delivery_id.clone(),
+        started_at: o.started_at,
+        latency_ms: o.latency_ms,
+        status: o.status,
+        error_kind: None,
+        retry_after_ms: None,
+        response_body: o.response_body.clone(),
+        ingest_ms: a.event.ingest_ms,
+        tenant: a.tenant.clone(),
+        sole_payload: a.sole_payload,
+        body_bytes: a.event.body.len(),
+        url: o.url.clone(),
+    })
+}
+
 /// Transactions that start their early attempts without waiting for them after one where fewer
 /// than half ended within the whole wait.
 const EARLY_UNWAITED: u32 = 16;
@@ -3078,6 +3204,95 @@ fn forget_revoked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn attempt_to(url: &str, lease_until: i64) -> Attempt {
+        let mut sub = crate::runtime::records::SubscriptionRecord::pull("s1", "t1", &["*"]);
+        sub.destination.kind = crate::runtime::records::DestinationType::Webhook;
+        sub.destination.url = Some(url.into());
+        Attempt {
+            partition: 3,
+            job_key: jobs::job_key("t1", "e1", "s1"),
+            attempt: 1,
+            lease_until,
+            event_id: "e1".into(),
+            tenant: "t1".into(),
+            subscription: Arc::new(sub),
+            event: crate::dispatch::EventView::new(
+                std::iter::empty::<(&str, Option<&[u8]>)>(),
+                bytes::Bytes::from_static(b"{}"),
+            ),
+            sole_payload: Some(7),
+        }
+    }
+
+    fn delivered_to(url: &str, lease_until: i64) -> Outcome {
+        Outcome {
+            partition: 3,
+            job_key: jobs::job_key("t1", "e1", "s1"),
+            attempt: 1,
+            lease_until,
+            delivery_id: "d-first".into(),
+            started_at: 1_000,
+            latency_ms: 40,
+            status: Some(204),
+            error_kind: None,
+            retry_after_ms: None,
+            response_body: Some(b"ok".to_vec()),
+            ingest_ms: Some(900),
+            tenant: "t1".into(),
+            sole_payload: None,
+            body_bytes: 2,
+            url: Some(url.into()),
+        }
+    }
+
+    #[test]
+    fn a_claim_takes_an_earlier_delivery_of_its_job_only_to_the_same_url() {
+        let a = attempt_to("https://a.example/hook", 90_000);
+        let taken = reused(&delivered_to("https://a.example/hook", 50_000), &a).unwrap();
+        // The request the receiver got, recorded on the new claim's lease.
+        assert_eq!(taken.delivery_id, "d-first");
+        assert_eq!(taken.status, Some(204));
+        assert_eq!(taken.started_at, 1_000);
+        assert_eq!((taken.attempt, taken.lease_until), (1, 90_000));
+        assert_eq!(taken.sole_payload, Some(7));
+        assert!(taken.success());
+        // Sent elsewhere (the URL changed since): this claim's URL still gets its request.
+        assert!(reused(&delivered_to("https://b.example/hook", 50_000), &a).is_none());
+        // A failure proves nothing delivered.
+        let mut failed = delivered_to("https://a.example/hook", 50_000);
+        failed.error_kind = Some("bad_status".into());
+        failed.status = Some(500);
+        assert!(reused(&failed, &a).is_none());
+        // Another job's delivery.
+        let mut other = delivered_to("https://a.example/hook", 50_000);
+        other.job_key = jobs::job_key("t1", "e2", "s1");
+        assert!(reused(&other, &a).is_none());
+    }
+
+    #[test]
+    fn only_deliveries_are_kept_unrecorded_and_for_at_most_their_lease() {
+        let mut kept = FastMap::default();
+        let mut failed = delivered_to("https://a.example/hook", 50_000);
+        failed.error_kind = Some("timeout".into());
+        keep_unrecorded(&mut kept, &failed, 45_000);
+        assert!(kept.is_empty());
+        keep_unrecorded(
+            &mut kept,
+            &delivered_to("https://a.example/hook", 50_000),
+            45_000,
+        );
+        assert_eq!(kept.values().next().map(|(until, _)| *until), Some(50_000));
+        keep_unrecorded(
+            &mut kept,
+            &delivered_to("https://a.example/hook", 90_000),
+            45_000,
+        );
+        assert_eq!(
+            kept.values().next().map(|(until, _)| *until),
+            Some(45_000 + UNRECORDED_KEPT_MS)
+        );
+    }
 
     #[test]
     fn restore_skips_a_state_record_that_does_not_decode_and_drops_its_key() {

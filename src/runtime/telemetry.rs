@@ -158,6 +158,15 @@ pub fn early_attempts(launched: usize, ended: usize) {
     counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment((launched - ended) as u64);
 }
 
+pub const RESENDS_AVOIDED: &str = "streaming_hub_resends_avoided_total";
+
+/// A claim took the delivery of an earlier attempt of its job instead of sending the event again
+/// (its transaction had aborted): `how` = `waited` (that attempt was still in flight) or
+/// `delivered` (it had ended).
+pub fn resend_avoided(how: &'static str) {
+    counter!(RESENDS_AVOIDED, "how" => how).increment(1);
+}
+
 /// A hub batch committed.
 pub struct HubCommit {
     pub records: usize,
