@@ -17,7 +17,7 @@
 #
 # Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
 # --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's
-# output in run.log, the hub's log in hub.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
+# output in run.log, the hub's log in hub.log, a `scale-out` run's second instance's in hub-2.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
 # CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures, then the
 # harness's and the broker's CPU s per 1,000 deliveries.
 set -euo pipefail
@@ -65,6 +65,8 @@ for r in $(seq 1 "$rounds"); do
     if [[ "$v" == *:* ]]; then IFS=',' read -r -a settings <<<"${v#*:}"; fi
     dir="$out/$(name_of "$v")-r$r"
     mkdir -p "$dir"
+    # A `scale-out` run's second instance logs beside the first: none left from an earlier run.
+    rm -f "${TMPDIR:-/tmp}/streaming-hub-load-hub-2.log"
     if ! env "${settings[@]}" STREAMING_HUB_LOG=warn "$bin" load "$scenario" \
       --duration 15s --warmup 5s --out "$dir" >"$dir/run.log" 2>&1; then
       echo "ab.sh: $(name_of "$v") round $r failed; see $dir/run.log" >&2
@@ -72,6 +74,7 @@ for r in $(seq 1 "$rounds"); do
     fi
     # The hub's own log (of its last start: a restart writes it anew), kept beside the run.
     cp "${TMPDIR:-/tmp}/streaming-hub-load-hub.log" "$dir/hub.log" 2>/dev/null || true
+    cp "${TMPDIR:-/tmp}/streaming-hub-load-hub-2.log" "$dir/hub-2.log" 2>/dev/null || true
     python3 - "$dir/results.jsonl" "$(name_of "$v")" "$r" <<'EOF' | tee -a "$out/summary.txt"
 import json, sys
 path, name, rnd = sys.argv[1:]
