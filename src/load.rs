@@ -804,6 +804,15 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     }
     let delivered = unique.len() as u64;
     let duplicates = got.len() as u64 - delivered;
+    if duplicates > 0 {
+        // Which deliveries came twice (the first 20), so the hub logs can tell who sent them.
+        let mut twice: Vec<(&(String, String), &usize)> =
+            unique.iter().filter(|(_, n)| **n > 1).collect();
+        twice.sort();
+        for ((event, sub), n) in twice.iter().take(20) {
+            eprintln!("load: delivered {n} times: event {event} subscription {sub}");
+        }
+    }
     if delivered < expected {
         // Which events, so a miss can be traced (inbox, jobs changelog, DLQ) while the topics
         // are still there.
