@@ -171,11 +171,7 @@ where
     retry_while(
         || producer.abort_transaction(try_for),
         |e| matches!(e, rdkafka::error::KafkaError::Transaction(e) if e.is_retriable()),
-        |e| {
-            tracing::warn!(error = %e, "transaction abort not finished yet; retrying");
-            crate::runtime::liveness::beat_current(); // bounded by `patience`
-            let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
-        },
+        between_tries(producer, "abort"),
         deadline,
     )
 }
@@ -208,11 +204,7 @@ where
             producer.commit_transaction(try_for)
         },
         commit_undecided,
-        |e| {
-            tracing::warn!(error = %e, "transaction commit not finished yet; retrying");
-            crate::runtime::liveness::beat_current(); // bounded by `patience`
-            let _ = producer.flush(Duration::from_millis(200)); // serves delivery reports
-        },
+        between_tries(producer, "commit"),
         deadline,
     )
 }
@@ -224,6 +216,23 @@ where
 pub fn commit_undecided(e: &rdkafka::error::KafkaError) -> bool {
     matches!(e, rdkafka::error::KafkaError::Transaction(e)
         if e.is_retriable() && !e.txn_requires_abort() && !e.is_fatal())
+}
+
+/// What [`abort_waiting`] and [`commit_waiting`] do before they call again: say so, beat the
+/// liveness watchdog (bounded by their patience) and serve delivery reports.
+fn between_tries<'p, C, P>(
+    producer: &'p P,
+    call: &'static str,
+) -> impl FnMut(&rdkafka::error::KafkaError) + 'p
+where
+    C: rdkafka::producer::ProducerContext,
+    P: Producer<C>,
+{
+    move |e| {
+        tracing::warn!(error = %e, "transaction {call} not finished yet; retrying");
+        crate::runtime::liveness::beat_current();
+        let _ = producer.flush(Duration::from_millis(200));
+    }
 }
 
 /// Runs `op` until it succeeds, fails with an error `retriable` refuses, or `deadline` passes
