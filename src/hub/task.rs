@@ -2025,9 +2025,7 @@ impl HubStage {
             d.breakers.begin();
         }
         // Checked again where the offsets go; this saves the work of a batch that could not.
-        if !tasks.is_empty()
-            && !kafka::membership_confirmed(consumer, &consumer.context().membership)
-        {
+        if !tasks.is_empty() && !kafka::may_commit_now(consumer, &consumer.context().membership) {
             return Err(KafkaError::Setup(kafka::NOT_TOLD.into()).into());
         }
         let _ = producer.context().take();

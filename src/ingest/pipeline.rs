@@ -369,7 +369,7 @@ impl Ingest {
     ) -> Result<(), Failed> {
         producer.begin_transaction()?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
-        if !kafka::membership_confirmed(consumer, &consumer.context().membership) {
+        if !kafka::may_commit_now(consumer, &consumer.context().membership) {
             return Err(RdKafkaError::Subscription(kafka::NOT_TOLD.into()).into());
         }
         let mut phase = std::time::Instant::now();

@@ -512,10 +512,7 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
     // librdkafka waits in this callback for the assign or unassign below: the membership read
     // now is the one this assignment belongs to.
     confirmed.set(membership(consumer));
-    let cooperative = matches!(
-        consumer.rebalance_protocol(),
-        RebalanceProtocol::Cooperative
-    );
+    let cooperative = is_cooperative(consumer);
     match err {
         RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
             // `tpl` belongs to librdkafka: it is read, never replaced.
@@ -653,7 +650,8 @@ impl ConfirmedMembership {
 }
 
 /// The group metadata to send with a transaction's offsets, only while the consumer's
-/// membership is the one its last rebalance callback ran under. The group coordinator checks a
+/// membership is the one its last rebalance callback ran under, or the generation right after it
+/// (see [`may_commit_under`]). The group coordinator checks a
 /// transaction's offsets against the sender's generation and member id, never against which
 /// member owns the partitions; librdkafka moves to a new generation (or clears its member id on
 /// a session timeout) in its own thread, and tells the application which partitions it lost
@@ -674,41 +672,108 @@ pub fn member_metadata<C: ConsumerContext>(
     let before = membership(consumer);
     let metadata = consumer.group_metadata();
     let after = membership(consumer);
-    let told = confirmed.get();
     let why = match (before.as_ref(), metadata) {
         (None, _) | (_, None) => "no group metadata yet".to_string(),
-        (Some(m), _) if !m.is_member() => format!(
-            "not a member of a generation (generation {}, member id {}): waiting to rejoin",
-            m.generation,
-            if m.member_id.is_empty() {
-                "none"
-            } else {
-                "set"
-            }
-        ),
-        (Some(m), Some(_)) if after.as_ref() != Some(m) => {
+        (Some(m), Some(_)) if m.is_member() && after.as_ref() != Some(m) => {
             "the group membership changed while its metadata was taken".to_string()
         }
-        (Some(m), Some(_)) if told.as_ref() != Some(m) => format!(
-            "the group moved to generation {} (last rebalance seen: {}) and the assignment that \
-             goes with it is not served yet: offsets sent now could be a partition another member owns",
-            m.generation,
-            told.map_or("none".to_string(), |t| format!(
-                "generation {}",
-                t.generation
-            ))
-        ),
-        (Some(_), Some(metadata)) => return Ok(metadata),
+        (Some(m), Some(metadata)) => match may_commit_under(
+            m,
+            confirmed.get().as_ref(),
+            is_cooperative(consumer),
+            consumer.assignment_lost(),
+        ) {
+            Ok(()) => return Ok(metadata),
+            Err(why) => why,
+        },
     };
     Err(rdkafka::error::KafkaError::Subscription(why))
 }
 
-/// Why a loop did not work on a batch: [`membership_confirmed`] said no.
+fn is_cooperative<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> bool {
+    matches!(
+        consumer.rebalance_protocol(),
+        RebalanceProtocol::Cooperative
+    )
+}
+
+/// Whether a transaction's offsets may go under the membership `now` when the last rebalance
+/// callback ran under `told`; why not, if not.
+///
+/// Under `told` itself, always. Under the generation right after it (same member id, the
+/// cooperative protocol, no assignment lost) too: a loop's open transaction then commits instead
+/// of aborting when another member joins or leaves, so the first attempts it already sent are
+/// not sent again by the partitions' next owner (who would read the aborted records anew). That
+/// is safe because in the cooperative protocol a partition moves in two rebalances (KIP-429): the
+/// member's own JoinGroup for `told.generation + 1` named the partitions it holds, and that
+/// generation leaves each of them to it or to nobody, until its revocation is served and the
+/// member joins again; meanwhile only this member may commit them, as Java's consumer does in
+/// `onPartitionsRevoked` under the new generation. Refused: two generations or more past the
+/// callback, a new member id (the member left, or was removed, and joined again: a partition may
+/// have gone to another member in between), an assignment librdkafka lost (its revocation not
+/// served yet), or the eager protocol (where a generation reassigns at once).
+pub fn may_commit_under(
+    now: &Membership,
+    told: Option<&Membership>,
+    cooperative: bool,
+    lost: bool,
+) -> Result<(), String> {
+    if !now.is_member() {
+        return Err(format!(
+            "not a member of a generation (generation {}, member id {}): waiting to rejoin",
+            now.generation,
+            if now.member_id.is_empty() {
+                "none"
+            } else {
+                "set"
+            }
+        ));
+    }
+    let next_of_told = told.is_some_and(|t| {
+        t.member_id == now.member_id && t.generation.checked_add(1) == Some(now.generation)
+    });
+    if told == Some(now) || (next_of_told && cooperative && !lost) {
+        return Ok(());
+    }
+    Err(format!(
+        "the group moved to generation {} (last rebalance seen: {}{}) and the assignment that \
+         goes with it is not served yet: offsets sent now could be a partition another member owns",
+        now.generation,
+        told.map_or("none".to_string(), |t| format!(
+            "generation {}",
+            t.generation
+        )),
+        match told {
+            Some(t) if t.member_id != now.member_id => ", under another member id",
+            _ if lost => ", the assignment lost",
+            _ => "",
+        }
+    ))
+}
+
+/// Why a loop did not work on a batch: [`may_commit_now`] said no.
 pub const NOT_TOLD: &str =
     "the group membership is not the one the last rebalance was served under";
 
 /// The cheap form of [`member_metadata`]'s check (one reading), for a loop deciding whether a
 /// batch is worth working on.
+pub fn may_commit_now<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+) -> bool {
+    membership(consumer).is_some_and(|m| {
+        may_commit_under(
+            &m,
+            confirmed.get().as_ref(),
+            is_cooperative(consumer),
+            consumer.assignment_lost(),
+        )
+        .is_ok()
+    })
+}
+
+/// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
+/// moved since the application was last told).
 pub fn membership_confirmed<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,
@@ -849,6 +914,63 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn offsets_go_under_the_told_membership_or_the_next_generation_of_the_same_member() {
+        let m = |generation: i32, id: &str| Membership {
+            generation,
+            member_id: id.into(),
+        };
+        let told = m(4, "a");
+        // Nothing moved since the last callback.
+        assert_eq!(
+            may_commit_under(&m(4, "a"), Some(&told), false, false),
+            Ok(())
+        );
+        // The next generation of the same member: it still holds every partition it held.
+        assert_eq!(
+            may_commit_under(&m(5, "a"), Some(&told), true, false),
+            Ok(())
+        );
+        // Refused: two generations on, another member id, a lost assignment, the eager
+        // protocol, no callback yet, no membership.
+        for (now, told, cooperative, lost, says) in [
+            (
+                m(6, "a"),
+                Some(&told),
+                true,
+                false,
+                "generation 6 (last rebalance seen: generation 4)",
+            ),
+            (
+                m(5, "b"),
+                Some(&told),
+                true,
+                false,
+                "under another member id",
+            ),
+            (m(5, "a"), Some(&told), true, true, "the assignment lost"),
+            (
+                m(5, "a"),
+                Some(&told),
+                false,
+                false,
+                "generation 5 (last rebalance seen: generation 4)",
+            ),
+            (m(3, "a"), Some(&told), true, false, "generation 3"),
+            (m(1, "a"), None, true, false, "last rebalance seen: none"),
+            (
+                m(-1, ""),
+                Some(&told),
+                true,
+                false,
+                "not a member of a generation",
+            ),
+        ] {
+            let why = may_commit_under(&now, told, cooperative, lost).unwrap_err();
+            assert!(why.contains(says), "{now:?}: {why}");
+        }
+    }
 
     #[test]
     fn a_retriable_failure_is_retried_until_it_passes_and_no_other_is() {
