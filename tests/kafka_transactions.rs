@@ -190,6 +190,20 @@ async fn restore_waits_for_an_open_transaction_and_reads_what_was_committed_afte
     );
 }
 
+/// A static member of `group` on the cooperative protocol, as the loops' consumers are, with a
+/// short session and frequent heartbeats so rebalances take little time.
+fn member_config(group: &str, instance: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("group.instance.id", instance)
+        .set("enable.auto.commit", "false")
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "300");
+    c
+}
+
 /// A consumer of a transactional loop: its rebalance callback is the hub's own
 /// (`kafka::rebalance_at_committed`), which records the membership each callback runs under.
 #[derive(Default)]
@@ -226,7 +240,8 @@ impl rdkafka::consumer::ConsumerContext for LoopContext {
 /// partitions it still holds to nobody else (the newcomer holds none until the member has served
 /// its revocation and joined again); it is given the metadata once it has served it too; and the
 /// coordinator takes offsets of a partition the group gave to another member from it, which is
-/// why a membership further on is refused.
+/// why any other membership is refused (`kafka::may_commit_under`'s unit test has the cases;
+/// `the_next_generation_is_refused_inside_a_revocation` the one a broker can show).
 #[tokio::test]
 async fn offsets_are_sent_only_under_the_membership_whose_assignment_the_loop_was_told() {
     use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -238,15 +253,8 @@ async fn offsets_are_sent_only_under_the_membership_whose_assignment_the_loop_wa
     create_topic(&topic, 2).await;
     let group = unique("group");
     let config = |instance: &str| {
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", brokers())
-            .set("group.id", &group)
-            .set("group.instance.id", instance)
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_committed")
-            .set("partition.assignment.strategy", "cooperative-sticky")
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "300");
+        let mut c = member_config(&group, instance);
+        c.set("isolation.level", "read_committed");
         c
     };
     let at = |partition: i32, offset: i64| {
@@ -359,4 +367,161 @@ async fn offsets_are_sent_only_under_the_membership_whose_assignment_the_loop_wa
         Offset::Offset(42),
         "offsets of a partition the sender does not own, taken"
     );
+}
+
+/// A consumer whose revocation callback waits, inside it, for librdkafka to move to another
+/// generation, then asks `kafka::member_metadata` whether it may commit: what the hub's
+/// revocation does with its last transaction (`commit_given_up`).
+struct RevokeProbe {
+    confirmed: streaming_hub::runtime::kafka::ConfirmedMembership,
+    /// Run once inside the first revocation, before the wait (here: grow the topic).
+    during: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// (membership at the callback, membership it moved to, the check's answer).
+    seen: std::sync::Mutex<Option<ProbeSeen>>,
+    probed: std::sync::atomic::AtomicBool,
+}
+
+type ProbeSeen = (
+    streaming_hub::runtime::kafka::Membership,
+    Option<streaming_hub::runtime::kafka::Membership>,
+    Result<(), String>,
+);
+
+impl rdkafka::ClientContext for RevokeProbe {}
+
+impl rdkafka::consumer::ConsumerContext for RevokeProbe {
+    fn rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut rdkafka::TopicPartitionList,
+    ) {
+        use rdkafka::consumer::Consumer;
+        if self.probed.load(std::sync::atomic::Ordering::SeqCst) {
+            // Probed: the rest of the rebalance is served as plainly as librdkafka allows.
+            let _ = match err {
+                rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                    consumer.incremental_assign(tpl)
+                }
+                _ => consumer.incremental_unassign(tpl),
+            };
+            return;
+        }
+        streaming_hub::runtime::kafka::rebalance_at_committed(
+            self,
+            consumer,
+            err,
+            tpl,
+            &|| {},
+            &self.confirmed,
+            |e| panic!("assignment failed: {e}"),
+        );
+    }
+
+    fn pre_rebalance(
+        &self,
+        consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &rdkafka::consumer::Rebalance<'_>,
+    ) {
+        use streaming_hub::runtime::kafka;
+        let rdkafka::consumer::Rebalance::Revoke(tpl) = rebalance else {
+            return;
+        };
+        let Some(during) = self.during.lock().unwrap().take() else {
+            return;
+        };
+        if tpl.count() == 0 {
+            *self.during.lock().unwrap() = Some(during);
+            return;
+        }
+        let at = kafka::membership(consumer).expect("a membership in a callback");
+        during();
+        let moved = (0..1200).find_map(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            kafka::membership(consumer).filter(|m| m.generation > at.generation)
+        });
+        let answer = kafka::member_metadata(consumer, &self.confirmed)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        *self.seen.lock().unwrap() = Some((at, moved, answer));
+        self.probed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Inside a revocation's callback only the membership it runs under is taken, not the next
+/// generation: librdkafka has already left the partitions being revoked out of the ones it says
+/// it owns, and it starts a rejoin without waiting for the callback when a subscribed topic
+/// grows. That generation may give those partitions to the other member, so offsets sent under
+/// it from the callback could commit a partition another member owns.
+#[tokio::test]
+async fn the_next_generation_is_refused_inside_a_revocation() {
+    use rdkafka::admin::{AdminOptions, NewPartitions};
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+
+    require_broker();
+    let topic = unique("revoking");
+    create_topic(&topic, 2).await;
+    let group = unique("group");
+    let config = |instance: &str| {
+        let mut c = member_config(&group, instance);
+        // The topic's growth is seen within a third of a second.
+        c.set("topic.metadata.refresh.interval.ms", "300");
+        c
+    };
+    let grow = {
+        let topic = topic.clone();
+        move || {
+            let a = admin();
+            let r = futures::executor::block_on(
+                a.create_partitions(&[NewPartitions::new(&topic, 3)], &AdminOptions::new()),
+            )
+            .expect("create partitions");
+            assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+        }
+    };
+    let probe = RevokeProbe {
+        confirmed: Default::default(),
+        during: std::sync::Mutex::new(Some(Box::new(grow))),
+        seen: std::sync::Mutex::new(None),
+        probed: Default::default(),
+    };
+    let first: BaseConsumer<RevokeProbe> = config("first").create_with_context(probe).unwrap();
+    first.subscribe(&[&topic]).unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the first member's assignment",
+        || {
+            let _ = first.poll(Duration::from_millis(100));
+            (first.assignment().unwrap().count() == 2).then_some(())
+        },
+    );
+
+    // A second member, polled on its own thread, makes the first give up one partition.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let second = {
+        let (stop, config) = (stop.clone(), config("second"));
+        std::thread::spawn(move || {
+            let c: BaseConsumer<LoopContext> =
+                config.create_with_context(LoopContext::default()).unwrap();
+            c.subscribe(&[&topic]).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = c.poll(Duration::from_millis(50));
+            }
+        })
+    };
+    let (at, moved, answer) =
+        wait_until(Duration::from_secs(120), "the revocation's check", || {
+            let _ = first.poll(Duration::from_millis(50));
+            first.context().seen.lock().unwrap().take()
+        });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    second.join().unwrap();
+    let moved = moved.expect("librdkafka rejoined during the callback");
+    assert_eq!(
+        (moved.generation, &moved.member_id),
+        (at.generation + 1, &at.member_id),
+        "the next generation of the same member"
+    );
+    let refused = answer.expect_err("the next generation, inside the revocation: refused");
+    assert!(refused.contains("during a rebalance callback"), "{refused}");
 }

@@ -512,6 +512,7 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
     // librdkafka waits in this callback for the assign or unassign below: the membership read
     // now is the one this assignment belongs to.
     confirmed.set(membership(consumer));
+    let _in_callback = confirmed.callback();
     let cooperative = is_cooperative(consumer);
     match err {
         RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
@@ -636,16 +637,37 @@ impl Membership {
 /// timeout) followed by a rejoin librdkafka starts anyway (a metadata change) and completes
 /// before the poll that serves the old callback: that callback records the new membership, and
 /// until the new one is served a batch of partitions the group gave away would pass. A change
-/// during the callback (its committed-offsets wait) is refused, as the reading no longer matches.
+/// during the callback (its committed-offsets wait, a revocation's last commit) is refused, the
+/// next generation included: librdkafka has already taken the partitions being revoked out of
+/// the ones it reports owning, so a rejoin it starts meanwhile (a subscribed topic's partition
+/// count changed) may hand them to another member in that very generation.
 #[derive(Debug, Default)]
-pub struct ConfirmedMembership(std::sync::Mutex<Option<Membership>>);
+pub struct ConfirmedMembership {
+    told: std::sync::Mutex<Option<Membership>>,
+    in_callback: std::sync::atomic::AtomicBool,
+}
 
 impl ConfirmedMembership {
     fn set(&self, m: Option<Membership>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = m;
+        *self.told.lock().unwrap_or_else(|p| p.into_inner()) = m;
     }
     fn get(&self) -> Option<Membership> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.told.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn in_callback(&self) -> bool {
+        self.in_callback.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Marks a rebalance callback under way until the guard drops.
+    fn callback(&self) -> impl Drop + '_ {
+        struct Leave<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        self.in_callback
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Leave(&self.in_callback)
     }
 }
 
@@ -682,6 +704,7 @@ pub fn member_metadata<C: ConsumerContext>(
             confirmed.get().as_ref(),
             is_cooperative(consumer),
             consumer.assignment_lost(),
+            confirmed.in_callback(),
         ) {
             Ok(()) => return Ok(metadata),
             Err(why) => why,
@@ -701,22 +724,26 @@ fn is_cooperative<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> bool {
 /// callback ran under `told`; why not, if not.
 ///
 /// Under `told` itself, always. Under the generation right after it (same member id, the
-/// cooperative protocol, no assignment lost) too: a loop's open transaction then commits instead
-/// of aborting when another member joins or leaves, so the first attempts it already sent are
-/// not sent again by the partitions' next owner (who would read the aborted records anew). That
-/// is safe because in the cooperative protocol a partition moves in two rebalances (KIP-429): the
-/// member's own JoinGroup for `told.generation + 1` named the partitions it holds, and that
-/// generation leaves each of them to it or to nobody, until its revocation is served and the
-/// member joins again; meanwhile only this member may commit them, as Java's consumer does in
-/// `onPartitionsRevoked` under the new generation. Refused: two generations or more past the
-/// callback, a new member id (the member left, or was removed, and joined again: a partition may
-/// have gone to another member in between), an assignment librdkafka lost (its revocation not
-/// served yet), or the eager protocol (where a generation reassigns at once).
+/// cooperative protocol, no assignment lost, not inside a rebalance callback) too: a loop's open
+/// transaction then commits instead of aborting when another member joins or leaves, so the
+/// first attempts it already sent are not sent again by the partitions' next owner (who would
+/// read the aborted records anew). That is safe because in the cooperative protocol a partition
+/// moves in two rebalances (KIP-429): the member's own JoinGroup for `told.generation + 1`, sent
+/// from a settled assignment, named every partition it holds, and that generation leaves each
+/// of them to it or to nobody until its revocation is served and the member joins again
+/// (librdkafka ignores a rebalance under way while a callback is unserved); meanwhile only this
+/// member may commit them, as Java's consumer does in `onPartitionsRevoked` under the new
+/// generation. Refused: two generations or more past the callback, a new member id (the member
+/// left, or was removed, and joined again: a partition may have gone to another member in
+/// between), an assignment librdkafka lost (its revocation not served yet), the eager protocol
+/// (where a generation reassigns at once), and any change during a callback (see
+/// [`ConfirmedMembership`]).
 pub fn may_commit_under(
     now: &Membership,
     told: Option<&Membership>,
     cooperative: bool,
     lost: bool,
+    in_callback: bool,
 ) -> Result<(), String> {
     if !now.is_member() {
         return Err(format!(
@@ -729,31 +756,38 @@ pub fn may_commit_under(
             }
         ));
     }
-    let next_of_told = told.is_some_and(|t| {
-        t.member_id == now.member_id && t.generation.checked_add(1) == Some(now.generation)
-    });
-    if told == Some(now) || (next_of_told && cooperative && !lost) {
+    if told == Some(now) {
         return Ok(());
     }
-    Err(format!(
-        "the group moved to generation {} (last rebalance seen: {}{}) and the assignment that \
-         goes with it is not served yet: offsets sent now could be a partition another member owns",
-        now.generation,
-        told.map_or("none".to_string(), |t| format!(
-            "generation {}",
-            t.generation
-        )),
-        match told {
-            Some(t) if t.member_id != now.member_id => ", under another member id",
-            _ if lost => ", the assignment lost",
-            _ => "",
+    let why_not_next = match told {
+        None => {
+            return Err(format!(
+                "the group membership is generation {} and no rebalance has been served yet: \
+             offsets wait for the assignment",
+                now.generation
+            ));
         }
+        Some(t) if t.member_id != now.member_id => "under another member id",
+        Some(t) if t.generation.checked_add(1) != Some(now.generation) => "",
+        Some(_) if in_callback => "during a rebalance callback",
+        Some(_) if lost => "with the assignment lost",
+        Some(_) if !cooperative => "under the eager protocol",
+        Some(_) => return Ok(()),
+    };
+    Err(format!(
+        "the group membership moved to generation {} (last rebalance seen: generation {}{}{}) \
+         and the assignment that goes with it is not served yet: offsets sent now could be a \
+         partition another member owns",
+        now.generation,
+        told.map_or(-1, |t| t.generation),
+        if why_not_next.is_empty() { "" } else { ", " },
+        why_not_next
     ))
 }
 
 /// Why a loop did not work on a batch: [`may_commit_now`] said no.
-pub const NOT_TOLD: &str =
-    "the group membership is not the one the last rebalance was served under";
+pub const NOT_TOLD: &str = "the group membership is neither the one the last rebalance was served \
+     under nor the next generation of the same member";
 
 /// The cheap form of [`member_metadata`]'s check (one reading), for a loop deciding whether a
 /// batch is worth working on.
@@ -767,6 +801,7 @@ pub fn may_commit_now<C: ConsumerContext>(
             confirmed.get().as_ref(),
             is_cooperative(consumer),
             consumer.assignment_lost(),
+            confirmed.in_callback(),
         )
         .is_ok()
     })
@@ -922,53 +957,62 @@ mod tests {
             member_id: id.into(),
         };
         let told = m(4, "a");
-        // Nothing moved since the last callback.
-        assert_eq!(
-            may_commit_under(&m(4, "a"), Some(&told), false, false),
-            Ok(())
-        );
-        // The next generation of the same member: it still holds every partition it held.
-        assert_eq!(
-            may_commit_under(&m(5, "a"), Some(&told), true, false),
-            Ok(())
-        );
-        // Refused: two generations on, another member id, a lost assignment, the eager
-        // protocol, no callback yet, no membership.
-        for (now, told, cooperative, lost, says) in [
+        // (now, cooperative, lost, in a callback): nothing moved since the last callback, even
+        // inside one; the next generation of the same member, which still holds every
+        // partition it held.
+        for (now, cooperative, lost, in_callback) in [
+            (m(4, "a"), false, false, false),
+            (m(4, "a"), true, false, true),
+            (m(5, "a"), true, false, false),
+        ] {
+            let r = may_commit_under(&now, Some(&told), cooperative, lost, in_callback);
+            assert_eq!(r, Ok(()), "{now:?}");
+        }
+        // Refused: two generations on, an earlier one, another member id, a lost assignment,
+        // the eager protocol, a move during a callback, no callback yet, no membership.
+        let says = |now: Membership, told: Option<&Membership>, flags: (bool, bool, bool)| {
+            may_commit_under(&now, told, flags.0, flags.1, flags.2).unwrap_err()
+        };
+        let plain = (true, false, false);
+        for (why, expected) in [
             (
-                m(6, "a"),
-                Some(&told),
-                true,
-                false,
+                says(m(6, "a"), Some(&told), plain),
                 "generation 6 (last rebalance seen: generation 4)",
             ),
             (
-                m(5, "b"),
-                Some(&told),
-                true,
-                false,
+                says(m(3, "a"), Some(&told), plain),
+                "generation 3 (last rebalance seen: generation 4)",
+            ),
+            (
+                says(m(5, "b"), Some(&told), plain),
+                "generation 4, under another member id",
+            ),
+            (
+                says(m(4, "b"), Some(&told), plain),
                 "under another member id",
             ),
-            (m(5, "a"), Some(&told), true, true, "the assignment lost"),
             (
-                m(5, "a"),
-                Some(&told),
-                false,
-                false,
-                "generation 5 (last rebalance seen: generation 4)",
+                says(m(5, "a"), Some(&told), (true, true, false)),
+                "with the assignment lost",
             ),
-            (m(3, "a"), Some(&told), true, false, "generation 3"),
-            (m(1, "a"), None, true, false, "last rebalance seen: none"),
             (
-                m(-1, ""),
-                Some(&told),
-                true,
-                false,
+                says(m(5, "a"), Some(&told), (false, false, false)),
+                "under the eager protocol",
+            ),
+            (
+                says(m(5, "a"), Some(&told), (true, false, true)),
+                "during a rebalance callback",
+            ),
+            (
+                says(m(1, "a"), None, plain),
+                "no rebalance has been served yet",
+            ),
+            (
+                says(m(-1, ""), Some(&told), plain),
                 "not a member of a generation",
             ),
         ] {
-            let why = may_commit_under(&now, told, cooperative, lost).unwrap_err();
-            assert!(why.contains(says), "{now:?}: {why}");
+            assert!(why.contains(expected), "{why}");
         }
     }
 
