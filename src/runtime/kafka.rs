@@ -699,18 +699,27 @@ pub fn member_metadata<C: ConsumerContext>(
         (Some(m), Some(_)) if m.is_member() && after.as_ref() != Some(m) => {
             "the group membership changed while its metadata was taken".to_string()
         }
-        (Some(m), Some(metadata)) => match may_commit_under(
-            m,
-            confirmed.get().as_ref(),
-            is_cooperative(consumer),
-            consumer.assignment_lost(),
-            confirmed.in_callback(),
-        ) {
+        (Some(m), Some(metadata)) => match may_commit_as(consumer, confirmed, m) {
             Ok(()) => return Ok(metadata),
             Err(why) => why,
         },
     };
     Err(rdkafka::error::KafkaError::Subscription(why))
+}
+
+/// [`may_commit_under`] with what `consumer` and `confirmed` say now, for the membership `m`.
+fn may_commit_as<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+    m: &Membership,
+) -> Result<(), String> {
+    may_commit_under(
+        m,
+        confirmed.get().as_ref(),
+        is_cooperative(consumer),
+        consumer.assignment_lost(),
+        confirmed.in_callback(),
+    )
 }
 
 fn is_cooperative<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> bool {
@@ -795,16 +804,7 @@ pub fn may_commit_now<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,
 ) -> bool {
-    membership(consumer).is_some_and(|m| {
-        may_commit_under(
-            &m,
-            confirmed.get().as_ref(),
-            is_cooperative(consumer),
-            consumer.assignment_lost(),
-            confirmed.in_callback(),
-        )
-        .is_ok()
-    })
+    membership(consumer).is_some_and(|m| may_commit_as(consumer, confirmed, &m).is_ok())
 }
 
 /// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
