@@ -125,6 +125,11 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .map_err(|e| AppError::Http(e.to_string()))?;
+    if config.dangerous_test_stale_offsets {
+        tracing::warn!(
+            "STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS is on: one hub transaction's offsets are held until the group moves on, and refused. NEVER in production."
+        );
+    }
     let test_clock = config.dangerous_test_clock.then(|| {
         tracing::warn!("STREAMING_HUB_DANGEROUS_TEST_CLOCK is on: time moves only through POST /admin/clock/advance. NEVER in production.");
         ManualClock::new(SystemClock.now_ms())

@@ -377,6 +377,9 @@ macro_rules! upper {
     (dangerous_test_clock) => {
         "DANGEROUS_TEST_CLOCK"
     };
+    (dangerous_test_stale_offsets) => {
+        "DANGEROUS_TEST_STALE_OFFSETS"
+    };
     (autodisable_enabled) => {
         "AUTODISABLE_ENABLED"
     };
@@ -533,6 +536,11 @@ settings! {
     autodisable_failure_spread: std::time::Duration = "12h";
     /// DANGEROUS, tests only: run on a virtual clock that `POST /admin/clock/advance` moves.
     dangerous_test_clock: bool = "false";
+    /// DANGEROUS, tests only: the first hub transaction that started first attempts early takes
+    /// its group metadata, then holds its offsets until the consumer group has moved to the next
+    /// generation (another instance joined), so the broker refuses them as stale, as when a
+    /// rebalance completes in the moment between the two.
+    dangerous_test_stale_offsets: bool = "false";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included
     /// (at least 100ms).
     http_timeout: std::time::Duration = "15s";

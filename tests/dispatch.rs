@@ -1258,6 +1258,44 @@ fn delivered_events(codec: &Codec, recs: &[Got]) -> std::collections::BTreeSet<S
         .collect()
 }
 
+/// Waits until `<prefix>.attempts` records each of `events` as delivered.
+fn wait_delivered(s: &ApiHub, events: &[Rec], timeout: Duration) {
+    let ids: std::collections::BTreeSet<String> = events.iter().map(Rec::id).collect();
+    let codec = Codec::new().unwrap();
+    let attempts = format!("{}.attempts", s.prefix);
+    read_until(&[&attempts], timeout, |recs| {
+        delivered_events(&codec, recs).is_superset(&ids)
+    });
+}
+
+/// After a second instance `b` joined while `events` (one per tenant) were being delivered:
+/// they and one more event per tenant are all delivered, `b` took partitions, and the sink got
+/// each event once (`before`: its count before `events`).
+async fn each_sent_once(
+    s: &ApiHub,
+    b: &Hub,
+    tenants: &[String],
+    got: &Mutex<usize>,
+    before: usize,
+    events: &[Rec],
+) {
+    wait_delivered(s, events, Duration::from_secs(120));
+    // One more event per tenant: once each is delivered, whichever instance owns its partition
+    // has read past the events above.
+    let last = produce_one_each(s, tenants);
+    wait_delivered(s, &last, Duration::from_secs(120));
+    let theirs = owned_by_loop(&b.metrics_text(&s.http).await.unwrap());
+    assert!(
+        !theirs.is_empty(),
+        "the second instance took no partition: nothing moved"
+    );
+    assert_eq!(
+        *got.lock().unwrap(),
+        before + events.len() + last.len(),
+        "an event was sent again (second instance's partitions: {theirs:?})"
+    );
+}
+
 /// A partition given up in order (another member joins the group) takes its attempts'
 /// outcomes with it (DESIGN.md §3: "on revocation it commits and closes"): the loop waits for
 /// the attempts in flight of the partitions it gives up and commits their outcomes inside the
@@ -1363,15 +1401,7 @@ async fn a_transaction_open_when_another_instance_joins_commits_and_its_events_g
     // every record on the committed-claim path, with no early attempt.
     gate.send(true).unwrap();
     let first = produce_one_each(&s, &tenants);
-    let ids = |events: &[Rec]| -> std::collections::BTreeSet<String> {
-        events.iter().map(Rec::id).collect()
-    };
-    let codec = Codec::new().unwrap();
-    let delivered = |recs: &[Got]| delivered_events(&codec, recs);
-    let attempts = format!("{}.attempts", s.prefix);
-    read_until(&[&attempts], Duration::from_secs(90), |recs| {
-        delivered(recs).is_superset(&ids(&first))
-    });
+    wait_delivered(&s, &first, Duration::from_secs(90));
     gate.send(false).unwrap();
     let before = *got.lock().unwrap();
 
@@ -1393,26 +1423,56 @@ async fn a_transaction_open_when_another_instance_joins_commits_and_its_events_g
         },
     );
     gate.send(true).unwrap();
-    read_until(&[&attempts], Duration::from_secs(120), |recs| {
-        delivered(recs).is_superset(&ids(&events))
-    });
-    // One more event per tenant: once each is delivered, whichever instance owns its partition
-    // has read past the events above.
-    let last = produce_one_each(&s, &tenants);
-    read_until(&[&attempts], Duration::from_secs(120), |recs| {
-        delivered(recs).is_superset(&ids(&last))
-    });
-    let theirs = owned_by_loop(&b.metrics_text(&s.http).await.unwrap());
-    assert!(
-        !theirs.is_empty(),
-        "the second instance took no partition: nothing moved"
-    );
-    assert_eq!(
-        *got.lock().unwrap(),
-        before + events.len() + last.len(),
-        "an event was sent again (second instance's partitions: {theirs:?})"
-    );
+    each_sent_once(&s, &b, &tenants, &got, before, &events).await;
     // Not asserted: no abort at all. A later transaction's offsets can still meet the broker's
     // refusal in the moment the next round moves the generation (seen in CI); its events were
     // all on partitions this instance keeps, and the count above holds.
+}
+
+/// A transaction whose offsets the coordinator refuses because the group moved to the next
+/// generation while they were on their way (`ILLEGAL_GENERATION`: librdkafka then forces an
+/// abort) runs again at once under that generation, before its loop serves the revocation, so the
+/// partitions that move go with their events done and the new owner sends none of them again.
+/// Before, the loop read the batch again after the revocation, and the new owner of each
+/// partition that moved sent its events' first attempts a second time (the duplicates left in
+/// session 38's `scale-out` runs). The refusal is made on demand: the first transaction with
+/// early first attempts holds its offsets, group metadata taken, until a second instance has
+/// joined and the group has moved on (`STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_its_events_go_once() {
+    let (s, tenants, got, gate) = gated_hub(
+        "refused",
+        &[("STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS", "true")],
+    )
+    .await;
+    gate.send(true).unwrap();
+    // One event per tenant goes through first: a partition the group never committed takes
+    // every record on the committed-claim path, with no early attempt (so no hold).
+    let first = produce_one_each(&s, &tenants);
+    wait_delivered(&s, &first, Duration::from_secs(90));
+    let before = *got.lock().unwrap();
+
+    let events = produce_one_each(&s, &tenants);
+    wait_until(
+        Duration::from_secs(90),
+        "a transaction holds its offsets",
+        || {
+            s.hub
+                .log_text()
+                .contains("holding this transaction's offsets until the group moves on")
+                .then_some(())
+        },
+    );
+    let b = Hub::start(&another_instance(&s.hub.env, "2"));
+    wait_until(
+        Duration::from_secs(120),
+        "the refused batch runs again",
+        || {
+            s.hub
+                .log_text()
+                .contains("hub batch runs again at once under the group's next generation")
+                .then_some(())
+        },
+    );
+    each_sent_once(&s, &b, &tenants, &got, before, &events).await;
 }

@@ -79,6 +79,13 @@ const ABORT_PATIENCE: Duration = Duration::from_secs(60);
 /// How long a commit that timed out may keep being retried, from its first call (with an abort
 /// after it, inside `STREAMING_HUB_STALL_TIMEOUT`'s default of 120 s).
 const COMMIT_PATIENCE: Duration = Duration::from_secs(45);
+/// How long a loop whose offsets the coordinator refused for their generation waits for its
+/// consumer to join the next one before it runs the batch again (see the loop's abort path).
+const NEXT_GENERATION_PATIENCE: Duration = Duration::from_secs(1);
+/// `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: whether its one held transaction has been.
+static STALE_OFFSETS_HELD: AtomicBool = AtomicBool::new(false);
+/// The longest it holds: well inside the producers' `transaction.timeout.ms` (60 s).
+const STALE_OFFSETS_HOLD: Duration = Duration::from_secs(20);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// Shortest gap between two transactions that carry only outcomes and claims (no inbox records).
@@ -648,6 +655,7 @@ impl HubContext {
                 &mut offsets,
                 &mut outputs,
                 &mut |_| {},
+                false,
             )?;
             d.breakers.commit();
             apply_committed(&self.env, tasks, staged, &offsets, &delivered)
@@ -1772,55 +1780,76 @@ impl HubStage {
             if let Some(d) = &mut self.dispatch {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
-            match self.process_batch(producer, &consumer, &mut guard.tasks, &batch) {
-                Ok((n, launched)) => {
-                    last_txn_at = Instant::now();
-                    self.window
-                        .took(started.elapsed(), self.env.config.commit_interval);
-                    if n > 0 || launched > 0 {
-                        telemetry::HubCommit {
-                            records: n,
-                            took: started.elapsed(),
+            // At most two runs: the second only when the coordinator refused the first one's
+            // offsets because the group moved on as they were sent (see below).
+            let mut runs = 0;
+            let aborted = loop {
+                runs += 1;
+                match self.process_batch(producer, &consumer, &mut guard.tasks, &batch) {
+                    Ok((n, launched)) => {
+                        last_txn_at = Instant::now();
+                        self.window
+                            .took(started.elapsed(), self.env.config.commit_interval);
+                        if n > 0 || launched > 0 {
+                            telemetry::HubCommit {
+                                records: n,
+                                took: started.elapsed(),
+                            }
+                            .emit();
                         }
-                        .emit();
-                    }
-                    if let Some(d) = &mut self.dispatch {
-                        d.quiet_until = (n == 0 && launched == 0 && d.pending.is_empty())
-                            .then(|| Instant::now() + QUIET_CLAIMS);
-                        d.pending.clear();
-                    }
-                }
-                Err(e @ (HubError::Fenced(_) | HubError::Undecided(_))) => return Err(e),
-                Err(HubError::Idle) => {}
-                Err(e @ HubError::Unowned { .. }) => {
-                    let _ =
-                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
-                    return Err(e);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
-                    if let Err(abort) =
-                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE)
-                    {
-                        return Err(fatal_or_kafka(abort));
-                    }
-                    for task in guard.tasks.values_mut() {
-                        task.ring.aborted();
-                    }
-                    // Its early attempts may have been made: read again, its records take the
-                    // committed-claim path (see `Task::careful_until`).
-                    for m in &batch {
-                        if let Some(task) = guard.tasks.get_mut(&m.partition()) {
-                            task.careful_until = task.careful_until.max(m.offset() + 1);
+                        if let Some(d) = &mut self.dispatch {
+                            d.quiet_until = (n == 0 && launched == 0 && d.pending.is_empty())
+                                .then(|| Instant::now() + QUIET_CLAIMS);
+                            d.pending.clear();
                         }
+                        break false;
                     }
-                    if let Some(d) = self.dispatch.as_mut() {
-                        d.breakers.rollback();
+                    Err(e @ (HubError::Fenced(_) | HubError::Undecided(_))) => return Err(e),
+                    Err(HubError::Idle) => break false,
+                    Err(e @ HubError::Unowned { .. }) => {
+                        let _ = crate::runtime::kafka::abort_waiting(
+                            producer,
+                            TXN_TIMEOUT,
+                            ABORT_PATIENCE,
+                        );
+                        return Err(e);
                     }
-                    drop(guard);
-                    rewind(&consumer, &batch);
-                    std::thread::sleep(Duration::from_millis(200));
+                    Err(e) => {
+                        tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
+                        self.undo_aborted(producer, &mut guard.tasks, &batch)?;
+                        // Refused by the coordinator because the group moved to the next
+                        // generation while the offsets were on their way: this loop still holds
+                        // every partition of the batch until it serves the revocation, and may
+                        // commit under that generation (`kafka::may_commit_under`). The batch
+                        // runs again at once, before the next poll serves the revocation, so the
+                        // partitions go with its events done; read again after the revocation,
+                        // the next owner of a partition that moved would send their first
+                        // attempts a second time. The second run's claims take those attempts'
+                        // deliveries (`Dispatch::launch`).
+                        let refused =
+                            matches!(&e, HubError::Kafka(k) if kafka::generation_refused(k));
+                        if runs == 1
+                            && refused
+                            && kafka::wait_next_generation(
+                                &consumer,
+                                &consumer.context().membership,
+                                NEXT_GENERATION_PATIENCE,
+                            )
+                        {
+                            tracing::info!(
+                                records = batch.len(),
+                                "hub batch runs again at once under the group's next generation"
+                            );
+                            continue;
+                        }
+                        break true;
+                    }
                 }
+            };
+            drop(guard);
+            if aborted {
+                rewind(&consumer, &batch);
+                std::thread::sleep(Duration::from_millis(200));
             }
         }
         self.drain_on_stop(producer, &consumer, &shared)?;
@@ -1998,6 +2027,34 @@ impl HubStage {
 
     /// One transaction: the inbox records, then the workers' outcomes, then new claims.
     /// Returns the records processed and the attempts started (the claims', once committed).
+    /// Aborts the open transaction and undoes what it changed in memory: the tenants' rings and
+    /// the breakers go back, and the batch's records take the committed-claim path when they
+    /// come again, their first attempts possibly made (see `Task::careful_until`).
+    fn undo_aborted(
+        &mut self,
+        producer: &BaseProducer<TrackingContext>,
+        tasks: &mut HashMap<i32, Task>,
+        batch: &[BorrowedMessage<'_>],
+    ) -> Result<(), HubError> {
+        if let Err(abort) =
+            crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE)
+        {
+            return Err(fatal_or_kafka(abort));
+        }
+        for task in tasks.values_mut() {
+            task.ring.aborted();
+        }
+        for m in batch {
+            if let Some(task) = tasks.get_mut(&m.partition()) {
+                task.careful_until = task.careful_until.max(m.offset() + 1);
+            }
+        }
+        if let Some(d) = self.dispatch.as_mut() {
+            d.breakers.rollback();
+        }
+        Ok(())
+    }
+
     fn process_batch(
         &mut self,
         producer: &BaseProducer<TrackingContext>,
@@ -2225,6 +2282,9 @@ impl HubStage {
                 &more,
             )?;
         }
+        let hold = env.config.dangerous_test_stale_offsets
+            && launched_early > 0
+            && !STALE_OFFSETS_HELD.swap(true, Ordering::SeqCst);
         let delivered = commit_staged(
             env,
             producer,
@@ -2234,6 +2294,7 @@ impl HubStage {
             &mut offsets,
             &mut outputs,
             &mut phase_done,
+            hold,
         )?;
         // The claims are durable: their attempts start now, not after the stores below have
         // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
@@ -2264,6 +2325,7 @@ fn commit_staged(
     offsets: &mut HashMap<i32, i64>,
     outputs: &mut Outputs<'_>,
     phase_done: &mut dyn FnMut(&'static str),
+    hold: bool,
 ) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
     // The jobs changelog is the batch's final job writes: a key written twice in one
     // transaction (a job created and claimed) needs only its last record in the compacted
@@ -2288,6 +2350,9 @@ fn commit_staged(
         }
         let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
             .map_err(KafkaError::from)?;
+        if hold {
+            hold_until_the_group_moves(consumer);
+        }
         producer
             .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
@@ -2308,6 +2373,31 @@ fn commit_staged(
     kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(undecided_or_kafka)?;
     phase_done("commit");
     Ok(delivered)
+}
+
+/// `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: with the transaction's group metadata taken,
+/// waits (at most [`STALE_OFFSETS_HOLD`]) until the consumer's generation has moved on, so the
+/// offsets go with a generation the coordinator has left.
+fn hold_until_the_group_moves(consumer: &BaseConsumer<HubContext>) {
+    let Some(taken) = kafka::membership(consumer) else {
+        return;
+    };
+    tracing::warn!(
+        generation = taken.generation,
+        "DANGEROUS_TEST_STALE_OFFSETS: holding this transaction's offsets until the group moves on"
+    );
+    let until = Instant::now() + STALE_OFFSETS_HOLD;
+    while Instant::now() < until {
+        crate::runtime::liveness::beat_current();
+        if kafka::membership(consumer).is_some_and(|m| m.generation != taken.generation) {
+            tracing::warn!(
+                generation = taken.generation,
+                "DANGEROUS_TEST_STALE_OFFSETS: the group moved on; the offsets go with the generation it left"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// After a commit: the local stores move, each with its changelog offsets (`delivered`), and

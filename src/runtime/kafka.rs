@@ -807,6 +807,40 @@ pub fn may_commit_now<C: ConsumerContext>(
     membership(consumer).is_some_and(|m| may_commit_as(consumer, confirmed, &m).is_ok())
 }
 
+/// Whether `e` is the coordinator refusing a transaction's offsets for their generation
+/// (`ILLEGAL_GENERATION`): the group moved on in the moment between their metadata being taken
+/// and the coordinator checking it. librdkafka makes it abortable: the transaction is lost.
+pub fn generation_refused(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Call(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::IllegalGeneration))
+}
+
+/// After [`generation_refused`]: waits up to `patience` for this consumer to reach a generation
+/// past the one its loop was told, as a membership its offsets may go under
+/// ([`may_commit_under`]: the next generation of the same member, cooperative, nothing lost).
+/// The coordinator refused because it has moved there, so the consumer's join response is on its
+/// way. Reads the membership only: no poll, so no rebalance callback is served meanwhile.
+pub fn wait_next_generation<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+    patience: Duration,
+) -> bool {
+    let Some(told) = confirmed.get() else {
+        return false;
+    };
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        if let Some(m) = membership(consumer) {
+            if m.generation > told.generation && may_commit_as(consumer, confirmed, &m).is_ok() {
+                return true;
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
 /// moved since the application was last told).
 pub fn membership_confirmed<C: ConsumerContext>(
