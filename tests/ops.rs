@@ -17,6 +17,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use common::*;
 use serde_json::{Value, json};
+use streaming_hub::config::Config;
+use streaming_hub::ops::redeliver::Redeliverer;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::AttemptRecord;
 
@@ -516,6 +518,32 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
         "replay of B never reaches A"
     );
     assert_no_eof_errors(&s.hub.log_text());
+}
+
+/// An operation's read of a range whose start retention deleted after the range was taken (a
+/// long replay or recover of an old window) goes on from the oldest record kept. With
+/// librdkafka's default reset the position went to the partition's end without a word, and the
+/// whole range was skipped while the run reported `done`.
+#[tokio::test]
+async fn a_range_whose_start_retention_deleted_is_read_from_the_oldest_record_kept() {
+    require_broker();
+    let topic = unique("ops-aged");
+    create_topic(&topic, 1).await;
+    let recs: Vec<Rec> = (0..100)
+        .map(|i| event(&format!("tenant-{i}"), "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &topic, &recs);
+    // The range was taken from offset 10; retention then deleted everything before 50.
+    delete_records_before(&topic, 0, 50);
+    let config = Config::from_vars(hub_env(&unique("ops-aged"), "^unused$")).unwrap();
+    let r = Redeliverer::new(&config, Arc::new(Codec::new().unwrap())).unwrap();
+    let mut read = Vec::new();
+    r.read_ranges(&topic, &[(0, 10, 100)], |m| {
+        read.push(rdkafka::Message::offset(m));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(read, (50..100).collect::<Vec<i64>>());
 }
 
 /// A sink that takes each event delivery and answers 200 only once the test opens its gate

@@ -108,8 +108,25 @@ impl Redeliverer {
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "true")
+            // A range whose start retention deleted after the range was taken (a long scan of
+            // an old window) is read from the oldest record kept, not skipped: librdkafka's
+            // default resets such a position to the partition's end without telling the
+            // application, and the scan then met end-of-partition at once.
+            .set("auto.offset.reset", "earliest")
             .create_with_context(kafka::ReaderContext)
             .map_err(k)
+    }
+
+    /// Reads each `(partition, start, end)` range of `topic` as the operations read theirs
+    /// (`read_committed`; a start retention has deleted reads from the oldest record kept),
+    /// calling `f` for each record.
+    pub fn read_ranges(
+        &self,
+        topic: &str,
+        ranges: &[(i32, i64, i64)],
+        f: impl FnMut(&rdkafka::message::BorrowedMessage<'_>) -> Result<(), RedeliverError>,
+    ) -> Result<(), RedeliverError> {
+        scan(&self.consumer()?, topic, ranges, f)
     }
 
     /// Queues one redelivery request.

@@ -95,6 +95,9 @@ pub fn restore(
         .set("group.id", format!("{}.restore", config.group_id))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
+        // A start below the log start by the time it is fetched (records deleted in between)
+        // reads from the oldest record kept: librdkafka's default would go to the end silently.
+        .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "false")
         .set("fetch.wait.max.ms", "10")
         .set("fetch.max.bytes", "52428800")
