@@ -87,6 +87,9 @@ pub fn follow(
     while !stop.load(Ordering::Relaxed) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
+                // Noted after the record's change (below): a write waiting to be read back is
+                // seen from either (`Subscriptions::put`).
+                let _noted = Noted(&table, m.partition(), m.offset());
                 let Some(id) = m.key().and_then(|k| std::str::from_utf8(k).ok()) else {
                     tracing::warn!(
                         offset = m.offset(),
@@ -152,6 +155,17 @@ pub fn follow(
         }
     }
     Ok(())
+}
+
+/// Notes a control record as read when dropped: after its change, on every path out of its
+/// handling.
+struct Noted<'a>(&'a SharedTable, i32, i64);
+
+impl Drop for Noted<'_> {
+    fn drop(&mut self) {
+        let Noted(table, partition, offset) = *self;
+        table.apply(|t| t.note_read(partition, offset));
+    }
 }
 
 /// Whether partition `p` has been read up to its end asked for at start-up.
@@ -220,11 +234,19 @@ enum Writer {
     /// Writes are taken but never reach the table (router tests of a control reader that lags).
     #[cfg(test)]
     Lagging,
+    /// A write plays out as the script says (what the reader then applies to the table) and
+    /// lands where it returns; the writer looks once, without waiting.
+    #[cfg(test)]
+    Scripted(Arc<Script>),
     Kafka {
         producer: FutureProducer,
         topic: String,
     },
 }
+
+/// A scripted write: what the reader applies, and where the write landed.
+#[cfg(test)]
+type Script = dyn Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync;
 
 impl Subscriptions {
     pub fn kafka(
@@ -301,32 +323,45 @@ impl Subscriptions {
         let wait = match &self.writer {
             // Taken, never shown back by a reader: the NotSeen path below, at once.
             #[cfg(test)]
-            Writer::Lagging => Duration::ZERO,
+            Writer::Lagging | Writer::Scripted(_) => Duration::ZERO,
             _ => READ_YOUR_WRITES,
         };
-        match &self.writer {
-            Writer::Memory => self.table.apply(|t| t.upsert(rec.clone())),
+        // Where the write landed (control partition, offset), when a broker took it.
+        let at: Option<(i32, i64)> = match &self.writer {
+            Writer::Memory => {
+                self.table.apply(|t| t.upsert(rec.clone()));
+                None
+            }
             #[cfg(test)]
-            Writer::Lagging => {}
+            Writer::Lagging => None,
+            #[cfg(test)]
+            Writer::Scripted(script) => script(&self.table, &rec),
             Writer::Kafka { producer, topic } => {
-                producer
+                let d = producer
                     .send(
                         FutureRecord::to(topic).key(&id).payload(&bytes),
                         Duration::from_secs(10),
                     )
                     .await
                     .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
+                Some((d.partition, d.offset))
             }
-        }
-        let newer = |t: &Table| t.get(&id).is_some_and(|s| s.version >= version);
-        if self.table.wait_for(wait, newer).await {
+        };
+        // Seen: the table shows this version (or a later one), or the reader has gone past the
+        // write, so the table already holds what the records after it made of it (a tombstone
+        // right after it, another instance's DELETE, leaves nothing).
+        let seen = |t: &Table| {
+            t.get(&id).is_some_and(|s| s.version >= version)
+                || at.is_some_and(|(p, o)| t.has_read(p, o))
+        };
+        if self.table.wait_for(wait, seen).await {
             return Ok(());
         }
         // The broker has it: this instance's reads and next writes start from it (the reader's
-        // copy, when it comes, replaces it). Only when the table still has nothing as new: the
-        // reader may have shown it, or a later version, in the meantime.
+        // copy, when it comes, replaces it, and a later tombstone removes it). Only while the
+        // reader has not got there: once past it, putting it back would undo what came after.
         self.table.apply(|t| {
-            if !newer(t) {
+            if !seen(t) {
                 t.upsert(rec)
             }
         });
@@ -341,6 +376,8 @@ impl Subscriptions {
             }),
             #[cfg(test)]
             Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
+            #[cfg(test)]
+            Writer::Scripted(_) => {}
             Writer::Kafka { producer, topic } => {
                 producer
                     .send(
@@ -362,5 +399,60 @@ impl Subscriptions {
             // removal now would let the reader's older records of it, still to come, add it back).
             Err(RepoError::NotSeen(READ_YOUR_WRITES))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scripted(
+        script: impl Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync + 'static,
+    ) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::Scripted(Arc::new(script)),
+            ..Subscriptions::in_memory(Arc::new(Codec::new().unwrap()))
+        }
+    }
+
+    fn v2() -> SubscriptionRecord {
+        let mut rec = SubscriptionRecord::pull("sub-1", "acme", &["transaction.*"]);
+        rec.version = 2;
+        rec
+    }
+
+    /// Another instance deleted the subscription right after this write, and the reader applied
+    /// both before the writer looked: the write was seen (the reader went past it), and the table
+    /// keeps the deletion. Before, the writer found neither its version nor anything newer, took
+    /// its write for unseen after the wait, and put the deleted subscription back for good.
+    #[tokio::test]
+    async fn a_write_deleted_right_after_is_not_put_back() {
+        let subs = scripted(|table, rec| {
+            let rec = rec.clone();
+            table.apply(|t| {
+                t.upsert(rec.clone());
+                t.note_read(0, 7);
+                t.remove(&rec.id);
+                t.note_read(0, 8);
+            });
+            Some((0, 7))
+        });
+        subs.put(v2()).await.unwrap();
+        assert!(
+            subs.get("sub-1").is_none(),
+            "the deleted subscription came back"
+        );
+    }
+
+    /// A write the reader has not reached within the wait is put in this instance's table (its
+    /// reads and next writes start from it) and reported as not seen.
+    #[tokio::test]
+    async fn a_write_the_reader_has_not_reached_is_kept_as_written() {
+        let subs = scripted(|table, _| {
+            table.apply(|t| t.note_read(0, 6));
+            Some((0, 7))
+        });
+        assert!(matches!(subs.put(v2()).await, Err(RepoError::NotSeen(_))));
+        assert_eq!(subs.get("sub-1").map(|s| s.version), Some(2));
     }
 }

@@ -18,6 +18,8 @@ pub type Sub = Arc<SubscriptionRecord>;
 pub struct Table {
     by_id: HashMap<String, Sub>,
     index: HashMap<String, HashMap<String, Vec<Sub>>>,
+    /// Per control partition, the offset after the last record the control reader applied.
+    read_to: HashMap<i32, i64>,
 }
 
 /// What an event offers to matching.
@@ -45,6 +47,20 @@ impl Table {
             patterns.entry(p.clone()).or_default().push(sub.clone());
         }
         self.by_id.insert(sub.id.clone(), sub);
+    }
+
+    /// The control reader has applied the record at `offset` of control partition `partition`.
+    pub fn note_read(&mut self, partition: i32, offset: i64) {
+        let next = self.read_to.entry(partition).or_insert(0);
+        *next = (*next).max(offset + 1);
+    }
+
+    /// Whether the control reader has applied the record at `offset` of `partition` (so the
+    /// table shows it, or what later records made of it).
+    pub fn has_read(&self, partition: i32, offset: i64) -> bool {
+        self.read_to
+            .get(&partition)
+            .is_some_and(|next| *next > offset)
     }
 
     pub fn remove(&mut self, id: &str) -> Option<Sub> {
