@@ -91,8 +91,10 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
     assert!(matches(&table, "t2").is_empty());
 
     // Garbage, then a valid record: the garbage is skipped and the reader goes on. So is a
-    // record whose version has no successor (no later write of it could be encoded).
+    // record whose version has no successor (no later write of it could be encoded), and one
+    // whose id has a NUL (it would end the hub's job keys, whose separator it is).
     let second = record(&uuid::Uuid::now_v7().to_string(), "t2", &["*"], 1);
+    let nul = record("sub\0one", "t2", &["*"], 1);
     let frozen = record(
         &uuid::Uuid::now_v7().to_string(),
         "t2",
@@ -115,6 +117,11 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
                 ..Default::default()
             },
             Rec {
+                key: Some(nul.id.clone().into_bytes()),
+                value: Some(codec.encode(RecordKind::Subscription, &nul).unwrap()),
+                ..Default::default()
+            },
+            Rec {
                 key: Some(second.id.clone().into_bytes()),
                 value: Some(codec.encode(RecordKind::Subscription, &second).unwrap()),
                 ..Default::default()
@@ -131,6 +138,10 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
     assert!(
         table.read().get(&frozen.id).is_none(),
         "read in order: skipped"
+    );
+    assert!(
+        table.read().get(&nul.id).is_none(),
+        "an id with a NUL skipped"
     );
 
     // A tombstone removes it.

@@ -108,6 +108,17 @@ pub fn follow(
                         match codec.decode::<SubscriptionRecord>(RecordKind::Subscription, bytes) {
                             // A version with no successor (the next write would not encode as
                             // an Avro long) would freeze the subscription: no PATCH could pass.
+                            // The id ends the hub's job keys after a NUL separator (see
+                            // `dispatch::jobs::job_key`): one with a NUL would break the payload
+                            // key taken from them, and no writer of ours makes one (the API's
+                            // and `subscriptions apply`'s ids are UUIDs).
+                            Ok(rec) if rec.id == id && rec.id.chars().any(char::is_control) => {
+                                tracing::warn!(
+                                    subscription_id = id.escape_debug().to_string(),
+                                    offset = m.offset(),
+                                    "control record whose id has a control character skipped"
+                                )
+                            }
                             Ok(rec) if rec.id == id && rec.version >= i64::MAX as u64 => {
                                 tracing::warn!(
                                     subscription_id = id,
