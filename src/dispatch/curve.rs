@@ -123,6 +123,13 @@ mod tests {
         assert_eq!(parse_retry_after(" 7 ", now), Some(7_000));
         let date = "Wed, 21 Oct 2026 07:28:00 GMT";
         assert_eq!(parse_retry_after(date, now), Some(3_600_000));
+        // The obsolete forms RFC 9110 §5.6.7 still has recipients accept.
+        for old in [
+            "Wednesday, 21-Oct-26 07:28:00 GMT",
+            "Wed Oct 21 07:28:00 2026",
+        ] {
+            assert_eq!(parse_retry_after(old, now), Some(3_600_000), "{old:?}");
+        }
         assert_eq!(
             parse_retry_after(date, now + 7_200_000),
             Some(0),

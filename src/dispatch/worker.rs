@@ -372,12 +372,21 @@ fn retry_after(resp: &reqwest::Response, now_ms: i64) -> Option<u64> {
 }
 
 /// A `Retry-After` value (RFC 9110: seconds, or an HTTP-date such as `Wed, 21 Oct 2026
-/// 07:28:00 GMT`) as milliseconds from `now_ms`; a date already past is 0.
+/// 07:28:00 GMT`, or in the two obsolete forms a recipient must also accept, RFC 850's
+/// `Wednesday, 21-Oct-26 07:28:00 GMT` and asctime's `Wed Oct 21 07:28:00 2026`) as
+/// milliseconds from `now_ms`; a date already past is 0.
 pub fn parse_retry_after(value: &str, now_ms: i64) -> Option<u64> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(seconds.saturating_mul(1000));
     }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    Some(at.timestamp_millis().saturating_sub(now_ms).max(0) as u64)
+    let at_ms = match chrono::DateTime::parse_from_rfc2822(value) {
+        Ok(at) => at.timestamp_millis(),
+        Err(_) => {
+            let at = httpdate::parse_http_date(value).ok()?;
+            let since_epoch = at.duration_since(std::time::UNIX_EPOCH).ok()?;
+            i64::try_from(since_epoch.as_millis()).ok()?
+        }
+    };
+    Some(at_ms.saturating_sub(now_ms).max(0) as u64)
 }
