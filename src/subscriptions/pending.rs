@@ -76,10 +76,13 @@ impl ProbeError {
         }
     }
 
-    /// Whether a later probe can pass without the subscription or the configuration changing.
+    /// Whether a later probe can pass without the subscription changing. A secret sealed under a
+    /// key this instance lacks can: another instance, further along a rolling key rotation, sealed
+    /// it, and this one gets the key when its turn comes (the retry count still ends it).
     pub fn is_retryable(&self) -> bool {
         match self {
             ProbeError::Verify(e) => e.is_retryable(),
+            ProbeError::Sealed(SecretError::UnknownKeyId(_)) => true,
             ProbeError::Sealed(_) => false,
         }
     }
@@ -116,13 +119,24 @@ impl Prober {
         if rec.destination.kind == DestinationType::Pull {
             return Ok(());
         }
+        // Signed as deliveries are: with every live secret that opens, the others left out; it
+        // fails only when none opens.
         let now = self.clock.now_ms();
-        let secrets = rec
+        let mut secrets: Vec<Secret> = Vec::new();
+        let mut unopened = None;
+        for sealed in rec
             .signing_secrets
             .iter()
             .filter(|s| s.expires_at.is_none_or(|t| t > now))
-            .map(|s| self.kek.open_secret(s, &rec.id))
-            .collect::<Result<Vec<Secret>, _>>()?;
+        {
+            match self.kek.open_secret(sealed, &rec.id) {
+                Ok(secret) => secrets.push(secret),
+                Err(e) => unopened = unopened.or(Some(e)),
+            }
+        }
+        if let (true, Some(e)) = (secrets.is_empty(), unopened) {
+            return Err(e.into());
+        }
         let mut headers = rec.destination.headers.clone();
         let (sensitive, binding) = open_sensitive_headers(&self.kek, rec)?;
         if self.kek.may_send(binding, &rec.id) {
@@ -549,6 +563,59 @@ mod tests {
         assert_eq!(probed_on.len(), MAX_ATTEMPTS as usize, "{probed_on:?}");
         assert_eq!(hits.load(Ordering::SeqCst), 4 + MAX_ATTEMPTS as usize);
         assert_eq!(subs.get(&sub.id).unwrap().version, 3);
+    }
+
+    /// A secret sealed under a key of another instance, further along a rolling key rotation.
+    fn sealed_elsewhere(sub: &SubscriptionRecord) -> crate::runtime::records::EncryptedSecret {
+        let key = base64::engine::general_purpose::STANDARD.encode([9u8; 32]);
+        Kek::new("k-next", &key)
+            .unwrap()
+            .seal_secret(&generate_signing_secret(), &sub.id, None)
+    }
+
+    /// A pending webhook whose secret this instance cannot open (sealed under a key it lacks) is
+    /// retried like an unreachable endpoint, not failed for the whole cluster on the first pass:
+    /// the instance may get the key, and another may probe it meanwhile. Nothing is sent.
+    #[tokio::test]
+    async fn a_secret_under_a_key_this_instance_lacks_is_retried_not_failed_at_once() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(0).await;
+        let mut sub = pending_webhook(&kek, &url);
+        sub.signing_secrets = vec![sealed_elsewhere(&sub)];
+        subs.put(sub.clone()).await.unwrap();
+        let mut tries = Vec::new();
+        for pass in 1..=64 {
+            let report = r.run_pass().await;
+            if report.probed > 0 {
+                tries.push(pass);
+            }
+            if report.failed == 1 {
+                break;
+            }
+            assert_eq!(
+                subs.get(&sub.id).unwrap().verification_state,
+                VerificationState::Pending,
+                "pass {pass}"
+            );
+        }
+        assert_eq!(tries, [2, 4, 8, 16, 32], "retried on the usual spacing");
+        assert_eq!(hits.load(Ordering::SeqCst), 0, "nothing sent unsigned");
+    }
+
+    /// A webhook with a secret that opens and one that does not is probed, signed with the one
+    /// that opens, as its deliveries are.
+    #[tokio::test]
+    async fn a_probe_is_signed_with_the_secrets_that_open() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(0).await;
+        let mut sub = pending_webhook(&kek, &url);
+        sub.signing_secrets.push(sealed_elsewhere(&sub));
+        subs.put(sub.clone()).await.unwrap();
+        passes_until(&mut r, &hits, |rep| rep.activated == 1).await;
+        assert_eq!(
+            subs.get(&sub.id).unwrap().verification_state,
+            VerificationState::Active
+        );
     }
 
     #[tokio::test]
