@@ -1474,5 +1474,10 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
                 .then_some(())
         },
     );
+    let again = metric_sum(
+        &s.hub.metrics_text(&s.http).await.unwrap(),
+        "streaming_hub_hub_batches_run_again_total",
+    );
+    assert_eq!(again, 1, "one batch run again");
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
 }

@@ -167,6 +167,14 @@ pub fn resend_avoided(how: &'static str) {
     counter!(RESENDS_AVOIDED, "how" => how).increment(1);
 }
 
+pub const HUB_BATCHES_RUN_AGAIN: &str = "streaming_hub_hub_batches_run_again_total";
+
+/// A hub batch whose offsets the coordinator refused as the group moved to its next generation
+/// runs again at once under that generation.
+pub fn hub_batch_run_again() {
+    counter!(HUB_BATCHES_RUN_AGAIN).increment(1);
+}
+
 /// A hub batch committed.
 pub struct HubCommit {
     pub records: usize,
