@@ -302,6 +302,19 @@ impl Subscriptions {
         }
     }
 
+    /// [`Subscriptions::in_memory`] whose writes play out as `script` says: what the control
+    /// reader then applies to the table, and where each write landed (see `Writer::Scripted`).
+    #[cfg(test)]
+    pub fn scripted(
+        codec: Arc<Codec>,
+        script: impl Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync + 'static,
+    ) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::Scripted(Arc::new(script)),
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
     /// [`Subscriptions::in_memory`] whose table has not read the control topic to its end yet
     /// (an instance starting).
     #[cfg(test)]
@@ -420,10 +433,7 @@ mod tests {
     fn scripted(
         script: impl Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync + 'static,
     ) -> Subscriptions {
-        Subscriptions {
-            writer: Writer::Scripted(Arc::new(script)),
-            ..Subscriptions::in_memory(Arc::new(Codec::new().unwrap()))
-        }
+        Subscriptions::scripted(Arc::new(Codec::new().unwrap()), script)
     }
 
     fn v2() -> SubscriptionRecord {

@@ -244,3 +244,52 @@ async fn verify_of_a_pull_subscription_passes_without_a_probe() {
         (StatusCode::OK, Some("active"))
     );
 }
+
+/// A URL change whose write is read back but whose verdict's write is not (the control reader
+/// fell behind in between): the change and the verdict are both on the control topic and in
+/// this instance's table, so the PATCH is answered with the verdict, not a 503 that would make
+/// the caller retry into its own `If-Match`.
+#[tokio::test]
+async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
+    // Versions 1-3 (create, its verdict, the PATCH) are read back; later ones are not.
+    let subs = crate::subscriptions::control::Subscriptions::scripted(
+        std::sync::Arc::new(crate::runtime::avro::Codec::new().unwrap()),
+        |table, rec| {
+            let at = rec.version as i64;
+            if rec.version <= 3 {
+                let rec = rec.clone();
+                table.apply(|t| {
+                    t.upsert(rec);
+                    t.note_read(0, at);
+                });
+            }
+            Some((0, at))
+        },
+    );
+    let h = Harness::with_subs(true, subs);
+    let (first, second) = (Hook::start(true).await, Hook::start(true).await);
+    let t = h.token("acme");
+    let a = h
+        .post("/v1/subscriptions", &t, webhook_body(&first.url))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["version"], 2);
+    let id = a.body["id"].as_str().unwrap();
+    let patched = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&t),
+            Some(json!({"destination": {"type": "webhook", "url": second.url}})),
+            &[("if-match", "\"2\"")],
+        )
+        .await;
+    assert_eq!(patched.status, StatusCode::OK, "{}", patched.text);
+    assert_eq!(patched.body["verification"], json!({"state": "active"}));
+    assert_eq!(patched.headers["etag"], "\"4\"", "{}", patched.text);
+    assert_eq!(
+        h.state.subs.get(id).unwrap().version,
+        4,
+        "this instance has it"
+    );
+}
