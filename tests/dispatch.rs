@@ -1442,7 +1442,10 @@ async fn a_transaction_open_when_another_instance_joins_commits_and_its_events_g
 async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_its_events_go_once() {
     let (s, tenants, got, gate) = gated_hub(
         "refused",
-        &[("STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS", "true")],
+        &[
+            ("STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS", "true"),
+            ("STREAMING_HUB_HTTP_TIMEOUT", "60s"),
+        ],
     )
     .await;
     gate.send(true).unwrap();
@@ -1452,6 +1455,9 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     wait_delivered(&s, &first, Duration::from_secs(90));
     let before = *got.lock().unwrap();
 
+    // The sink holds the first attempts: their jobs are written leased in the held transaction,
+    // after the hold, so those writes are still in flight when the refusal comes (as under load).
+    gate.send(false).unwrap();
     let events = produce_one_each(&s, &tenants);
     wait_until(
         Duration::from_secs(90),
@@ -1479,5 +1485,6 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
         "streaming_hub_hub_batches_run_again_total",
     );
     assert_eq!(again, 1, "one batch run again");
+    gate.send(true).unwrap();
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
 }

@@ -82,6 +82,11 @@ const COMMIT_PATIENCE: Duration = Duration::from_secs(45);
 /// How long a loop whose offsets the coordinator refused for their generation waits for its
 /// consumer to join the next one before it runs the batch again (see the loop's abort path).
 const NEXT_GENERATION_PATIENCE: Duration = Duration::from_secs(1);
+/// After such a refusal: at most this many runs again, within this long of it, each one after
+/// the first this much later than the one before.
+const RERUNS: u32 = 3;
+const RERUN_WINDOW: Duration = Duration::from_secs(2);
+const RERUN_PAUSE: Duration = Duration::from_millis(50);
 /// `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: whether its one held transaction has been.
 static STALE_OFFSETS_HELD: AtomicBool = AtomicBool::new(false);
 /// The longest it holds: well inside the producers' `transaction.timeout.ms` (60 s).
@@ -1778,9 +1783,10 @@ impl HubStage {
             if let Some(d) = &mut self.dispatch {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
-            // At most two runs: the second only when the coordinator refused the first one's
-            // offsets because the group moved on as they were sent (see below).
+            // Run again only after the coordinator refused the first run's offsets because the
+            // group moved on as they were sent (see below).
             let mut runs = 0;
+            let mut refused_at: Option<Instant> = None;
             let aborted = loop {
                 runs += 1;
                 match self.process_batch(producer, &consumer, &mut guard.tasks, &batch) {
@@ -1824,18 +1830,27 @@ impl HubStage {
                         // the next owner of a partition that moved would send their first
                         // attempts a second time. The second run's claims take those attempts'
                         // deliveries (`Dispatch::launch`).
-                        let refused =
-                            matches!(&e, HubError::Kafka(k) if kafka::generation_refused(k));
+                        // A run right after the abort can fail too, on a producer or a
+                        // coordinator still settling it (seen under load: "Erroneous state"
+                        // from the offsets); a few more runs, a little later each, within
+                        // RERUN_WINDOW of the refusal.
                         if runs == 1
-                            && refused
+                            && matches!(&e, HubError::Kafka(k) if kafka::generation_refused(k))
+                        {
+                            refused_at = Some(Instant::now());
+                        }
+                        let again = refused_at.is_some_and(|at| at.elapsed() < RERUN_WINDOW)
+                            && runs <= RERUNS
                             && kafka::wait_next_generation(
                                 &consumer,
                                 &consumer.context().membership,
                                 NEXT_GENERATION_PATIENCE,
-                            )
-                        {
+                            );
+                        if again {
+                            std::thread::sleep(RERUN_PAUSE * (runs - 1));
                             tracing::info!(
                                 records = batch.len(),
+                                run = runs + 1,
                                 "hub batch runs again at once under the group's next generation"
                             );
                             telemetry::hub_batch_run_again();
@@ -2324,6 +2339,16 @@ fn commit_staged(
     phase_done: &mut dyn FnMut(&'static str),
     hold: bool,
 ) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
+    // `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: the metadata is taken and held before the
+    // writes below, so they are still in flight when the refusal comes, as under load.
+    let held = if hold {
+        let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
+            .map_err(KafkaError::from)?;
+        hold_until_the_group_moves(consumer);
+        Some(metadata)
+    } else {
+        None
+    };
     // The jobs changelog is the batch's final job writes: a key written twice in one
     // transaction (a job created and claimed) needs only its last record in the compacted
     // changelog, and the staging holds exactly that.
@@ -2345,11 +2370,11 @@ fn commit_staged(
             tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
                 .map_err(KafkaError::from)?;
         }
-        let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
-            .map_err(KafkaError::from)?;
-        if hold {
-            hold_until_the_group_moves(consumer);
-        }
+        let metadata = match held {
+            Some(metadata) => metadata,
+            None => kafka::member_metadata(consumer, &consumer.context().membership)
+                .map_err(KafkaError::from)?,
+        };
         producer
             .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
