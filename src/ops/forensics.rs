@@ -219,6 +219,24 @@ impl Queue {
     }
 }
 
+/// Keeps `d` among the dead deliveries in `dead_at` order, as [`Queue::push`] keeps the other
+/// kinds in record-time order (the DLQ's partitions are read interleaved, and a backlog may be
+/// read after newer records): when full, the oldest goes, which is `d` itself when it is older
+/// than all the others.
+fn keep_dead(dead: &mut VecDeque<DeadDelivery>, d: DeadDelivery) {
+    if dead.len() >= MAX_PER_KIND {
+        if dead
+            .front()
+            .is_some_and(|oldest| oldest.dead_at_ms > d.dead_at_ms)
+        {
+            return;
+        }
+        dead.pop_front();
+    }
+    let at = dead.partition_point(|k| k.dead_at_ms <= d.dead_at_ms);
+    dead.insert(at, d);
+}
+
 /// The index; cheap to clone (shared).
 #[derive(Clone)]
 pub struct Forensics {
@@ -314,23 +332,23 @@ impl Forensics {
                     );
                     return;
                 };
-                if inner.dead.len() >= MAX_PER_KIND {
-                    inner.dead.pop_front();
-                }
-                inner.dead.push_back(DeadDelivery {
-                    id: format!("{}-{}", m.partition(), m.offset()),
-                    event_id: dl.event_id,
-                    subscription_id: dl.subscription_id,
-                    tenant_id: dl.tenant_id,
-                    attempts: dl.attempts,
-                    last_status: dl.last_status,
-                    last_error: dl.last_error,
-                    reason: reason_code(dl.reason).to_string(),
-                    dead_at: rfc3339_ms(dl.dead_at),
-                    dead_at_ms: dl.dead_at,
-                    redrivable: dl.event_headers.is_some(),
-                    payload_bytes: dl.event_value.as_ref().map_or(0, Vec::len),
-                });
+                keep_dead(
+                    &mut inner.dead,
+                    DeadDelivery {
+                        id: format!("{}-{}", m.partition(), m.offset()),
+                        event_id: dl.event_id,
+                        subscription_id: dl.subscription_id,
+                        tenant_id: dl.tenant_id,
+                        attempts: dl.attempts,
+                        last_status: dl.last_status,
+                        last_error: dl.last_error,
+                        reason: reason_code(dl.reason).to_string(),
+                        dead_at: rfc3339_ms(dl.dead_at),
+                        dead_at_ms: dl.dead_at,
+                        redrivable: dl.event_headers.is_some(),
+                        payload_bytes: dl.event_value.as_ref().map_or(0, Vec::len),
+                    },
+                );
             }
         }
     }
@@ -495,6 +513,49 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn dead_at(ms: i64) -> DeadDelivery {
+        DeadDelivery {
+            id: format!("0-{ms}"),
+            event_id: "e".into(),
+            subscription_id: "s".into(),
+            tenant_id: "t".into(),
+            attempts: 8,
+            last_status: Some(500),
+            last_error: None,
+            reason: "exhausted".into(),
+            dead_at: rfc3339_ms(ms),
+            dead_at_ms: ms,
+            redrivable: true,
+            payload_bytes: 0,
+        }
+    }
+
+    /// Two DLQ partitions read one after the other: the newest first by `dead_at` whatever the
+    /// read order, and when full the oldest by `dead_at` goes, not the first read.
+    #[test]
+    fn dead_deliveries_are_kept_in_dead_at_order() {
+        let mut dead = VecDeque::new();
+        // Partition 1's backlog (older), read after partition 0's newer records.
+        for ms in [50, 60, 70, 10, 20, 30] {
+            keep_dead(&mut dead, dead_at(ms));
+        }
+        let order: Vec<i64> = dead.iter().map(|d| d.dead_at_ms).collect();
+        assert_eq!(order, [10, 20, 30, 50, 60, 70]);
+        let mut full: VecDeque<DeadDelivery> = (0..MAX_PER_KIND as i64)
+            .map(|i| dead_at(1_000 + i))
+            .collect();
+        keep_dead(&mut full, dead_at(5));
+        assert_eq!(
+            full.front().unwrap().dead_at_ms,
+            1_000,
+            "older than all: not kept"
+        );
+        keep_dead(&mut full, dead_at(1_500));
+        assert_eq!(full.len(), MAX_PER_KIND);
+        assert_eq!(full.front().unwrap().dead_at_ms, 1_001, "the oldest went");
+        assert!(full.iter().any(|d| d.dead_at_ms == 1_500));
+    }
 
     fn kept(time: i64, payload: &[u8]) -> Kept {
         let rec = ForensicRecord {
