@@ -118,10 +118,6 @@ pub enum ApplyError {
     Kek(String),
     #[error("{0}")]
     Unavailable(String),
-    #[error(
-        "subscription {id}: its stored credentials do not open ({error}); check STREAMING_HUB_KEK and STREAMING_HUB_KEK_PREVIOUS"
-    )]
-    Sealed { id: String, error: SecretError },
     #[error("subscription {id}: {error}")]
     Write { id: String, error: RepoError },
 }
@@ -130,9 +126,7 @@ impl ApplyError {
     pub fn exit_code(&self) -> u8 {
         match self {
             ApplyError::File(_) | ApplyError::Invalid(_) | ApplyError::Kek(_) => exit::INVALID,
-            ApplyError::Unavailable(_) | ApplyError::Sealed { .. } | ApplyError::Write { .. } => {
-                exit::UNAVAILABLE
-            }
+            ApplyError::Unavailable(_) | ApplyError::Write { .. } => exit::UNAVAILABLE,
         }
     }
 }
@@ -330,7 +324,6 @@ pub fn plan(
         match step {
             Ok(s) => steps.push(s),
             Err(Planned::Invalid(error)) => errors.push(EntryError { index, error }),
-            Err(Planned::Sealed(id, error)) => return Err(ApplyError::Sealed { id, error }),
         }
     }
     if errors.is_empty() {
@@ -342,7 +335,6 @@ pub fn plan(
 
 enum Planned {
     Invalid(FieldError),
-    Sealed(String, SecretError),
 }
 
 fn create(d: Desired, kek: &Kek, now: i64) -> Step {
@@ -439,12 +431,23 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             DestinationType::Webhook,
         ) => {
             next.destination.headers = headers;
-            let (stored, binding) = open_sensitive_headers(kek, current)
-                .map_err(|e| Planned::Sealed(current.id.clone(), e))?;
             url_changed = current.destination.url.as_deref() != Some(url.as_str());
-            // Sealed again when they change, when the URL they are bound to changes, and when
-            // they were sealed before that binding existed.
-            if stored != sensitive_headers || url_changed || binding == Binding::SubscriptionOnly {
+            // Sealed again when they change, when the URL they are bound to changes, when they
+            // were sealed before that binding existed, and when they do not open here (a key
+            // removed, a record copied or tampered with): the entry holds the whole desired set,
+            // as a PATCH of `sensitive_headers` does, so one such record does not stop the file.
+            let reseal = match open_sensitive_headers(kek, current) {
+                Ok((stored, binding)) => {
+                    stored != sensitive_headers
+                        || url_changed
+                        || binding == Binding::SubscriptionOnly
+                }
+                Err(e) => {
+                    tracing::warn!(subscription_id = %current.id, error = %e, "stored sensitive headers do not open; sealed again from the file");
+                    true
+                }
+            };
+            if reseal {
                 next.destination.sensitive_headers =
                     seal_sensitive_headers(kek, &current.id, &url, &sensitive_headers);
             }
@@ -1139,6 +1142,36 @@ mod tests {
         let v3 = t.subs.get(B).unwrap();
         assert_eq!(v3.destination.url.as_deref(), Some(url2.as_str()));
         assert_eq!(v3.signing_secrets, v1.signing_secrets);
+    }
+
+    /// A stored record whose sealed headers do not open here (sealed for another record, a key
+    /// removed) is sealed again from the file, which holds the whole desired set: it does not
+    /// stop the file (it did, exit 3, as if the control topic were unreachable).
+    #[tokio::test]
+    async fn stored_headers_that_do_not_open_are_sealed_again_from_the_file() {
+        let t = target();
+        let (url, _) = echo().await;
+        let entry = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                            "destination": {"type": "webhook", "url": url,
+                                            "sensitive_headers": {"x-api-key": "k1"}}}]);
+        run(&t, &entry).await.0.unwrap();
+        let mut copied = (*t.subs.get(B).unwrap()).clone();
+        copied.destination.sensitive_headers = Some(t.kek.seal_bound(
+            br#"{"x-api-key":"k1"}"#,
+            "another-id",
+            &url,
+        ));
+        copied.version += 1;
+        let v = copied.version + 1;
+        t.subs.put(copied).await.unwrap();
+
+        let (r, out) = run(&t, &entry).await;
+        r.unwrap();
+        assert_eq!(out, format!("updated {B} v{v} active\n"));
+        let blob = t.subs.get(B).unwrap().destination.sensitive_headers.clone();
+        let (opened, binding) = t.kek.open_bound(&blob.unwrap(), B, &url).unwrap();
+        assert_eq!(binding, Binding::Url);
+        assert_eq!(opened, br#"{"x-api-key":"k1"}"#.to_vec());
     }
 
     #[tokio::test]
