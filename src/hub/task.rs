@@ -90,7 +90,7 @@ const RERUN_PAUSE: Duration = Duration::from_millis(50);
 /// `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: whether its one held transaction has been.
 static STALE_OFFSETS_HELD: AtomicBool = AtomicBool::new(false);
 /// The longest it holds: well inside the producers' `transaction.timeout.ms` (60 s).
-const STALE_OFFSETS_HOLD: Duration = Duration::from_secs(20);
+const STALE_OFFSETS_HOLD: Duration = Duration::from_secs(45);
 /// How long a loop that found no due job waits before it looks again (claims only).
 const QUIET_CLAIMS: Duration = Duration::from_millis(50);
 /// Shortest gap between two transactions that carry only outcomes and claims (no inbox records).
@@ -494,6 +494,9 @@ struct HubContext {
     stage: usize,
     /// The membership of the last rebalance callback (see `kafka::member_metadata`).
     membership: kafka::ConfirmedMembership,
+    /// The group generation of the last offsets the loop sent (a refused batch runs again only
+    /// under a later one).
+    offsets_generation: std::sync::atomic::AtomicI32,
 }
 
 impl ClientContext for HubContext {
@@ -1702,6 +1705,7 @@ impl HubStage {
             router: self.router.clone(),
             stage: self.stage,
             membership: Default::default(),
+            offsets_generation: Default::default(),
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         consumer
@@ -1844,6 +1848,7 @@ impl HubStage {
                             && kafka::wait_next_generation(
                                 &consumer,
                                 &consumer.context().membership,
+                                consumer.context().offsets_generation.load(Ordering::SeqCst),
                                 NEXT_GENERATION_PATIENCE,
                             );
                         if again {
@@ -1853,7 +1858,9 @@ impl HubStage {
                                 run = runs + 1,
                                 "hub batch runs again at once under the group's next generation"
                             );
-                            telemetry::hub_batch_run_again();
+                            if runs == 1 {
+                                telemetry::hub_batch_run_again();
+                            }
                             continue;
                         }
                         break true;
@@ -1941,8 +1948,7 @@ impl HubStage {
                 }
                 Err(e @ (HubError::Fenced(_) | HubError::Undecided(_))) => return Err(e),
                 Err(e) => {
-                    let _ =
-                        crate::runtime::kafka::abort_waiting(producer, TXN_TIMEOUT, ABORT_PATIENCE);
+                    let _ = abort_and_forget(producer);
                     if let Some(d) = self.dispatch.as_mut() {
                         d.breakers.rollback();
                     }
@@ -2342,7 +2348,7 @@ fn commit_staged(
     // `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: the metadata is taken and held before the
     // writes below, so they are still in flight when the refusal comes, as under load.
     let held = if hold {
-        let metadata = kafka::member_metadata(consumer, &consumer.context().membership)
+        let metadata = kafka::member_metadata_as(consumer, &consumer.context().membership)
             .map_err(KafkaError::from)?;
         hold_until_the_group_moves(consumer);
         Some(metadata)
@@ -2370,11 +2376,15 @@ fn commit_staged(
             tpl.add_partition_offset(&env.inbox, *p, Offset::Offset(*next))
                 .map_err(KafkaError::from)?;
         }
-        let metadata = match held {
-            Some(metadata) => metadata,
-            None => kafka::member_metadata(consumer, &consumer.context().membership)
+        let (metadata, member) = match held {
+            Some(held) => held,
+            None => kafka::member_metadata_as(consumer, &consumer.context().membership)
                 .map_err(KafkaError::from)?,
         };
+        consumer
+            .context()
+            .offsets_generation
+            .store(member.generation, Ordering::SeqCst);
         producer
             .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;

@@ -687,6 +687,14 @@ pub fn member_metadata<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,
 ) -> Result<rdkafka::consumer::ConsumerGroupMetadata, rdkafka::error::KafkaError> {
+    member_metadata_as(consumer, confirmed).map(|(metadata, _)| metadata)
+}
+
+/// [`member_metadata`], with the membership the metadata holds.
+pub fn member_metadata_as<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    confirmed: &ConfirmedMembership,
+) -> Result<(rdkafka::consumer::ConsumerGroupMetadata, Membership), rdkafka::error::KafkaError> {
     // rdkafka keeps its metadata's pointer to itself: the membership is read just before and
     // just after it is taken. Every rejoin gets a new member id, so two equal readings mean the
     // metadata between them is either the same or taken during a reset (generation -1 or no
@@ -700,7 +708,7 @@ pub fn member_metadata<C: ConsumerContext>(
             "the group membership changed while its metadata was taken".to_string()
         }
         (Some(m), Some(metadata)) => match may_commit_as(consumer, confirmed, m) {
-            Ok(()) => return Ok(metadata),
+            Ok(()) => return Ok((metadata, m.clone())),
             Err(why) => why,
         },
     };
@@ -814,23 +822,26 @@ pub fn generation_refused(e: &KafkaError) -> bool {
     matches!(e, KafkaError::Call(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::IllegalGeneration))
 }
 
-/// After [`generation_refused`]: waits up to `patience` for this consumer to reach a generation
-/// past the one its loop was told, as a membership its offsets may go under
+/// After [`generation_refused`] of offsets sent under generation `refused`: waits up to
+/// `patience` for this consumer to reach a generation past both that one and the one its loop
+/// was told, as a membership its offsets may go under
 /// ([`may_commit_under`]: the next generation of the same member, cooperative, nothing lost).
 /// The coordinator refused because it has moved there, so the consumer's join response is on its
 /// way. Reads the membership only: no poll, so no rebalance callback is served meanwhile.
 pub fn wait_next_generation<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,
+    refused: i32,
     patience: Duration,
 ) -> bool {
     let Some(told) = confirmed.get() else {
         return false;
     };
+    let past = told.generation.max(refused);
     let deadline = std::time::Instant::now() + patience;
     loop {
         if let Some(m) = membership(consumer) {
-            if m.generation > told.generation && may_commit_as(consumer, confirmed, &m).is_ok() {
+            if m.generation > past && may_commit_as(consumer, confirmed, &m).is_ok() {
                 return true;
             }
         }

@@ -118,6 +118,10 @@ pub enum ApplyError {
     Kek(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error(
+        "subscription {id}: neither its stored credentials nor its signing secrets open ({error}); check STREAMING_HUB_KEK and STREAMING_HUB_KEK_PREVIOUS"
+    )]
+    Sealed { id: String, error: SecretError },
     #[error("subscription {id}: {error}")]
     Write { id: String, error: RepoError },
 }
@@ -125,7 +129,10 @@ pub enum ApplyError {
 impl ApplyError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            ApplyError::File(_) | ApplyError::Invalid(_) | ApplyError::Kek(_) => exit::INVALID,
+            ApplyError::File(_)
+            | ApplyError::Invalid(_)
+            | ApplyError::Kek(_)
+            | ApplyError::Sealed { .. } => exit::INVALID,
             ApplyError::Unavailable(_) | ApplyError::Write { .. } => exit::UNAVAILABLE,
         }
     }
@@ -324,6 +331,7 @@ pub fn plan(
         match step {
             Ok(s) => steps.push(s),
             Err(Planned::Invalid(error)) => errors.push(EntryError { index, error }),
+            Err(Planned::Sealed(id, error)) => return Err(ApplyError::Sealed { id, error }),
         }
     }
     if errors.is_empty() {
@@ -335,6 +343,7 @@ pub fn plan(
 
 enum Planned {
     Invalid(FieldError),
+    Sealed(String, SecretError),
 }
 
 fn create(d: Desired, kek: &Kek, now: i64) -> Step {
@@ -442,10 +451,19 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
                         || url_changed
                         || binding == Binding::SubscriptionOnly
                 }
-                Err(e) => {
+                // Only when the same record's signing secrets open, which shows the key is right:
+                // under a wrong STREAMING_HUB_KEK every entry would be sealed again under it, and
+                // the running instances could not open any.
+                Err(e)
+                    if current
+                        .signing_secrets
+                        .iter()
+                        .any(|s| kek.open_secret(s, &current.id).is_ok()) =>
+                {
                     tracing::warn!(subscription_id = %current.id, error = %e, "stored sensitive headers do not open; sealed again from the file");
                     true
                 }
+                Err(e) => return Err(Planned::Sealed(current.id.clone(), e)),
             };
             if reseal {
                 next.destination.sensitive_headers =
@@ -1145,8 +1163,10 @@ mod tests {
     }
 
     /// A stored record whose sealed headers do not open here (sealed for another record, a key
-    /// removed) is sealed again from the file, which holds the whole desired set: it does not
-    /// stop the file (it did, exit 3, as if the control topic were unreachable).
+    /// removed) while its signing secrets do (the key is right) is sealed again from the file,
+    /// which holds the whole desired set: it does not stop the file (it did, exit 3, as if the
+    /// control topic were unreachable). When nothing of it opens, the key is wrong: the file
+    /// stops, exit 2, nothing written.
     #[tokio::test]
     async fn stored_headers_that_do_not_open_are_sealed_again_from_the_file() {
         let t = target();
@@ -1172,6 +1192,27 @@ mod tests {
         let (opened, binding) = t.kek.open_bound(&blob.unwrap(), B, &url).unwrap();
         assert_eq!(binding, Binding::Url);
         assert_eq!(opened, br#"{"x-api-key":"k1"}"#.to_vec());
+
+        // Neither its headers nor its signing secrets open: the key is wrong, nothing is written.
+        let mut foreign = (*t.subs.get(B).unwrap()).clone();
+        foreign.signing_secrets = vec![t.kek.seal_secret(
+            &crate::subscriptions::secrets::generate_signing_secret(),
+            "another-id",
+            None,
+        )];
+        foreign.destination.sensitive_headers = Some(t.kek.seal_bound(
+            br#"{"x-api-key":"k1"}"#,
+            "another-id",
+            &url,
+        ));
+        foreign.version += 1;
+        let version = foreign.version;
+        t.subs.put(foreign).await.unwrap();
+        let (r, _) = run(&t, &entry).await;
+        let e = r.unwrap_err();
+        assert!(matches!(e, ApplyError::Sealed { .. }), "{e}");
+        assert_eq!(e.exit_code(), exit::INVALID);
+        assert_eq!(t.subs.get(B).unwrap().version, version, "nothing written");
     }
 
     #[tokio::test]
