@@ -1825,8 +1825,9 @@ impl HubStage {
                     Err(e) => {
                         tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
                         self.undo_aborted(producer, &mut guard.tasks, &batch)?;
-                        // Refused by the coordinator because the group moved to the next
-                        // generation while the offsets were on their way: this loop still holds
+                        // Refused because the group moved to the next generation while the
+                        // offsets were on their way (by the coordinator, or by `member_metadata`
+                        // seeing the membership change as it took them): this loop still holds
                         // every partition of the batch until it serves the revocation, and may
                         // commit under that generation (`kafka::may_commit_under`). The batch
                         // runs again at once, before the next poll serves the revocation, so the

@@ -705,7 +705,7 @@ pub fn member_metadata_as<C: ConsumerContext>(
     let why = match (before.as_ref(), metadata) {
         (None, _) | (_, None) => "no group metadata yet".to_string(),
         (Some(m), Some(_)) if m.is_member() && after.as_ref() != Some(m) => {
-            "the group membership changed while its metadata was taken".to_string()
+            MOVED_WHILE_TAKEN.to_string()
         }
         (Some(m), Some(metadata)) => match may_commit_as(consumer, confirmed, m) {
             Ok(()) => return Ok((metadata, m.clone())),
@@ -815,11 +815,20 @@ pub fn may_commit_now<C: ConsumerContext>(
     membership(consumer).is_some_and(|m| may_commit_as(consumer, confirmed, &m).is_ok())
 }
 
-/// Whether `e` is the coordinator refusing a transaction's offsets for their generation
-/// (`ILLEGAL_GENERATION`): the group moved on in the moment between their metadata being taken
-/// and the coordinator checking it. librdkafka makes it abortable: the transaction is lost.
+/// Why [`member_metadata`] refused: the membership read just before and just after the metadata
+/// was taken differ.
+pub const MOVED_WHILE_TAKEN: &str = "the group membership changed while its metadata was taken";
+
+/// Whether `e` says the group moved on while a transaction's offsets were being sent: the
+/// coordinator refused them for their generation (`ILLEGAL_GENERATION`, the group moved in the
+/// moment between their metadata being taken and checked; librdkafka makes it an abort), or
+/// [`member_metadata`] saw the membership change while it took the metadata.
 pub fn generation_refused(e: &KafkaError) -> bool {
-    matches!(e, KafkaError::Call(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::IllegalGeneration))
+    match e {
+        KafkaError::Call(rdkafka::error::KafkaError::Subscription(why)) => why == MOVED_WHILE_TAKEN,
+        KafkaError::Call(e) => e.rdkafka_error_code() == Some(RDKafkaErrorCode::IllegalGeneration),
+        _ => false,
+    }
 }
 
 /// After [`generation_refused`] of offsets sent under generation `refused`: waits up to
@@ -994,6 +1003,27 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_group_moving_on_is_told_from_other_failures() {
+        use rdkafka::error::KafkaError as Rd;
+        let call = KafkaError::Call;
+        assert!(generation_refused(&call(Rd::Subscription(
+            MOVED_WHILE_TAKEN.into()
+        ))));
+        assert!(generation_refused(&call(Rd::ConsumerCommit(
+            RDKafkaErrorCode::IllegalGeneration
+        ))));
+        assert!(!generation_refused(&call(Rd::Subscription(
+            NOT_TOLD.into()
+        ))));
+        assert!(!generation_refused(&call(Rd::ConsumerCommit(
+            RDKafkaErrorCode::UnknownMemberId
+        ))));
+        assert!(!generation_refused(&KafkaError::Setup(
+            MOVED_WHILE_TAKEN.into()
+        )));
+    }
 
     #[test]
     fn offsets_go_under_the_told_membership_or_the_next_generation_of_the_same_member() {
