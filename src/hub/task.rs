@@ -1787,8 +1787,8 @@ impl HubStage {
             if let Some(d) = &mut self.dispatch {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
-            // Run again only after the coordinator refused the first run's offsets because the
-            // group moved on as they were sent (see below).
+            // Run again only after the first run's offsets were refused because the group moved
+            // on as they were sent (see below).
             let mut runs = 0;
             let mut refused_at: Option<Instant> = None;
             let aborted = loop {
