@@ -1,7 +1,7 @@
 //! Operations against the real binary and broker: the pull API (order, cursor across a restart
 //! and across instances, rate limit), recover / redrive / per-subscription replay (each redelivers
 //! to one subscription only; a payload that gains a holder while an attempt is in flight outlives
-//! that attempt), the forensics index of producers' DLQs and the quarantine (never delivered), and
+//! that attempt; a run whose request the broker refuses fails alone), the forensics index of producers' DLQs and the quarantine (never delivered), and
 //! SIGTERM during deliveries (every attempt a sink saw is recorded).
 mod common;
 
@@ -18,9 +18,11 @@ use axum::routing::post;
 use common::*;
 use serde_json::{Value, json};
 use streaming_hub::config::Config;
-use streaming_hub::ops::redeliver::Redeliverer;
+use streaming_hub::ops::redeliver::{Progress, Redeliverer};
 use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::AttemptRecord;
+use streaming_hub::runtime::records::{
+    AttemptRecord, DeadLetterReason, DeadLetterRecord, HeaderRecord,
+};
 
 #[derive(Clone)]
 struct Sink {
@@ -544,6 +546,81 @@ async fn a_range_whose_start_retention_deleted_is_read_from_the_oldest_record_ke
     })
     .unwrap();
     assert_eq!(read, (50..100).collect::<Vec<i64>>());
+}
+
+/// One redrive whose redelivery request the broker refuses (its event is larger than the inbox
+/// takes) fails alone: a redrive beside it, or after it on the same instance, is `done`. Runs
+/// shared one producer: its first refusal went to whichever run looked first, and a run could
+/// wait on another's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_request_is_refused_fails_alone() {
+    require_broker();
+    let prefix = unique("ops-iso");
+    let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
+    let inbox = format!("{prefix}.inbox");
+    let dlq = format!("{prefix}.dlq");
+    create_topic_configured(&admin(), &inbox, 1, &[("max.message.bytes", "65536")]).await;
+    create_topic(&dlq, 1).await;
+    let codec = Arc::new(Codec::new().unwrap());
+    let dead = |value_len: usize| {
+        let e = event("tenant-iso", "ledger", "transaction", "created");
+        let dl = DeadLetterRecord {
+            event_id: e.id(),
+            subscription_id: "sub-iso".into(),
+            tenant_id: "tenant-iso".into(),
+            attempts: 1,
+            last_status: Some(500),
+            last_error: None,
+            reason: DeadLetterReason::Exhausted,
+            dead_at: 1,
+            event_headers: Some(
+                e.headers
+                    .iter()
+                    .map(|(key, value)| HeaderRecord {
+                        key: key.clone(),
+                        value: value.clone(),
+                    })
+                    .collect(),
+            ),
+            event_value: Some(vec![b'x'; value_len]),
+        };
+        Rec {
+            key: Some(b"tenant-iso".to_vec()),
+            value: Some(codec.encode(RecordKind::DeadLetter, &dl).unwrap()),
+            ..Rec::default()
+        }
+    };
+    // Offset 0 fits the inbox, offset 1 does not.
+    produce(&producer(), &dlq, &[dead(100), dead(200_000)]);
+    let r = Redeliverer::new(&config, codec.clone()).unwrap();
+    let run = |offset: i64| {
+        let p = Mutex::new(Progress {
+            id: format!("run-{offset}"),
+            ..Progress::default()
+        });
+        r.redrive(&[(0, offset)], None, &p).map(|_| ())
+    };
+    let refused = run(1).expect_err("the inbox refuses a 200 kB request");
+    assert!(refused.to_string().contains("not written"), "{refused}");
+    run(0).expect("a run after a refused one");
+    for round in 0..8 {
+        let start = std::sync::Barrier::new(2);
+        let (big, small) = std::thread::scope(|s| {
+            let big = s.spawn(|| {
+                start.wait();
+                run(1)
+            });
+            let small = s.spawn(|| {
+                start.wait();
+                run(0)
+            });
+            (big.join().unwrap(), small.join().unwrap())
+        });
+        assert!(big.is_err(), "round {round}: the refused run");
+        small.unwrap_or_else(|e| panic!("round {round}: the run beside it failed: {e}"));
+    }
+    let requests = read_all(&[&inbox], Duration::from_secs(5));
+    assert_eq!(requests.len(), 9, "one request per run of offset 0");
 }
 
 /// A sink that takes each event delivery and answers 200 only once the test opens its gate

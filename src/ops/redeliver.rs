@@ -71,37 +71,50 @@ pub struct Progress {
 }
 
 /// Writes redelivery requests and reads the inbox and the DLQ (share it in an `Arc`).
+///
+/// Each run writes with a producer of its own: a run's `done` or `failed` is then its own
+/// requests' outcome, and its flush waits for its own queue only. Runs on one instance shared a
+/// producer before, and one run's refused request could be reported by another run beside it.
 pub struct Redeliverer {
     config: Config,
     codec: Arc<Codec>,
-    producer: BaseProducer<TrackingContext>,
     inbox: String,
     dlq: String,
 }
 
+/// The producer of one run.
+type RunProducer = BaseProducer<TrackingContext>;
+
 impl Redeliverer {
     pub fn new(config: &Config, codec: Arc<Codec>) -> Result<Redeliverer, RedeliverError> {
-        let producer: BaseProducer<TrackingContext> = kafka::base(config)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("linger.ms", "5")
-            // The same partitioner as ingest: key = tenant lands in the tenant's inbox partition.
-            .set("partitioner", "murmur2_random")
-            // As large as what ingest and the hub write to the inbox (an event up to
-            // `STREAMING_HUB_MAX_PAYLOAD_BYTES` and its headers): librdkafka's 1 MB default
-            // refused the larger events' requests.
-            .set("message.max.bytes", "4194304")
-            .create_with_context(TrackingContext::default())
-            .map_err(k)?;
+        // Made once here so a configuration librdkafka refuses stops the start, not a run.
+        drop(producer(config)?);
         Ok(Redeliverer {
             config: config.clone(),
             codec,
-            producer,
             inbox: format!("{}.inbox", config.topic_prefix),
             dlq: format!("{}.dlq", config.topic_prefix),
         })
     }
+}
 
+/// A producer for one run's redelivery requests.
+fn producer(config: &Config) -> Result<RunProducer, RedeliverError> {
+    kafka::base(config)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        // The same partitioner as ingest: key = tenant lands in the tenant's inbox partition.
+        .set("partitioner", "murmur2_random")
+        // As large as what ingest and the hub write to the inbox (an event up to
+        // `STREAMING_HUB_MAX_PAYLOAD_BYTES` and its headers): librdkafka's 1 MB default
+        // refused the larger events' requests.
+        .set("message.max.bytes", "4194304")
+        .create_with_context(TrackingContext::default())
+        .map_err(k)
+}
+
+impl Redeliverer {
     fn consumer(&self) -> Result<BaseConsumer<kafka::ReaderContext>, RedeliverError> {
         kafka::base(&self.config)
             .set("group.id", format!("{}.ops-reader", self.config.group_id))
@@ -132,6 +145,7 @@ impl Redeliverer {
     /// Queues one redelivery request.
     fn request(
         &self,
+        producer: &RunProducer,
         tenant: &str,
         subscription: &str,
         request_id: &str,
@@ -163,14 +177,14 @@ impl Redeliverer {
         if let Some(v) = value {
             r = r.payload(v);
         }
-        kafka::send_waiting(&self.producer, r).map_err(k)
+        kafka::send_waiting(producer, r).map_err(k)
     }
 
-    /// Waits for every request sent; fails if the brokers refused one (a flush alone succeeds
-    /// once the queue is empty, delivered or not).
-    fn flush(&self) -> Result<(), RedeliverError> {
-        self.producer.flush(TIMEOUT).map_err(k)?;
-        match self.producer.context().take().1 {
+    /// Waits for every request of the run sent; fails if the brokers refused one (a flush alone
+    /// succeeds once the queue is empty, delivered or not).
+    fn flush(producer: &RunProducer) -> Result<(), RedeliverError> {
+        producer.flush(TIMEOUT).map_err(k)?;
+        match producer.context().take().1 {
             Some(e) => Err(RedeliverError::Kafka(format!(
                 "a redelivery request was not written: {e}"
             ))),
@@ -188,6 +202,7 @@ impl Redeliverer {
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms)?;
+        let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         let mut seen: HashSet<Vec<u8>> = HashSet::new();
         scan(&consumer, &self.inbox, &ranges, |m| {
@@ -227,13 +242,20 @@ impl Redeliverer {
             if !sub_matches(sub, &e) || !seen.insert(id.as_bytes().to_vec()) {
                 return Ok(());
             }
-            self.request(&sub.tenant_id, &sub.id, &request_id, &headers, m.payload())?;
+            self.request(
+                &producer,
+                &sub.tenant_id,
+                &sub.id,
+                &request_id,
+                &headers,
+                m.payload(),
+            )?;
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
             p.matched += 1;
             p.requested += 1;
             Ok(())
         })?;
-        self.flush()
+        Self::flush(&producer)
     }
 
     /// Recover: the subscription's dead letters since `since_ms`, each event once.
@@ -245,6 +267,7 @@ impl Redeliverer {
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX)?;
+        let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
         // the events (a long outage dead-letters many, each up to the payload limit).
@@ -263,11 +286,11 @@ impl Redeliverer {
                 && dl.dead_at >= since_ms
                 && seen.insert(dl.event_id.clone())
             {
-                self.request_one_dead(&dl, &request_id, progress)?;
+                self.request_one_dead(&producer, &dl, &request_id, progress)?;
             }
             Ok(())
         })?;
-        self.flush()
+        Self::flush(&producer)
     }
 
     /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
@@ -336,16 +359,18 @@ impl Redeliverer {
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
         let request_id = request_id_of(progress);
+        let producer = producer(&self.config)?;
         for dl in dead {
-            self.request_one_dead(dl, &request_id, progress)?;
+            self.request_one_dead(&producer, dl, &request_id, progress)?;
         }
-        self.flush()
+        Self::flush(&producer)
     }
 
     /// One dead letter's redelivery request (counted in `progress`; one without the event's
     /// headers, written by an earlier version, is counted unrecoverable).
     fn request_one_dead(
         &self,
+        producer: &RunProducer,
         dl: &DeadLetterRecord,
         request_id: &str,
         progress: &Mutex<Progress>,
@@ -362,6 +387,7 @@ impl Redeliverer {
             .map(|h| (h.key.clone(), h.value.clone()))
             .collect();
         self.request(
+            producer,
             &dl.tenant_id,
             &dl.subscription_id,
             request_id,
