@@ -1,8 +1,9 @@
 //! Operations against the real binary and broker: the pull API (order, cursor across a restart
 //! and across instances, rate limit), recover / redrive / per-subscription replay (each redelivers
 //! to one subscription only; a payload that gains a holder while an attempt is in flight outlives
-//! that attempt; a run whose request the broker refuses fails alone), the forensics index of producers' DLQs and the quarantine (never delivered), and
-//! SIGTERM during deliveries (every attempt a sink saw is recorded).
+//! that attempt; a run whose request the broker refuses fails alone), the forensics index of
+//! producers' DLQs and the quarantine (never delivered), and SIGTERM during deliveries (every
+//! attempt a sink saw is recorded).
 mod common;
 
 use std::collections::BTreeMap;
