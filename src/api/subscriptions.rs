@@ -82,7 +82,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
 }
 
 #[utoipa::path(post, path = "/v1/subscriptions", tag = "subscriptions", request_body = CreateSubscription,
-    security(("bearer" = [])),
+    params(SubscriptionQuery), security(("bearer" = [])),
     responses(
         (status = 201, description = "Created; webhooks were probed before this answer", body = CreatedSubscription),
         (status = 202, description = "Written to the control topic but not yet visible to this instance (no probe yet: the background retrier probes it); the signing secret is in this answer all the same", body = CreatedSubscription),
@@ -93,9 +93,24 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
 pub async fn create(
     State(state): State<ApiState>,
     caller: Caller,
+    ApiQuery(query): ApiQuery<SubscriptionQuery>,
     JsonBody(body): JsonBody<CreateSubscription>,
 ) -> Result<Response, ApiError> {
-    let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    // The tenant may be named in the body or the query, as on every other route; named in both,
+    // the two must agree. (The query was ignored here: an admin token carrying a tenant of its
+    // own created the subscription for that tenant, not the one the query named.)
+    let named = match (body.tenant_id.as_deref(), query.tenant_id.as_deref()) {
+        (Some(b), Some(q)) if b != q => {
+            return Err(ApiError::bad_request(
+                "tenant_mismatch",
+                "tenant_id names one tenant in the body and another in the query",
+            )
+            .with_field("tenant_id"));
+        }
+        (Some(t), _) | (None, Some(t)) => Some(t),
+        (None, None) => None,
+    };
+    let tenant = caller.tenant_for(named)?;
     caught_up(&state)?;
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();

@@ -149,6 +149,64 @@ async fn admin_acts_only_for_the_tenant_it_names() {
     );
 }
 
+/// A create names its tenant in the body or the query, as every other route takes it. The query
+/// was ignored on create: an admin token carrying a tenant of its own (`token --tenant ops
+/// --admin`) made the subscription for `ops`, whose events then went to acme's endpoint.
+#[tokio::test]
+async fn an_admin_create_takes_the_tenant_its_query_names() {
+    let h = Harness::new();
+    let admin = super::super::auth::mint_at(
+        &crate::runtime::secret::Secret::new(super::JWT_SECRET),
+        Some("ops"),
+        true,
+        std::time::Duration::from_secs(3600),
+        crate::runtime::clock::Clock::now_ms(&h.clock) / 1000,
+    );
+    let a = h
+        .post("/v1/subscriptions?tenant_id=acme", &admin, pull_body())
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["tenant_id"], "acme");
+    let a = h.post("/v1/subscriptions", &admin, pull_body()).await;
+    assert_eq!(
+        a.body["tenant_id"], "ops",
+        "no tenant named: the token's own"
+    );
+    let mut body = pull_body();
+    body["tenant_id"] = json!("acme");
+    let a = h
+        .post("/v1/subscriptions?tenant_id=acme", &admin, body.clone())
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "the same tenant twice");
+    let a = h
+        .post("/v1/subscriptions?tenant_id=other", &admin, body)
+        .await;
+    assert_eq!(
+        (
+            a.status,
+            a.body["error"]["code"].as_str(),
+            a.body["error"]["field"].as_str()
+        ),
+        (
+            StatusCode::BAD_REQUEST,
+            Some("tenant_mismatch"),
+            Some("tenant_id")
+        )
+    );
+    // A tenant token naming another tenant in the query is refused as in the body.
+    let a = h
+        .post(
+            "/v1/subscriptions?tenant_id=other",
+            &h.token("acme"),
+            pull_body(),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.body["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("tenant_not_allowed"))
+    );
+}
+
 #[tokio::test]
 async fn patch_changes_given_fields_clears_nulls_and_increments_the_version() {
     let h = Harness::new();
