@@ -239,22 +239,8 @@ fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> Pu
                 .map(|v| String::from_utf8_lossy(v).into_owned())
         })
     };
-    let content_type = header("ce-datacontenttype");
     let payload = m.payload().unwrap_or_default();
-    let is_json = content_type.as_deref().is_some_and(|c| {
-        let c = c
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        c == "application/json" || c.ends_with("+json")
-    });
-    let data = if is_json {
-        serde_json::from_slice::<serde_json::Value>(payload).ok()
-    } else {
-        None
-    };
+    let (content_type, data, data_base64) = data_of(header("ce-datacontenttype"), payload);
     PulledEvent {
         id: header("ce-id").unwrap_or_default(),
         event_type: header("ce-type").unwrap_or_default(),
@@ -265,14 +251,58 @@ fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> Pu
         schema_version: header("ce-schemaversion").unwrap_or_default(),
         sequence: header(H_SEQUENCE).and_then(|s| s.parse().ok()),
         datacontenttype: content_type,
-        data_base64: data.is_none().then(|| STANDARD.encode(payload)),
+        data_base64,
         data,
     }
+}
+
+/// An event's content type and data as a pull page shows them: `data` as JSON when the content
+/// type is JSON and the payload parses, else `data_base64`. An event without
+/// `ce-datacontenttype` is `application/json` (DESIGN.md §6), as its webhook deliveries say.
+fn data_of(
+    content_type: Option<String>,
+    payload: &[u8],
+) -> (Option<String>, Option<serde_json::Value>, Option<String>) {
+    let content_type = content_type.unwrap_or_else(|| "application/json".to_string());
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let data = if essence == "application/json" || essence.ends_with("+json") {
+        serde_json::from_slice::<serde_json::Value>(payload).ok()
+    } else {
+        None
+    };
+    let data_base64 = data.is_none().then(|| STANDARD.encode(payload));
+    (Some(content_type), data, data_base64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_event_without_a_content_type_is_json() {
+        let (ct, data, b64) = data_of(None, br#"{"amount":1}"#);
+        assert_eq!(ct.as_deref(), Some("application/json"));
+        assert_eq!(data, Some(serde_json::json!({"amount": 1})));
+        assert_eq!(b64, None);
+        let (ct, data, b64) = data_of(
+            Some("application/cloudevents+json; charset=utf-8".into()),
+            b"[1]",
+        );
+        assert_eq!(
+            ct.as_deref(),
+            Some("application/cloudevents+json; charset=utf-8")
+        );
+        assert_eq!((data, b64), (Some(serde_json::json!([1])), None));
+        let (_, data, b64) = data_of(Some("application/octet-stream".into()), b"{}");
+        assert_eq!((data, b64.as_deref()), (None, Some("e30=")));
+        let (_, data, b64) = data_of(None, b"not json");
+        assert_eq!((data, b64.as_deref()), (None, Some("bm90IGpzb24=")));
+    }
 
     #[test]
     fn cursors_round_trip_and_garbage_is_refused() {
