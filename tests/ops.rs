@@ -599,7 +599,7 @@ async fn a_run_whose_request_is_refused_fails_alone() {
             id: format!("run-{offset}"),
             ..Progress::default()
         });
-        r.redrive(&[(0, offset)], None, &p).map(|_| ())
+        r.redrive(&[(0, offset)], None, &p)
     };
     let refused = run(1).expect_err("the inbox refuses a 200 kB request");
     assert!(refused.to_string().contains("not written"), "{refused}");

@@ -526,7 +526,8 @@ pub struct RedriveRequest {
 }
 
 impl RedriveRequest {
-    /// The dead letters' (partition, offset) positions; 400 naming `ids` or the id at fault.
+    /// The dead letters' (partition, offset) positions, each once, in the order first named; 400
+    /// naming `ids` or the id at fault.
     pub fn positions(&self) -> Result<Vec<(i32, i64)>, ApiError> {
         if self.ids.is_empty() || self.ids.len() > 1000 {
             return Err(
@@ -540,6 +541,8 @@ impl RedriveRequest {
                 .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)))
                 .filter(|(p, o)| *p >= 0 && *o >= 0);
             match parsed {
+                // Named twice: redriven once.
+                Some(pos) if positions.contains(&pos) => {}
                 Some(pos) => positions.push(pos),
                 None => {
                     return Err(ApiError::bad_request(
@@ -570,11 +573,9 @@ pub async fn redrive(
     let positions = body.positions()?;
     let progress = remember(&ops, "redrive", None);
     let p = progress.clone();
-    let result = tokio::task::spawn_blocking(move || {
-        ops.redeliver.redrive(&positions, None, &p).map(|_| ())
-    })
-    .await
-    .map_err(|e| ApiError::internal("redrive panicked", &e))?;
+    let result = tokio::task::spawn_blocking(move || ops.redeliver.redrive(&positions, None, &p))
+        .await
+        .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
         Err(RedeliverError::Kafka(e)) => {
             finish(&progress, Err(RedeliverError::Kafka(e.clone())));
@@ -591,6 +592,22 @@ pub async fn redrive(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_letter_named_twice_is_redriven_once() {
+        let ids = |ids: &[&str]| RedriveRequest {
+            ids: ids.iter().map(|s| s.to_string()).collect(),
+        };
+        assert_eq!(
+            ids(&["0-17", "1-3", "0-17", "1-3", "0-18"])
+                .positions()
+                .unwrap(),
+            vec![(0, 17), (1, 3), (0, 18)]
+        );
+        assert_eq!(ids(&["0-17"; 1000]).positions().unwrap(), vec![(0, 17)]);
+        let bad = ids(&["0-17", "x"]).positions().unwrap_err();
+        assert_eq!(bad.field.as_deref(), Some("ids[1]"));
+    }
 
     #[test]
     fn a_tenant_runs_one_recover_at_a_time_and_an_instance_at_most_max_scans() {

@@ -110,6 +110,9 @@ fn producer(config: &Config) -> Result<RunProducer, RedeliverError> {
         // `STREAMING_HUB_MAX_PAYLOAD_BYTES` and its headers): librdkafka's 1 MB default
         // refused the larger events' requests.
         .set("message.max.bytes", "4194304")
+        // A run's requests wait in this queue for the broker; a long recover or redrive of large
+        // events waits for room (`send_waiting`) instead of holding them all.
+        .set("queue.buffering.max.kbytes", "65536")
         .create_with_context(TrackingContext::default())
         .map_err(k)
 }
@@ -294,14 +297,17 @@ impl Redeliverer {
     }
 
     /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
+    ///
+    /// Every position is checked before any request is written (a missing one, or one of another
+    /// tenant, fails the run with nothing written); then each is read again and requested. Only
+    /// one dead letter (up to the payload limit) is held at a time, whatever the list's length.
     pub fn redrive(
         &self,
         positions: &[(i32, i64)],
         tenant: Option<&str>,
         progress: &Mutex<Progress>,
-    ) -> Result<Vec<DeadLetterRecord>, RedeliverError> {
+    ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let mut selected = Vec::new();
         let metadata = consumer
             .fetch_metadata(Some(&self.dlq), TIMEOUT)
             .map_err(k)?;
@@ -311,59 +317,55 @@ impl Redeliverer {
             .map(|t| t.partitions().iter().map(|p| p.id()).collect())
             .unwrap_or_default();
         for &(partition, offset) in positions {
-            let missing =
-                || RedeliverError::Invalid(format!("no dead letter at {partition}-{offset}"));
-            if !partitions.contains(&partition) {
-                return Err(missing());
-            }
-            let (low, high) = consumer
-                .fetch_watermarks(&self.dlq, partition, TIMEOUT)
-                .map_err(k)?;
-            if offset < low || offset >= high {
-                return Err(missing());
-            }
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition_offset(&self.dlq, partition, Offset::Offset(offset))
-                .map_err(k)?;
-            consumer.assign(&tpl).map_err(k)?;
-            let found = match consumer.poll(TIMEOUT) {
-                Some(Ok(m)) if m.offset() == offset => m.payload().and_then(|v| {
-                    self.codec
-                        .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
-                        .ok()
-                }),
-                // That offset holds no record (a transaction marker, an aborted write).
-                Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) | None => None,
-                Some(Err(e)) => return Err(k(e)),
-            };
+            self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
-            let Some(dl) = found else {
-                return Err(RedeliverError::Invalid(format!(
-                    "no dead letter at {partition}-{offset}"
-                )));
-            };
-            if tenant.is_some_and(|t| t != dl.tenant_id) {
-                return Err(RedeliverError::Invalid(format!(
-                    "no dead letter at {partition}-{offset}"
-                )));
-            }
-            selected.push(dl);
         }
-        self.request_dead(&selected, progress)?;
-        Ok(selected)
-    }
-
-    fn request_dead(
-        &self,
-        dead: &[DeadLetterRecord],
-        progress: &Mutex<Progress>,
-    ) -> Result<(), RedeliverError> {
         let request_id = request_id_of(progress);
         let producer = producer(&self.config)?;
-        for dl in dead {
-            self.request_one_dead(&producer, dl, &request_id, progress)?;
+        for &(partition, offset) in positions {
+            let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
+            self.request_one_dead(&producer, &dl, &request_id, progress)?;
         }
         Self::flush(&producer)
+    }
+
+    /// The dead letter at `partition`-`offset` of the DLQ (of `tenant`, when given).
+    fn dead_at(
+        &self,
+        consumer: &BaseConsumer<kafka::ReaderContext>,
+        partitions: &HashSet<i32>,
+        partition: i32,
+        offset: i64,
+        tenant: Option<&str>,
+    ) -> Result<DeadLetterRecord, RedeliverError> {
+        let missing = || RedeliverError::Invalid(format!("no dead letter at {partition}-{offset}"));
+        if !partitions.contains(&partition) {
+            return Err(missing());
+        }
+        let (low, high) = consumer
+            .fetch_watermarks(&self.dlq, partition, TIMEOUT)
+            .map_err(k)?;
+        if offset < low || offset >= high {
+            return Err(missing());
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.dlq, partition, Offset::Offset(offset))
+            .map_err(k)?;
+        consumer.assign(&tpl).map_err(k)?;
+        let found = match consumer.poll(TIMEOUT) {
+            Some(Ok(m)) if m.offset() == offset => m.payload().and_then(|v| {
+                self.codec
+                    .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
+                    .ok()
+            }),
+            // That offset holds no record (a transaction marker, an aborted write).
+            Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) | None => None,
+            Some(Err(e)) => return Err(k(e)),
+        };
+        match found {
+            Some(dl) if tenant.is_none_or(|t| t == dl.tenant_id) => Ok(dl),
+            _ => Err(missing()),
+        }
     }
 
     /// One dead letter's redelivery request (counted in `progress`; one without the event's
