@@ -1,7 +1,8 @@
 //! The retry curve: when the next attempt of a failed delivery is due.
 //!
 //! Default: attempts at `0 · 5s · 5m · 30m · 2h · 5h · 10h · 10h` — 8 attempts, the 7 delays
-//! between them drawn with full jitter (uniform in `[0, step]`), about 28 hours in all. A
+//! between them drawn with full jitter (uniform in `[0, step]`): at most about 28 hours in all
+//! (the steps' sum), about 14 on average. A
 //! subscription may carry its own list of delays (at most 12, each at most 10h; anything else falls
 //! back to the default). A `Retry-After` on a 429 or 503 wins when it is longer than the drawn
 //! delay, capped at 10h.
@@ -69,6 +70,25 @@ mod tests {
             (27 * 3_600_000..=29 * 3_600_000).contains(&total),
             "{total}"
         );
+    }
+
+    /// What the README tells receivers: a delivery's retries end at most about 28 hours after its
+    /// first attempt, about 14 on average (full jitter halves each step on average).
+    #[test]
+    fn a_whole_jittered_schedule_spans_about_14_hours_on_average_and_at_most_28() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let runs = 10_000u64;
+        let totals: Vec<u64> = (0..runs)
+            .map(|_| {
+                (2..=max_attempts(None))
+                    .map(|n| next_delay(None, n, None, &mut rng).unwrap())
+                    .sum()
+            })
+            .collect();
+        let sum: u64 = DEFAULT_DELAYS_MS.iter().sum();
+        assert!(totals.iter().all(|&t| t <= sum));
+        let mean_h = totals.iter().sum::<u64>() as f64 / runs as f64 / 3_600_000.0;
+        assert!((13.0..14.6).contains(&mean_h), "mean {mean_h:.2} h");
     }
 
     #[test]
