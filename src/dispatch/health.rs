@@ -14,7 +14,9 @@
 //! A span belongs to the subscription as it was when the span opened: one that opened before
 //! the subscription last changed (`updated_at`: a patched URL, a re-enable, a verdict, a
 //! rotation) restarts at the next failure, so a destination fixed by its owner is not disabled
-//! for the broken one's hours.
+//! for the broken one's hours. So does a span that saw no failure for a whole failure window
+//! (nothing was tried: no traffic): it is no evidence that the destination is broken now, and
+//! one failed attempt after a quiet week no longer disables the subscription at once.
 use crate::dispatch::jobs::{JobError, JobStore};
 use crate::runtime::records::{BreakerState, HealthRecord};
 
@@ -43,10 +45,18 @@ pub enum Verdict {
 }
 
 /// When the span a failure at `now` belongs to opened: the stored span's start, unless the
-/// subscription changed since (`changed_at`), when a new one opens now.
-pub fn span_start(stored_first: Option<i64>, changed_at: i64, now: i64) -> i64 {
-    match stored_first {
-        Some(first) if first >= changed_at => first,
+/// subscription changed since (`changed_at`) or the span's last failure is more than
+/// `window_ms` old (a quiet span), when a new one opens now.
+pub fn span_start(
+    stored: Option<(i64, Option<i64>)>,
+    changed_at: i64,
+    now: i64,
+    window_ms: i64,
+) -> i64 {
+    match stored {
+        Some((first, last)) if first >= changed_at && now - last.unwrap_or(first) <= window_ms => {
+            first
+        }
         _ => now,
     }
 }
@@ -71,9 +81,12 @@ pub fn record(
         return Ok(Verdict::Keep);
     }
     let first = span_start(
-        existing.as_ref().and_then(|h| h.first_failure_at),
+        existing
+            .as_ref()
+            .and_then(|h| Some((h.first_failure_at?, h.last_failure_at))),
         changed_at,
         now,
+        gates.window_ms,
     );
     let mut h = existing
         .filter(|h| h.first_failure_at == Some(first))
@@ -131,17 +144,52 @@ mod tests {
 
     #[test]
     fn a_span_restarts_when_the_subscription_changed_after_it_opened() {
+        let w = GATES.window_ms;
         // Failing since hour 0, unchanged since before: the span goes on.
-        assert_eq!(span_start(Some(0), -5 * H, 100 * H), 0);
+        assert_eq!(span_start(Some((0, Some(99 * H))), -5 * H, 100 * H, w), 0);
         // Changed at hour 0, the span opened then: the same.
-        assert_eq!(span_start(Some(0), 0, 100 * H), 0);
+        assert_eq!(span_start(Some((0, Some(99 * H))), 0, 100 * H, w), 0);
         // The owner fixed the URL at hour 100; a failure at 121h opens a new span there, so
         // both gates start again (not disabled for the old URL's 100 hours).
-        let first = span_start(Some(0), 100 * H, 121 * H);
+        let first = span_start(Some((0, Some(99 * H))), 100 * H, 121 * H, w);
         assert_eq!(first, 121 * H);
         assert!(!should_disable(&GATES, first, 121 * H, 121 * H));
         // No span yet: it opens now.
-        assert_eq!(span_start(None, 0, 7 * H), 7 * H);
+        assert_eq!(span_start(None, 0, 7 * H, w), 7 * H);
+    }
+
+    /// A subscription with little traffic: one event failed all its attempts over 14 hours, then
+    /// nothing was sent for six days, then one attempt failed (a blip). It was disabled on that
+    /// one failure, the quiet week counted as failing. The quiet span gives way to a new one.
+    #[test]
+    fn a_span_quiet_for_a_whole_window_restarts_at_the_next_failure() {
+        let w = GATES.window_ms;
+        assert_eq!(span_start(Some((0, Some(14 * H))), -H, 158 * H, w), 158 * H);
+        // Quiet for exactly the window: still the same span.
+        assert_eq!(span_start(Some((0, Some(14 * H))), -H, 134 * H, w), 0);
+        // Through the store, as the hub records outcomes.
+        use crate::dispatch::jobs::{DUE, JOBS};
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::runtime::store::Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = crate::runtime::avro::Codec::new().unwrap();
+        let mut staged = crate::runtime::store::Staged::default();
+        let mut js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        let fail = |js: &mut JobStore<'_>, at: i64| record(js, "s", false, at, -H, &GATES).unwrap();
+        for at in [0, 5 * H, 14 * H] {
+            assert_eq!(fail(&mut js, at), Verdict::Keep);
+        }
+        assert_eq!(
+            fail(&mut js, 158 * H),
+            Verdict::Keep,
+            "the blip after a quiet week"
+        );
+        // Failing on from there, it is disabled once the new span is a window old.
+        assert_eq!(fail(&mut js, 270 * H), Verdict::Keep);
+        assert!(matches!(fail(&mut js, 278 * H), Verdict::Disable { .. }));
     }
 
     #[test]
