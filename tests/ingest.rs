@@ -1,7 +1,7 @@
 //! Ingest against the real broker, through the real `streaming-hub` binary: one record per verdict
 //! and reason lands exactly where it should, a salted tenant meets in one inbox partition, a new
-//! producer topic is followed without a restart, and a SIGKILL mid-run neither loses nor
-//! duplicates a record.
+//! producer topic is followed without a restart, a SIGKILL mid-run neither loses nor
+//! duplicates a record, and a batch that aborts is counted once, when it commits.
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -790,4 +790,82 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
     let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "ingested more than once: {twice:?}");
     assert_eq!(seen.len(), 40, "every input record once");
+}
+
+/// Sets one topic config (the others go back to the broker's defaults: a test topic's do not
+/// matter here).
+async fn set_topic_config(topic: &str, key: &str, value: &str) {
+    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
+    let r = admin()
+        .alter_configs(
+            &[AlterConfig::new(ResourceSpecifier::Topic(topic)).set(key, value)],
+            &AdminOptions::new(),
+        )
+        .await
+        .expect("alter configs");
+    for x in r {
+        x.expect("topic config set");
+    }
+}
+
+/// A batch whose transaction aborts is read and routed again: its records are counted in
+/// `streaming_hub_ingest_records_total` (and a quarantine logged) once, when a try commits. They
+/// were counted at every try: a record the inbox refused three times counted four accepts.
+#[tokio::test]
+async fn an_aborted_batch_is_counted_once_when_it_commits() {
+    require_broker();
+    let prefix = unique("ingtally");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let mut env = hub_env(&prefix, &follow_exactly(&topic));
+    env.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
+    let hub = Hub::start(&env);
+    let inbox = format!("{prefix}.inbox");
+    // The inbox now refuses what the record will be (random bytes: compression cannot shrink
+    // them under the limit).
+    set_topic_config(&inbox, "max.message.bytes", "20000").await;
+    let mut rec = event("tenant-a", "ledger", "transaction", "created");
+    let mut payload = vec![0u8; 50_000];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
+    rec.value = Some(payload);
+    let bad = event("tenant-a", "ledger", "transaction", "created").add("ce-type", b"x");
+    produce(&producer(), &topic, &[rec.clone(), bad]);
+    let http = reqwest::Client::new();
+    let accepted =
+        format!("streaming_hub_ingest_records_total{{topic=\"{topic}\",verdict=\"accept\"");
+    let quarantined =
+        format!("streaming_hub_ingest_records_total{{topic=\"{topic}\",verdict=\"quarantine\"");
+    let aborted = "streaming_hub_ingest_commits_total{outcome=\"aborted\"";
+    let mut text = String::new();
+    for _ in 0..600 {
+        text = hub.metrics_text(&http).await.unwrap_or_default();
+        if metric_sum(&text, aborted) >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metric_sum(&text, aborted) >= 3, "the batch aborted 3 times");
+    assert_eq!(metric_sum(&text, &accepted), 0, "no try committed yet");
+    assert_eq!(metric_sum(&text, &quarantined), 0);
+    // The inbox takes it again: the next try commits, and each record counts once.
+    set_topic_config(&inbox, "max.message.bytes", "2097152").await;
+    let got = read_until(&[&inbox], Duration::from_secs(60), |r| !r.is_empty());
+    assert_eq!(got[0].rec.header("ce-id"), rec.header("ce-id"));
+    let committed = "streaming_hub_ingest_commits_total{outcome=\"committed\"";
+    let mut text = String::new();
+    for _ in 0..300 {
+        text = hub.metrics_text(&http).await.unwrap_or_default();
+        if metric_sum(&text, committed) >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(metric_sum(&text, &accepted), 1);
+    assert_eq!(metric_sum(&text, &quarantined), 1);
+    let warned = hub
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("record quarantined"))
+        .count();
+    assert_eq!(warned, 1, "one WARN for the quarantined record");
 }

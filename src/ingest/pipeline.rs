@@ -33,7 +33,7 @@ use crate::ingest::classify::{ClassifyConfig, Reason, Verdict, classify};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::orphans::{Covers, GroupWatch, PosixRegex, Rejoin};
-use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestVerdict};
+use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestTally, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
 pub const H_SOURCE_TOPIC: &str = "x-streaming-hub-source-topic";
@@ -250,7 +250,8 @@ impl Ingest {
             }
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
-                Ok(()) => {
+                Ok(tally) => {
+                    tally.emit();
                     let took = started.elapsed();
                     window.took(took, self.config.commit_interval);
                     IngestCommit {
@@ -361,12 +362,14 @@ impl Ingest {
         Ok(())
     }
 
-    fn commit_batch(
+    /// Routes the batch and commits it with its offsets; answers its verdicts, to be counted
+    /// once it has committed.
+    fn commit_batch<'b>(
         &self,
         producer: &ThreadedProducer<DefaultProducerContext>,
         consumer: &BaseConsumer<IngestContext>,
-        batch: &[BorrowedMessage<'_>],
-    ) -> Result<(), Failed> {
+        batch: &'b [BorrowedMessage<'_>],
+    ) -> Result<IngestTally<'b>, Failed> {
         producer.begin_transaction()?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
         if !kafka::may_commit_now(consumer, &consumer.context().membership) {
@@ -380,8 +383,9 @@ impl Ingest {
         let now_ms = self.clock.now_ms();
         let ingest_time = rfc3339_ms(now_ms);
         let mut offsets: HashMap<(&str, i32), i64> = HashMap::new();
+        let mut tally = IngestTally::default();
         for msg in batch {
-            self.route(producer, msg, &ingest_time)?;
+            self.route(producer, msg, &ingest_time, &mut tally)?;
             offsets.insert((msg.topic(), msg.partition()), msg.offset() + 1);
         }
         let mut tpl = TopicPartitionList::new();
@@ -405,15 +409,17 @@ impl Ingest {
             }
         })?;
         phase_done("commit");
-        Ok(())
+        Ok(tally)
     }
 
-    /// Classifies one record and sends its output (if any) into the open transaction.
-    fn route(
+    /// Classifies one record and sends its output (if any) into the open transaction; its
+    /// verdict goes into `tally`.
+    fn route<'b>(
         &self,
         producer: &ThreadedProducer<DefaultProducerContext>,
-        msg: &BorrowedMessage<'_>,
+        msg: &'b BorrowedMessage<'_>,
         ingest_time: &str,
+        tally: &mut IngestTally<'b>,
     ) -> Result<(), RdKafkaError> {
         let raw = msg.headers();
         let count = raw.map_or(0, |h| h.count());
@@ -466,16 +472,7 @@ impl Ingest {
         let offset = msg.offset().to_string();
         match verdict {
             Verdict::Accept(accepted) => {
-                IngestVerdict {
-                    topic: msg.topic(),
-                    partition: msg.partition(),
-                    offset: msg.offset(),
-                    ce_id,
-                    verdict: "accept",
-                    reason: "accepted",
-                    message: "",
-                }
-                .emit();
+                note(tally, msg, ce_id, "accept", "accepted", "");
                 let mut out = OwnedHeaders::new_with_capacity(headers.len() + 4);
                 for (k, v) in &headers {
                     // The hub owns the `x-streaming-hub-` namespace on the inbox (source position,
@@ -511,29 +508,11 @@ impl Ingest {
                 send(producer, record)
             }
             Verdict::Drop => {
-                IngestVerdict {
-                    topic: msg.topic(),
-                    partition: msg.partition(),
-                    offset: msg.offset(),
-                    ce_id,
-                    verdict: "drop",
-                    reason: "system_event",
-                    message: "",
-                }
-                .emit();
+                note(tally, msg, ce_id, "drop", "system_event", "");
                 Ok(())
             }
             Verdict::Quarantine(q) => {
-                IngestVerdict {
-                    topic: msg.topic(),
-                    partition: msg.partition(),
-                    offset: msg.offset(),
-                    ce_id,
-                    verdict: "quarantine",
-                    reason: q.reason.code(),
-                    message: &q.message,
-                }
-                .emit();
+                note(tally, msg, ce_id, "quarantine", q.reason.code(), &q.message);
                 // A record quarantined for another reason may be too large as well (the headers
                 // are checked first): its payload is left out then too, or the quarantine topic
                 // (2 MiB) would refuse it and the transaction would fail again after every retry.
@@ -593,6 +572,27 @@ impl Ingest {
 
 /// A `ce-id` as logged and counted: an accepted one is at most 256 bytes, a quarantined one may be
 /// up to the 64 KiB of headers, and one log line per quarantined record must stay a line.
+/// Notes a record's verdict in its batch's tally.
+fn note<'b>(
+    tally: &mut IngestTally<'b>,
+    msg: &'b BorrowedMessage<'_>,
+    ce_id: Option<&str>,
+    verdict: &'static str,
+    reason: &'static str,
+    message: &str,
+) {
+    let v = IngestVerdict {
+        topic: msg.topic(),
+        partition: msg.partition(),
+        offset: msg.offset(),
+        ce_id,
+        verdict,
+        reason,
+        message,
+    };
+    tally.note(msg.topic(), &v);
+}
+
 fn clip_id(id: &str) -> &str {
     let mut end = id.len().min(256);
     while !id.is_char_boundary(end) {

@@ -29,9 +29,8 @@ pub struct IngestVerdict<'a> {
 }
 
 impl IngestVerdict<'_> {
-    pub fn emit(&self) {
-        counter!(INGEST_RECORDS, "topic" => self.topic.to_string(), "verdict" => self.verdict, "reason" => self.reason)
-            .increment(1);
+    /// Its log line: WARN for a quarantine, DEBUG otherwise. (Counted by [`IngestTally`].)
+    pub fn log(&self) {
         if self.verdict == "quarantine" {
             tracing::warn!(
                 topic = self.topic,
@@ -51,6 +50,70 @@ impl IngestVerdict<'_> {
                 verdict = self.verdict,
                 "record classified"
             );
+        }
+    }
+}
+
+/// The verdicts of one ingest batch, counted in `streaming_hub_ingest_records_total` and (for
+/// quarantines) logged once its transaction has committed: an aborted batch is read and routed
+/// again, and counting each record as it was routed counted it once per try.
+#[derive(Default)]
+pub struct IngestTally<'a> {
+    counts: Vec<(&'a str, &'static str, &'static str, u64)>,
+    quarantines: Vec<QuarantineLine<'a>>,
+}
+
+struct QuarantineLine<'a> {
+    topic: &'a str,
+    partition: i32,
+    offset: i64,
+    ce_id: Option<String>,
+    reason: &'static str,
+    message: String,
+}
+
+impl<'a> IngestTally<'a> {
+    /// Notes one record's verdict (`topic` is `v.topic`, borrowed for as long as the tally); its
+    /// DEBUG line goes out now, a quarantine's WARN with the counts.
+    pub fn note(&mut self, topic: &'a str, v: &IngestVerdict<'_>) {
+        // A batch has a handful of (topic, verdict, reason) keys: a scan beats a map.
+        match self.counts.iter_mut().find(|(t, verdict, reason, _)| {
+            *verdict == v.verdict && *reason == v.reason && *t == topic
+        }) {
+            Some(c) => c.3 += 1,
+            None => self.counts.push((topic, v.verdict, v.reason, 1)),
+        }
+        if v.verdict != "quarantine" {
+            v.log();
+        } else {
+            self.quarantines.push(QuarantineLine {
+                topic,
+                partition: v.partition,
+                offset: v.offset,
+                ce_id: v.ce_id.map(str::to_string),
+                reason: v.reason,
+                message: v.message.to_string(),
+            });
+        }
+    }
+
+    /// Counts and logs the batch, once its transaction has committed.
+    pub fn emit(self) {
+        for (topic, verdict, reason, n) in self.counts {
+            counter!(INGEST_RECORDS, "topic" => topic.to_string(), "verdict" => verdict, "reason" => reason)
+                .increment(n);
+        }
+        for q in self.quarantines {
+            IngestVerdict {
+                topic: q.topic,
+                partition: q.partition,
+                offset: q.offset,
+                ce_id: q.ce_id.as_deref(),
+                verdict: "quarantine",
+                reason: q.reason,
+                message: &q.message,
+            }
+            .log();
         }
     }
 }
