@@ -337,6 +337,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             forensics,
             progress: Default::default(),
             scans: Default::default(),
+            pull_reads: Default::default(),
         }));
         let prober = Prober::new(
             state.kek.clone(),

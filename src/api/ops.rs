@@ -3,7 +3,7 @@
 //! `/admin/deliveries/dead`) and redrive. See `crate::ops` for how each works.
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State;
@@ -32,6 +32,35 @@ pub struct Ops {
     pub progress: Mutex<HashMap<String, Arc<Mutex<Progress>>>>,
     /// Recovers and replays running now (each reads a whole topic on a blocking thread).
     pub scans: ScanGate,
+    /// Pull reads running now.
+    pub pull_reads: PullGate,
+}
+
+/// Most pull reads one instance runs at once, whatever the tenants: each holds a consumer with
+/// up to 16 MiB fetched and a page of up to 8 MiB of payloads (the per-tenant rate limit alone
+/// let twenty of one tenant's run together).
+pub const MAX_PULL_READS: usize = 4;
+
+/// How long a pull read waits for a place before it is answered `429`.
+pub const PULL_READ_WAIT: Duration = Duration::from_secs(2);
+
+/// Places for pull reads ([`MAX_PULL_READS`]).
+pub struct PullGate(Arc<tokio::sync::Semaphore>);
+
+impl Default for PullGate {
+    fn default() -> PullGate {
+        PullGate(Arc::new(tokio::sync::Semaphore::new(MAX_PULL_READS)))
+    }
+}
+
+impl PullGate {
+    /// A place, waiting up to `wait` for one; None when none came free.
+    pub async fn enter(&self, wait: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        tokio::time::timeout(wait, self.0.clone().acquire_owned())
+            .await
+            .ok()?
+            .ok()
+    }
 }
 
 /// Most recovers and per-subscription replays one instance runs at once; and one tenant runs one
@@ -198,7 +227,7 @@ impl RecoverRequest {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
-        (status = 429, description = "Over the tenant's pull rate; see Retry-After", body = ErrorBody),
+        (status = 429, description = "Over the tenant's pull rate (`rate_limited`), or as many pull reads as the instance runs at once are running (`pull_busy`); see Retry-After", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn pull_events(
     State(state): State<ApiState>,
@@ -237,9 +266,19 @@ pub async fn pull_events(
     };
     let created = sub.created_at;
     let sub_id = sub.id.clone();
-    let page = tokio::task::spawn_blocking(move || ops.pull.read(&sub_id, created, cursor, limit))
-        .await
-        .map_err(|e| ApiError::internal("pull read panicked", &e))?;
+    let Some(place) = ops.pull_reads.enter(PULL_READ_WAIT).await else {
+        return Ok(too_many(
+            "pull_busy",
+            "as many pull reads as this instance runs at once are running; retry shortly".into(),
+            1,
+        ));
+    };
+    let page = tokio::task::spawn_blocking(move || {
+        let _place = place;
+        ops.pull.read(&sub_id, created, cursor, limit)
+    })
+    .await
+    .map_err(|e| ApiError::internal("pull read panicked", &e))?;
     match page {
         Ok(page) => Ok(Json(page).into_response()),
         Err(PullError::BadCursor) => Err(ApiError::bad_request(
@@ -592,6 +631,27 @@ pub async fn redrive(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn pull_reads_past_the_instance_bound_wait_then_are_refused() {
+        let gate = PullGate::default();
+        let held: Vec<_> =
+            futures::future::join_all((0..MAX_PULL_READS).map(|_| gate.enter(Duration::ZERO)))
+                .await
+                .into_iter()
+                .map(|p| p.expect("a place"))
+                .collect();
+        let short = Duration::from_millis(50);
+        assert!(
+            gate.enter(short).await.is_none(),
+            "one more waits, then none"
+        );
+        // One ends while another waits: the waiting one gets its place.
+        let mut held = held;
+        let waiting = gate.enter(short);
+        held.pop();
+        assert!(waiting.await.is_some());
+    }
 
     #[test]
     fn a_dead_letter_named_twice_is_redriven_once() {

@@ -42,7 +42,7 @@ pub enum PullError {
 }
 
 /// One event as a pull client sees it.
-#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct PulledEvent {
     pub id: String,
     #[serde(rename = "type")]
@@ -57,10 +57,12 @@ pub struct PulledEvent {
     pub sequence: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub datacontenttype: Option<String>,
-    /// The payload as JSON, when its content type is JSON and it parses.
+    /// The payload as JSON, when its content type is JSON and it parses: its text as the
+    /// producer wrote it (checked, not parsed into a tree, so a page holds about its payloads'
+    /// bytes however dense their JSON).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
-    pub data: Option<serde_json::Value>,
+    pub data: Option<Box<serde_json::value::RawValue>>,
     /// The payload bytes in base64, otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_base64: Option<String>,
@@ -262,7 +264,11 @@ fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> Pu
 fn data_of(
     content_type: Option<String>,
     payload: &[u8],
-) -> (Option<String>, Option<serde_json::Value>, Option<String>) {
+) -> (
+    Option<String>,
+    Option<Box<serde_json::value::RawValue>>,
+    Option<String>,
+) {
     let content_type = content_type.unwrap_or_else(|| "application/json".to_string());
     let essence = content_type
         .split(';')
@@ -271,7 +277,7 @@ fn data_of(
         .trim()
         .to_ascii_lowercase();
     let data = if essence == "application/json" || essence.ends_with("+json") {
-        serde_json::from_slice::<serde_json::Value>(payload).ok()
+        serde_json::from_slice::<Box<serde_json::value::RawValue>>(payload).ok()
     } else {
         None
     };
@@ -285,9 +291,10 @@ mod tests {
 
     #[test]
     fn an_event_without_a_content_type_is_json() {
+        let text = |d: Option<Box<serde_json::value::RawValue>>| d.map(|d| d.get().to_string());
         let (ct, data, b64) = data_of(None, br#"{"amount":1}"#);
         assert_eq!(ct.as_deref(), Some("application/json"));
-        assert_eq!(data, Some(serde_json::json!({"amount": 1})));
+        assert_eq!(text(data).as_deref(), Some(r#"{"amount":1}"#));
         assert_eq!(b64, None);
         let (ct, data, b64) = data_of(
             Some("application/cloudevents+json; charset=utf-8".into()),
@@ -297,11 +304,14 @@ mod tests {
             ct.as_deref(),
             Some("application/cloudevents+json; charset=utf-8")
         );
-        assert_eq!((data, b64), (Some(serde_json::json!([1])), None));
+        assert_eq!((text(data).as_deref(), b64), (Some("[1]"), None));
         let (_, data, b64) = data_of(Some("application/octet-stream".into()), b"{}");
-        assert_eq!((data, b64.as_deref()), (None, Some("e30=")));
+        assert_eq!((text(data), b64.as_deref()), (None, Some("e30=")));
         let (_, data, b64) = data_of(None, b"not json");
-        assert_eq!((data, b64.as_deref()), (None, Some("bm90IGpzb24=")));
+        assert_eq!((text(data), b64.as_deref()), (None, Some("bm90IGpzb24=")));
+        // JSON is carried as written, not parsed into a tree (a page's memory is its bytes).
+        let (_, data, _) = data_of(None, b"[0,0,0]");
+        assert_eq!(text(data).as_deref(), Some("[0,0,0]"));
     }
 
     #[test]
