@@ -287,6 +287,9 @@ macro_rules! upper {
     (signature_keys) => {
         "SIGNATURE_KEYS"
     };
+    (signature_max_age) => {
+        "SIGNATURE_MAX_AGE"
+    };
     (ingest_batch_max) => {
         "INGEST_BATCH_MAX"
     };
@@ -451,6 +454,12 @@ settings! {
     require_signatures: bool = "false";
     /// Producer signing keys, `<kid>@<source>:<base64 secret>`, comma separated (secret).
     signature_keys: Secret = "";
+    /// With `STREAMING_HUB_REQUIRE_SIGNATURES`: a record whose signature time (`ce-sigts`) is
+    /// older than this when ingest reads it, more than 5 minutes ahead, absent or not an RFC 3339
+    /// time is quarantined as `signature_expired` (`0s` = not checked). A signed record copied
+    /// and produced again after its dedup entry expired (`STREAMING_HUB_IDEMPOTENCY_TTL`) is then
+    /// refused; keep it below that TTL and above the longest backlog ingest may have to read.
+    signature_max_age: std::time::Duration = "0s";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
     /// Most inbox records the hub task puts in one transaction.
@@ -843,6 +852,20 @@ impl Config {
                 why: "STREAMING_HUB_REQUIRE_SIGNATURES=true needs at least one key".into(),
             });
         }
+        if !self.signature_max_age.is_zero() {
+            if !self.require_signatures {
+                return Err(invalid(
+                    "STREAMING_HUB_SIGNATURE_MAX_AGE",
+                    "checks signatures' times: it needs STREAMING_HUB_REQUIRE_SIGNATURES=true",
+                ));
+            }
+            if self.signature_max_age < std::time::Duration::from_secs(60) {
+                return Err(invalid(
+                    "STREAMING_HUB_SIGNATURE_MAX_AGE",
+                    "at least 1m (or 0s: not checked)",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -1011,6 +1034,31 @@ mod tests {
         );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_TOPIC_PREFIX", "a b")])).unwrap_err();
         assert!(e.to_string().contains("STREAMING_HUB_TOPIC_PREFIX"), "{e}");
+    }
+
+    #[test]
+    fn a_signature_max_age_needs_signatures_and_a_minute() {
+        let key = "k1@ledger:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+        let signed = |age: &str, require: &str| {
+            Config::from_vars(vars(&[
+                ("STREAMING_HUB_REQUIRE_SIGNATURES", require),
+                ("STREAMING_HUB_SIGNATURE_KEYS", key),
+                ("STREAMING_HUB_SIGNATURE_MAX_AGE", age),
+            ]))
+        };
+        let c = signed("23h", "true").unwrap();
+        assert_eq!(
+            c.signature_max_age,
+            std::time::Duration::from_secs(23 * 3600)
+        );
+        assert!(signed("0s", "false").is_ok(), "off");
+        for (age, require) in [("23h", "false"), ("30s", "true")] {
+            let e = signed(age, require).unwrap_err();
+            assert!(
+                e.to_string().contains("STREAMING_HUB_SIGNATURE_MAX_AGE"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -415,10 +415,16 @@ async fn a_large_record_quarantined_for_its_headers_leaves_payload_and_key_out_a
     assert_eq!(a.rec.header("ce-id"), next.header("ce-id"));
 }
 
-#[tokio::test]
-async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
+/// Starts a hub requiring signatures (keys `k1` for ledger and `k2` for tracer, both the
+/// vector's secret; `extra` settings too), produces `cases` in order to one topic, and answers
+/// each offset's outcome (`accept` or the quarantine reason), the hub and the key's base64.
+async fn signed_outcomes(
+    tag: &str,
+    extra: &[(&str, &str)],
+    cases: &[(&str, Rec)],
+) -> (BTreeMap<i64, String>, BTreeMap<i64, String>, Hub, String) {
     require_broker();
-    let prefix = unique("sig");
+    let prefix = unique(tag);
     let topic = format!("lerian.streaming.{prefix}");
     create_topic(&topic, 1).await;
     let secret: Vec<u8> = (0u8..32).collect();
@@ -429,24 +435,10 @@ async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
         "STREAMING_HUB_SIGNATURE_KEYS".into(),
         format!("k1@ledger:{b64},k2@tracer:{b64}"),
     );
+    for (k, v) in extra {
+        env.insert(k.to_string(), v.to_string());
+    }
     let hub = Hub::start(&env);
-
-    let mut tampered = vector_record();
-    tampered.value = Some(br#"{"amount":"99.00"}"#.to_vec());
-    let cases = [
-        ("accept", vector_record()),
-        ("signature_invalid", tampered),
-        (
-            "signature_unknown_key",
-            vector_record().set("ce-sigkid", Some(b"k9")),
-        ),
-        // k2 exists but is bound to another source: invalid, not unknown.
-        (
-            "signature_invalid",
-            vector_record().set("ce-sigkid", Some(b"k2")),
-        ),
-        ("signature_missing", vector_record().set("ce-sig", None)),
-    ];
     let recs: Vec<Rec> = cases.iter().map(|(_, r)| r.clone()).collect();
     produce(&producer(), &topic, &recs);
     let inbox = format!("{prefix}.inbox");
@@ -484,9 +476,71 @@ async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
         .enumerate()
         .map(|(i, (o, _))| (i as i64, o.to_string()))
         .collect();
-    assert_eq!(outcome_by_offset, want);
+    (outcome_by_offset, want, hub, b64)
+}
+
+#[tokio::test]
+async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
+    let mut tampered = vector_record();
+    tampered.value = Some(br#"{"amount":"99.00"}"#.to_vec());
+    let cases = [
+        ("accept", vector_record()),
+        ("signature_invalid", tampered),
+        (
+            "signature_unknown_key",
+            vector_record().set("ce-sigkid", Some(b"k9")),
+        ),
+        // k2 exists but is bound to another source: invalid, not unknown.
+        (
+            "signature_invalid",
+            vector_record().set("ce-sigkid", Some(b"k2")),
+        ),
+        ("signature_missing", vector_record().set("ce-sig", None)),
+    ];
+    let (got, want, hub, b64) = signed_outcomes("sig", &[], &cases).await;
+    assert_eq!(got, want);
     // The signing secret never reaches the log.
     assert!(!hub.log_text().contains(&b64));
+}
+
+/// `STREAMING_HUB_SIGNATURE_MAX_AGE`: a validly signed record copied and produced again later
+/// (the vector, signed in September) is quarantined as `signature_expired`; one signed now gets
+/// in; one signed an hour ahead of the hub's clock, or without a time, does not.
+#[tokio::test]
+async fn a_signature_older_than_the_max_age_is_quarantined_as_expired() {
+    let secret: Vec<u8> = (0u8..32).collect();
+    // The vector signed again with `ce-sigts` = `at` (None: no time at all).
+    let signed_at = |at: Option<chrono::DateTime<chrono::Utc>>| {
+        let at = at.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Nanos, true));
+        let rec = vector_record()
+            .set("ce-sig", None)
+            .set("ce-sigts", at.as_deref().map(str::as_bytes));
+        let h: Vec<(&str, Option<&[u8]>)> = rec
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_deref()))
+            .collect();
+        let sig =
+            streaming_hub::ingest::signature::sign(&secret, &h, rec.value.as_deref().unwrap());
+        rec.set("ce-sig", Some(sig.as_bytes()))
+    };
+    let now = chrono::Utc::now();
+    let cases = [
+        ("accept", signed_at(Some(now))),
+        ("signature_expired", vector_record()),
+        (
+            "signature_expired",
+            signed_at(Some(now + chrono::Duration::hours(1))),
+        ),
+        ("signature_expired", signed_at(None)),
+        (
+            "accept",
+            signed_at(Some(now - chrono::Duration::minutes(50))),
+        ),
+    ];
+    let extra = [("STREAMING_HUB_SIGNATURE_MAX_AGE", "1h")];
+    let (got, want, _hub, _) = signed_outcomes("sigage", &extra, &cases).await;
+    assert_eq!(got, want);
 }
 
 #[tokio::test]

@@ -26,7 +26,10 @@
 //! 6. **Signature**, only with `require_signatures` (the HMAC runs only for otherwise valid records):
 //!    `ce-sig` or `ce-sigkid` absent → `signature_missing`; a key id the hub does not know →
 //!    `signature_unknown_key`; a known key bound to another `ce-source`, a malformed `ce-sig` or a
-//!    wrong HMAC → `signature_invalid` ("a record signed by a key of another source is invalid").
+//!    wrong HMAC → `signature_invalid` ("a record signed by a key of another source is invalid");
+//!    then, with `signature_max_age_ms` (`STREAMING_HUB_SIGNATURE_MAX_AGE`), a `ce-sigts` older
+//!    than that at `now_ms`, more than 5 minutes ahead, absent or not RFC 3339 →
+//!    `signature_expired`.
 //!    Without `require_signatures` a present `ce-sig` is not verified: the hub has no duty to judge
 //!    it, and verifying with an incomplete key set would quarantine good records.
 //!
@@ -56,6 +59,8 @@ pub struct ClassifyConfig {
     pub require_signatures: bool,
     /// `STREAMING_HUB_SIGNATURE_KEYS` (default none).
     pub keys: SignatureKeys,
+    /// `STREAMING_HUB_SIGNATURE_MAX_AGE` in ms (default 0: signatures' times not checked).
+    pub signature_max_age_ms: i64,
 }
 
 impl Default for ClassifyConfig {
@@ -65,6 +70,7 @@ impl Default for ClassifyConfig {
             max_payload_bytes: 1024 * 1024,
             require_signatures: false,
             keys: SignatureKeys::default(),
+            signature_max_age_ms: 0,
         }
     }
 }
@@ -124,10 +130,11 @@ pub enum Reason {
     SignatureMissing,
     SignatureInvalid,
     SignatureUnknownKey,
+    SignatureExpired,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -144,6 +151,7 @@ impl Reason {
         Reason::SignatureMissing,
         Reason::SignatureInvalid,
         Reason::SignatureUnknownKey,
+        Reason::SignatureExpired,
     ];
 
     /// The stable snake_case code written to `x-streaming-hub-reason` and used as a metric label.
@@ -165,15 +173,17 @@ impl Reason {
             Reason::SignatureMissing => "signature_missing",
             Reason::SignatureInvalid => "signature_invalid",
             Reason::SignatureUnknownKey => "signature_unknown_key",
+            Reason::SignatureExpired => "signature_expired",
         }
     }
 
     /// `x-lerian-dlq-cause-kind`: `signature` for the signature reasons, `codec` for the rest.
     pub fn cause_kind(&self) -> &'static str {
         match self {
-            Reason::SignatureMissing | Reason::SignatureInvalid | Reason::SignatureUnknownKey => {
-                "signature"
-            }
+            Reason::SignatureMissing
+            | Reason::SignatureInvalid
+            | Reason::SignatureUnknownKey
+            | Reason::SignatureExpired => "signature",
             _ => "codec",
         }
     }
@@ -197,6 +207,7 @@ const RESOURCETYPE: usize = 10;
 const EVENTTYPE: usize = 11;
 const SYSTEMEVENT: usize = 12;
 const SIGKID: usize = 13;
+const SIGTS: usize = 14;
 const SIG: usize = 15;
 const SLOTS: usize = 16;
 
@@ -351,6 +362,7 @@ pub fn classify(
     headers: &[(&str, Option<&[u8]>)],
     value: Option<&[u8]>,
     cfg: &ClassifyConfig,
+    now_ms: i64,
 ) -> Verdict {
     let slots = match scan(headers) {
         Ok(slots) => slots,
@@ -365,14 +377,19 @@ pub fn classify(
     if slots[SYSTEMEVENT] == Some("true") {
         return Verdict::Drop;
     }
-    match judge(&slots, value, cfg) {
+    match judge(&slots, value, cfg, now_ms) {
         Ok(accepted) => Verdict::Accept(accepted),
         Err(q) => Verdict::Quarantine(q),
     }
 }
 
 /// Steps 4–6 for a business event.
-fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accepted, Quarantined> {
+fn judge(
+    slots: &Slots<'_>,
+    value: &[u8],
+    cfg: &ClassifyConfig,
+    now_ms: i64,
+) -> Result<Accepted, Quarantined> {
     let required = |slot: usize| {
         slots[slot].ok_or_else(|| {
             let m = at(SIGNED_HEADERS[slot], format_args!("absent"));
@@ -485,6 +502,9 @@ fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accept
     }
     if cfg.require_signatures {
         verify_signature(slots, source, value, &cfg.keys)?;
+        if cfg.signature_max_age_ms > 0 {
+            check_signature_time(slots[SIGTS], cfg.signature_max_age_ms, now_ms)?;
+        }
     }
     Ok(Accepted {
         tenant: tenant.to_owned(),
@@ -494,6 +514,43 @@ fn judge(slots: &Slots<'_>, value: &[u8], cfg: &ClassifyConfig) -> Result<Accept
         event_type: event.to_owned(),
         schema_major,
     })
+}
+
+/// How far ahead of this hub's clock a signature's time may be (the producers' clocks drift).
+pub const SIGNATURE_CLOCK_SKEW_MS: i64 = 5 * 60 * 1000;
+
+/// Step 6, with `STREAMING_HUB_SIGNATURE_MAX_AGE`: a valid signature made longer ago than the
+/// limit (a signed record copied and produced again), too far ahead, or without a readable time.
+fn check_signature_time(
+    sigts: Option<&str>,
+    max_age_ms: i64,
+    now_ms: i64,
+) -> Result<(), Quarantined> {
+    let expired = |what: std::fmt::Arguments<'_>| {
+        Err(quarantine(Reason::SignatureExpired, at("ce-sigts", what)))
+    };
+    let Some(text) = sigts else {
+        return expired(format_args!("absent; signatures must carry their time"));
+    };
+    let Ok(signed) = chrono::DateTime::parse_from_rfc3339(text) else {
+        return expired(format_args!("{} is not an RFC 3339 time", shown(text)));
+    };
+    let age_ms = now_ms - signed.timestamp_millis();
+    if age_ms > max_age_ms {
+        return expired(format_args!(
+            "signed {} s ago, over the {} s this hub accepts",
+            age_ms / 1000,
+            max_age_ms / 1000
+        ));
+    }
+    if -age_ms > SIGNATURE_CLOCK_SKEW_MS {
+        return expired(format_args!(
+            "signed {} s ahead of this hub's clock (at most {} s accepted)",
+            -age_ms / 1000,
+            SIGNATURE_CLOCK_SKEW_MS / 1000
+        ));
+    }
+    Ok(())
 }
 
 /// Step 6. Messages carry the key id (not secret) but never the signature.
@@ -727,9 +784,16 @@ mod tests {
         }
 
         fn classify(&self, cfg: &ClassifyConfig) -> Verdict {
-            classify(&self.borrowed(), self.value.as_deref(), cfg)
+            self.classify_at(cfg, VECTOR_NOW_MS)
+        }
+
+        fn classify_at(&self, cfg: &ClassifyConfig, now_ms: i64) -> Verdict {
+            classify(&self.borrowed(), self.value.as_deref(), cfg, now_ms)
         }
     }
+
+    /// A minute after the signed vector's `ce-sigts` (2026-09-26T12:00:05.123456789Z).
+    const VECTOR_NOW_MS: i64 = 1_790_424_065_123;
 
     fn vector_secret() -> Vec<u8> {
         (0u8..32).collect()
@@ -825,6 +889,10 @@ mod tests {
             ..ClassifyConfig::default()
         };
         let signing = &signing_cfg();
+        let aging = &ClassifyConfig {
+            signature_max_age_ms: 30_000,
+            ..signing_cfg()
+        };
         let ledger = Rec::ledger;
         let other_type = "studio.lerian.ledger.account.deleted";
         let table: Vec<(&str, Rec, &ClassifyConfig, Expect)> = vec![
@@ -915,6 +983,13 @@ mod tests {
                 ledger().signed("k9", &vector_secret()),
                 signing,
                 Q(SignatureUnknownKey, "ce-sigkid"),
+            ),
+            // Signed a minute before the classifying clock's now.
+            (
+                "old sig",
+                Rec::signed_vector(),
+                aging,
+                Q(SignatureExpired, "ce-sigts"),
             ),
         ];
         let mut seen = std::collections::HashSet::new();
@@ -1037,6 +1112,57 @@ mod tests {
             .set("ce-sigkid", "nobody")
             .set("ce-sig", "v1.garbage");
         accepted(rec.classify(&ClassifyConfig::default()));
+    }
+
+    /// `STREAMING_HUB_SIGNATURE_MAX_AGE`: a valid signature counts only within its age and up
+    /// to 5 minutes ahead (a signed record copied and produced again once its dedup entry expired
+    /// is refused); without the setting, times are not read.
+    #[test]
+    fn a_signature_older_than_the_max_age_or_ahead_of_the_clock_is_expired() {
+        let cfg = ClassifyConfig {
+            signature_max_age_ms: 3_600_000,
+            ..signing_cfg()
+        };
+        let signed_at = VECTOR_NOW_MS - 60_000;
+        let v = Rec::signed_vector();
+        accepted(v.classify_at(&cfg, signed_at + 3_600_000));
+        accepted(v.classify_at(&cfg, signed_at - 300_000));
+        assert_quarantined(
+            v.classify_at(&cfg, signed_at + 3_600_001),
+            Reason::SignatureExpired,
+            "ce-sigts",
+        );
+        assert_quarantined(
+            v.classify_at(&cfg, signed_at - 300_001),
+            Reason::SignatureExpired,
+            "ce-sigts",
+        );
+        // Years later, the check off: accepted (its dedup entry is the only guard then).
+        accepted(v.classify_at(&signing_cfg(), signed_at + 3 * 365 * 86_400_000));
+        // Signed without a time, or with one that does not read: expired, never accepted.
+        let secret = vector_secret();
+        for (sigts, what) in [(None, "absent"), (Some("yesterday"), "RFC 3339")] {
+            let rec = match sigts {
+                Some(t) => Rec::ledger().set("ce-sigts", t),
+                None => Rec::ledger().remove("ce-sigts"),
+            }
+            .signed("k1", &secret);
+            accepted(rec.classify_at(&signing_cfg(), VECTOR_NOW_MS));
+            match rec.classify_at(&cfg, VECTOR_NOW_MS) {
+                Verdict::Quarantine(q) => {
+                    assert_eq!(q.reason, Reason::SignatureExpired);
+                    assert!(q.message.contains(what), "{}", q.message);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A bad signature stays invalid, whatever its time.
+        let tampered = Rec::signed_vector().set("ce-subject", "acc-2");
+        assert_quarantined(
+            tampered.classify_at(&cfg, signed_at + 7_200_000),
+            Reason::SignatureInvalid,
+            "ce-sig",
+        );
     }
 
     #[test]
@@ -1437,7 +1563,7 @@ mod tests {
     #[test]
     fn reason_codes_are_unique_snake_case_with_their_cause_kind() {
         let codes: std::collections::HashSet<_> = Reason::ALL.iter().map(Reason::code).collect();
-        assert_eq!(codes.len(), 16);
+        assert_eq!(codes.len(), Reason::ALL.len());
         assert!(
             codes
                 .iter()
@@ -1520,6 +1646,7 @@ mod tests {
             value in proptest::option::of(proptest::collection::vec(any::<u8>(), 0..64)),
             relaxed in any::<bool>(),
             require_signatures in any::<bool>(),
+            max_age in any::<bool>(),
         ) {
             // Start from a valid signed record, drop some of its headers, then add arbitrary ones
             // (which may duplicate or contradict the rest).
@@ -1532,6 +1659,7 @@ mod tests {
                 require_uuidv7: !relaxed,
                 max_payload_bytes: 48,
                 require_signatures,
+                signature_max_age_ms: if max_age { 3_600_000 } else { 0 },
                 ..signing_cfg()
             };
             match rec.classify(&cfg) {

@@ -182,6 +182,7 @@ impl Ingest {
                 max_payload_bytes: config.max_payload_bytes,
                 require_signatures: config.require_signatures,
                 keys,
+                signature_max_age_ms: config.signature_max_age.as_millis() as i64,
             },
             inbox: format!("{}.inbox", config.topic_prefix),
             quarantine: format!("{}.quarantine", config.topic_prefix),
@@ -385,7 +386,7 @@ impl Ingest {
         let mut offsets: HashMap<(&str, i32), i64> = HashMap::new();
         let mut tally = IngestTally::default();
         for msg in batch {
-            self.route(producer, msg, &ingest_time, &mut tally)?;
+            self.route(producer, msg, (now_ms, &ingest_time), &mut tally)?;
             offsets.insert((msg.topic(), msg.partition()), msg.offset() + 1);
         }
         let mut tpl = TopicPartitionList::new();
@@ -418,7 +419,7 @@ impl Ingest {
         &self,
         producer: &ThreadedProducer<DefaultProducerContext>,
         msg: &'b BorrowedMessage<'_>,
-        ingest_time: &str,
+        (now_ms, ingest_time): (i64, &str),
         tally: &mut IngestTally<'b>,
     ) -> Result<(), RdKafkaError> {
         let raw = msg.headers();
@@ -461,7 +462,7 @@ impl Ingest {
                 ),
             })
         } else {
-            classify(&headers, value, &self.classify)
+            classify(&headers, value, &self.classify, now_ms)
         };
         let ce_id = headers
             .iter()
