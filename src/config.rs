@@ -458,7 +458,7 @@ settings! {
     /// older than this when ingest reads it, more than 5 minutes ahead, absent or not an RFC 3339
     /// time is quarantined as `signature_expired` (`0s` = not checked). A signed record copied
     /// and produced again after its dedup entry expired (`STREAMING_HUB_IDEMPOTENCY_TTL`) is then
-    /// refused; keep it below that TTL and above the longest backlog ingest may have to read.
+    /// refused; at most that TTL, and above the longest backlog ingest may have to read.
     signature_max_age: std::time::Duration = "0s";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
@@ -865,6 +865,13 @@ impl Config {
                     "at least 1m (or 0s: not checked)",
                 ));
             }
+            if self.signature_max_age > self.idempotency_ttl {
+                return Err(invalid(
+                    "STREAMING_HUB_SIGNATURE_MAX_AGE",
+                    "at most STREAMING_HUB_IDEMPOTENCY_TTL: a record signed longer ago than \
+                     the dedup window would be taken as new",
+                ));
+            }
         }
         Ok(())
     }
@@ -1052,7 +1059,7 @@ mod tests {
             std::time::Duration::from_secs(23 * 3600)
         );
         assert!(signed("0s", "false").is_ok(), "off");
-        for (age, require) in [("23h", "false"), ("30s", "true")] {
+        for (age, require) in [("23h", "false"), ("30s", "true"), ("25h", "true")] {
             let e = signed(age, require).unwrap_err();
             assert!(
                 e.to_string().contains("STREAMING_HUB_SIGNATURE_MAX_AGE"),

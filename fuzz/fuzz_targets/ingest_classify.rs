@@ -5,7 +5,7 @@
 //! (`arbitrary`): start from nothing or from a valid ledger event, edit its headers (set, push a
 //! duplicate, remove, flip a byte, truncate, raw bytes, null), optionally sign the result with one
 //! of the configured producer keys, then tamper again. The configuration (UUIDv7 rule, payload
-//! limit, required signatures) is part of the input too.
+//! limit, required signatures, their maximum age and the clock) is part of the input too.
 //!
 //! Checked besides "no panic":
 //! - determinism: classifying the same record twice gives the same verdict;
@@ -128,6 +128,10 @@ struct Recipe {
     require_signatures: bool,
     /// Payload limit: small, so `payload_too_large` is reachable.
     max_payload_bytes: u16,
+    /// `STREAMING_HUB_SIGNATURE_MAX_AGE` in minutes (None: off).
+    signature_max_age_minutes: Option<u16>,
+    /// The classifying clock, in seconds from the signed vector's `ce-sigts`.
+    now_from_sigts_secs: i32,
     start_valid: bool,
     edits: Vec<Edit>,
     /// Sign with `KEYS[n % 3]` after `edits` (sets `ce-sigkid` and `ce-sig`).
@@ -231,10 +235,19 @@ fuzz_target!(|recipe: Recipe| {
         max_payload_bytes: usize::from(recipe.max_payload_bytes),
         require_signatures: recipe.require_signatures,
         keys: SIGNATURE_KEYS.clone(),
+        signature_max_age_ms: recipe
+            .signature_max_age_minutes
+            .map_or(0, |m| i64::from(m) * 60_000),
     };
+    // VECTORS.md's `ce-sigts`, 2026-09-26T12:00:05.123Z, moved by the recipe.
+    let now_ms = 1_790_424_005_123 + i64::from(recipe.now_from_sigts_secs) * 1000;
     let view = borrowed(&headers);
-    let verdict = classify(&view, value, &cfg);
-    assert_eq!(verdict, classify(&view, value, &cfg), "verdict not stable");
+    let verdict = classify(&view, value, &cfg, now_ms);
+    assert_eq!(
+        verdict,
+        classify(&view, value, &cfg, now_ms),
+        "verdict not stable"
+    );
 
     let first = |name: &str| view.iter().find(|(n, _)| *n == name).and_then(|(_, v)| *v);
     match &verdict {
@@ -247,6 +260,9 @@ fuzz_target!(|recipe: Recipe| {
             );
             if cfg.require_signatures {
                 assert!(first("ce-sig").is_some(), "accepted unsigned");
+                if cfg.signature_max_age_ms > 0 {
+                    assert!(first("ce-sigts").is_some(), "accepted without a signature time");
+                }
             }
         }
         Verdict::Quarantine(q) => {

@@ -37,29 +37,81 @@ pub struct Ops {
 }
 
 /// Most pull reads one instance runs at once, whatever the tenants: each holds a consumer with
-/// up to 16 MiB fetched and a page of up to 8 MiB of payloads (the per-tenant rate limit alone
-/// let twenty of one tenant's run together).
+/// up to 16 MiB fetched and builds a page of up to 8 MiB of payloads (the per-tenant rate limit
+/// alone let twenty of one tenant's run together).
 pub const MAX_PULL_READS: usize = 4;
+
+/// Most pull reads of one tenant at once, so one tenant cannot take every place.
+pub const MAX_PULL_READS_PER_TENANT: usize = 2;
 
 /// How long a pull read waits for a place before it is answered `429`.
 pub const PULL_READ_WAIT: Duration = Duration::from_secs(2);
 
-/// Places for pull reads ([`MAX_PULL_READS`]).
-pub struct PullGate(Arc<tokio::sync::Semaphore>);
+type PullCounts = Arc<Mutex<HashMap<String, usize>>>;
+
+/// Places for pull reads ([`MAX_PULL_READS`], [`MAX_PULL_READS_PER_TENANT`]).
+pub struct PullGate {
+    places: Arc<tokio::sync::Semaphore>,
+    tenants: PullCounts,
+}
+
+/// A pull read's place, given back when dropped.
+pub struct PullPlace {
+    _place: tokio::sync::OwnedSemaphorePermit,
+    _tenant: TenantPull,
+}
+
+/// One of a tenant's pull reads, counted until dropped.
+struct TenantPull {
+    tenants: PullCounts,
+    tenant: String,
+}
+
+impl Drop for TenantPull {
+    fn drop(&mut self) {
+        let mut t = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = t.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                t.remove(&self.tenant);
+            }
+        }
+    }
+}
 
 impl Default for PullGate {
     fn default() -> PullGate {
-        PullGate(Arc::new(tokio::sync::Semaphore::new(MAX_PULL_READS)))
+        PullGate {
+            places: Arc::new(tokio::sync::Semaphore::new(MAX_PULL_READS)),
+            tenants: Arc::default(),
+        }
     }
 }
 
 impl PullGate {
-    /// A place, waiting up to `wait` for one; None when none came free.
-    pub async fn enter(&self, wait: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        tokio::time::timeout(wait, self.0.clone().acquire_owned())
+    /// A place for one of `tenant`'s reads: None at once when the tenant has its most running,
+    /// or after `wait` when no place came free.
+    pub async fn enter(&self, tenant: &str, wait: Duration) -> Option<PullPlace> {
+        {
+            let mut t = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            let n = t.entry(tenant.to_string()).or_insert(0);
+            if *n >= MAX_PULL_READS_PER_TENANT {
+                return None;
+            }
+            *n += 1;
+        }
+        let counted = TenantPull {
+            tenants: self.tenants.clone(),
+            tenant: tenant.to_string(),
+        };
+        let place = tokio::time::timeout(wait, self.places.clone().acquire_owned())
             .await
             .ok()?
-            .ok()
+            .ok()?;
+        Some(PullPlace {
+            _place: place,
+            _tenant: counted,
+        })
     }
 }
 
@@ -266,21 +318,34 @@ pub async fn pull_events(
     };
     let created = sub.created_at;
     let sub_id = sub.id.clone();
-    let Some(place) = ops.pull_reads.enter(PULL_READ_WAIT).await else {
+    let Some(place) = ops.pull_reads.enter(&tenant, PULL_READ_WAIT).await else {
         return Ok(too_many(
             "pull_busy",
-            "as many pull reads as this instance runs at once are running; retry shortly".into(),
+            "as many pull reads as this instance (or this tenant) runs at once are running; \
+             retry shortly"
+                .into(),
             1,
         ));
     };
+    // Read and serialized while the place is held: the page's events are freed before it goes.
     let page = tokio::task::spawn_blocking(move || {
         let _place = place;
-        ops.pull.read(&sub_id, created, cursor, limit)
+        ops.pull
+            .read(&sub_id, created, cursor, limit)
+            .map(|page| serde_json::to_vec(&page))
     })
     .await
     .map_err(|e| ApiError::internal("pull read panicked", &e))?;
     match page {
-        Ok(page) => Ok(Json(page).into_response()),
+        Ok(Ok(body)) => Ok((
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            body,
+        )
+            .into_response()),
+        Ok(Err(e)) => Err(ApiError::internal("pull page not serialized", &e)),
         Err(PullError::BadCursor) => Err(ApiError::bad_request(
             "invalid",
             "cursor does not belong to this subscription",
@@ -633,24 +698,30 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn pull_reads_past_the_instance_bound_wait_then_are_refused() {
-        let gate = PullGate::default();
-        let held: Vec<_> =
-            futures::future::join_all((0..MAX_PULL_READS).map(|_| gate.enter(Duration::ZERO)))
-                .await
-                .into_iter()
-                .map(|p| p.expect("a place"))
-                .collect();
+    async fn pull_reads_past_the_bounds_wait_or_are_refused() {
+        let gate = Arc::new(PullGate::default());
         let short = Duration::from_millis(50);
-        assert!(
-            gate.enter(short).await.is_none(),
-            "one more waits, then none"
-        );
-        // One ends while another waits: the waiting one gets its place.
-        let mut held = held;
-        let waiting = gate.enter(short);
-        held.pop();
-        assert!(waiting.await.is_some());
+        // A tenant's third read is refused at once, even with places free.
+        let a1 = gate.enter("a", short).await.expect("a's first");
+        let a2 = gate.enter("a", short).await.expect("a's second");
+        assert!(gate.enter("a", Duration::from_secs(60)).await.is_none());
+        let b1 = gate.enter("b", short).await.expect("b's first");
+        let c1 = gate.enter("c", short).await.expect("c's first");
+        // Every place taken: one more waits, then none.
+        assert!(gate.enter("d", short).await.is_none());
+        // A waiting read gets the place a finished one gives back.
+        let waiting = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter("d", Duration::from_secs(30)).await.is_some() }
+        });
+        tokio::task::yield_now().await;
+        drop(b1);
+        assert!(waiting.await.unwrap(), "woken by the place given back");
+        // A tenant's count goes down as its reads end.
+        drop(a1);
+        let a3 = gate.enter("a", Duration::from_secs(30)).await;
+        assert!(a3.is_some(), "a has one running: another is let in");
+        drop((a2, c1));
     }
 
     #[test]

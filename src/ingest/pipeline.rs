@@ -182,7 +182,9 @@ impl Ingest {
                 max_payload_bytes: config.max_payload_bytes,
                 require_signatures: config.require_signatures,
                 keys,
-                signature_max_age_ms: config.signature_max_age.as_millis() as i64,
+                // At most the dedup TTL (checked with the configuration): it fits.
+                signature_max_age_ms: i64::try_from(config.signature_max_age.as_millis())
+                    .unwrap_or(i64::MAX),
             },
             inbox: format!("{}.inbox", config.topic_prefix),
             quarantine: format!("{}.quarantine", config.topic_prefix),
@@ -402,13 +404,16 @@ impl Ingest {
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
-        kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(|e| {
+        if let Err(e) = kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE) {
             if kafka::commit_undecided(&e) {
-                Failed::Undecided(e)
-            } else {
-                Failed::Kafka(e)
+                // The process stops and librdkafka most likely completes the commit; if it
+                // does, the next owner reads on after this batch, which is then counted only
+                // here.
+                tally.emit();
+                return Err(Failed::Undecided(e));
             }
-        })?;
+            return Err(Failed::Kafka(e));
+        }
         phase_done("commit");
         Ok(tally)
     }

@@ -276,7 +276,12 @@ fn data_of(
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
-    let data = if essence == "application/json" || essence.ends_with("+json") {
+    // Parsed in full first (and dropped): only JSON every strict parser reads goes out as
+    // `data` (no lone surrogate, no number out of range, nesting within serde_json's limit), as
+    // before; then carried as its text, so a page holds one tree at a time, not all of them.
+    let data = if (essence == "application/json" || essence.ends_with("+json"))
+        && serde_json::from_slice::<serde_json::Value>(payload).is_ok()
+    {
         serde_json::from_slice::<Box<serde_json::value::RawValue>>(payload).ok()
     } else {
         None
@@ -309,9 +314,15 @@ mod tests {
         assert_eq!((text(data), b64.as_deref()), (None, Some("e30=")));
         let (_, data, b64) = data_of(None, b"not json");
         assert_eq!((text(data), b64.as_deref()), (None, Some("bm90IGpzb24=")));
-        // JSON is carried as written, not parsed into a tree (a page's memory is its bytes).
-        let (_, data, _) = data_of(None, b"[0,0,0]");
-        assert_eq!(text(data).as_deref(), Some("[0,0,0]"));
+        // JSON is carried as written (its spacing and key order), not as a tree.
+        let (_, data, _) = data_of(None, br#" {"b": 1,  "a": [0, 0]} "#);
+        assert_eq!(text(data).as_deref(), Some(r#"{"b": 1,  "a": [0, 0]}"#));
+        // What a strict parser refuses goes as base64, as before.
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        for bad in [r#"{"a":"\ud800"}"#, "1e400", deep.as_str()] {
+            let (_, data, b64) = data_of(None, bad.as_bytes());
+            assert!(text(data).is_none() && b64.is_some(), "{bad}");
+        }
     }
 
     #[test]

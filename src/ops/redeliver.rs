@@ -183,6 +183,17 @@ impl Redeliverer {
         kafka::send_waiting(producer, r).map_err(k)
     }
 
+    /// Ends a run: its requests queued so far are written whether or not it failed partway
+    /// (dropping the producer would purge them, though `progress` counted them requested); the
+    /// run's own error wins over a write failure.
+    fn finish(
+        producer: &RunProducer,
+        run: Result<(), RedeliverError>,
+    ) -> Result<(), RedeliverError> {
+        let written = Self::flush(producer);
+        run.and(written)
+    }
+
     /// Waits for every request of the run sent; fails if the brokers refused one (a flush alone
     /// succeeds once the queue is empty, delivered or not).
     fn flush(producer: &RunProducer) -> Result<(), RedeliverError> {
@@ -208,7 +219,7 @@ impl Redeliverer {
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         let mut seen: HashSet<Vec<u8>> = HashSet::new();
-        scan(&consumer, &self.inbox, &ranges, |m| {
+        let scanned = scan(&consumer, &self.inbox, &ranges, |m| {
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
             p.scanned += 1;
             drop(p);
@@ -257,8 +268,8 @@ impl Redeliverer {
             p.matched += 1;
             p.requested += 1;
             Ok(())
-        })?;
-        Self::flush(&producer)
+        });
+        Self::finish(&producer, scanned)
     }
 
     /// Recover: the subscription's dead letters since `since_ms`, each event once.
@@ -275,7 +286,7 @@ impl Redeliverer {
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
         // the events (a long outage dead-letters many, each up to the payload limit).
         let mut seen: HashSet<String> = HashSet::new();
-        scan(&consumer, &self.dlq, &ranges, |m| {
+        let scanned = scan(&consumer, &self.dlq, &ranges, |m| {
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let Some(dl) = m.payload().and_then(|v| {
                 self.codec
@@ -292,8 +303,8 @@ impl Redeliverer {
                 self.request_one_dead(&producer, &dl, &request_id, progress)?;
             }
             Ok(())
-        })?;
-        Self::flush(&producer)
+        });
+        Self::finish(&producer, scanned)
     }
 
     /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
@@ -322,11 +333,20 @@ impl Redeliverer {
         }
         let request_id = request_id_of(progress);
         let producer = producer(&self.config)?;
-        for &(partition, offset) in positions {
-            let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
-            self.request_one_dead(&producer, &dl, &request_id, progress)?;
-        }
-        Self::flush(&producer)
+        let requested = positions.iter().try_for_each(|&(partition, offset)| {
+            // Checked above: one gone since (retention) or unreadable now fails the run, with
+            // the requests before it queued.
+            let dl = self
+                .dead_at(&consumer, &partitions, partition, offset, tenant)
+                .map_err(|e| match e {
+                    RedeliverError::Invalid(m) => RedeliverError::Kafka(format!(
+                        "{m}: gone while the redrive ran (the ones before it were queued)"
+                    )),
+                    e => e,
+                })?;
+            self.request_one_dead(&producer, &dl, &request_id, progress)
+        });
+        Self::finish(&producer, requested)
     }
 
     /// The dead letter at `partition`-`offset` of the DLQ (of `tenant`, when given).
