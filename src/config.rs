@@ -458,7 +458,8 @@ settings! {
     /// older than this when ingest reads it, more than 5 minutes ahead, absent or not an RFC 3339
     /// time is quarantined as `signature_expired` (`0s` = not checked). A signed record copied
     /// and produced again after its dedup entry expired (`STREAMING_HUB_IDEMPOTENCY_TTL`) is then
-    /// refused; at most that TTL, and above the longest backlog ingest may have to read.
+    /// refused. At most that TTL minus 5m, less the longest the hub may lag behind ingest, and
+    /// above the longest backlog ingest may have to read.
     signature_max_age: std::time::Duration = "0s";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
@@ -865,11 +866,14 @@ impl Config {
                     "at least 1m (or 0s: not checked)",
                 ));
             }
-            if self.signature_max_age > self.idempotency_ttl {
+            // A signature may be up to 5 minutes ahead, so an event's dedup entry (from when
+            // the hub first saw it) can end 5 minutes before its signature's time + the TTL.
+            let skew = std::time::Duration::from_secs(5 * 60);
+            if self.signature_max_age + skew > self.idempotency_ttl {
                 return Err(invalid(
                     "STREAMING_HUB_SIGNATURE_MAX_AGE",
-                    "at most STREAMING_HUB_IDEMPOTENCY_TTL: a record signed longer ago than \
-                     the dedup window would be taken as new",
+                    "at most STREAMING_HUB_IDEMPOTENCY_TTL minus 5m (the clock skew a \
+                     signature may have): a copy signed longer ago could outlive its dedup entry",
                 ));
             }
         }
@@ -1059,7 +1063,12 @@ mod tests {
             std::time::Duration::from_secs(23 * 3600)
         );
         assert!(signed("0s", "false").is_ok(), "off");
-        for (age, require) in [("23h", "false"), ("30s", "true"), ("25h", "true")] {
+        for (age, require) in [
+            ("23h", "false"),
+            ("30s", "true"),
+            ("24h", "true"),
+            ("1436m", "true"),
+        ] {
             let e = signed(age, require).unwrap_err();
             assert!(
                 e.to_string().contains("STREAMING_HUB_SIGNATURE_MAX_AGE"),

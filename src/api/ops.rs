@@ -239,6 +239,25 @@ fn remember(ops: &Ops, kind: &str, subscription: Option<&str>) -> Arc<Mutex<Prog
     p
 }
 
+/// A recover or redrive that failed on Kafka: `503`, naming the run and what it queued when it
+/// stopped partway (a retry queues those again).
+fn stopped(progress: &Mutex<Progress>, e: String) -> ApiError {
+    let p = finish(progress, Err(RedeliverError::Kafka(e.clone())));
+    if p.requested == 0 {
+        return unavailable(&e);
+    }
+    tracing::warn!(run = %p.id, requested = p.requested, error = %e, "operations: a run stopped partway");
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        codes::UNAVAILABLE,
+        format!(
+            "the run {} stopped partway, after queueing {} redeliveries (a retry queues them \
+             again): {e}",
+            p.id, p.requested
+        ),
+    )
+}
+
 fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
     let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
     match result {
@@ -279,7 +298,7 @@ impl RecoverRequest {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
-        (status = 429, description = "Over the tenant's pull rate (`rate_limited`), or as many pull reads as the instance runs at once are running (`pull_busy`); see Retry-After", body = ErrorBody),
+        (status = 429, description = "Over the tenant's pull rate (`rate_limited`), or as many pull reads as the instance (4) or the tenant (2) runs at once are running (`pull_busy`); see Retry-After", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn pull_events(
     State(state): State<ApiState>,
@@ -398,9 +417,8 @@ pub async fn recover(
     })
     .await
     .map_err(|e| ApiError::internal("recover panicked", &e))?;
-    if let Err(RedeliverError::Kafka(e)) = &result {
-        finish(&progress, Err(RedeliverError::Kafka(e.clone())));
-        return Err(unavailable(e));
+    if let Err(RedeliverError::Kafka(e)) = result {
+        return Err(stopped(&progress, e));
     }
     Ok(Json(finish(&progress, result)).into_response())
 }
@@ -681,10 +699,7 @@ pub async fn redrive(
         .await
         .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
-        Err(RedeliverError::Kafka(e)) => {
-            finish(&progress, Err(RedeliverError::Kafka(e.clone())));
-            Err(unavailable(&e))
-        }
+        Err(RedeliverError::Kafka(e)) => Err(stopped(&progress, e)),
         Err(RedeliverError::Invalid(msg)) => {
             finish(&progress, Err(RedeliverError::Invalid(msg.clone())));
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))

@@ -190,8 +190,14 @@ impl Redeliverer {
         producer: &RunProducer,
         run: Result<(), RedeliverError>,
     ) -> Result<(), RedeliverError> {
-        let written = Self::flush(producer);
-        run.and(written)
+        match (run, Self::flush(producer)) {
+            (Ok(()), written) => written,
+            (Err(e), Ok(())) => Err(e),
+            // Both: the run's error, and that some of what it counted was not written.
+            (Err(e), Err(w)) => Err(RedeliverError::Kafka(format!(
+                "{e}; and not every request counted was written: {w}"
+            ))),
+        }
     }
 
     /// Waits for every request of the run sent; fails if the brokers refused one (a flush alone
@@ -339,9 +345,9 @@ impl Redeliverer {
             let dl = self
                 .dead_at(&consumer, &partitions, partition, offset, tenant)
                 .map_err(|e| match e {
-                    RedeliverError::Invalid(m) => RedeliverError::Kafka(format!(
-                        "{m}: gone while the redrive ran (the ones before it were queued)"
-                    )),
+                    RedeliverError::Invalid(m) => {
+                        RedeliverError::Kafka(format!("{m} any more (deleted while the run went)"))
+                    }
                     e => e,
                 })?;
             self.request_one_dead(&producer, &dl, &request_id, progress)
@@ -379,8 +385,14 @@ impl Redeliverer {
                     .ok()
             }),
             // That offset holds no record (a transaction marker, an aborted write).
-            Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) | None => None,
+            Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) => None,
             Some(Err(e)) => return Err(k(e)),
+            None => {
+                return Err(RedeliverError::Kafka(format!(
+                    "no record from {}/{partition} within {TIMEOUT:?}",
+                    self.dlq
+                )));
+            }
         };
         match found {
             Some(dl) if tenant.is_none_or(|t| t == dl.tenant_id) => Ok(dl),
