@@ -290,6 +290,9 @@ macro_rules! upper {
     (signature_max_age) => {
         "SIGNATURE_MAX_AGE"
     };
+    (require_source_topic) => {
+        "REQUIRE_SOURCE_TOPIC"
+    };
     (ingest_batch_max) => {
         "INGEST_BATCH_MAX"
     };
@@ -461,6 +464,10 @@ settings! {
     /// refused. At most that TTL minus 5m, less the longest the hub may lag behind ingest, and
     /// above the longest backlog ingest may have to read.
     signature_max_age: std::time::Duration = "0s";
+    /// Quarantine a record whose `ce-source` is not the `<source>` of the topic it was read from
+    /// (`lerian.streaming.<source>`) as `source_mismatch`: per-topic write ACLs then decide who
+    /// may speak for a source, without signatures. Topics named otherwise are not checked.
+    require_source_topic: bool = "false";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";
     /// Most inbox records the hub task puts in one transaction.

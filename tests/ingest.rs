@@ -1,7 +1,8 @@
 //! Ingest against the real broker, through the real `streaming-hub` binary: one record per verdict
 //! and reason lands exactly where it should, a salted tenant meets in one inbox partition, a new
 //! producer topic is followed without a restart, a SIGKILL mid-run neither loses nor
-//! duplicates a record, and a batch that aborts is counted once, when it commits.
+//! duplicates a record, a batch that aborts is counted once, when it commits, and a record
+//! claiming another topic's source is quarantined when that is required.
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -922,4 +923,39 @@ async fn an_aborted_batch_is_counted_once_when_it_commits() {
         .filter(|l| l.contains("record quarantined"))
         .count();
     assert_eq!(warned, 1, "one WARN for the quarantined record");
+}
+
+/// `STREAMING_HUB_REQUIRE_SOURCE_TOPIC`: a record written to `lerian.streaming.<x>` speaks for
+/// source `x` only; one claiming another source is quarantined as `source_mismatch`, so per-topic
+/// ACLs decide who may speak for a source.
+#[tokio::test]
+async fn a_record_claiming_another_topics_source_is_quarantined_when_required() {
+    require_broker();
+    let prefix = unique("srctopic");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let mut env = hub_env(&prefix, &follow_exactly(&topic));
+    env.insert("STREAMING_HUB_REQUIRE_SOURCE_TOPIC".into(), "true".into());
+    env.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
+    let _hub = Hub::start(&env);
+    let own = event("tenant-a", &prefix, "transaction", "created");
+    let spoofed = event("tenant-a", "ledger", "transaction", "created");
+    produce(&producer(), &topic, &[own.clone(), spoofed.clone()]);
+    let inbox = format!("{prefix}.inbox");
+    let quarantine = format!("{prefix}.quarantine");
+    let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
+        r.len() >= 2
+    });
+    let by_id: HashMap<String, (&str, Option<&str>)> = got
+        .iter()
+        .map(|g| {
+            let reason = g.rec.header("x-streaming-hub-reason");
+            (g.rec.id(), (g.topic.as_str(), reason))
+        })
+        .collect();
+    assert_eq!(by_id[&own.id()], (inbox.as_str(), None));
+    assert_eq!(
+        by_id[&spoofed.id()],
+        (quarantine.as_str(), Some("source_mismatch"))
+    );
 }

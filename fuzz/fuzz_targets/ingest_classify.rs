@@ -5,7 +5,8 @@
 //! (`arbitrary`): start from nothing or from a valid ledger event, edit its headers (set, push a
 //! duplicate, remove, flip a byte, truncate, raw bytes, null), optionally sign the result with one
 //! of the configured producer keys, then tamper again. The configuration (UUIDv7 rule, payload
-//! limit, required signatures, their maximum age and the clock) is part of the input too.
+//! limit, required signatures, their maximum age, the clock, the topic and whether its source
+//! must be the record's) is part of the input too.
 //!
 //! Checked besides "no panic":
 //! - determinism: classifying the same record twice gives the same verdict;
@@ -19,7 +20,7 @@ use std::sync::LazyLock;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use streaming_hub::ingest::classify::{ClassifyConfig, Verdict, classify};
+use streaming_hub::ingest::classify::{Arrival, ClassifyConfig, Verdict, classify};
 use streaming_hub::ingest::signature::{SignatureKeys, sign};
 
 /// Header names the recipe picks from: every `ce-*` attribute the classifier knows, look-alikes it
@@ -46,6 +47,13 @@ const NAMES: &[&str] = &[
     "ce-",
     "traceparent",
     "x-streaming-hub-source-offset",
+];
+
+/// Topics a record is read from: its source's, another source's, one not named after a source.
+const TOPICS: [&str; 3] = [
+    "lerian.streaming.ledger",
+    "lerian.streaming.tracer",
+    "payments-events",
 ];
 
 /// A valid ledger event (VECTORS.md), in header order.
@@ -132,6 +140,9 @@ struct Recipe {
     signature_max_age_minutes: Option<u16>,
     /// The classifying clock, in seconds from the signed vector's `ce-sigts`.
     now_from_sigts_secs: i32,
+    require_source_topic: bool,
+    /// The topic read from: `TOPICS[n % 3]`.
+    topic: u8,
     start_valid: bool,
     edits: Vec<Edit>,
     /// Sign with `KEYS[n % 3]` after `edits` (sets `ce-sigkid` and `ce-sig`).
@@ -238,14 +249,19 @@ fuzz_target!(|recipe: Recipe| {
         signature_max_age_ms: recipe
             .signature_max_age_minutes
             .map_or(0, |m| i64::from(m) * 60_000),
+        require_source_topic: recipe.require_source_topic,
     };
     // VECTORS.md's `ce-sigts`, 2026-09-26T12:00:05.123Z, moved by the recipe.
     let now_ms = 1_790_424_005_123 + i64::from(recipe.now_from_sigts_secs) * 1000;
     let view = borrowed(&headers);
-    let verdict = classify(&view, value, &cfg, now_ms);
+    let arrival = Arrival {
+        topic: TOPICS[usize::from(recipe.topic) % TOPICS.len()],
+        now_ms,
+    };
+    let verdict = classify(&view, value, &cfg, arrival);
     assert_eq!(
         verdict,
-        classify(&view, value, &cfg, now_ms),
+        classify(&view, value, &cfg, arrival),
         "verdict not stable"
     );
 
@@ -258,6 +274,11 @@ fuzz_target!(|recipe: Recipe| {
                 Some(accepted.tenant.as_bytes()),
                 "tenant is not ce-tenantid"
             );
+            if let Some(source) = arrival.topic.strip_prefix("lerian.streaming.") {
+                if cfg.require_source_topic {
+                    assert_eq!(first("ce-source"), Some(source.as_bytes()), "another topic's source");
+                }
+            }
             if cfg.require_signatures {
                 assert!(first("ce-sig").is_some(), "accepted unsigned");
                 if cfg.signature_max_age_ms > 0 {

@@ -21,7 +21,9 @@
 //! 4. **Attributes**, each "absent → `missing_header`" then its own rule: `ce-specversion` (`1.0`),
 //!    `ce-id`, `ce-source`, `ce-resourcetype`, `ce-eventtype` (non-empty, no dot → `invalid_type`),
 //!    `ce-type` (shape → `invalid_type`, disagreement with source/resource/event → `type_mismatch`),
-//!    `ce-time`, `ce-schemaversion`.
+//!    `ce-time`, `ce-schemaversion`. With `require_source_topic`, a `ce-source` that is not the
+//!    `<source>` of the record's topic `lerian.streaming.<source>` → `source_mismatch` (topics
+//!    named otherwise are not checked).
 //! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`.
 //! 6. **Signature**, only with `require_signatures` (the HMAC runs only for otherwise valid records):
 //!    `ce-sig` or `ce-sigkid` absent → `signature_missing`; a key id the hub does not know →
@@ -61,7 +63,19 @@ pub struct ClassifyConfig {
     pub keys: SignatureKeys,
     /// `STREAMING_HUB_SIGNATURE_MAX_AGE` in ms (default 0: signatures' times not checked).
     pub signature_max_age_ms: i64,
+    /// `STREAMING_HUB_REQUIRE_SOURCE_TOPIC` (default false).
+    pub require_source_topic: bool,
 }
+
+/// Where and when a record is judged: the topic it was read from and the clock's now.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival<'a> {
+    pub topic: &'a str,
+    pub now_ms: i64,
+}
+
+/// The prefix of producer topics: `lerian.streaming.<source>` (DESIGN.md §5).
+pub const PRODUCER_TOPIC_PREFIX: &str = "lerian.streaming.";
 
 impl Default for ClassifyConfig {
     fn default() -> Self {
@@ -71,6 +85,7 @@ impl Default for ClassifyConfig {
             require_signatures: false,
             keys: SignatureKeys::default(),
             signature_max_age_ms: 0,
+            require_source_topic: false,
         }
     }
 }
@@ -131,10 +146,11 @@ pub enum Reason {
     SignatureInvalid,
     SignatureUnknownKey,
     SignatureExpired,
+    SourceMismatch,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -152,6 +168,7 @@ impl Reason {
         Reason::SignatureInvalid,
         Reason::SignatureUnknownKey,
         Reason::SignatureExpired,
+        Reason::SourceMismatch,
     ];
 
     /// The stable snake_case code written to `x-streaming-hub-reason` and used as a metric label.
@@ -174,6 +191,7 @@ impl Reason {
             Reason::SignatureInvalid => "signature_invalid",
             Reason::SignatureUnknownKey => "signature_unknown_key",
             Reason::SignatureExpired => "signature_expired",
+            Reason::SourceMismatch => "source_mismatch",
         }
     }
 
@@ -362,7 +380,7 @@ pub fn classify(
     headers: &[(&str, Option<&[u8]>)],
     value: Option<&[u8]>,
     cfg: &ClassifyConfig,
-    now_ms: i64,
+    arrival: Arrival<'_>,
 ) -> Verdict {
     let slots = match scan(headers) {
         Ok(slots) => slots,
@@ -377,7 +395,7 @@ pub fn classify(
     if slots[SYSTEMEVENT] == Some("true") {
         return Verdict::Drop;
     }
-    match judge(&slots, value, cfg, now_ms) {
+    match judge(&slots, value, cfg, arrival) {
         Ok(accepted) => Verdict::Accept(accepted),
         Err(q) => Verdict::Quarantine(q),
     }
@@ -388,7 +406,7 @@ fn judge(
     slots: &Slots<'_>,
     value: &[u8],
     cfg: &ClassifyConfig,
-    now_ms: i64,
+    arrival: Arrival<'_>,
 ) -> Result<Accepted, Quarantined> {
     let required = |slot: usize| {
         slots[slot].ok_or_else(|| {
@@ -471,6 +489,14 @@ fn judge(
             return bad(Reason::TypeMismatch, TYPE, ty, &rule);
         }
     }
+    if cfg.require_source_topic {
+        if let Some(topic_source) = arrival.topic.strip_prefix(PRODUCER_TOPIC_PREFIX) {
+            if topic_source != source {
+                let rule = format!("is not the source of topic {}", shown(arrival.topic));
+                return bad(Reason::SourceMismatch, SOURCE, source, &rule);
+            }
+        }
+    }
     let time = required(TIME)?;
     if !is_rfc3339(time) {
         return bad(
@@ -503,7 +529,7 @@ fn judge(
     if cfg.require_signatures {
         verify_signature(slots, source, value, &cfg.keys)?;
         if cfg.signature_max_age_ms > 0 {
-            check_signature_time(slots[SIGTS], cfg.signature_max_age_ms, now_ms)?;
+            check_signature_time(slots[SIGTS], cfg.signature_max_age_ms, arrival.now_ms)?;
         }
     }
     Ok(Accepted {
@@ -788,7 +814,12 @@ mod tests {
         }
 
         fn classify_at(&self, cfg: &ClassifyConfig, now_ms: i64) -> Verdict {
-            classify(&self.borrowed(), self.value.as_deref(), cfg, now_ms)
+            self.classify_from("lerian.streaming.ledger", cfg, now_ms)
+        }
+
+        fn classify_from(&self, topic: &str, cfg: &ClassifyConfig, now_ms: i64) -> Verdict {
+            let arrival = Arrival { topic, now_ms };
+            classify(&self.borrowed(), self.value.as_deref(), cfg, arrival)
         }
     }
 
@@ -889,6 +920,10 @@ mod tests {
             ..ClassifyConfig::default()
         };
         let signing = &signing_cfg();
+        let strict_topics = &ClassifyConfig {
+            require_source_topic: true,
+            ..ClassifyConfig::default()
+        };
         let aging = &ClassifyConfig {
             signature_max_age_ms: 30_000,
             ..signing_cfg()
@@ -983,6 +1018,12 @@ mod tests {
                 ledger().signed("k9", &vector_secret()),
                 signing,
                 Q(SignatureUnknownKey, "ce-sigkid"),
+            ),
+            (
+                "other topic's source",
+                tracer_source(),
+                strict_topics,
+                Q(SourceMismatch, "ce-source"),
             ),
             // Signed a minute before the classifying clock's now.
             (
@@ -1163,6 +1204,42 @@ mod tests {
             Reason::SignatureInvalid,
             "ce-sig",
         );
+    }
+
+    /// A ledger event read from the ledger topic (`Rec::classify` reads from there).
+    fn tracer_source() -> Rec {
+        Rec::ledger()
+            .set("ce-source", "tracer")
+            .set("ce-type", "studio.lerian.tracer.account.created")
+    }
+
+    /// `STREAMING_HUB_REQUIRE_SOURCE_TOPIC`: a record speaks for the source of the topic it was
+    /// written to, so per-topic ACLs decide who may speak for a source (as signatures do).
+    #[test]
+    fn a_source_other_than_its_topics_is_quarantined_when_required() {
+        let strict = ClassifyConfig {
+            require_source_topic: true,
+            ..ClassifyConfig::default()
+        };
+        let ledger = Rec::ledger();
+        accepted(ledger.classify_from("lerian.streaming.ledger", &strict, 0));
+        let v = ledger.classify_from("lerian.streaming.tracer", &strict, 0);
+        match v {
+            Verdict::Quarantine(q) => {
+                assert_eq!(q.reason, Reason::SourceMismatch);
+                assert!(
+                    q.message.contains("lerian.streaming.tracer"),
+                    "{}",
+                    q.message
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Off (the default): any producer topic may carry any source.
+        accepted(ledger.classify_from("lerian.streaming.tracer", &ClassifyConfig::default(), 0));
+        // A topic not named lerian.streaming.<source> is not checked.
+        accepted(ledger.classify_from("payments-events", &strict, 0));
+        accepted(tracer_source().classify_from("lerian.streaming.tracer", &strict, 0));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
-use crate::ingest::classify::{ClassifyConfig, Reason, Verdict, classify};
+use crate::ingest::classify::{Arrival, ClassifyConfig, Reason, Verdict, classify};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::orphans::{Covers, GroupWatch, PosixRegex, Rejoin};
@@ -185,6 +185,7 @@ impl Ingest {
                 // At most the dedup TTL (checked with the configuration): it fits.
                 signature_max_age_ms: i64::try_from(config.signature_max_age.as_millis())
                     .unwrap_or(i64::MAX),
+                require_source_topic: config.require_source_topic,
             },
             inbox: format!("{}.inbox", config.topic_prefix),
             quarantine: format!("{}.quarantine", config.topic_prefix),
@@ -467,7 +468,11 @@ impl Ingest {
                 ),
             })
         } else {
-            classify(&headers, value, &self.classify, now_ms)
+            let arrival = Arrival {
+                topic: msg.topic(),
+                now_ms,
+            };
+            classify(&headers, value, &self.classify, arrival)
         };
         let ce_id = headers
             .iter()
