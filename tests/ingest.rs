@@ -958,4 +958,15 @@ async fn a_record_claiming_another_topics_source_is_quarantined_when_required() 
         by_id[&spoofed.id()],
         (quarantine.as_str(), Some("source_mismatch"))
     );
+    let q = got.iter().find(|g| g.topic == quarantine).unwrap();
+    assert_eq!(
+        q.rec.header("x-lerian-dlq-source-topic"),
+        Some(topic.as_str())
+    );
+    assert_eq!(q.rec.header("x-lerian-dlq-cause-kind"), Some("codec"));
+    let message = q
+        .rec
+        .header("x-lerian-dlq-error-message")
+        .unwrap_or_default();
+    assert!(message.contains(&topic), "{message}");
 }

@@ -21,9 +21,10 @@
 //! 4. **Attributes**, each "absent → `missing_header`" then its own rule: `ce-specversion` (`1.0`),
 //!    `ce-id`, `ce-source`, `ce-resourcetype`, `ce-eventtype` (non-empty, no dot → `invalid_type`),
 //!    `ce-type` (shape → `invalid_type`, disagreement with source/resource/event → `type_mismatch`),
-//!    `ce-time`, `ce-schemaversion`. With `require_source_topic`, a `ce-source` that is not the
-//!    `<source>` of the record's topic `lerian.streaming.<source>` → `source_mismatch` (topics
-//!    named otherwise are not checked).
+//!    `ce-time`, `ce-schemaversion`; with `require_source_topic`, right after `ce-type`: a record
+//!    of a topic named `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` →
+//!    `source_mismatch` (failing closed: `lerian.streaming.ledger.v2` names no source, so
+//!    nothing matches it); topics not starting with `lerian.streaming.` are not checked.
 //! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`.
 //! 6. **Signature**, only with `require_signatures` (the HMAC runs only for otherwise valid records):
 //!    `ce-sig` or `ce-sigkid` absent → `signature_missing`; a key id the hub does not know →
@@ -1237,8 +1238,35 @@ mod tests {
         }
         // Off (the default): any producer topic may carry any source.
         accepted(ledger.classify_from("lerian.streaming.tracer", &ClassifyConfig::default(), 0));
-        // A topic not named lerian.streaming.<source> is not checked.
+        // A topic not starting with lerian.streaming. is not checked; one that does but names
+        // no source matches no record (closed, not open).
         accepted(ledger.classify_from("payments-events", &strict, 0));
+        assert!(matches!(
+            ledger.classify_from("lerian.streaming.ledger.v2", &strict, 0),
+            Verdict::Quarantine(_)
+        ));
+        // Checked before the signature: a validly signed record from another source's topic is
+        // a mismatch, whatever its signature says.
+        let signed_strict = ClassifyConfig {
+            require_source_topic: true,
+            ..signing_cfg()
+        };
+        let v = Rec::signed_vector();
+        accepted(v.classify_from("lerian.streaming.ledger", &signed_strict, VECTOR_NOW_MS));
+        assert_quarantined(
+            v.classify_from("lerian.streaming.tracer", &signed_strict, VECTOR_NOW_MS),
+            Reason::SourceMismatch,
+            "ce-source",
+        );
+        assert_quarantined(
+            v.remove("ce-sig").classify_from(
+                "lerian.streaming.tracer",
+                &signed_strict,
+                VECTOR_NOW_MS,
+            ),
+            Reason::SourceMismatch,
+            "lerian.streaming.tracer",
+        );
         accepted(tracer_source().classify_from("lerian.streaming.tracer", &strict, 0));
     }
 
