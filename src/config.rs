@@ -444,7 +444,9 @@ settings! {
     http_listen_addr: SocketAddr = "127.0.0.1:8080";
     /// Directory of the local RocksDB stores (a cache rebuilt from Kafka).
     state_dir: PathBuf = ".streaming-hub-state";
-    /// Regex of the producer topics ingest follows.
+    /// Regex of the producer topics ingest follows. A pattern that matches producers'
+    /// dead-letter topics (`lerian.streaming.<source>.dlq`) or one of the hub's own topics stops
+    /// the start, naming it.
     follow_pattern: String = r"^lerian\.streaming\.[a-z0-9_-]+$";
     /// How often the follow set is re-evaluated (a new producer topic is followed within this);
     /// 1s to 1h.
@@ -667,6 +669,20 @@ impl Config {
                 "STREAMING_HUB_FOLLOW_PATTERN",
                 "must start with '^' (Kafka treats other names as literal topics)",
             ));
+        }
+        // Producers' dead letters are the forensics reader's, never ingested (DESIGN.md §2.4):
+        // a wider pattern took them in as events. Checked on a sample of such names.
+        if let Ok(re) = regex::Regex::new(&self.follow_pattern) {
+            let dlq = ["lerian.streaming.ledger.dlq", "lerian.streaming.a.dlq"];
+            if let Some(name) = dlq.iter().find(|n| re.is_match(n)) {
+                return Err(invalid(
+                    "STREAMING_HUB_FOLLOW_PATTERN",
+                    &format!(
+                        "matches producers' dead-letter topics such as {name}: they are never \
+                         ingested (forensics reads them)"
+                    ),
+                ));
+            }
         }
         if self.dispatch_workers == 0 {
             return Err(invalid(
@@ -1053,6 +1069,17 @@ mod tests {
         );
         let e = Config::from_vars(vars(&[("STREAMING_HUB_TOPIC_PREFIX", "a b")])).unwrap_err();
         assert!(e.to_string().contains("STREAMING_HUB_TOPIC_PREFIX"), "{e}");
+    }
+
+    #[test]
+    fn a_follow_pattern_must_leave_producers_dead_letters_out() {
+        let follow = |p: &str| Config::from_vars(vars(&[("STREAMING_HUB_FOLLOW_PATTERN", p)]));
+        assert!(follow(r"^lerian\.streaming\.[a-z0-9_-]+$").is_ok());
+        assert!(follow(r"^lerian\.streaming\.(ledger|tracer)$").is_ok());
+        for wide in [r"^lerian\.streaming\..*", "^.*"] {
+            let e = follow(wide).unwrap_err();
+            assert!(e.to_string().contains("dead-letter"), "{wide}: {e}");
+        }
     }
 
     #[test]

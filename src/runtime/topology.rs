@@ -27,6 +27,11 @@ pub enum TopologyError {
     Kafka(#[from] KafkaError),
     #[error("creating topic {topic} failed: {why}")]
     Create { topic: String, why: String },
+    #[error(
+        "STREAMING_HUB_FOLLOW_PATTERN matches the hub's own topic {topic}: ingest would read what \
+         the hub writes; narrow it to producers' topics (lerian.streaming.<source>)"
+    )]
+    FollowsOwnTopic { topic: String },
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -144,12 +149,26 @@ impl Topology {
             path: path.display().to_string(),
             why: e.to_string(),
         })?;
-        Self::parse(&text, &config.topic_prefix, config.replication_factor).map_err(|why| {
-            TopologyError::File {
+        let topology = Self::parse(&text, &config.topic_prefix, config.replication_factor)
+            .map_err(|why| TopologyError::File {
                 path: path.display().to_string(),
                 why,
-            }
-        })
+            })?;
+        match topology.followed_own_topic(&config.follow_pattern) {
+            Some(topic) => Err(TopologyError::FollowsOwnTopic { topic }),
+            None => Ok(topology),
+        }
+    }
+
+    /// The first of the hub's own topics that ingest's follow pattern would match (its inbox
+    /// with a pattern such as `^.*`: ingest would read its own output, again and again).
+    pub fn followed_own_topic(&self, follow_pattern: &str) -> Option<String> {
+        // The configuration has checked that the pattern compiles.
+        let re = regex::Regex::new(follow_pattern).ok()?;
+        self.topics
+            .iter()
+            .map(|t| self.full_name(&t.name))
+            .find(|name| re.is_match(name))
     }
 
     pub fn parse(text: &str, prefix: &str, replication_factor: i32) -> Result<Topology, String> {
@@ -412,6 +431,23 @@ mod tests {
     use super::*;
 
     const FILE: &str = include_str!("../../topology/topics.toml");
+
+    #[test]
+    fn a_follow_pattern_matching_the_hubs_own_topics_is_named() {
+        let t = Topology::parse(FILE, "lerian.streaming.hub", 1).unwrap();
+        let default = r"^lerian\.streaming\.[a-z0-9_-]+$";
+        assert_eq!(t.followed_own_topic(default), None);
+        assert_eq!(
+            t.followed_own_topic(r"^lerian\.streaming\..*"),
+            Some("lerian.streaming.hub.inbox".to_string())
+        );
+        let t = Topology::parse(FILE, "streaming-hub", 1).unwrap();
+        assert_eq!(t.followed_own_topic(r"^lerian\.streaming\..*"), None);
+        assert_eq!(
+            t.followed_own_topic("^.*"),
+            Some("streaming-hub.inbox".to_string())
+        );
+    }
 
     #[test]
     fn bundled_topology_parses_and_changelogs_match_inbox_partitions() {
