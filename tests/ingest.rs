@@ -891,14 +891,7 @@ async fn an_aborted_batch_is_counted_once_when_it_commits() {
     let quarantined =
         format!("streaming_hub_ingest_records_total{{topic=\"{topic}\",verdict=\"quarantine\"");
     let aborted = "streaming_hub_ingest_commits_total{outcome=\"aborted\"";
-    let mut text = String::new();
-    for _ in 0..600 {
-        text = hub.metrics_text(&http).await.unwrap_or_default();
-        if metric_sum(&text, aborted) >= 3 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let text = hub.metrics_when(&http, aborted, 3).await;
     assert!(metric_sum(&text, aborted) >= 3, "the batch aborted 3 times");
     assert_eq!(metric_sum(&text, &accepted), 0, "no try committed yet");
     assert_eq!(metric_sum(&text, &quarantined), 0);
@@ -907,14 +900,7 @@ async fn an_aborted_batch_is_counted_once_when_it_commits() {
     let got = read_until(&[&inbox], Duration::from_secs(60), |r| !r.is_empty());
     assert_eq!(got[0].rec.header("ce-id"), rec.header("ce-id"));
     let committed = "streaming_hub_ingest_commits_total{outcome=\"committed\"";
-    let mut text = String::new();
-    for _ in 0..300 {
-        text = hub.metrics_text(&http).await.unwrap_or_default();
-        if metric_sum(&text, committed) >= 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let text = hub.metrics_when(&http, committed, 1).await;
     assert_eq!(metric_sum(&text, &accepted), 1);
     assert_eq!(metric_sum(&text, &quarantined), 1);
     let warned = hub

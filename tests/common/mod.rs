@@ -485,6 +485,23 @@ impl Hub {
             .await
     }
 
+    /// The hub's `/metrics` page once the metric lines starting with `name` sum to at least
+    /// `at_least` (panics after 60 s).
+    pub async fn metrics_when(&self, http: &reqwest::Client, name: &str, at_least: u64) -> String {
+        let mut text = String::new();
+        for _ in 0..3000 {
+            text = self.metrics_text(http).await.unwrap_or_default();
+            if metric_sum(&text, name) >= at_least {
+                return text;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "{name} never reached {at_least} (is {})",
+            metric_sum(&text, name)
+        );
+    }
+
     fn wait_ready(&self) {
         let addr = self.addr();
         let log = self.log.clone();
@@ -786,16 +803,7 @@ impl ApiHub {
     }
 
     pub async fn wait_metric(&self, name: &str, at_least: u64) {
-        for _ in 0..1500 {
-            if self.metric(name).await >= at_least {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!(
-            "{name} never reached {at_least} (is {})",
-            self.metric(name).await
-        );
+        self.hub.metrics_when(&self.http, name, at_least).await;
     }
 
     /// Has the hub commit its inbox offsets once, with an event no one subscribed to: until a
