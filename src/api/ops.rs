@@ -338,6 +338,7 @@ pub async fn pull_events(
     let created = sub.created_at;
     let sub_id = sub.id.clone();
     let Some(place) = ops.pull_reads.enter(&tenant, PULL_READ_WAIT).await else {
+        ops.limiter.give_back(&tenant);
         return Ok(too_many(
             "pull_busy",
             "as many pull reads as this instance (or this tenant) runs at once are running; \

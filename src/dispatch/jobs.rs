@@ -437,7 +437,7 @@ impl JobStore<'_> {
     /// per job stepped over every job this call had already taken from the same tenant). Jobs
     /// created in this transaction are not seen (they are claimed by the next one).
     pub fn due_jobs(
-        &self,
+        &mut self,
         ring: &mut TenantRing,
         now: i64,
         limit: usize,
@@ -463,7 +463,8 @@ impl JobStore<'_> {
             // This tenant's timers from its mark: the first `want` not taken this call (nor
             // deleted in the open transaction) that are due. Keys are visited in place, none
             // copied but the ones found.
-            let mut found: Vec<Vec<u8>> = Vec::new();
+            // (job key, its timer's key)
+            let mut found: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
             let mut any = false;
             let mut first_live: Option<Vec<u8>> = None;
             let mut next_due: Option<i64> = None;
@@ -486,7 +487,7 @@ impl JobStore<'_> {
                 if taken.contains(&job) {
                     passed_over = true;
                 } else if staged.get(DUE, k).is_none() {
-                    found.push(job);
+                    found.push((job, k.to_vec()));
                 }
                 found.len() < want
             })?;
@@ -516,16 +517,22 @@ impl JobStore<'_> {
                 if found.len() < want {
                     exhausted.insert(tenant.clone());
                 }
-                for job_key in found {
+                for (job_key, timer) in found {
                     match self.get_job(&job_key)? {
                         Some(job) => {
                             taken.insert(job_key.clone());
                             out.push((job_key, job));
                         }
                         // A timer whose job is gone (no writer leaves one; a store edited or
-                        // restored by other means could): passed over from now on. Found again
-                        // every turn, it kept the loop going without end.
+                        // restored by other means could): deleted with this transaction (timers
+                        // are local, never on the changelog) and passed over until then. Found
+                        // again every turn, it kept the loop going without end.
                         None => {
+                            tracing::warn!(
+                                tenant = %tenant,
+                                "a due timer whose job is gone was found and is deleted"
+                            );
+                            self.staged.delete(DUE, timer);
                             taken.insert(job_key);
                         }
                     }
@@ -818,7 +825,7 @@ mod tests {
         limit: usize,
     ) -> Vec<String> {
         let mut staged = Staged::default();
-        let js = JobStore {
+        let mut js = JobStore {
             store,
             staged: &mut staged,
             codec,
@@ -854,6 +861,41 @@ mod tests {
         assert_eq!(
             (one, all),
             (vec!["live".to_string()], vec!["live".to_string()])
+        );
+    }
+
+    #[test]
+    fn a_timer_whose_job_is_gone_is_deleted_with_the_transaction_that_finds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let mut ring = TenantRing::default();
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "live", 5)]);
+        let orphan = due_key("t", 1, &job_key("t", "gone", "s"));
+        let mut staged = Staged::default();
+        staged.put(DUE, orphan.clone(), Vec::new());
+        store.apply(staged, &[]).unwrap();
+        let mut staged = Staged::default();
+        let mut js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        let due = js.due_jobs(&mut ring, 10, 10).unwrap();
+        assert_eq!(due.len(), 1);
+        assert_eq!(staged.get(DUE, &orphan), Some(None), "its deletion staged");
+        assert!(
+            staged.writes_in(JOBS).next().is_none(),
+            "nothing for the changelog"
+        );
+        store.apply(staged, &[]).unwrap();
+        assert_eq!(store.get(DUE, &orphan).unwrap(), None);
+        assert!(
+            store
+                .get(DUE, &due_key("t", 5, &job_key("t", "live", "s")))
+                .unwrap()
+                .is_some(),
+            "the live job's timer kept"
         );
     }
 

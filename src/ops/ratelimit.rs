@@ -54,6 +54,20 @@ impl RateLimiter {
     }
 }
 
+impl RateLimiter {
+    /// Gives back the token a request took when the request was turned away for another reason
+    /// (a pull read refused as busy): being refused should not also cost the tenant its rate.
+    pub fn give_back(&self, tenant: &str) {
+        if self.rate <= 0.0 {
+            return;
+        }
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = buckets.get_mut(tenant) {
+            b.tokens = (b.tokens + 1.0).min(self.burst);
+        }
+    }
+}
+
 fn refill(b: Bucket, now: Instant, rate: f64, burst: f64) -> Bucket {
     let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
     Bucket {
@@ -81,6 +95,26 @@ mod tests {
         let t1 = t0 + Duration::from_millis(500);
         assert!(l.take("a", t1).is_ok());
         assert!(l.take("a", t1).is_err());
+    }
+
+    #[test]
+    fn a_token_given_back_can_be_taken_again_but_never_past_the_burst() {
+        let l = RateLimiter::new(1, 2);
+        let t0 = Instant::now();
+        assert!(l.take("a", t0).is_ok());
+        assert!(l.take("a", t0).is_ok());
+        assert!(l.take("a", t0).is_err());
+        l.give_back("a");
+        assert!(l.take("a", t0).is_ok(), "the token given back");
+        assert!(l.take("a", t0).is_err());
+        // A full bucket stays at the burst.
+        l.give_back("b");
+        assert!(l.take("b", t0).is_ok());
+        l.give_back("b");
+        l.give_back("b");
+        assert!(l.take("b", t0).is_ok());
+        assert!(l.take("b", t0).is_ok());
+        assert!(l.take("b", t0).is_err(), "no more than the burst of 2");
     }
 
     #[test]
