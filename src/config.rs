@@ -469,7 +469,8 @@ settings! {
     /// Quarantine a record whose `ce-source` is not the `<source>` of the topic it was read from
     /// (`lerian.streaming.<source>`) as `source_mismatch`: per-topic write ACLs then decide who
     /// may speak for a source, without signatures. Topics not starting with `lerian.streaming.`
-    /// are not checked; on one that does, the rest of its name must be the `ce-source`.
+    /// are not checked (a WARN names each such followed topic once when it is assigned); on one
+    /// that does, the rest of its name must be the `ce-source`.
     require_source_topic: bool = "false";
     /// Most records ingest puts in one transaction.
     ingest_batch_max: usize = "20000";

@@ -920,17 +920,27 @@ async fn a_record_claiming_another_topics_source_is_quarantined_when_required() 
     let prefix = unique("srctopic");
     let topic = format!("lerian.streaming.{prefix}");
     create_topic(&topic, 1).await;
-    let mut env = hub_env(&prefix, &follow_exactly(&topic));
+    // A followed topic whose name carries no source: not checked, and said so.
+    let plain = format!("{prefix}-plain");
+    create_topic(&plain, 1).await;
+    let follow = format!(
+        "^({}|{})$",
+        topic.replace('.', r"\."),
+        plain.replace('.', r"\.")
+    );
+    let mut env = hub_env(&prefix, &follow);
     env.insert("STREAMING_HUB_REQUIRE_SOURCE_TOPIC".into(), "true".into());
     env.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
-    let _hub = Hub::start(&env);
+    let hub = Hub::start(&env);
     let own = event("tenant-a", &prefix, "transaction", "created");
     let spoofed = event("tenant-a", "ledger", "transaction", "created");
     produce(&producer(), &topic, &[own.clone(), spoofed.clone()]);
+    let unchecked = event("tenant-a", "ledger", "transaction", "created");
+    produce(&producer(), &plain, std::slice::from_ref(&unchecked));
     let inbox = format!("{prefix}.inbox");
     let quarantine = format!("{prefix}.quarantine");
     let got = read_until(&[&inbox, &quarantine], Duration::from_secs(60), |r| {
-        r.len() >= 2
+        r.len() >= 3
     });
     let by_id: HashMap<String, (&str, Option<&str>)> = got
         .iter()
@@ -944,12 +954,23 @@ async fn a_record_claiming_another_topics_source_is_quarantined_when_required() 
         by_id[&spoofed.id()],
         (quarantine.as_str(), Some("source_mismatch"))
     );
+    assert_eq!(by_id[&unchecked.id()], (inbox.as_str(), None));
+    let warned: Vec<String> = hub
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("REQUIRE_SOURCE_TOPIC") && l.contains("WARN"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains(&plain), "{}", warned[0]);
+    assert!(!warned[0].contains(&topic), "{}", warned[0]);
     let q = got.iter().find(|g| g.topic == quarantine).unwrap();
     assert_eq!(
         q.rec.header("x-lerian-dlq-source-topic"),
         Some(topic.as_str())
     );
-    assert_eq!(q.rec.header("x-lerian-dlq-cause-kind"), Some("codec"));
+    // Who may speak for a source, as the signature reasons.
+    assert_eq!(q.rec.header("x-lerian-dlq-cause-kind"), Some("signature"));
     let message = q
         .rec
         .header("x-lerian-dlq-error-message")

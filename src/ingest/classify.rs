@@ -196,13 +196,16 @@ impl Reason {
         }
     }
 
-    /// `x-lerian-dlq-cause-kind`: `signature` for the signature reasons, `codec` for the rest.
+    /// `x-lerian-dlq-cause-kind`: `signature` for the reasons that say who may speak for a source
+    /// (the signature reasons, and `source_mismatch`, the same check made by the topic's write
+    /// ACL), `codec` for the rest.
     pub fn cause_kind(&self) -> &'static str {
         match self {
             Reason::SignatureMissing
             | Reason::SignatureInvalid
             | Reason::SignatureUnknownKey
-            | Reason::SignatureExpired => "signature",
+            | Reason::SignatureExpired
+            | Reason::SourceMismatch => "signature",
             _ => "codec",
         }
     }
@@ -1675,7 +1678,7 @@ mod tests {
                 .all(|c| c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
         );
         for r in Reason::ALL {
-            let kind = if r.code().starts_with("signature_") {
+            let kind = if r.code().starts_with("signature_") || r == Reason::SourceMismatch {
                 "signature"
             } else {
                 "codec"

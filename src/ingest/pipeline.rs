@@ -29,7 +29,9 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::Config;
-use crate::ingest::classify::{Arrival, ClassifyConfig, Reason, Verdict, classify};
+use crate::ingest::classify::{
+    Arrival, ClassifyConfig, PRODUCER_TOPIC_PREFIX, Reason, Verdict, classify,
+};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::orphans::{Covers, GroupWatch, PosixRegex, Rejoin};
@@ -98,6 +100,30 @@ struct IngestContext {
     fatal: std::sync::Mutex<Option<RdKafkaError>>,
     /// The membership of the last rebalance callback (see `kafka::member_metadata`).
     membership: kafka::ConfirmedMembership,
+    /// With `STREAMING_HUB_REQUIRE_SOURCE_TOPIC`: followed topics the check cannot apply to (not
+    /// named `lerian.streaming.<source>`), each warned about once.
+    unchecked: Option<std::sync::Mutex<std::collections::HashSet<String>>>,
+}
+
+impl IngestContext {
+    /// The operator asked for every record's source to be checked against its topic; a followed
+    /// topic whose name carries no source is not, and says so once.
+    fn warn_unchecked(&self, rebalance: &Rebalance<'_>) {
+        let (Some(warned), Rebalance::Assign(tpl)) = (&self.unchecked, rebalance) else {
+            return;
+        };
+        let mut warned = warned.lock().unwrap_or_else(|p| p.into_inner());
+        for e in tpl.elements() {
+            let topic = e.topic();
+            if !topic.starts_with(PRODUCER_TOPIC_PREFIX) && warned.insert(topic.to_string()) {
+                tracing::warn!(
+                    topic,
+                    "STREAMING_HUB_REQUIRE_SOURCE_TOPIC is on, but this followed topic's records \
+                     are not checked: its name is not lerian.streaming.<source>"
+                );
+            }
+        }
+    }
 }
 
 impl ClientContext for IngestContext {
@@ -140,6 +166,7 @@ impl ConsumerContext for IngestContext {
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if !matches!(rebalance, Rebalance::Revoke(_)) {
             log_rebalance("assign", rebalance);
+            self.warn_unchecked(rebalance);
         }
     }
 }
@@ -202,7 +229,10 @@ impl Ingest {
             &self.config.group_id,
             &format!("ingest-{instance}"),
         )
-        .create_with_context(IngestContext::default())
+        .create_with_context(IngestContext {
+            unchecked: self.config.require_source_topic.then(Default::default),
+            ..IngestContext::default()
+        })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
         let producer: ThreadedProducer<DefaultProducerContext> =

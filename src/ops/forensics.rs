@@ -25,6 +25,7 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::ingest::classify::Reason;
 use crate::ingest::pipeline::rfc3339_ms;
 use crate::runtime::avro::{Codec, RecordKind};
 use crate::runtime::clock::SharedClock;
@@ -49,8 +50,9 @@ pub struct ForensicRecord {
     pub offset: i64,
     /// The record's time (RFC 3339).
     pub time: String,
-    /// The producer's `ce-source`: from the topic name (`lerian.streaming.<source>.dlq`) or from
-    /// `x-lerian-dlq-source-topic`.
+    /// The producer's source: a dead letter's from its topic (`lerian.streaming.<source>.dlq`); a
+    /// quarantined record's `ce-source`, else (and for `source_mismatch`) the source of the topic
+    /// it was read from (`x-lerian-dlq-source-topic`).
     pub source: Option<String>,
     pub tenant_id: Option<String>,
     /// `x-lerian-dlq-cause-kind`.
@@ -460,20 +462,19 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
             .find(|h| h.key.eq_ignore_ascii_case(name))
             .and_then(|h| h.value.clone())
     };
-    let source_topic = dlq.get("source-topic").cloned();
-    let source = match kind {
-        Kind::ProducerDlq => m
-            .topic()
-            .strip_prefix("lerian.streaming.")
-            .and_then(|t| t.strip_suffix(".dlq"))
-            .map(str::to_string),
-        _ => header("ce-source").or_else(|| {
-            source_topic
-                .as_deref()
-                .and_then(|t| t.strip_prefix("lerian.streaming."))
-                .map(str::to_string)
-        }),
-    };
+    // The hub writes its reason after the record's own headers: the last one is the hub's.
+    let reason = headers
+        .iter()
+        .rev()
+        .find(|h| h.key.eq_ignore_ascii_case("x-streaming-hub-reason"))
+        .and_then(|h| h.value.clone());
+    let source = record_source(
+        kind,
+        m.topic(),
+        header("ce-source").as_deref(),
+        dlq.get("source-topic").map(String::as_str),
+        reason.as_deref(),
+    );
     let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
     let tenant_id = header("ce-tenantid").or_else(|| key.clone().filter(|k| !k.is_empty()));
     let payload = m.payload();
@@ -493,12 +494,7 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
         source,
         tenant_id,
         cause: dlq.get("cause-kind").cloned(),
-        // The hub writes its reason after the record's own headers: the last one is the hub's.
-        reason: headers
-            .iter()
-            .rev()
-            .find(|h| h.key.eq_ignore_ascii_case("x-streaming-hub-reason"))
-            .and_then(|h| h.value.clone()),
+        reason,
         dlq,
         headers,
         key,
@@ -510,9 +506,68 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
     Kept::new(time, rec, kept)
 }
 
+/// The source a record is filed under. A producer's dead letter: its topic's
+/// (`lerian.streaming.<source>.dlq`). A quarantined record: its `ce-source`, else the source of the
+/// topic it was read from (`x-lerian-dlq-source-topic`); but a `source_mismatch` is filed under
+/// its topic's source, since its `ce-source` is a claim the topic's writer had no right to make
+/// (`?source=ledger` does not show what tracer's writer sent claiming to be ledger).
+fn record_source(
+    kind: Kind,
+    topic: &str,
+    ce_source: Option<&str>,
+    source_topic: Option<&str>,
+    reason: Option<&str>,
+) -> Option<String> {
+    let topic_source = || {
+        source_topic
+            .and_then(|t| t.strip_prefix("lerian.streaming."))
+            .map(str::to_string)
+    };
+    match kind {
+        Kind::ProducerDlq => topic
+            .strip_prefix("lerian.streaming.")
+            .and_then(|t| t.strip_suffix(".dlq"))
+            .map(str::to_string),
+        _ if reason == Some(Reason::SourceMismatch.code()) => topic_source(),
+        _ => ce_source.map(str::to_string).or_else(topic_source),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_is_filed_under_its_source_and_a_spoof_under_its_topics() {
+        let dlq = Kind::ProducerDlq;
+        let q = Kind::Quarantine;
+        let of = |kind, ce, reason| {
+            record_source(
+                kind,
+                "sh.quarantine",
+                ce,
+                Some("lerian.streaming.tracer"),
+                reason,
+            )
+        };
+        assert_eq!(
+            record_source(dlq, "lerian.streaming.ledger.dlq", None, None, None).as_deref(),
+            Some("ledger")
+        );
+        assert_eq!(
+            of(q, Some("ledger"), Some("type_invalid")).as_deref(),
+            Some("ledger")
+        );
+        assert_eq!(
+            of(q, None, Some("source_missing")).as_deref(),
+            Some("tracer")
+        );
+        assert_eq!(
+            of(q, Some("ledger"), Some("source_mismatch")).as_deref(),
+            Some("tracer"),
+            "the claim is not believed"
+        );
+    }
 
     fn dead_at(ms: i64) -> DeadDelivery {
         DeadDelivery {
