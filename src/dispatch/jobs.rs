@@ -189,6 +189,17 @@ impl TenantRing {
         self.order.is_empty()
     }
 
+    /// Whether a scan at `now` could find a due job: some tenant not known to have none due
+    /// before a later time. A tenant whose only job waits out a 10 h backoff stays in the ring,
+    /// and a loop that opened a transaction to scan it found nothing, every 50 ms, for 10 h.
+    pub fn may_have_due(&self, now: i64) -> bool {
+        !self.fresh.is_empty()
+            || self
+                .order
+                .iter()
+                .any(|t| self.not_before.get(t).is_none_or(|&due| due <= now))
+    }
+
     /// Tenants with timers (due or not) in this task.
     pub fn tenants(&self) -> usize {
         self.order.len()
@@ -542,9 +553,12 @@ impl JobStore<'_> {
                 idle_pass += 1;
                 ring.order.push_back(tenant);
             } else {
-                // No timers left for this tenant; a new job adds it back.
+                // No timers left for this tenant; a new job adds it back (its first scan then
+                // starts at the tenant's first key: nothing of it is kept meanwhile, so a task
+                // seeing many tenants come and go holds only the ones with timers).
                 ring.members.remove(&tenant);
                 ring.not_before.remove(&tenant);
+                ring.marks.remove(&tenant);
             }
         }
         Ok(out)
@@ -862,6 +876,58 @@ mod tests {
             (one, all),
             (vec!["live".to_string()], vec!["live".to_string()])
         );
+    }
+
+    #[test]
+    fn a_ring_whose_tenants_have_nothing_due_until_later_has_nothing_to_scan_until_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let mut ring = TenantRing::default();
+        assert!(!ring.may_have_due(0), "empty");
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "later", 1_000)]);
+        assert!(ring.may_have_due(10), "not scanned yet");
+        assert!(due_ids(&store, &codec, &mut ring, 10).is_empty());
+        assert!(!ring.may_have_due(10), "its next timer is at 1,000");
+        assert!(!ring.may_have_due(999));
+        assert!(ring.may_have_due(1_000));
+        // A timer written since lowers it.
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "sooner", 20)]);
+        assert!(!ring.may_have_due(19));
+        assert!(ring.may_have_due(20));
+        // A job given in the open transaction: not in the store yet, looked for.
+        ring.add("u");
+        assert!(ring.may_have_due(10));
+        ring.committed();
+        assert!(ring.may_have_due(10), "u not scanned yet");
+        // An abort forgets what scans learnt.
+        assert!(due_ids(&store, &codec, &mut ring, 10).is_empty());
+        assert!(!ring.may_have_due(10));
+        ring.aborted();
+        assert!(ring.may_have_due(10));
+    }
+
+    #[test]
+    fn a_tenant_without_timers_leaves_the_ring_with_nothing_kept_and_comes_back_with_a_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let mut ring = TenantRing::default();
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "a", 1)]);
+        assert_eq!(due_ids(&store, &codec, &mut ring, 10), ["a"]);
+        assert!(ring.marks.contains_key("t"));
+        // Its job ends: timer and job deleted.
+        let key = job_key("t", "a", "s");
+        let mut staged = Staged::default();
+        staged.delete(DUE, due_key("t", 1, &key));
+        staged.delete(JOBS, key);
+        store.apply(staged, &[]).unwrap();
+        assert!(due_ids(&store, &codec, &mut ring, 10).is_empty());
+        assert!(ring.members.is_empty() && ring.is_empty());
+        assert!(ring.marks.is_empty(), "no mark kept for a tenant gone");
+        assert!(ring.not_before.is_empty());
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "b", 5)]);
+        assert_eq!(due_ids(&store, &codec, &mut ring, 10), ["b"]);
     }
 
     #[test]

@@ -137,6 +137,15 @@ pub enum HubError {
         "a record at offset {offset} of inbox partition {partition}, which this loop has no stores for"
     )]
     Unowned { partition: i32, offset: i64 },
+    /// An aborted batch's partition, still owned, could not be sought back to its first record:
+    /// the loop stops (the process restarts from the committed offsets) rather than read past it.
+    #[error("could not rewind {topic} partition {partition} to offset {offset}: {why}")]
+    Rewind {
+        topic: String,
+        partition: i32,
+        offset: i64,
+        why: String,
+    },
 }
 
 /// An accepted, deduplicated, sequenced event, as the next stage receives it.
@@ -512,13 +521,19 @@ pub static RESTORING: std::sync::atomic::AtomicUsize = std::sync::atomic::Atomic
 /// the loop that claimed it; when that loop no longer owns the job's partition (a rebalance
 /// moved it, e.g. to a loop that joined later), the outcome goes to the local loop that owns it
 /// now, which commits it: the attempt is not sent a second time after its lease. An outcome of
-/// a partition no local loop owns yet is parked until one takes it (or its lease ends: it could
-/// not be recorded any more then); one whose partition went to another instance is dropped, and
-/// that instance resends the job after its lease (at-least-once).
+/// a partition no local loop owns yet is parked until one takes it, even past its lease (a slow
+/// restore or a wait for an open transaction can outlast it): the new owner's outcome check
+/// (`jobs::apply_outcome`: the job still leased for that attempt and lease) records it if no
+/// reclaim came first, and refuses it otherwise, so the job is not sent again for nothing.
+/// Parked outcomes go [`PARKED_FOR`] after their lease: by then the partition went to another
+/// instance, which resends the job after its lease (at-least-once).
 #[derive(Default)]
 pub struct OutcomeRouter {
     state: Mutex<RouterState>,
 }
+
+/// How long past its lease a parked outcome waits for a local loop to take its partition.
+const PARKED_FOR: i64 = 10 * 60 * 1000;
 
 #[derive(Default)]
 struct RouterState {
@@ -564,7 +579,7 @@ impl OutcomeRouter {
     }
 
     /// An outcome its own loop cannot record (not the partition's owner): to the owner, or
-    /// parked. Parked outcomes whose lease ended are dropped on the way.
+    /// parked. Parked outcomes [`PARKED_FOR`] past their lease are dropped on the way.
     fn hand_over(&self, from: usize, o: Outcome, now: i64) {
         let mut st = self.lock();
         match st.owners.get(&o.partition).copied() {
@@ -575,11 +590,10 @@ impl OutcomeRouter {
             }
             Some(_) => {} // its own loop owns it again: recorded there already
             None => {
-                st.parked
-                    .values_mut()
-                    .for_each(|v| v.retain(|o| o.lease_until > now));
+                let kept = |o: &Outcome| o.lease_until.saturating_add(PARKED_FOR) > now;
+                st.parked.values_mut().for_each(|v| v.retain(kept));
                 st.parked.retain(|_, v| !v.is_empty());
-                if o.lease_until > now {
+                if kept(&o) {
                     st.parked.entry(o.partition).or_default().push(o);
                 }
             }
@@ -1870,7 +1884,7 @@ impl HubStage {
             };
             drop(guard);
             if aborted {
-                rewind(&consumer, &batch);
+                rewind(&consumer, &batch)?;
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
@@ -2087,7 +2101,7 @@ impl HubStage {
         // Due work is looked for before the transaction opens, so an idle loop opens none.
         let claimable = match &self.dispatch {
             Some(d) if d.may_claim(0) && d.quiet_until.is_none_or(|t| Instant::now() >= t) => {
-                tasks.values().any(|t| !t.ring.is_empty())
+                tasks.values().any(|t| t.ring.may_have_due(now))
             }
             _ => false,
         };
@@ -3261,18 +3275,71 @@ fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
         .filter(|s| !s.is_empty())
 }
 
-fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
-    let mut first: HashMap<(&str, i32), i64> = HashMap::new();
+/// Seeks each partition of an aborted batch back to the batch's first record of it, so the next
+/// batch reads them again. A partition given up meanwhile is skipped (its next owner starts from
+/// the committed offset). One still owned that cannot be sought back after [`REWIND_TRIES`] stops
+/// the loop: the next batch would read on past the aborted records and commit offsets beyond
+/// them, and they would never be deduplicated nor get their jobs.
+fn rewind(
+    consumer: &BaseConsumer<HubContext>,
+    batch: &[BorrowedMessage<'_>],
+) -> Result<(), HubError> {
+    let mut first: Vec<(&str, i32, i64)> = Vec::new();
     for m in batch {
-        first
-            .entry((m.topic(), m.partition()))
-            .or_insert(m.offset());
-    }
-    for ((topic, p), o) in first {
-        if let Err(e) = consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(5)) {
-            tracing::debug!(partition = p, error = %e, "rewind skipped");
+        if !first
+            .iter()
+            .any(|&(t, p, _)| t == m.topic() && p == m.partition())
+        {
+            first.push((m.topic(), m.partition(), m.offset()));
         }
     }
+    rewind_with(
+        &first,
+        |topic, p, o| {
+            consumer
+                .seek(topic, p, Offset::Offset(o), Duration::from_secs(5))
+                .map_err(|e| e.to_string())
+        },
+        |topic, p| {
+            !consumer.assignment_lost()
+                && consumer
+                    .assignment()
+                    .map_or(true, |a| a.find_partition(topic, p).is_some())
+        },
+        REWIND_PAUSE,
+    )
+}
+
+/// Tries to seek a still-owned partition back before the loop gives up on it.
+const REWIND_TRIES: u32 = 5;
+const REWIND_PAUSE: Duration = Duration::from_millis(200);
+
+fn rewind_with(
+    first: &[(&str, i32, i64)],
+    mut seek: impl FnMut(&str, i32, i64) -> Result<(), String>,
+    owned: impl Fn(&str, i32) -> bool,
+    pause: Duration,
+) -> Result<(), HubError> {
+    for &(topic, p, o) in first {
+        let mut tries = 0;
+        while let Err(e) = seek(topic, p, o) {
+            if !owned(topic, p) {
+                tracing::debug!(partition = p, error = %e, "rewind skipped: partition given up");
+                break;
+            }
+            tries += 1;
+            if tries >= REWIND_TRIES {
+                return Err(HubError::Rewind {
+                    topic: topic.to_string(),
+                    partition: p,
+                    offset: o,
+                    why: e,
+                });
+            }
+            std::thread::sleep(pause);
+        }
+    }
+    Ok(())
 }
 
 /// Aborts the open transaction ([`kafka::abort_waiting`]), then serves the delivery reports of
@@ -3338,6 +3405,67 @@ fn forget_revoked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_aborted_batch_that_cannot_be_rewound_on_an_owned_partition_stops_the_loop() {
+        let first = [("inbox", 0, 10), ("inbox", 1, 20)];
+        let no_pause = Duration::ZERO;
+        // Sought back: every partition, at the batch's first offsets.
+        let mut sought = Vec::new();
+        rewind_with(
+            &first,
+            |t, p, o| {
+                sought.push((t.to_string(), p, o));
+                Ok(())
+            },
+            |_, _| true,
+            no_pause,
+        )
+        .unwrap();
+        assert_eq!(sought, [("inbox".into(), 0, 10), ("inbox".into(), 1, 20)]);
+        // A seek that fails once, then works: tried again.
+        let mut fails = 1;
+        let tried = rewind_with(
+            &first,
+            |_, _, _| {
+                if fails > 0 {
+                    fails -= 1;
+                    return Err("busy".into());
+                }
+                Ok(())
+            },
+            |_, _| true,
+            no_pause,
+        );
+        assert!(tried.is_ok());
+        // Given up meanwhile: skipped, its next owner starts from the committed offset.
+        let gone = rewind_with(
+            &first,
+            |_, _, _| Err("state".into()),
+            |_, p| p != 1,
+            no_pause,
+        );
+        assert!(
+            matches!(
+                gone,
+                Err(HubError::Rewind {
+                    partition: 0,
+                    offset: 10,
+                    ..
+                })
+            ),
+            "partition 0 is still owned"
+        );
+        assert!(
+            rewind_with(
+                &first,
+                |_, _, _| Err("state".into()),
+                |_, _| false,
+                no_pause
+            )
+            .is_ok()
+        );
+    }
 
     fn attempt_to(url: &str, lease_until: i64) -> Attempt {
         let mut sub = crate::runtime::records::SubscriptionRecord::pull("s1", "t1", &["*"]);
@@ -3577,22 +3705,28 @@ mod tests {
     }
 
     #[test]
-    fn an_outcome_waits_for_its_partition_to_be_taken_unless_its_lease_ended() {
+    fn an_outcome_waits_for_its_partition_to_be_taken_past_its_lease_but_not_for_ever() {
         let router = OutcomeRouter::default();
         let rx1 = router.join(1);
         router.took(0, &[3]);
         router.gave_up(0, &[3]);
-        // Between the revoke and the assignment: parked. A lease already over is not kept.
+        // Between the revoke and the assignment: parked, a lease just over too (the new owner's
+        // outcome check decides).
         router.hand_over(0, outcome(3, 1_000), 10);
         router.hand_over(0, outcome(3, 5), 10);
         assert!(rx1.try_iter().next().is_none());
         router.took(1, &[3]);
         let got: Vec<i64> = rx1.try_iter().map(|o| o.lease_until).collect();
-        assert_eq!(got, vec![1_000]);
-        // Parked outcomes whose lease ends meanwhile are dropped when the next one is parked.
+        assert_eq!(got, vec![1_000, 5]);
+        // Parked outcomes long past their lease are dropped when the next one is parked.
         router.gave_up(1, &[3]);
         router.hand_over(1, outcome(3, 20), 10);
-        router.hand_over(1, outcome(4, 1_000), 30);
+        router.hand_over(1, outcome(4, 1_000), PARKED_FOR + 30);
+        router.took(1, &[3]);
+        assert!(rx1.try_iter().next().is_none());
+        // And one long over is not parked at all.
+        router.gave_up(1, &[3]);
+        router.hand_over(1, outcome(3, 5), PARKED_FOR + 5);
         router.took(1, &[3]);
         assert!(rx1.try_iter().next().is_none());
     }
