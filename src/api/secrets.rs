@@ -74,26 +74,35 @@ pub fn open_sensitive(
         .kek
         .open_bound(blob, &rec.id, url)
         .map_err(|e| unopened(&e))?;
-    let headers = serde_json::from_slice(&plain).map_err(|e| unopened(&e))?;
+    // Not the parser's error: it quotes the opened text, which would put a header's value in
+    // the log.
+    let headers = serde_json::from_slice(&plain)
+        .map_err(|_| unopened(&"the opened headers are not a map of names to strings"))?;
     Ok((headers, binding))
 }
 
-/// The signing secrets that still sign at `now`, current first.
+/// The signing secrets that still sign at `now` and open here, current first (as deliveries
+/// sign). When live ones exist and none opens (sealed under a key this instance lacks, as in a
+/// rolling key rotation), `503 signing_secret_unavailable`: another instance, or this one once it
+/// has the key, can sign.
 pub fn open_secrets(
     state: &ApiState,
     rec: &SubscriptionRecord,
     now: i64,
 ) -> Result<Vec<Secret>, ApiError> {
-    rec.signing_secrets
-        .iter()
-        .filter(|s| s.expires_at.is_none_or(|t| t > now))
-        .map(|s| {
-            state
-                .kek
-                .open_secret(s, &rec.id)
-                .map_err(|e| ApiError::internal("a signing secret does not open", &e))
-        })
-        .collect()
+    let live = state
+        .kek
+        .open_live_secrets(&rec.signing_secrets, &rec.id, now);
+    if let (true, Some(e)) = (live.opened.is_empty(), &live.first_error) {
+        tracing::warn!(subscription_id = %rec.id, error = %e, "no live signing secret opens");
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "signing_secret_unavailable",
+            "no live signing secret of this subscription opens on this instance (sealed under a \
+             key-encryption key it lacks); retry later",
+        ));
+    }
+    Ok(live.opened)
 }
 
 fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Duration, ApiError> {

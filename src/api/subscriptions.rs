@@ -180,22 +180,7 @@ pub async fn create(
     let (rec, verification) = match (rec.destination.kind, status) {
         // Version 1 is written: whatever becomes of the verdict's write, the caller gets the
         // secret (the retrier probes a subscription left `pending`).
-        (DestinationType::Webhook, StatusCode::CREATED) => {
-            match probe_and_record(&state, rec.clone(), Probe::OnChange).await {
-                Ok(done) => done,
-                Err(e) => {
-                    tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not confirmed; answered with what this instance has");
-                    // Written but not seen back: this instance's table has the verdict.
-                    match state.subs.get(&rec.id) {
-                        Some(now) if now.version > rec.version => {
-                            let state_now = now.verification_state;
-                            ((*now).clone(), VerificationOutcome::of_state(state_now))
-                        }
-                        _ => (rec, VerificationOutcome::unrecorded()),
-                    }
-                }
-            }
-        }
+        (DestinationType::Webhook, StatusCode::CREATED) => probe_after_write(&state, rec).await,
         (DestinationType::Webhook, _) => (rec, VerificationOutcome::not_yet_visible()),
         (DestinationType::Pull, _) => (rec, VerificationOutcome::passed()),
     };
@@ -443,8 +428,7 @@ pub async fn patch(
     }
     drop(guard);
     let (rec, verification) = if url_changed {
-        let (rec, outcome) =
-            probe_and_record(&state, rec, super::verification::Probe::OnChange).await?;
+        let (rec, outcome) = probe_after_write(&state, rec).await;
         (rec, Some(outcome))
     } else {
         (rec, None)
@@ -483,4 +467,29 @@ pub async fn delete(
     }
     tracing::info!(subscription_id = %sub.id, tenant_id = %tenant, "subscription deleted");
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Probes a destination just written (`rec`, seen back) and records the verdict. The write is
+/// done whatever becomes of the probe or of the verdict's write: an error there is not the
+/// caller's (a 5xx would invite a retry its own `If-Match` then refuses), so the answer is what
+/// this instance has, with an `unrecorded` verification when the verdict is not in its table
+/// (the background retrier probes a subscription left `pending`).
+async fn probe_after_write(
+    state: &ApiState,
+    rec: SubscriptionRecord,
+) -> (SubscriptionRecord, VerificationOutcome) {
+    match probe_and_record(state, rec.clone(), Probe::OnChange).await {
+        Ok(done) => done,
+        Err(e) => {
+            tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not confirmed; answered with what this instance has");
+            // Written but not seen back: this instance's table has the verdict.
+            match state.subs.get(&rec.id) {
+                Some(now) if now.version > rec.version => {
+                    let state_now = now.verification_state;
+                    ((*now).clone(), VerificationOutcome::of_state(state_now))
+                }
+                _ => (rec, VerificationOutcome::unrecorded()),
+            }
+        }
+    }
 }

@@ -83,12 +83,17 @@ pub async fn probe_and_record(
     let mut next = (*latest).clone();
     match (&result, why) {
         (Ok(()), Probe::OnChange) => next.verification_state = VerificationState::Active,
-        (Ok(()), Probe::Requested) => {
+        // Re-enabled, unless a write made while the probe ran changed whether it is enabled
+        // (a `PATCH {"enabled": false}` answered 200 meanwhile is not undone).
+        (Ok(()), Probe::Requested)
+            if latest.enabled == rec.enabled && latest.disabled_at == rec.disabled_at =>
+        {
             next.verification_state = VerificationState::Active;
             next.enabled = true;
             next.disabled_reason = None;
             next.disabled_at = None;
         }
+        (Ok(()), Probe::Requested) => next.verification_state = VerificationState::Active,
         (Err(_), Probe::OnChange) => {}
         (Err(_), Probe::Requested) => next.verification_state = VerificationState::Failed,
     }

@@ -340,23 +340,12 @@ impl Workers {
     /// opens is the attempt a hub-side failure.
     fn secrets(&self, sub: &Sub) -> Result<Vec<Secret>, &'static str> {
         let kek = self.kek.as_ref().ok_or("no_kek")?;
-        let now = self.clock.now_ms();
-        let mut out = Vec::new();
-        let mut unopened = false;
-        for s in &sub.signing_secrets {
-            if s.expires_at.is_some_and(|t| t <= now) {
-                continue;
-            }
-            match kek.open_secret(s, &sub.id) {
-                Ok(secret) => out.push(secret),
-                Err(_) => {
-                    unopened = true;
-                    secret_unopened(&sub.id);
-                }
-            }
+        let live = kek.open_live_secrets(&sub.signing_secrets, &sub.id, self.clock.now_ms());
+        for _ in 0..live.unopened {
+            secret_unopened(&sub.id);
         }
-        match (out.is_empty(), unopened) {
-            (false, _) => Ok(out),
+        match (live.opened.is_empty(), live.unopened > 0) {
+            (false, _) => Ok(live.opened),
             (true, true) => Err("secret_unreadable"),
             (true, false) => Err("no_signing_secret"),
         }

@@ -42,7 +42,6 @@ use crate::runtime::clock::SharedClock;
 use crate::runtime::records::{
     DestinationType, EncryptedBlob, SubscriptionRecord, VerificationState,
 };
-use crate::runtime::secret::Secret;
 use crate::subscriptions::control::{RepoError, Subscriptions};
 use crate::subscriptions::model::SinkPolicy;
 use crate::subscriptions::secrets::{Binding, Kek, SecretError};
@@ -121,22 +120,13 @@ impl Prober {
         }
         // Signed as deliveries are: with every live secret that opens, the others left out; it
         // fails only when none opens.
-        let now = self.clock.now_ms();
-        let mut secrets: Vec<Secret> = Vec::new();
-        let mut unopened = None;
-        for sealed in rec
-            .signing_secrets
-            .iter()
-            .filter(|s| s.expires_at.is_none_or(|t| t > now))
-        {
-            match self.kek.open_secret(sealed, &rec.id) {
-                Ok(secret) => secrets.push(secret),
-                Err(e) => unopened = unopened.or(Some(e)),
-            }
-        }
-        if let (true, Some(e)) = (secrets.is_empty(), unopened) {
+        let live = self
+            .kek
+            .open_live_secrets(&rec.signing_secrets, &rec.id, self.clock.now_ms());
+        if let (true, Some(e)) = (live.opened.is_empty(), live.first_error) {
             return Err(e.into());
         }
+        let secrets = live.opened;
         let mut headers = rec.destination.headers.clone();
         let (sensitive, binding) = open_sensitive_headers(&self.kek, rec)?;
         if self.kek.may_send(binding, &rec.id) {

@@ -44,6 +44,15 @@ pub enum SecretError {
     Open,
 }
 
+/// What [`Kek::open_live_secrets`] found.
+#[derive(Default)]
+pub struct LiveSecrets {
+    pub opened: Vec<Secret>,
+    /// Live secrets that did not open, and why the first did not.
+    pub unopened: usize,
+    pub first_error: Option<SecretError>,
+}
+
 /// The key-encryption keys: one current, any number of retired ones (read only).
 pub struct Kek {
     current_id: String,
@@ -244,6 +253,32 @@ impl Kek {
         String::from_utf8(plain)
             .map(Secret::new)
             .map_err(|_| SecretError::Open)
+    }
+
+    /// The secrets to sign with at `now`: every one not yet expired that opens, in their order
+    /// (current first). One that does not open (sealed under a key this instance lacks, as in
+    /// a rolling key rotation, or copied from another record) is left out, so a rotation's other
+    /// secret still signs: deliveries, verification probes and the API's probes all sign so.
+    pub fn open_live_secrets(
+        &self,
+        sealed: &[EncryptedSecret],
+        subscription_id: &str,
+        now: TimestampMillis,
+    ) -> LiveSecrets {
+        let mut live = LiveSecrets::default();
+        for s in sealed
+            .iter()
+            .filter(|s| s.expires_at.is_none_or(|t| t > now))
+        {
+            match self.open_secret(s, subscription_id) {
+                Ok(secret) => live.opened.push(secret),
+                Err(e) => {
+                    live.unopened += 1;
+                    live.first_error.get_or_insert(e);
+                }
+            }
+        }
+        live
     }
 
     /// Re-encrypts a secret under the current key (KEK rotation); a no-op for current ones.

@@ -6,7 +6,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::json;
 
-use super::{Harness, Hook, JWT_SECRET, START_MS, pull_body, webhook_body};
+use super::{Harness, Hook, JWT_SECRET, START_MS, pull_body};
 use crate::api::auth::mint_at;
 use crate::runtime::secret::Secret;
 
@@ -118,13 +118,7 @@ async fn another_tenants_subscription_is_404_for_read_patch_delete_verify_and_ro
     let h = Harness::new();
     let hook = Hook::start(true).await;
     let owner = h.token("acme");
-    let id = h
-        .post("/v1/subscriptions", &owner, webhook_body(&hook.url))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = h.create_webhook(&owner, &hook.url).await;
     let before = h.state.subs.get(&id).unwrap();
     let probes_before = hook.requests().len();
     let intruder = h.token("other");

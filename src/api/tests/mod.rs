@@ -108,6 +108,14 @@ impl Harness {
         )
     }
 
+    /// Creates a webhook subscription to `url` for the token's tenant; its id.
+    pub async fn create_webhook(&self, token: &str, url: &str) -> String {
+        let a = self
+            .post("/v1/subscriptions", token, webhook_body(url))
+            .await;
+        a.body["id"].as_str().expect(&a.text).to_string()
+    }
+
     pub fn admin_token(&self) -> String {
         super::auth::mint_at(
             &Secret::new(JWT_SECRET),

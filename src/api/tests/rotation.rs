@@ -214,13 +214,7 @@ async fn rotate_refuses_a_grace_over_seven_days_and_pull_destinations() {
     let h = Harness::new();
     let hook = Hook::start(true).await;
     let token = h.token("acme");
-    let id = h
-        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = h.create_webhook(&token, &hook.url).await;
     let uri = format!("/v1/subscriptions/{id}/rotate-secret");
     for (grace, code) in [("169h", "too_long"), ("tomorrow", "invalid")] {
         let a = h.post(&uri, &token, json!({"grace": grace})).await;

@@ -95,13 +95,7 @@ async fn verify_failure_is_422_with_the_probe_code_and_marks_the_subscription_fa
     let h = Harness::new();
     let hook = Hook::start(false).await;
     let token = h.token("acme");
-    let id = h
-        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = h.create_webhook(&token, &hook.url).await;
     let a = h
         .call(
             Method::POST,
@@ -127,13 +121,7 @@ async fn verify_success_reactivates_and_reenables_an_auto_disabled_subscription(
     let h = Harness::new();
     let hook = Hook::start(true).await;
     let token = h.token("acme");
-    let id = h
-        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = h.create_webhook(&token, &hook.url).await;
     // What auto-disable writes: enabled = false with a reason, verification untouched.
     let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
     (
@@ -181,13 +169,7 @@ async fn url_change_resets_verification_to_pending_and_probes_the_new_url() {
     let good = Hook::start(true).await;
     let silent = Hook::start(false).await;
     let token = h.token("acme");
-    let id = h
-        .post("/v1/subscriptions", &token, webhook_body(&good.url))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = h.create_webhook(&token, &good.url).await;
     let uri = format!("/v1/subscriptions/{id}");
     let to_silent = json!({"destination": {"type": "webhook", "url": silent.url}});
     let a = h
@@ -292,4 +274,91 @@ async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
         4,
         "this instance has it"
     );
+}
+
+/// A secret sealed under a key of another instance, further along a rolling key rotation.
+fn sealed_elsewhere(id: &str) -> crate::runtime::records::EncryptedSecret {
+    use base64::Engine;
+    let key = base64::engine::general_purpose::STANDARD.encode([9u8; 32]);
+    crate::subscriptions::secrets::Kek::new("k-next", &key)
+        .unwrap()
+        .seal_secret(
+            &crate::subscriptions::secrets::generate_signing_secret(),
+            id,
+            None,
+        )
+}
+
+/// Mid rolling key rotation: probes sign with the live secrets that open here, as deliveries do
+/// (a secret this instance cannot open answered 500 before); none opening is a typed 503; and a
+/// URL change written is answered 200 whatever becomes of its probe.
+#[tokio::test]
+async fn probes_sign_with_the_secrets_that_open_and_a_write_is_answered_whatever_its_probe() {
+    let h = Harness::new();
+    let (hook, other) = (Hook::start(true).await, Hook::start(true).await);
+    let token = h.token("acme");
+    let id = h.create_webhook(&token, &hook.url).await;
+    // A rotation made by an instance with a key this one lacks: its secret first.
+    let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
+    rec.signing_secrets.insert(0, sealed_elsewhere(&id));
+    rec.version += 1;
+    h.state.subs.put(rec.clone()).await.unwrap();
+    let uri = format!("/v1/subscriptions/{id}/verify");
+    let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let sigs = hook.requests().last().unwrap().0["webhook-signature"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(sigs.split(' ').count(), 1, "signed with the one that opens");
+    // None opens here.
+    rec.signing_secrets = vec![sealed_elsewhere(&id)];
+    rec.version = h.state.subs.get(&id).unwrap().version + 1;
+    h.state.subs.put(rec).await.unwrap();
+    let before = hook.requests().len();
+    let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
+    assert_eq!(a.body["error"]["code"], "signing_secret_unavailable");
+    assert_eq!(hook.requests().len(), before, "nothing sent unsigned");
+    // A URL change is written; its probe cannot sign here: 200 with the change, not a 5xx that
+    // would invite a retry its own If-Match refuses.
+    let version = h.state.subs.get(&id).unwrap().version;
+    let patched = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&token),
+            Some(json!({"destination": {"type": "webhook", "url": other.url}})),
+            &[("if-match", &format!("\"{version}\""))],
+        )
+        .await;
+    assert_eq!(patched.status, StatusCode::OK, "{}", patched.text);
+    assert_eq!(patched.body["destination"]["url"], json!(other.url));
+    assert_eq!(patched.body["verification_state"], "pending");
+    assert_eq!(h.state.subs.get(&id).unwrap().version, version + 1);
+}
+
+/// A verify whose probe ran while a `PATCH {"enabled": false}` was answered does not undo it.
+#[tokio::test]
+async fn a_verify_does_not_re_enable_what_was_disabled_while_its_probe_ran() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let id = h.create_webhook(&token, &hook.url).await;
+    // The record the verify started from, then the PATCH written while its probe ran.
+    let started = (*h.state.subs.get(&id).unwrap()).clone();
+    assert!(started.enabled);
+    let mut disabled = started.clone();
+    (disabled.enabled, disabled.version) = (false, started.version + 1);
+    h.state.subs.put(disabled).await.unwrap();
+    let (rec, _) = super::super::verification::probe_and_record(
+        &h.state,
+        started,
+        super::super::verification::Probe::Requested,
+    )
+    .await
+    .unwrap();
+    assert!(!rec.enabled, "the PATCH's disable kept");
+    assert!(!h.state.subs.get(&id).unwrap().enabled);
+    assert_eq!(rec.verification_state, VerificationState::Active);
 }
