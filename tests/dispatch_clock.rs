@@ -661,3 +661,32 @@ async fn retries_of_a_destination_that_failed_verification_are_spent_unsent_unti
     );
     assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
 }
+
+/// A hub whose only job waits out a retry opens no transaction until it is due: its tenant stayed
+/// in the loop's ring, and the loop opened one about every 50 ms to find nothing due (176 in 10 s
+/// before the fix, 1 after, on this test's setup). Watched over a window, since what is checked
+/// is that nothing happens; the bound leaves room for the rare transaction a control record or
+/// a lease brings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_whose_jobs_wait_out_their_retries_opens_no_transaction_meanwhile() {
+    let s = clock_hub("idle", &[]).await;
+    let (url, sink) = start_sink(500).await;
+    subscribe(&s, "tenant-i", &url).await;
+    produce(
+        &producer(),
+        &s.topic,
+        &[event("tenant-i", "ledger", "transaction", "posted")],
+    );
+    s.wait_metric("streaming_hub_attempts_total", 1).await;
+    let commits = "streaming_hub_txn_phase_seconds_count{stage=\"hub\",phase=\"commit\"";
+    let before = metric_sum(&s.metrics_text().await, commits);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let during = metric_sum(&s.metrics_text().await, commits) - before;
+    assert!(
+        during < 10,
+        "{during} hub transactions in 5 s with nothing due"
+    );
+    // The retry still goes once due.
+    s.advance("5s").await;
+    wait_for(&sink, 2).await;
+}

@@ -2099,14 +2099,15 @@ impl HubStage {
         let now = self.clock.now_ms();
         let ttl = env.config.idempotency_ttl.as_millis() as i64;
         // Due work is looked for before the transaction opens, so an idle loop opens none.
-        let claimable = match &self.dispatch {
+        // (Looked at only when there is nothing else to do: it visits every tenant with timers.)
+        let claimable = || match &self.dispatch {
             Some(d) if d.may_claim(0) && d.quiet_until.is_none_or(|t| Instant::now() >= t) => {
                 tasks.values().any(|t| t.ring.may_have_due(now))
             }
             _ => false,
         };
         let outcomes = self.dispatch.as_ref().map_or(0, |d| d.pending.len());
-        if batch.is_empty() && outcomes == 0 && !claimable {
+        if batch.is_empty() && outcomes == 0 && !claimable() {
             return Err(HubError::Idle);
         }
         producer.begin_transaction().map_err(fatal_or_kafka)?;
