@@ -5,6 +5,7 @@
 //! `delivery`), follow the control topic into the subscription table, serve HTTP (`/healthz`, `/readyz`, `/metrics`),
 //! and with the API (KEK set) the task that retries pending verifications. Stop on
 //! SIGTERM or Ctrl-C: readiness goes false, ingest commits its open batch and leaves, then exit.
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -362,17 +363,31 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     tracing::info!(addr = %config.http_listen_addr, role = ?config.role, "streaming hub running");
     ready.store(true, Ordering::SeqCst);
 
-    let stop_signal = stop.clone();
-    let ready_signal = ready.clone();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        tokio::select! {
-            _ = shutdown_signal() => tracing::info!("shutting down"),
-            _ = stage_down.notified() => tracing::error!("shutting down after a stage failed"),
+    // The HTTP server runs until the hub threads have drained: meanwhile `/readyz` answers 503
+    // (a load balancer takes the instance out) and `/healthz` and `/metrics` still answer (a
+    // liveness probe refused during a drain of up to STREAMING_HUB_SHUTDOWN_TIMEOUT would have
+    // the instance killed mid-drain).
+    let http_down = Arc::new(tokio::sync::Notify::new());
+    let mut server = tokio::spawn(
+        axum::serve(listener, router)
+            .with_graceful_shutdown({
+                let http_down = http_down.clone();
+                async move { http_down.notified().await }
+            })
+            .into_future(),
+    );
+    let server_ended_early = tokio::select! {
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+            None
         }
-        ready_signal.store(false, Ordering::SeqCst);
-        stop_signal.store(true, Ordering::SeqCst);
-    });
-    let served = server.await.map_err(|e| AppError::Http(e.to_string()));
+        _ = stage_down.notified() => {
+            tracing::error!("shutting down after a stage failed");
+            None
+        }
+        ended = &mut server => Some(ended),
+    };
+    ready.store(false, Ordering::SeqCst);
     stop.store(true, Ordering::SeqCst);
     // Every thread is joined before the first error is returned: the hub loops drain their
     // in-flight attempts and commit their outcomes on the way out, which a return here cut off.
@@ -399,6 +414,15 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             _ => tracing::error!("hub thread panicked"),
         }
     }
+    http_down.notify_one();
+    let served = match server_ended_early {
+        Some(ended) => ended,
+        None => server.await,
+    };
+    let served = match served {
+        Ok(served) => served.map_err(|e| AppError::Http(e.to_string())),
+        Err(e) => Err(AppError::Http(format!("HTTP server task failed: {e}"))),
+    };
     if let Some(e) = ingest_error {
         return Err(e.into());
     }

@@ -919,6 +919,44 @@ async fn sigterm_during_deliveries_records_every_attempt_the_sink_saw() {
     }
 }
 
+/// While a stopping hub drains its attempts in flight, its HTTP server still answers: `/readyz`
+/// 503 (taken out of a load balancer), `/healthz` and `/metrics` 200 (a liveness probe refused
+/// mid-drain would have the instance killed). The server stopped accepting at the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_hub_answers_not_ready_but_alive_until_it_exits() {
+    let mut s = ApiHub::start("drain", &[("STREAMING_HUB_SHUTDOWN_TIMEOUT", "20s")]).await;
+    let (url, sink) = start_sink(200, Duration::from_secs(8)).await;
+    s.create_subscription(
+        "tenant-d",
+        json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}}),
+    )
+    .await;
+    let e = event("tenant-d", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&e));
+    wait_until(Duration::from_secs(60), "an attempt in flight", || {
+        (!sink.got.lock().unwrap().is_empty()).then_some(())
+    });
+    assert_eq!(s.hub.status_of("/readyz"), Some(200));
+    s.hub.sigterm();
+    wait_until(
+        Duration::from_secs(30),
+        "/readyz 503 while draining",
+        || (s.hub.status_of("/readyz")? == 503).then_some(()),
+    );
+    assert_eq!(
+        s.hub.status_of("/healthz"),
+        Some(200),
+        "alive while draining"
+    );
+    assert_eq!(s.hub.status_of("/metrics"), Some(200));
+    s.hub.terminate();
+    assert_eq!(
+        s.hub.status_of("/healthz"),
+        None,
+        "closed once the hub exits"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingest_and_delivery_roles_run_apart_and_together_deliver() {
     // Hub A ingests only; hub B runs the hub tasks and delivers only. Same topics and groups.

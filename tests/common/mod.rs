@@ -503,17 +503,25 @@ impl Hub {
     }
 
     fn wait_ready(&self) {
-        let addr = self.addr();
-        let log = self.log.clone();
         wait_until(Duration::from_secs(60), "hub /readyz", || {
-            let mut s = std::net::TcpStream::connect(&addr).ok()?;
-            use std::io::{Read, Write};
-            s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
-            let mut buf = String::new();
-            s.read_to_string(&mut buf).ok()?;
-            buf.starts_with("HTTP/1.0 200").then_some(())
+            (self.status_of("/readyz")? == 200).then_some(())
         });
-        let _ = log;
+    }
+
+    /// The status a plain `GET path` gets now; None when the connection is refused.
+    pub fn status_of(&self, path: &str) -> Option<u16> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(self.addr()).ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+            .ok()?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).ok()?;
+        buf.strip_prefix("HTTP/1.0 ")?.get(..3)?.parse().ok()
+    }
+
+    /// Sends SIGTERM and returns at once (see [`Hub::terminate`] to wait for the exit).
+    pub fn sigterm(&self) {
+        unsafe_sigterm(self.child.id());
     }
 
     pub fn kill(&mut self) {
