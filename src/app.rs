@@ -303,6 +303,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         tracing::warn!(
             "STREAMING_HUB_KEK is not set: the subscription API is off (it cannot seal secrets)"
         );
+        router = router.fallback(api::api_off);
     } else {
         let subs = Subscriptions::kafka(&config, codec.clone(), table.clone())
             .map_err(|e| AppError::Http(e.to_string()))?;

@@ -114,6 +114,27 @@ impl Caller {
     /// The tenant this request acts for. A tenant token acts for its own tenant (naming another is
     /// refused); an admin token must name one (`named`, from the body or the query) unless the
     /// token itself carries a `tenant_id`.
+    /// [`Caller::tenant_for`] the tenant named in a body or a query (routes that take both);
+    /// named in both, the two must agree (`400 tenant_mismatch`).
+    pub fn tenant_for_either(
+        &self,
+        body: Option<&str>,
+        query: Option<&str>,
+    ) -> Result<String, ApiError> {
+        let named = match (body, query) {
+            (Some(b), Some(q)) if b != q => {
+                return Err(ApiError::bad_request(
+                    "tenant_mismatch",
+                    "tenant_id names one tenant in the body and another in the query",
+                )
+                .with_field("tenant_id"));
+            }
+            (Some(t), _) | (None, Some(t)) => Some(t),
+            (None, None) => None,
+        };
+        self.tenant_for(named)
+    }
+
     pub fn tenant_for(&self, named: Option<&str>) -> Result<String, ApiError> {
         let field =
             |code: &str, msg: &str| ApiError::bad_request(code, msg).with_field("tenant_id");

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
 use axum::routing::{get, post};
 
 use crate::config::Config;
@@ -33,6 +34,7 @@ use crate::runtime::clock::SharedClock;
 use crate::subscriptions::control::Subscriptions;
 use crate::subscriptions::model::SinkPolicy;
 use crate::subscriptions::secrets::{Kek, SecretError};
+use errors::ApiError;
 
 pub mod admin;
 pub mod auth;
@@ -156,6 +158,35 @@ pub fn router(state: ApiState) -> Router {
         .route("/admin/deliveries/dead/redrive", post(ops::redrive))
         .route("/openapi.json", get(openapi::serve))
         .route("/admin/clock/advance", post(admin::advance_clock))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(no_route)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// A path no route has: a JSON error as every other answer (it was an empty 404).
+pub async fn no_route() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        errors::codes::NOT_FOUND,
+        "no such route",
+    )
+}
+
+/// A route asked with a method it does not take: a JSON error (it was an empty 405).
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not take that method",
+    )
+}
+
+/// The process's answer under `/v1` and `/admin` when the API is off (no `STREAMING_HUB_KEK`).
+pub async fn api_off() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "api_off",
+        "the subscription API is off on this instance (STREAMING_HUB_KEK is not set)",
+    )
 }

@@ -385,9 +385,17 @@ pub struct RecoverRequest {
     pub tenant_id: Option<String>,
 }
 
+/// The tenant acted for, for admin tokens (or in the body); other parameters ignored.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TenantQuery {
+    /// Admin tokens: the tenant acted for.
+    pub tenant_id: Option<String>,
+}
+
 #[utoipa::path(post, path = "/v1/subscriptions/{id}/recover", tag = "subscriptions",
     request_body = RecoverRequest, security(("bearer" = [])),
-    params(("id" = String, Path, description = "Subscription id")),
+    params(("id" = String, Path, description = "Subscription id"), TenantQuery),
     responses(
         (status = 200, description = "Dead-lettered deliveries since then were queued again", body = Progress),
         (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
@@ -399,14 +407,17 @@ pub async fn recover(
     State(state): State<ApiState>,
     caller: Caller,
     ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<TenantQuery>,
     JsonBody(body): JsonBody<RecoverRequest>,
 ) -> Result<Response, ApiError> {
-    let ops = ops(&state)?.clone();
-    let tenant = caller.tenant_for(body.tenant_id.as_deref())?;
+    // Named in the body or the query (ignored before: an admin token carrying a tenant of its own
+    // acted for that one).
+    let tenant = caller.tenant_for_either(body.tenant_id.as_deref(), query.tenant_id.as_deref())?;
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
     let since = body.since_ms()?;
+    let ops = ops(&state)?.clone();
     let Some(slot) = ops.scans.enter(&tenant) else {
         return Ok(scans_busy());
     };

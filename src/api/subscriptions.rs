@@ -99,18 +99,7 @@ pub async fn create(
     // The tenant may be named in the body or the query, as on every other route; named in both,
     // the two must agree. (The query was ignored here: an admin token carrying a tenant of its
     // own created the subscription for that tenant, not the one the query named.)
-    let named = match (body.tenant_id.as_deref(), query.tenant_id.as_deref()) {
-        (Some(b), Some(q)) if b != q => {
-            return Err(ApiError::bad_request(
-                "tenant_mismatch",
-                "tenant_id names one tenant in the body and another in the query",
-            )
-            .with_field("tenant_id"));
-        }
-        (Some(t), _) | (None, Some(t)) => Some(t),
-        (None, None) => None,
-    };
-    let tenant = caller.tenant_for(named)?;
+    let tenant = caller.tenant_for_either(body.tenant_id.as_deref(), query.tenant_id.as_deref())?;
     caught_up(&state)?;
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();

@@ -152,6 +152,43 @@ async fn admin_acts_only_for_the_tenant_it_names() {
 /// A create names its tenant in the body or the query, as every other route takes it. The query
 /// was ignored on create: an admin token carrying a tenant of its own (`token --tenant ops
 /// --admin`) made the subscription for `ops`, whose events then went to acme's endpoint.
+/// Recover names its tenant in the body or the query, as create does (the query was ignored: an
+/// admin token with a tenant of its own looked the subscription up under that one, a 404).
+#[tokio::test]
+async fn an_admin_recover_takes_the_tenant_its_query_names() {
+    let h = Harness::new();
+    let hook = super::Hook::start(true).await;
+    let id = h.create_webhook(&h.token("acme"), &hook.url).await;
+    let admin = super::super::auth::mint_at(
+        &crate::runtime::secret::Secret::new(super::JWT_SECRET),
+        Some("ops"),
+        true,
+        std::time::Duration::from_secs(3600),
+        crate::runtime::clock::Clock::now_ms(&h.clock) / 1000,
+    );
+    let since = json!({"since": "2026-01-01T00:00:00Z"});
+    let uri = format!("/v1/subscriptions/{id}/recover");
+    let own = h.post(&uri, &admin, since.clone()).await;
+    assert_eq!(
+        own.status,
+        StatusCode::NOT_FOUND,
+        "ops has no such subscription"
+    );
+    // Found under acme; this harness runs no operations (no Kafka), which answers 503.
+    let a = h
+        .post(&format!("{uri}?tenant_id=acme"), &admin, since)
+        .await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
+    let both = json!({"since": "2026-01-01T00:00:00Z", "tenant_id": "acme"});
+    let a = h
+        .post(&format!("{uri}?tenant_id=other"), &admin, both)
+        .await;
+    assert_eq!(
+        (a.status, a.body["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("tenant_mismatch"))
+    );
+}
+
 #[tokio::test]
 async fn an_admin_create_takes_the_tenant_its_query_names() {
     let h = Harness::new();

@@ -151,3 +151,26 @@ async fn oversized_rotate_body_is_a_json_413() {
     assert_eq!(content_type, "application/json");
     assert_eq!(body["error"]["code"], "invalid_body");
 }
+
+/// A path no route has and a method a route does not take answer the JSON error format too
+/// (they were empty 404 and 405 answers).
+#[tokio::test]
+async fn an_unknown_route_or_method_is_a_json_error() {
+    let h = Harness::new();
+    let token = h.token("acme");
+    let (status, content_type, body) =
+        raw(&h, Method::GET, "/v1/nothing-here", &token, Vec::new()).await;
+    assert_eq!(
+        (
+            status,
+            content_type.as_str(),
+            body["error"]["code"].as_str()
+        ),
+        (StatusCode::NOT_FOUND, "application/json", Some("not_found"))
+    );
+    let (status, _, body) = raw(&h, Method::PUT, "/v1/subscriptions", &token, Vec::new()).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::METHOD_NOT_ALLOWED, Some("method_not_allowed"))
+    );
+}
