@@ -159,13 +159,7 @@ async fn an_admin_recover_takes_the_tenant_its_query_names() {
     let h = Harness::new();
     let hook = super::Hook::start(true).await;
     let id = h.create_webhook(&h.token("acme"), &hook.url).await;
-    let admin = super::super::auth::mint_at(
-        &crate::runtime::secret::Secret::new(super::JWT_SECRET),
-        Some("ops"),
-        true,
-        std::time::Duration::from_secs(3600),
-        crate::runtime::clock::Clock::now_ms(&h.clock) / 1000,
-    );
+    let admin = h.admin_token_with_tenant("ops");
     let since = json!({"since": "2026-01-01T00:00:00Z"});
     let uri = format!("/v1/subscriptions/{id}/recover");
     let own = h.post(&uri, &admin, since.clone()).await;
@@ -192,13 +186,7 @@ async fn an_admin_recover_takes_the_tenant_its_query_names() {
 #[tokio::test]
 async fn an_admin_create_takes_the_tenant_its_query_names() {
     let h = Harness::new();
-    let admin = super::super::auth::mint_at(
-        &crate::runtime::secret::Secret::new(super::JWT_SECRET),
-        Some("ops"),
-        true,
-        std::time::Duration::from_secs(3600),
-        crate::runtime::clock::Clock::now_ms(&h.clock) / 1000,
-    );
+    let admin = h.admin_token_with_tenant("ops");
     let a = h
         .post("/v1/subscriptions?tenant_id=acme", &admin, pull_body())
         .await;

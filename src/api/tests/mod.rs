@@ -99,13 +99,7 @@ impl Harness {
 
     /// A token for `tenant` valid for an hour from the harness clock's now.
     pub fn token(&self, tenant: &str) -> String {
-        super::auth::mint_at(
-            &Secret::new(JWT_SECRET),
-            Some(tenant),
-            false,
-            Duration::from_secs(3600),
-            self.now_secs(),
-        )
+        self.mint(Some(tenant), false)
     }
 
     /// Creates a webhook subscription to `url` for the token's tenant; its id.
@@ -116,11 +110,20 @@ impl Harness {
         a.body["id"].as_str().expect(&a.text).to_string()
     }
 
+    /// An admin token that carries a tenant of its own.
+    pub fn admin_token_with_tenant(&self, tenant: &str) -> String {
+        self.mint(Some(tenant), true)
+    }
+
     pub fn admin_token(&self) -> String {
+        self.mint(None, true)
+    }
+
+    fn mint(&self, tenant: Option<&str>, admin: bool) -> String {
         super::auth::mint_at(
             &Secret::new(JWT_SECRET),
-            None,
-            true,
+            tenant,
+            admin,
             Duration::from_secs(3600),
             self.now_secs(),
         )
