@@ -12,6 +12,10 @@ duration=()
 if [[ "${1:-}" == "--ci" ]]; then duration=(--duration 60s); fi
 
 scripts/setup.sh
+# A broker already running (the tests', an operator's) is used and left running; one this script
+# starts is stopped with it.
+started_broker=0
+if ! scripts/kafka.sh status >/dev/null 2>&1; then started_broker=1; fi
 scripts/kafka.sh start --fresh >/dev/null
 cargo build --quiet
 bin="$CARGO_TARGET_DIR/debug/streaming-hub"
@@ -33,13 +37,21 @@ export STREAMING_HUB_KEK="${STREAMING_HUB_KEK:-$(head -c 32 /dev/urandom | base6
 export STREAMING_HUB_JWT_SECRET="${STREAMING_HUB_JWT_SECRET:-$(head -c 32 /dev/urandom | base64)}"
 export STREAMING_HUB_ALLOW_PRIVATE_SINKS=true STREAMING_HUB_ALLOW_INSECURE_SINKS=true
 echo "demo: DEVELOPMENT SETTINGS ONLY (generated KEK and JWT secret, private and http sinks allowed)" >&2
-echo "demo: hub log: $state/hub.log" >&2
-"$bin" run >"$state/hub.log" 2>&1 &
+# The log is kept after the demo ends (its state directory is not).
+log="${TMPDIR:-/tmp}/streaming-hub-$run.log"
+echo "demo: hub log: $log (kept after the demo)" >&2
+"$bin" run >"$log" 2>&1 &
 hub_pid=$!
-trap 'kill $hub_pid 2>/dev/null; wait $hub_pid 2>/dev/null; rm -rf "$state"' EXIT INT TERM
+stop_all() {
+  kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true
+  rm -rf "$state"
+  if [[ "$started_broker" == 1 ]]; then scripts/kafka.sh stop >/dev/null 2>&1 || true; fi
+}
+trap stop_all EXIT
+trap 'exit 130' INT TERM
 for _ in $(seq 1 300); do
   if curl -fsS "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/readyz" >/dev/null 2>&1; then break; fi
-  kill -0 $hub_pid 2>/dev/null || { cat "$state/hub.log" >&2; echo "demo: the hub exited" >&2; exit 1; }
+  kill -0 $hub_pid 2>/dev/null || { cat "$log" >&2; echo "demo: the hub exited" >&2; exit 1; }
   sleep 0.2
 done
 "$bin" demo --topic "$topic" --hub-url "http://$STREAMING_HUB_HTTP_LISTEN_ADDR" "${duration[@]}"

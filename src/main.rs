@@ -157,13 +157,17 @@ enum SubscriptionsAction {
 /// from the per-thread arenas, which keep what they once held: 650-780 MiB peak resident in the
 /// `throughput` benchmark, ten arenas of 24-65 MiB. A fixed 128 KiB threshold (which also stops
 /// it from moving) gives large blocks back to the system when freed: 448 MiB, same throughput
-/// (BENCHMARKS.md). `MALLOC_MMAP_THRESHOLD_` in the environment still wins.
+/// (BENCHMARKS.md). The arenas are capped at 4 as well. `MALLOC_MMAP_THRESHOLD_` and
+/// `MALLOC_ARENA_MAX` in the environment each override their own setting only (setting the
+/// threshold dropped the arena cap too).
 fn tune_c_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+    {
         // SAFETY: called first thing in `main`, before any thread exists.
         unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+            if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+            }
             if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
                 libc::mallopt(libc::M_ARENA_MAX, 4);
             }

@@ -360,6 +360,7 @@ fn apply(
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
+        (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<ApiState>,

@@ -140,7 +140,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
             `timeout`, `redirect`, …); the subscription is now `failed`", body = ErrorBody),
-        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
+        (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
 pub async fn verify(
     State(state): State<ApiState>,
     caller: Caller,

@@ -206,11 +206,15 @@ impl Tracker {
             }
         };
         if self.holding && !self.acted.iter().any(|(set, _)| *set == finding.orphans) {
-            // Held long enough: counted from here.
+            // Held long enough: counted from here, as a new finding (not yet due: when it is,
+            // the set is noted as acted on again, so the rejoins it calls for hold it back once
+            // more; kept due from before, it called on members without being noted, and came
+            // back after their rejoins as a set never acted on: a second round at once).
             self.holding = false;
             self.current = Some(Finding {
                 times: 1,
                 since: now,
+                due: None,
                 ..finding
             });
             return self.current.clone();
@@ -621,6 +625,19 @@ mod tests {
         }
         let after = read(&stuck, 670).expect("tried again ten minutes later");
         assert_eq!(after.times, 1);
+        assert!(!after.calls_on("a"));
+        assert!(
+            !read(&stuck, 680).unwrap().calls_on("a"),
+            "as a new finding"
+        );
+        assert!(read(&stuck, 700).unwrap().calls_on("a"), "persisted again");
+        // Its rejoin's rebalance: the set goes and comes back: held back again, not a second
+        // round at once.
+        let moving = view("PreparingRebalance", &[("b", &[3, 4, 5]), ("a", &[])]);
+        assert_eq!(read(&moving, 705), None);
+        for s in [710, 720, 730, 740, 750] {
+            assert_eq!(read(&stuck, s), None, "held back at {s}");
+        }
         let mut t = Tracker::default();
         let mut read = |v: &GroupView, s: u64| t.observe(Some((v, &expected)), at(s));
         for s in [0, 10, 30] {
