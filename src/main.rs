@@ -139,7 +139,8 @@ enum TopologyAction {
 #[derive(Subcommand)]
 enum SubscriptionsAction {
     /// Create or update the subscriptions of a JSON file (GitOps); prints new signing secrets
-    /// once. Exit 0 applied, 1 some webhook failed verification, 2 invalid input, 3 broker error.
+    /// once. Exit 0 applied, 1 some webhook failed verification, 2 invalid input, 3 broker error,
+    /// 4 some entry changed by another writer meanwhile (not written: run again).
     Apply {
         /// The JSON array of subscription definitions.
         #[arg(short = 'f', long = "file")]

@@ -77,6 +77,9 @@ pub mod exit {
     /// The control topic could not be read or written; the lines printed were written, the rest
     /// not. Running again is safe.
     pub const UNAVAILABLE: u8 = 3;
+    /// Some subscription was changed by another writer (the API, another apply) between this
+    /// run's plan and its write: that entry was not written (the others were). Run it again.
+    pub const CONFLICT: u8 = 4;
 }
 
 /// Longest tenant id, as the API's tokens allow ([`crate::api::Caller::tenant_for`]).
@@ -503,11 +506,15 @@ pub struct Summary {
     pub unchanged: usize,
     /// Webhooks whose probe failed (left `pending`), with the probe's code.
     pub unverified: Vec<(String, String)>,
+    /// Entries not written: another writer changed them after this run planned them.
+    pub conflicts: Vec<String>,
 }
 
 impl Summary {
     pub fn exit_code(&self) -> u8 {
-        if self.unverified.is_empty() {
+        if !self.conflicts.is_empty() {
+            exit::CONFLICT
+        } else if self.unverified.is_empty() {
             exit::APPLIED
         } else {
             exit::UNVERIFIED
@@ -531,6 +538,14 @@ impl std::fmt::Display for Summary {
             for (id, code) in &self.unverified {
                 write!(f, " {id} ({code})")?;
             }
+        }
+        if !self.conflicts.is_empty() {
+            write!(
+                f,
+                "; {} changed by another writer meanwhile, not written (run again): {}",
+                self.conflicts.len(),
+                self.conflicts.join(" ")
+            )?;
         }
         Ok(())
     }
@@ -587,6 +602,21 @@ pub async fn execute(
             None => {}
         }
         let (id, version, state) = (rec.id.clone(), rec.version, rec.verification_state);
+        // Planned from the table as it was before the probes (up to 15 s each): written only if
+        // no other writer changed it since. Written over such a change, its lower or equal
+        // version lost that writer's update without a word.
+        let now = subs.get(&id).map(|s| s.version);
+        if now != version.checked_sub(1).filter(|v| *v > 0) {
+            let now = now.map_or("deleted".to_string(), |v| format!("now v{v}"));
+            emit(
+                out,
+                &format!(
+                    "conflict {id}: changed by another writer since this run read it ({now}); not written, run apply again"
+                ),
+            )?;
+            summary.conflicts.push(id);
+            continue;
+        }
         let written = subs.put(rec).await;
         // NotSeen: the broker has the record, so its secret must be shown anyway.
         if let (Some(secret), Ok(()) | Err(RepoError::NotSeen(_))) = (&secret, &written) {
@@ -1160,6 +1190,48 @@ mod tests {
         let v3 = t.subs.get(B).unwrap();
         assert_eq!(v3.destination.url.as_deref(), Some(url2.as_str()));
         assert_eq!(v3.signing_secrets, v1.signing_secrets);
+    }
+
+    /// Another writer (a PATCH through the API) changed the subscription while this run probed:
+    /// the entry planned from the table before is not written over that change (its version,
+    /// equal or lower, lost the PATCH without a word), it is reported, exit 4.
+    #[tokio::test]
+    async fn an_entry_changed_by_another_writer_after_the_plan_is_not_written() {
+        let t = target();
+        let (url, _) = echo().await;
+        let (url2, _) = echo().await;
+        let entry = |url: &str| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                    "destination": {"type": "webhook", "url": url}}])
+        };
+        run(&t, &entry(&url)).await.0.unwrap();
+        let desired = read_entries(&entry(&url2).to_string(), t.sinks)
+            .await
+            .unwrap();
+        let steps = {
+            let table = t.subs.table().read();
+            plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
+        };
+        // The PATCH, written while the run probes the new URL.
+        let mut patched = (*t.subs.get(B).unwrap()).clone();
+        patched.event_types = vec!["x.y".into()];
+        patched.version += 1;
+        t.subs.put(patched).await.unwrap();
+        let mut out = Vec::new();
+        let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.starts_with(&format!("conflict {B}: ")), "{out}");
+        assert_eq!(summary.conflicts, [B]);
+        assert_eq!(summary.exit_code(), exit::CONFLICT);
+        let now = t.subs.get(B).unwrap();
+        assert_eq!(
+            (now.version, now.event_types.clone()),
+            (2, vec!["x.y".to_string()])
+        );
+        // Run again: planned from the change, written.
+        let (r, out) = run(&t, &entry(&url2)).await;
+        assert_eq!(r.unwrap().exit_code(), exit::APPLIED);
+        assert_eq!(out, format!("updated {B} v3 active\n"));
     }
 
     /// A stored record whose sealed headers do not open here (sealed for another record, a key

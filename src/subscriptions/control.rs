@@ -99,9 +99,7 @@ pub fn follow(
                 };
                 match m.payload() {
                     None => {
-                        table.apply(|t| {
-                            t.remove(id);
-                        });
+                        table.apply(|t| t.read_record(id, None, m.partition(), m.offset()));
                         tracing::info!(subscription_id = id, "subscription deleted");
                     }
                     Some(bytes) => {
@@ -132,7 +130,9 @@ pub fn follow(
                                     version = rec.version,
                                     "subscription updated"
                                 );
-                                table.apply(|t| t.upsert(rec));
+                                table.apply(|t| {
+                                    t.read_record(id, Some(rec), m.partition(), m.offset())
+                                });
                             }
                             Ok(_) => tracing::warn!(
                                 subscription_id = id,
@@ -257,7 +257,9 @@ enum Writer {
 
 /// A scripted write: what the reader applies, and where the write landed.
 #[cfg(test)]
-type Script = dyn Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync;
+/// A scripted write: the table, the id, the record (`None`: a deletion); where it landed.
+type Script =
+    dyn Fn(&SharedTable, &str, Option<&SubscriptionRecord>) -> Option<(i32, i64)> + Send + Sync;
 
 impl Subscriptions {
     pub fn kafka(
@@ -307,7 +309,10 @@ impl Subscriptions {
     #[cfg(test)]
     pub fn scripted(
         codec: Arc<Codec>,
-        script: impl Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync + 'static,
+        script: impl Fn(&SharedTable, &str, Option<&SubscriptionRecord>) -> Option<(i32, i64)>
+        + Send
+        + Sync
+        + 'static,
     ) -> Subscriptions {
         Subscriptions {
             writer: Writer::Scripted(Arc::new(script)),
@@ -359,7 +364,7 @@ impl Subscriptions {
             #[cfg(test)]
             Writer::Lagging => None,
             #[cfg(test)]
-            Writer::Scripted(script) => script(&self.table, &rec),
+            Writer::Scripted(script) => script(&self.table, &rec.id, Some(&rec)),
             Writer::Kafka { producer, topic } => {
                 let d = producer
                     .send(
@@ -385,8 +390,12 @@ impl Subscriptions {
         // copy, when it comes, replaces it, and a later tombstone removes it). Only while the
         // reader has not got there: once past it, putting it back would undo what came after.
         self.table.apply(|t| {
-            if !seen(t) {
-                t.upsert(rec)
+            if seen(t) {
+                return;
+            }
+            match at {
+                Some((p, o)) => t.write_local(&id, Some(rec), p, o),
+                None => t.upsert(rec),
             }
         });
         Err(RepoError::NotSeen(wait))
@@ -394,35 +403,44 @@ impl Subscriptions {
 
     /// Deletes a subscription (a tombstone) and returns once the table no longer has it.
     pub async fn delete(&self, id: &str) -> Result<(), RepoError> {
-        match &self.writer {
-            Writer::Memory => self.table.apply(|t| {
-                t.remove(id);
-            }),
+        let at: Option<(i32, i64)> = match &self.writer {
+            Writer::Memory => {
+                self.table.apply(|t| {
+                    t.remove(id);
+                });
+                None
+            }
             #[cfg(test)]
             Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
             #[cfg(test)]
-            Writer::Scripted(_) => {}
+            Writer::Scripted(script) => script(&self.table, id, None),
             Writer::Kafka { producer, topic } => {
-                producer
+                let d = producer
                     .send(
                         FutureRecord::<str, [u8]>::to(topic).key(id),
                         Duration::from_secs(10),
                     )
                     .await
                     .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
+                Some((d.partition, d.offset))
             }
+        };
+        let wait = match &self.writer {
+            #[cfg(test)]
+            Writer::Scripted(_) => Duration::ZERO,
+            _ => READ_YOUR_WRITES,
+        };
+        if self.table.wait_for(wait, |t| t.get(id).is_none()).await {
+            return Ok(());
         }
-        if self
-            .table
-            .wait_for(READ_YOUR_WRITES, |t| t.get(id).is_none())
-            .await
-        {
-            Ok(())
-        } else {
-            // The broker has the tombstone; the table drops it when the reader gets there (a
-            // removal now would let the reader's older records of it, still to come, add it back).
-            Err(RepoError::NotSeen(READ_YOUR_WRITES))
+        // The broker has the tombstone: gone from this instance's table now, and kept gone over
+        // the records before it the reader has still to apply (`Table::write_local`). Left in
+        // place before, a GET still found it, and a PATCH, a verify or the pending retrier wrote
+        // a version after the tombstone that brought it back on every instance.
+        if let Some((p, o)) = at {
+            self.table.apply(|t| t.write_local(id, None, p, o));
         }
+        Err(RepoError::NotSeen(wait))
     }
 }
 
@@ -431,7 +449,10 @@ mod tests {
     use super::*;
 
     fn scripted(
-        script: impl Fn(&SharedTable, &SubscriptionRecord) -> Option<(i32, i64)> + Send + Sync + 'static,
+        script: impl Fn(&SharedTable, &str, Option<&SubscriptionRecord>) -> Option<(i32, i64)>
+        + Send
+        + Sync
+        + 'static,
     ) -> Subscriptions {
         Subscriptions::scripted(Arc::new(Codec::new().unwrap()), script)
     }
@@ -448,8 +469,8 @@ mod tests {
     /// its write for unseen after the wait, and put the deleted subscription back for good.
     #[tokio::test]
     async fn a_write_deleted_right_after_is_not_put_back() {
-        let subs = scripted(|table, rec| {
-            let rec = rec.clone();
+        let subs = scripted(|table, _, rec| {
+            let rec = rec.unwrap().clone();
             table.apply(|t| {
                 t.upsert(rec.clone());
                 t.note_read(0, 7);
@@ -469,11 +490,44 @@ mod tests {
     /// reads and next writes start from it) and reported as not seen.
     #[tokio::test]
     async fn a_write_the_reader_has_not_reached_is_kept_as_written() {
-        let subs = scripted(|table, _| {
+        let subs = scripted(|table, _, _| {
             table.apply(|t| t.note_read(0, 6));
             Some((0, 7))
         });
         assert!(matches!(subs.put(v2()).await, Err(RepoError::NotSeen(_))));
         assert_eq!(subs.get("sub-1").map(|s| s.version), Some(2));
+    }
+
+    /// A deletion the reader has not reached is gone from this instance's table at once: a GET
+    /// does not find it, so no PATCH, verify or retrier writes a version after the tombstone
+    /// (which brought it back everywhere); and the records before the tombstone the reader has
+    /// still to apply do not bring it back either.
+    #[tokio::test]
+    async fn a_deletion_the_reader_has_not_reached_is_gone_at_once_and_stays_gone() {
+        let subs = scripted(|table, _, rec| match rec {
+            Some(rec) => {
+                let rec = rec.clone();
+                table.apply(|t| {
+                    t.read_record(&rec.id, Some(rec.clone()), 0, 3);
+                    t.note_read(0, 3);
+                });
+                Some((0, 3))
+            }
+            None => Some((0, 9)),
+        });
+        subs.put(v2()).await.unwrap();
+        assert!(matches!(
+            subs.delete("sub-1").await,
+            Err(RepoError::NotSeen(_))
+        ));
+        assert!(subs.get("sub-1").is_none(), "gone at once");
+        // The reader catches up: a version written before the tombstone, then the tombstone.
+        let mut v3 = v2();
+        v3.version = 3;
+        subs.table()
+            .apply(|t| t.read_record("sub-1", Some(v3), 0, 6));
+        assert!(subs.get("sub-1").is_none(), "not brought back");
+        subs.table().apply(|t| t.read_record("sub-1", None, 0, 9));
+        assert!(subs.get("sub-1").is_none());
     }
 }

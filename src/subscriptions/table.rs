@@ -20,6 +20,10 @@ pub struct Table {
     index: HashMap<String, HashMap<String, Vec<Sub>>>,
     /// Per control partition, the offset after the last record the control reader applied.
     read_to: HashMap<i32, i64>,
+    /// This instance's own writes the control reader has not reached yet, per subscription id:
+    /// where each landed (partition, offset). The table shows them already (read-your-writes);
+    /// the reader skips the id's records before them, which the log order puts under them.
+    written: HashMap<String, (i32, i64)>,
 }
 
 /// What an event offers to matching.
@@ -33,7 +37,9 @@ pub struct EventRef<'a> {
 }
 
 impl Table {
-    /// Inserts or replaces a subscription (an older version never replaces a newer one).
+    /// Inserts or replaces a subscription (an older version never replaces a newer one): for
+    /// tables not fed by the control topic (in memory, benchmarks); its reader uses
+    /// [`Table::read_record`].
     pub fn upsert(&mut self, sub: SubscriptionRecord) {
         if let Some(old) = self.by_id.get(&sub.id) {
             if old.version > sub.version {
@@ -41,6 +47,57 @@ impl Table {
             }
         }
         self.remove(&sub.id.clone());
+        self.insert(sub);
+    }
+
+    /// A control record as the reader reads it, in log order: the subscription as it stands
+    /// (`None`: a tombstone). Whatever its version, the later record wins, as the topic's
+    /// compaction keeps it, so an instance that reads the compacted topic from the start holds
+    /// what a long-running one holds. (An older version arriving after a newer one, a writer
+    /// that planned from a stale table, was ignored here but kept by compaction: instances
+    /// restarted later held it and the others did not.) Records before a write of this
+    /// instance's own still to come are skipped: the write goes over them.
+    pub fn read_record(
+        &mut self,
+        id: &str,
+        rec: Option<SubscriptionRecord>,
+        partition: i32,
+        offset: i64,
+    ) {
+        match self.written.get(id) {
+            Some(&(p, o)) if p == partition && offset < o => return,
+            Some(_) => {
+                self.written.remove(id);
+            }
+            None => {}
+        }
+        self.remove(id);
+        if let Some(rec) = rec {
+            self.insert(rec);
+        }
+    }
+
+    /// This instance's write, taken by the broker at (`partition`, `offset`) and not read back
+    /// yet: shown at once (`rec`, or `None` for a deletion) and kept over the records before it
+    /// the reader has still to apply.
+    pub fn write_local(
+        &mut self,
+        id: &str,
+        rec: Option<SubscriptionRecord>,
+        partition: i32,
+        offset: i64,
+    ) {
+        if self.has_read(partition, offset) {
+            return; // read already: the table shows it, or what later records made of it
+        }
+        self.written.insert(id.to_string(), (partition, offset));
+        self.remove(id);
+        if let Some(rec) = rec {
+            self.insert(rec);
+        }
+    }
+
+    fn insert(&mut self, sub: SubscriptionRecord) {
         let sub = Arc::new(sub);
         let patterns = self.index.entry(sub.tenant_id.clone()).or_default();
         for p in &sub.event_types {
@@ -345,6 +402,60 @@ mod tests {
         t.upsert(failed);
         t.upsert(sub("ok", "t1", &["*"]));
         assert_eq!(ids(t.matches(&ev("t1", "ledger", "x", "y", 1))), ["ok"]);
+    }
+
+    #[test]
+    fn the_reader_applies_records_in_log_order_whatever_their_version() {
+        let mut t = Table::default();
+        let mut v3 = sub("a", "t1", &["x.y"]);
+        v3.version = 3;
+        t.read_record("a", Some(v3), 0, 10);
+        // A writer that planned from a stale table wrote version 2 after it: compaction keeps it,
+        // so every table holds it, not only the ones restarted after the compaction.
+        let mut v2 = sub("a", "t1", &["x.z"]);
+        v2.version = 2;
+        t.read_record("a", Some(v2), 0, 11);
+        assert_eq!(t.get("a").unwrap().version, 2);
+        assert_eq!(ids(t.matches(&ev("t1", "s", "x", "z", 1))), ["a"]);
+        assert!(t.matches(&ev("t1", "s", "x", "y", 1)).is_empty());
+        t.read_record("a", None, 0, 12);
+        assert!(t.get("a").is_none() && t.index.is_empty());
+    }
+
+    #[test]
+    fn an_own_write_not_read_back_stands_over_the_records_before_it() {
+        let mut t = Table::default();
+        t.note_read(0, 4);
+        let mut v5 = sub("a", "t1", &["x.y"]);
+        v5.version = 5;
+        t.write_local("a", Some(v5.clone()), 0, 9);
+        assert_eq!(t.get("a").unwrap().version, 5);
+        // The reader, behind, applies what came before it: skipped.
+        let mut v4 = sub("a", "t1", &["x.z"]);
+        v4.version = 4;
+        t.read_record("a", Some(v4), 0, 6);
+        t.read_record("a", None, 0, 7);
+        assert_eq!(t.get("a").unwrap().version, 5);
+        // Its own record, then a later one: applied as read.
+        t.read_record("a", Some(v5), 0, 9);
+        let mut v6 = sub("a", "t1", &["x.q"]);
+        v6.version = 6;
+        t.read_record("a", Some(v6), 0, 10);
+        assert_eq!(t.get("a").unwrap().version, 6);
+        // A deletion not read back: gone at once, and an older record does not bring it back.
+        t.write_local("a", None, 0, 20);
+        assert!(t.get("a").is_none());
+        let mut v7 = sub("a", "t1", &["x.q"]);
+        v7.version = 7;
+        t.read_record("a", Some(v7.clone()), 0, 15);
+        assert!(t.get("a").is_none(), "written before the tombstone");
+        t.read_record("a", None, 0, 20);
+        t.read_record("a", Some(v7), 0, 21);
+        assert_eq!(t.get("a").unwrap().version, 7, "written after it");
+        // A write the reader went past already changes nothing.
+        t.note_read(0, 30);
+        t.write_local("a", None, 0, 25);
+        assert_eq!(t.get("a").unwrap().version, 7);
     }
 
     #[test]

@@ -236,7 +236,8 @@ async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
     // Versions 1-3 (create, its verdict, the PATCH) are read back; later ones are not.
     let subs = crate::subscriptions::control::Subscriptions::scripted(
         std::sync::Arc::new(crate::runtime::avro::Codec::new().unwrap()),
-        |table, rec| {
+        |table, _, rec| {
+            let rec = rec.expect("no deletion here");
             let at = rec.version as i64;
             if rec.version <= 3 {
                 let rec = rec.clone();
