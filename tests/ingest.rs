@@ -861,6 +861,24 @@ async fn set_topic_config(topic: &str, key: &str, value: &str) {
     for x in r {
         x.expect("topic config set");
     }
+    // The broker applies it from the metadata log a moment later: a record produced before
+    // then is still held to the old limit (the tally test once saw its batch commit unrefused).
+    // Its DescribeConfigs answers from what it has applied.
+    for _ in 0..300 {
+        let described = admin()
+            .describe_configs(&[ResourceSpecifier::Topic(topic)], &AdminOptions::new())
+            .await
+            .expect("describe configs");
+        let applied = described.iter().flatten().any(|r| {
+            r.get(key)
+                .is_some_and(|e| e.value.as_deref() == Some(value))
+        });
+        if applied {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{topic}: {key}={value} never applied");
 }
 
 /// A batch whose transaction aborts is read and routed again: its records are counted in

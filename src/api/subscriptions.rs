@@ -376,15 +376,7 @@ pub async fn patch(
     let valid = validate_patch(&state, body).await?;
     let guard = state.writes.lock().await;
     let current = load(&state, &tenant, &id)?;
-    if expected.is_some_and(|v| v != current.version) {
-        let message = format!("the subscription is at version {}", current.version);
-        return Err(ApiError::new(
-            StatusCode::PRECONDITION_FAILED,
-            codes::VERSION_MISMATCH,
-            message,
-        )
-        .with_field("If-Match"));
-    }
+    check_version(expected, &current)?;
     let (mut rec, url_changed) = apply(&state, &current, valid)?;
     if rec == *current {
         return Ok((
@@ -433,23 +425,42 @@ pub async fn patch(
         .into_response())
 }
 
+/// `If-Match` against the version this instance has: `412 version_mismatch` naming it.
+fn check_version(expected: Option<u64>, current: &SubscriptionRecord) -> Result<(), ApiError> {
+    match expected {
+        Some(v) if v != current.version => Err(ApiError::new(
+            StatusCode::PRECONDITION_FAILED,
+            codes::VERSION_MISMATCH,
+            format!("the subscription is at version {}", current.version),
+        )
+        .with_field("If-Match")),
+        _ => Ok(()),
+    }
+}
+
 #[utoipa::path(delete, path = "/v1/subscriptions/{id}", tag = "subscriptions",
-    params(("id" = String, Path, description = "Subscription id"), SubscriptionQuery),
+    params(("id" = String, Path, description = "Subscription id"),
+        ("If-Match" = Option<String>, Header, description = "Delete only if the version is this one"), SubscriptionQuery),
     security(("bearer" = [])),
     responses(
         (status = 204, description = "Deleted; no further deliveries are created"),
+        (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn delete(
     State(state): State<ApiState>,
     caller: Caller,
     ApiPath(id): ApiPath<String>,
     ApiQuery(query): ApiQuery<SubscriptionQuery>,
+    headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    let expected = if_match(&headers)?;
     let _guard = state.writes.lock().await;
     let sub = load(&state, &tenant, &id)?;
+    check_version(expected, &sub)?;
     match state.subs.delete(&sub.id).await {
         // The tombstone is on the control topic: deleted, whenever this instance shows it.
         Ok(()) | Err(RepoError::NotSeen(_)) => {}

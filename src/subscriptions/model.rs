@@ -67,6 +67,13 @@ fn is_credential_header(lower: &str) -> bool {
     CREDENTIAL_HEADERS.contains(&lower) || CREDENTIAL_WORDS.iter().any(|w| lower.contains(w))
 }
 
+/// Whether a (lower-case) URL query parameter name carries a credential: a credential header
+/// word (`access_token`, `client_secret`, `api_key`), or `key`, `sig`, `signature`, `code`.
+fn is_credential_parameter(lower: &str) -> bool {
+    CREDENTIAL_WORDS.iter().any(|w| lower.contains(w))
+        || ["key", "sig", "signature", "code", "pwd"].contains(&lower)
+}
+
 /// One input that breaks a rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {
@@ -194,7 +201,7 @@ impl std::fmt::Debug for DestinationSpec {
 }
 
 /// `PATCH /v1/subscriptions/{id}`: absent fields stay; `null` clears `origin`, `schema_major` and
-/// `retry_schedule`. The destination type cannot change; within a webhook, absent `url`,
+/// `retry_schedule` (and is a 400 for the others). The destination type cannot change; within a webhook, absent `url`,
 /// `headers` or `sensitive_headers` stay and a given map replaces the stored one whole.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -202,18 +209,27 @@ pub struct PatchSubscription {
     #[serde(default, deserialize_with = "nullable")]
     #[schema(value_type = Option<String>, nullable)]
     pub origin: Option<Option<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "not_null")]
+    #[schema(value_type = Vec<String>, required = false)]
     pub event_types: Option<Vec<String>>,
     #[serde(default, deserialize_with = "nullable")]
     #[schema(value_type = Option<u32>, nullable)]
     pub schema_major: Option<Option<u32>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "not_null")]
+    #[schema(value_type = DestinationPatch, required = false)]
     pub destination: Option<DestinationPatch>,
     #[serde(default, deserialize_with = "nullable")]
     #[schema(value_type = Option<Vec<String>>, nullable)]
     pub retry_schedule: Option<Option<Vec<String>>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "not_null")]
+    #[schema(value_type = bool, required = false)]
     pub enabled: Option<bool>,
+}
+
+/// A field that may be left out but not cleared: `null` is a 400 naming it (it was taken for
+/// absent, so `{"event_types": null}` changed nothing and answered 200).
+fn not_null<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -562,6 +578,22 @@ pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, 
     }
     let parsed = check_url(url, policy.allow_private, policy.allow_insecure)
         .map_err(|e| FieldError::new(field, e.code(), e.to_string()))?;
+    // The URL is stored and shown as it is: a credential in its query would sit in plaintext on
+    // the control topic and come back in every read. Such a parameter goes in
+    // `sensitive_headers` (sealed, never shown) instead.
+    if let Some((name, _)) = parsed
+        .query_pairs()
+        .find(|(name, _)| is_credential_parameter(&name.to_ascii_lowercase()))
+    {
+        return Err(FieldError::new(
+            field,
+            "credentials_in_url",
+            format!(
+                "query parameter {name:?} looks like a credential, which a URL would keep in \
+                 plaintext; send it in destination.sensitive_headers"
+            ),
+        ));
+    }
     if let Some(host) = parsed.domain() {
         let resolver = GuardedResolver::new(policy.allow_private);
         match tokio::time::timeout(RESOLVE_TIMEOUT, resolver.lookup(host)).await {

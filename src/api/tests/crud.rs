@@ -341,6 +341,38 @@ async fn patch_with_a_stale_if_match_is_412_and_with_the_current_one_applies() {
     );
 }
 
+/// A conditional delete: `If-Match` naming another version is 412 and deletes nothing (it was
+/// ignored: a client that read version 1 deleted the version 2 another one had just written).
+#[tokio::test]
+async fn delete_with_a_stale_if_match_is_412_and_with_the_current_one_deletes() {
+    let h = Harness::new();
+    let token = h.token("acme");
+    let id = h.create_pull("acme").await;
+    let uri = format!("/v1/subscriptions/{id}");
+    let version = h.state.subs.get(&id).unwrap().version;
+    let delete = |v: u64| {
+        let if_match = format!("\"{v}\"");
+        let (h, uri, token) = (&h, uri.clone(), token.clone());
+        async move {
+            h.call(
+                Method::DELETE,
+                &uri,
+                Some(&token),
+                None,
+                &[("if-match", &if_match)],
+            )
+            .await
+        }
+    };
+    let a = delete(version + 1).await;
+    assert_eq!(a.status, StatusCode::PRECONDITION_FAILED, "{}", a.text);
+    assert_eq!(a.body["error"]["field"], "If-Match");
+    assert!(h.state.subs.get(&id).is_some(), "nothing deleted");
+    let a = delete(version).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.text);
+    assert!(h.state.subs.get(&id).is_none());
+}
+
 #[tokio::test]
 async fn patch_enabling_a_disabled_subscription_clears_the_disable_reason() {
     let h = Harness::new();

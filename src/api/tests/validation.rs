@@ -123,6 +123,21 @@ async fn each_create_validation_error_names_its_field() {
             "url_credentials",
         ),
         (
+            webhook("https://93.184.215.14/hook?tenant=a&api_key=k1", json!({})),
+            "destination.url",
+            "credentials_in_url",
+        ),
+        (
+            webhook("https://93.184.215.14/hook?Access_Token=t", json!({})),
+            "destination.url",
+            "credentials_in_url",
+        ),
+        (
+            webhook("https://93.184.215.14/hook?sig=s", json!({})),
+            "destination.url",
+            "credentials_in_url",
+        ),
+        (
             webhook("not a url", json!({})),
             "destination.url",
             "url_invalid",
@@ -201,6 +216,9 @@ async fn each_patch_validation_error_names_its_field() {
     let uri = format!("/v1/subscriptions/{id}");
     let cases = [
         (json!({"event_types": []}), "event_types", "required"),
+        (json!({"event_types": null}), "event_types", "invalid"),
+        (json!({"enabled": null}), "enabled", "invalid"),
+        (json!({"destination": null}), "destination", "invalid"),
         (
             json!({"event_types": ["*", "x.*.y"]}),
             "event_types[1]",
