@@ -350,7 +350,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         let retrier = PendingRetrier::new(state.subs.clone(), prober, clock.clone())
             .with_write_lock(state.write_lock());
         tokio::spawn(retrier.run(stop.clone()));
-        router = router.merge(api::router(state));
+        router = router.merge(
+            api::router(state).layer(axum::middleware::from_fn_with_state(
+                stop.clone(),
+                api::refuse_when_stopping,
+            )),
+        );
     }
     if config.allow_private_sinks {
         tracing::warn!(

@@ -949,6 +949,8 @@ async fn a_draining_hub_answers_not_ready_but_alive_until_it_exits() {
         "alive while draining"
     );
     assert_eq!(s.hub.status_of("/metrics"), Some(200));
+    // The API is refused: its table is no longer kept current.
+    assert_eq!(s.hub.status_of("/v1/subscriptions"), Some(503));
     s.hub.terminate();
     assert_eq!(
         s.hub.status_of("/healthz"),

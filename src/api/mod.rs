@@ -182,11 +182,42 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
-/// The process's answer under `/v1` and `/admin` when the API is off (no `STREAMING_HUB_KEK`).
-pub async fn api_off() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "api_off",
-        "the subscription API is off on this instance (STREAMING_HUB_KEK is not set)",
-    )
+/// The process's fallback when the API is off (no `STREAMING_HUB_KEK`): `api_off` under `/v1`,
+/// `/admin` and `/openapi.json`, `not_found` elsewhere.
+pub async fn api_off(uri: axum::http::Uri) -> ApiError {
+    let path = uri.path();
+    if path.starts_with("/v1/") || path.starts_with("/admin/") || path == "/openapi.json" {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "api_off",
+            "the subscription API is off on this instance (STREAMING_HUB_KEK is not set)",
+        )
+    } else {
+        no_route().await
+    }
+}
+
+/// Refuses API requests once the process is stopping: the control reader has stopped, so reads
+/// would answer from a table no longer kept current and each write would wait its whole
+/// read-back time for nothing. `/healthz`, `/readyz` and `/metrics` are not behind it.
+pub async fn refuse_when_stopping(
+    axum::extract::State(stopping): axum::extract::State<Arc<std::sync::atomic::AtomicBool>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if stopping.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut response = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "this instance is shutting down; retry on another",
+        )
+        .into_response();
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+        return response;
+    }
+    next.run(request).await
 }

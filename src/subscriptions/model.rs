@@ -67,13 +67,6 @@ fn is_credential_header(lower: &str) -> bool {
     CREDENTIAL_HEADERS.contains(&lower) || CREDENTIAL_WORDS.iter().any(|w| lower.contains(w))
 }
 
-/// Whether a (lower-case) URL query parameter name carries a credential: a credential header
-/// word (`access_token`, `client_secret`, `api_key`), or `key`, `sig`, `signature`, `code`.
-fn is_credential_parameter(lower: &str) -> bool {
-    CREDENTIAL_WORDS.iter().any(|w| lower.contains(w))
-        || ["key", "sig", "signature", "code", "pwd"].contains(&lower)
-}
-
 /// One input that breaks a rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {
@@ -578,22 +571,6 @@ pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, 
     }
     let parsed = check_url(url, policy.allow_private, policy.allow_insecure)
         .map_err(|e| FieldError::new(field, e.code(), e.to_string()))?;
-    // The URL is stored and shown as it is: a credential in its query would sit in plaintext on
-    // the control topic and come back in every read. Such a parameter goes in
-    // `sensitive_headers` (sealed, never shown) instead.
-    if let Some((name, _)) = parsed
-        .query_pairs()
-        .find(|(name, _)| is_credential_parameter(&name.to_ascii_lowercase()))
-    {
-        return Err(FieldError::new(
-            field,
-            "credentials_in_url",
-            format!(
-                "query parameter {name:?} looks like a credential, which a URL would keep in \
-                 plaintext; send it in destination.sensitive_headers"
-            ),
-        ));
-    }
     if let Some(host) = parsed.domain() {
         let resolver = GuardedResolver::new(policy.allow_private);
         match tokio::time::timeout(RESOLVE_TIMEOUT, resolver.lookup(host)).await {

@@ -345,7 +345,10 @@ impl PendingRetrier {
         report
     }
 
-    /// Writes `state` onto `probed` if that version is still the latest and still pending.
+    /// Writes `state` onto `probed` if that version is still the latest, still pending, and
+    /// still sends where the probe went (versions follow the control topic's order, which a
+    /// writer that planned from a stale table can send back to a number already used: the
+    /// destination is what the verdict is about).
     async fn record(
         &self,
         probed: &SubscriptionRecord,
@@ -357,6 +360,7 @@ impl PendingRetrier {
         };
         if latest.version != probed.version
             || latest.verification_state != VerificationState::Pending
+            || latest.destination != probed.destination
         {
             return Ok(false);
         }
@@ -504,6 +508,29 @@ mod tests {
     #[test]
     fn spacing_doubles_after_each_failure() {
         assert_eq!((1..=4).map(spacing).collect::<Vec<_>>(), [2, 4, 8, 16]);
+    }
+
+    /// A verdict is about a destination: one probed at URL A is not written onto a record of the
+    /// same version that sends to URL B (a stale writer sent the version number back, then a
+    /// PATCH reached it again with another URL).
+    #[tokio::test]
+    async fn a_verdict_is_not_written_onto_the_same_version_at_another_url() {
+        let (r, subs, kek) = retrier(true);
+        let probed = pending_webhook(&kek, "http://127.0.0.1:9/a");
+        subs.put(probed.clone()).await.unwrap();
+        let mut other = probed.clone();
+        other.destination.url = Some("http://127.0.0.1:9/b".into());
+        subs.table()
+            .apply(|t| t.read_record(&other.id, Some(other.clone()), 0, 1));
+        assert_eq!(subs.get(&probed.id).unwrap().version, probed.version);
+        let written = r.record(&probed, VerificationState::Active).await.unwrap();
+        assert!(!written);
+        let now = subs.get(&probed.id).unwrap();
+        assert_eq!(now.verification_state, VerificationState::Pending);
+        // At the URL it probed, it is written.
+        subs.table()
+            .apply(|t| t.read_record(&probed.id, Some(probed.clone()), 0, 2));
+        assert!(r.record(&probed, VerificationState::Active).await.unwrap());
     }
 
     #[tokio::test]

@@ -90,6 +90,13 @@ impl Table {
         if self.has_read(partition, offset) {
             return; // read already: the table shows it, or what later records made of it
         }
+        if self
+            .written
+            .get(id)
+            .is_some_and(|&(p, o)| p == partition && o > offset)
+        {
+            return; // a later write of this instance's own stands already
+        }
         self.written.insert(id.to_string(), (partition, offset));
         self.remove(id);
         if let Some(rec) = rec {
@@ -456,6 +463,10 @@ mod tests {
         t.note_read(0, 30);
         t.write_local("a", None, 0, 25);
         assert_eq!(t.get("a").unwrap().version, 7);
+        // Of two own writes not read back, the later one stands, whichever was noted last.
+        t.write_local("a", None, 0, 40);
+        t.write_local("a", Some(sub("a", "t1", &["x.q"])), 0, 35);
+        assert!(t.get("a").is_none());
     }
 
     #[test]

@@ -174,3 +174,23 @@ async fn an_unknown_route_or_method_is_a_json_error() {
         (StatusCode::METHOD_NOT_ALLOWED, Some("method_not_allowed"))
     );
 }
+
+/// Without a KEK the process's fallback says the API is off for its paths only.
+#[tokio::test]
+async fn without_the_api_its_paths_say_so_and_others_are_not_found() {
+    use axum::response::IntoResponse;
+    for (path, code) in [
+        ("/v1/subscriptions", "api_off"),
+        ("/admin/dlq", "api_off"),
+        ("/openapi.json", "api_off"),
+        ("/metricsx", "not_found"),
+    ] {
+        let answer = crate::api::api_off(path.parse().unwrap())
+            .await
+            .into_response();
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND);
+        let bytes = answer.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(body["error"]["code"], code, "{path}");
+    }
+}
