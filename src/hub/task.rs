@@ -137,15 +137,6 @@ pub enum HubError {
         "a record at offset {offset} of inbox partition {partition}, which this loop has no stores for"
     )]
     Unowned { partition: i32, offset: i64 },
-    /// An aborted batch's partition, still owned, could not be sought back to its first record:
-    /// the loop stops (the process restarts from the committed offsets) rather than read past it.
-    #[error("could not rewind {topic} partition {partition} to offset {offset}: {why}")]
-    Rewind {
-        topic: String,
-        partition: i32,
-        offset: i64,
-        why: String,
-    },
 }
 
 /// An accepted, deduplicated, sequenced event, as the next stage receives it.
@@ -1737,8 +1728,14 @@ impl HubStage {
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
+        // Partitions of an aborted batch not sought back yet: paused until they are.
+        let mut rewinds: Vec<Rewind> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
+            if !rewinds.is_empty() {
+                let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                retry_rewinds(&consumer, &guard.tasks, &mut rewinds);
+            }
             rejoin
                 .tick(
                     &watch,
@@ -1882,9 +1879,11 @@ impl HubStage {
                     }
                 }
             };
+            if aborted {
+                rewind(&consumer, &guard.tasks, &batch, &mut rewinds);
+            }
             drop(guard);
             if aborted {
-                rewind(&consumer, &batch)?;
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
@@ -3276,71 +3275,113 @@ fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
         .filter(|s| !s.is_empty())
 }
 
+/// A partition of an aborted batch to seek back to `offset` (its first record in that batch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Rewind {
+    topic: String,
+    partition: i32,
+    offset: i64,
+}
+
 /// Seeks each partition of an aborted batch back to the batch's first record of it, so the next
-/// batch reads them again. A partition given up meanwhile is skipped (its next owner starts from
-/// the committed offset). One still owned that cannot be sought back after [`REWIND_TRIES`] stops
-/// the loop: the next batch would read on past the aborted records and commit offsets beyond
-/// them, and they would never be deduplicated nor get their jobs.
+/// batch reads them again. A partition given up meanwhile (or being restored) is skipped: its
+/// next start seeks it. One still owned that cannot be sought back is paused and tried again at
+/// every turn ([`retry_rewinds`]): read on, the next batch would commit offsets past the aborted
+/// records, which would never be deduplicated nor get their jobs (a failed seek was only logged
+/// at debug level). Paused, nothing of it is read, and its offset stays where it was committed.
 fn rewind(
     consumer: &BaseConsumer<HubContext>,
+    tasks: &HashMap<i32, Task>,
     batch: &[BorrowedMessage<'_>],
-) -> Result<(), HubError> {
-    let mut first: Vec<(&str, i32, i64)> = Vec::new();
+    rewinds: &mut Vec<Rewind>,
+) {
+    let mut first: Vec<Rewind> = Vec::new();
     for m in batch {
         if !first
             .iter()
-            .any(|&(t, p, _)| t == m.topic() && p == m.partition())
+            .any(|r| r.topic == m.topic() && r.partition == m.partition())
         {
-            first.push((m.topic(), m.partition(), m.offset()));
+            first.push(Rewind {
+                topic: m.topic().to_string(),
+                partition: m.partition(),
+                offset: m.offset(),
+            });
         }
     }
-    rewind_with(
-        &first,
-        |topic, p, o| {
-            consumer
-                .seek(topic, p, Offset::Offset(o), Duration::from_secs(5))
-                .map_err(|e| e.to_string())
-        },
-        |topic, p| {
-            !consumer.assignment_lost()
-                && consumer
-                    .assignment()
-                    .map_or(true, |a| a.find_partition(topic, p).is_some())
-        },
-        REWIND_PAUSE,
-    )
+    for r in first {
+        rewinds.retain(|w| (&w.topic, w.partition) != (&r.topic, r.partition));
+        rewinds.push(r);
+    }
+    retry_rewinds(consumer, tasks, rewinds);
 }
 
-/// Tries to seek a still-owned partition back before the loop gives up on it.
-const REWIND_TRIES: u32 = 5;
-const REWIND_PAUSE: Duration = Duration::from_millis(200);
+/// Seeks the partitions in `rewinds` back; keeps (paused) the ones still owned that could not be.
+fn retry_rewinds(
+    consumer: &BaseConsumer<HubContext>,
+    tasks: &HashMap<i32, Task>,
+    rewinds: &mut Vec<Rewind>,
+) {
+    let one = |r: &Rewind| {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&r.topic, r.partition);
+        tpl
+    };
+    rewinds_with(
+        rewinds,
+        |r| {
+            // Resumed first (a paused one is sought only once fetching again; see
+            // `take_restored`), paused again if the seek fails.
+            let _ = consumer.resume(&one(r));
+            consumer
+                .seek(
+                    &r.topic,
+                    r.partition,
+                    Offset::Offset(r.offset),
+                    Duration::from_secs(5),
+                )
+                .map_err(|e| {
+                    let _ = consumer.pause(&one(r));
+                    e.to_string()
+                })
+        },
+        |r| {
+            tasks.contains_key(&r.partition)
+                && !consumer.assignment_lost()
+                && consumer
+                    .assignment()
+                    .is_ok_and(|a| a.find_partition(&r.topic, r.partition).is_some())
+        },
+    );
+}
 
-fn rewind_with(
-    first: &[(&str, i32, i64)],
-    mut seek: impl FnMut(&str, i32, i64) -> Result<(), String>,
-    owned: impl Fn(&str, i32) -> bool,
-    pause: Duration,
-) -> Result<(), HubError> {
-    for &(topic, p, o) in first {
-        let mut tries = 0;
-        while let Err(e) = seek(topic, p, o) {
-            if !owned(topic, p) {
-                tracing::debug!(partition = p, error = %e, "rewind skipped: partition given up");
-                break;
-            }
-            tries += 1;
-            if tries >= REWIND_TRIES {
-                return Err(HubError::Rewind {
-                    topic: topic.to_string(),
-                    partition: p,
-                    offset: o,
-                    why: e,
-                });
-            }
-            std::thread::sleep(pause);
+/// The rule of [`retry_rewinds`]: each pending rewind of a partition still owned is tried once;
+/// kept when it fails, dropped when it succeeds or the partition is no longer owned.
+fn rewinds_with(
+    rewinds: &mut Vec<Rewind>,
+    mut seek: impl FnMut(&Rewind) -> Result<(), String>,
+    owned: impl Fn(&Rewind) -> bool,
+) {
+    rewinds.retain(|r| {
+        if !owned(r) {
+            tracing::debug!(
+                partition = r.partition,
+                "rewind dropped: partition given up"
+            );
+            return false;
         }
-    }
-    Ok(())
+        match seek(r) {
+            Ok(()) => false,
+            Err(e) => {
+                tracing::warn!(
+                    partition = r.partition,
+                    offset = r.offset,
+                    error = %e,
+                    "an aborted batch's partition could not be sought back; paused, trying again"
+                );
+                true
+            }
+        }
+    });
 }
 
 /// Aborts the open transaction ([`kafka::abort_waiting`]), then serves the delivery reports of
@@ -3408,64 +3449,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_aborted_batch_that_cannot_be_rewound_on_an_owned_partition_stops_the_loop() {
-        let first = [("inbox", 0, 10), ("inbox", 1, 20)];
-        let no_pause = Duration::ZERO;
-        // Sought back: every partition, at the batch's first offsets.
+    fn an_aborted_batchs_partition_not_sought_back_stays_pending_until_it_is() {
+        let r = |p: i32, o: i64| Rewind {
+            topic: "inbox".into(),
+            partition: p,
+            offset: o,
+        };
+        let mut pending = vec![r(0, 10), r(1, 20), r(2, 30)];
+        // Partition 0 is sought back; 1's seek fails (kept, paused); 2 was given up (dropped).
         let mut sought = Vec::new();
-        rewind_with(
-            &first,
-            |t, p, o| {
-                sought.push((t.to_string(), p, o));
-                Ok(())
-            },
-            |_, _| true,
-            no_pause,
-        )
-        .unwrap();
-        assert_eq!(sought, [("inbox".into(), 0, 10), ("inbox".into(), 1, 20)]);
-        // A seek that fails once, then works: tried again.
-        let mut fails = 1;
-        let tried = rewind_with(
-            &first,
-            |_, _, _| {
-                if fails > 0 {
-                    fails -= 1;
-                    return Err("busy".into());
+        rewinds_with(
+            &mut pending,
+            |w| {
+                sought.push((w.partition, w.offset));
+                if w.partition == 1 {
+                    Err("busy".into())
+                } else {
+                    Ok(())
                 }
-                Ok(())
             },
-            |_, _| true,
-            no_pause,
+            |w| w.partition != 2,
         );
-        assert!(tried.is_ok());
-        // Given up meanwhile: skipped, its next owner starts from the committed offset.
-        let gone = rewind_with(
-            &first,
-            |_, _, _| Err("state".into()),
-            |_, p| p != 1,
-            no_pause,
-        );
-        assert!(
-            matches!(
-                gone,
-                Err(HubError::Rewind {
-                    partition: 0,
-                    offset: 10,
-                    ..
-                })
-            ),
-            "partition 0 is still owned"
-        );
-        assert!(
-            rewind_with(
-                &first,
-                |_, _, _| Err("state".into()),
-                |_, _| false,
-                no_pause
-            )
-            .is_ok()
-        );
+        assert_eq!(sought, [(0, 10), (1, 20)]);
+        assert_eq!(pending, [r(1, 20)]);
+        // The next turn's try works: nothing pending.
+        rewinds_with(&mut pending, |_| Ok(()), |_| true);
+        assert!(pending.is_empty());
     }
 
     fn attempt_to(url: &str, lease_until: i64) -> Attempt {
