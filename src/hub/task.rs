@@ -1728,14 +1728,8 @@ impl HubStage {
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
         let mut backlog_named: Vec<String> = Vec::new();
-        // Partitions of an aborted batch not sought back yet: paused until they are.
-        let mut rewinds: Vec<Rewind> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
-            if !rewinds.is_empty() {
-                let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-                retry_rewinds(&consumer, &guard.tasks, &mut rewinds);
-            }
             rejoin
                 .tick(
                     &watch,
@@ -1879,11 +1873,9 @@ impl HubStage {
                     }
                 }
             };
-            if aborted {
-                rewind(&consumer, &guard.tasks, &batch, &mut rewinds);
-            }
             drop(guard);
             if aborted {
+                rewind(&consumer, &batch);
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
@@ -3275,113 +3267,28 @@ fn redelivery_of<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m str> {
         .filter(|s| !s.is_empty())
 }
 
-/// A partition of an aborted batch to seek back to `offset` (its first record in that batch).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Rewind {
-    topic: String,
-    partition: i32,
-    offset: i64,
-}
-
 /// Seeks each partition of an aborted batch back to the batch's first record of it, so the next
-/// batch reads them again. A partition given up meanwhile (or being restored) is skipped: its
-/// next start seeks it. One still owned that cannot be sought back is paused and tried again at
-/// every turn ([`retry_rewinds`]): read on, the next batch would commit offsets past the aborted
-/// records, which would never be deduplicated nor get their jobs (a failed seek was only logged
-/// at debug level). Paused, nothing of it is read, and its offset stays where it was committed.
-fn rewind(
-    consumer: &BaseConsumer<HubContext>,
-    tasks: &HashMap<i32, Task>,
-    batch: &[BorrowedMessage<'_>],
-    rewinds: &mut Vec<Rewind>,
-) {
-    let mut first: Vec<Rewind> = Vec::new();
+/// batch reads them again. A seek that fails does not let the next batch read past the aborted
+/// records (a review asked; librdkafka 2.12's source says): the seek raises the partition's
+/// version barrier before it waits, so whatever was fetched from the old position is dropped at
+/// the next poll, and one that times out is still applied when its partition's thread gets to
+/// it. The errors that refuse a seek outright (`__STATE`, a seek already in progress, an
+/// unknown partition) mean the partition is not being fetched: given up, or not started. So a
+/// failure is logged, not acted on (stopping the loop, tried this session, restarted every
+/// instance on a broker outage; pausing the partition blocks on the same thread the seek
+/// timed out on).
+fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
+    let mut first: HashMap<(&str, i32), i64> = HashMap::new();
     for m in batch {
-        if !first
-            .iter()
-            .any(|r| r.topic == m.topic() && r.partition == m.partition())
-        {
-            first.push(Rewind {
-                topic: m.topic().to_string(),
-                partition: m.partition(),
-                offset: m.offset(),
-            });
+        first
+            .entry((m.topic(), m.partition()))
+            .or_insert(m.offset());
+    }
+    for ((topic, p), o) in first {
+        if let Err(e) = consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(5)) {
+            tracing::info!(partition = p, offset = o, error = %e, "rewind not confirmed");
         }
     }
-    for r in first {
-        rewinds.retain(|w| (&w.topic, w.partition) != (&r.topic, r.partition));
-        rewinds.push(r);
-    }
-    retry_rewinds(consumer, tasks, rewinds);
-}
-
-/// Seeks the partitions in `rewinds` back; keeps (paused) the ones still owned that could not be.
-fn retry_rewinds(
-    consumer: &BaseConsumer<HubContext>,
-    tasks: &HashMap<i32, Task>,
-    rewinds: &mut Vec<Rewind>,
-) {
-    let one = |r: &Rewind| {
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition(&r.topic, r.partition);
-        tpl
-    };
-    rewinds_with(
-        rewinds,
-        |r| {
-            // Resumed first (a paused one is sought only once fetching again; see
-            // `take_restored`), paused again if the seek fails.
-            let _ = consumer.resume(&one(r));
-            consumer
-                .seek(
-                    &r.topic,
-                    r.partition,
-                    Offset::Offset(r.offset),
-                    Duration::from_secs(5),
-                )
-                .map_err(|e| {
-                    let _ = consumer.pause(&one(r));
-                    e.to_string()
-                })
-        },
-        |r| {
-            tasks.contains_key(&r.partition)
-                && !consumer.assignment_lost()
-                && consumer
-                    .assignment()
-                    .is_ok_and(|a| a.find_partition(&r.topic, r.partition).is_some())
-        },
-    );
-}
-
-/// The rule of [`retry_rewinds`]: each pending rewind of a partition still owned is tried once;
-/// kept when it fails, dropped when it succeeds or the partition is no longer owned.
-fn rewinds_with(
-    rewinds: &mut Vec<Rewind>,
-    mut seek: impl FnMut(&Rewind) -> Result<(), String>,
-    owned: impl Fn(&Rewind) -> bool,
-) {
-    rewinds.retain(|r| {
-        if !owned(r) {
-            tracing::debug!(
-                partition = r.partition,
-                "rewind dropped: partition given up"
-            );
-            return false;
-        }
-        match seek(r) {
-            Ok(()) => false,
-            Err(e) => {
-                tracing::warn!(
-                    partition = r.partition,
-                    offset = r.offset,
-                    error = %e,
-                    "an aborted batch's partition could not be sought back; paused, trying again"
-                );
-                true
-            }
-        }
-    });
 }
 
 /// Aborts the open transaction ([`kafka::abort_waiting`]), then serves the delivery reports of
@@ -3447,35 +3354,6 @@ fn forget_revoked(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_aborted_batchs_partition_not_sought_back_stays_pending_until_it_is() {
-        let r = |p: i32, o: i64| Rewind {
-            topic: "inbox".into(),
-            partition: p,
-            offset: o,
-        };
-        let mut pending = vec![r(0, 10), r(1, 20), r(2, 30)];
-        // Partition 0 is sought back; 1's seek fails (kept, paused); 2 was given up (dropped).
-        let mut sought = Vec::new();
-        rewinds_with(
-            &mut pending,
-            |w| {
-                sought.push((w.partition, w.offset));
-                if w.partition == 1 {
-                    Err("busy".into())
-                } else {
-                    Ok(())
-                }
-            },
-            |w| w.partition != 2,
-        );
-        assert_eq!(sought, [(0, 10), (1, 20)]);
-        assert_eq!(pending, [r(1, 20)]);
-        // The next turn's try works: nothing pending.
-        rewinds_with(&mut pending, |_| Ok(()), |_| true);
-        assert!(pending.is_empty());
-    }
 
     fn attempt_to(url: &str, lease_until: i64) -> Attempt {
         let mut sub = crate::runtime::records::SubscriptionRecord::pull("s1", "t1", &["*"]);
