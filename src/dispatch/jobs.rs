@@ -474,8 +474,8 @@ impl JobStore<'_> {
             // This tenant's timers from its mark: the first `want` not taken this call (nor
             // deleted in the open transaction) that are due. Keys are visited in place, none
             // copied but the ones found.
-            // (job key, its timer's key)
-            let mut found: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+            // (job key, its timer's due time: the timer's key is derived from the two)
+            let mut found: Vec<(Vec<u8>, i64)> = Vec::new();
             let mut any = false;
             let mut first_live: Option<Vec<u8>> = None;
             let mut next_due: Option<i64> = None;
@@ -498,7 +498,7 @@ impl JobStore<'_> {
                 if taken.contains(&job) {
                     passed_over = true;
                 } else if staged.get(DUE, k).is_none() {
-                    found.push((job, k.to_vec()));
+                    found.push((job, due));
                 }
                 found.len() < want
             })?;
@@ -528,7 +528,7 @@ impl JobStore<'_> {
                 if found.len() < want {
                     exhausted.insert(tenant.clone());
                 }
-                for (job_key, timer) in found {
+                for (job_key, due) in found {
                     match self.get_job(&job_key)? {
                         Some(job) => {
                             taken.insert(job_key.clone());
@@ -543,7 +543,7 @@ impl JobStore<'_> {
                                 tenant = %tenant,
                                 "a due timer whose job is gone was found and is deleted"
                             );
-                            self.staged.delete(DUE, timer);
+                            self.staged.delete(DUE, due_key(&tenant, due, &job_key));
                             taken.insert(job_key);
                         }
                     }
