@@ -147,9 +147,10 @@ enum SubscriptionsAction {
         file: std::path::PathBuf,
     },
     /// Binds sensitive headers sealed before headers were bound to their URL to the URL each
-    /// record names now (one-off, on upgrade; until then they are not sent unless
-    /// STREAMING_HUB_SEND_UNBOUND_HEADERS is on). Exit 0 done, 2 some did not open or changed
-    /// meanwhile (run again) or no KEK, 3 broker error.
+    /// record names now (until then they are not sent unless STREAMING_HUB_SEND_UNBOUND_HEADERS
+    /// is on), and seals webhook URL queries stored before queries were sealed (one-off, on
+    /// upgrade). Exit 0 done, 2 some did not open or changed meanwhile (run again) or no KEK, 3
+    /// broker error.
     Reseal,
 }
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use base64::Engine;
@@ -50,6 +50,8 @@ use streaming_hub::runtime::secret::Secret;
 #[derive(Clone, Debug)]
 struct Delivery {
     headers: BTreeMap<String, String>,
+    /// The request URL's query, as received.
+    query: Option<String>,
     /// Every value of `webhook-signature`, one per header line.
     signature_lines: Vec<String>,
     body: Vec<u8>,
@@ -85,6 +87,7 @@ struct Sink {
 async fn sink_handler(
     State(s): State<Sink>,
     headers: HeaderMap,
+    RawQuery(query): RawQuery,
     body: Bytes,
 ) -> (StatusCode, Bytes) {
     let signature_lines = headers
@@ -103,6 +106,7 @@ async fn sink_handler(
     }
     s.deliveries.lock().unwrap().push(Delivery {
         headers,
+        query,
         signature_lines,
         body: body.to_vec(),
     });
@@ -578,6 +582,17 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         );
     }
 
+    // A URL whose query holds a credential, sealed under k1.
+    let query_credential = unique("qcred");
+    let query = format!("code={query_credential}&v=1");
+    let (subq, _) = subscribe_webhook(
+        &api,
+        tenant,
+        &format!("{url}?{query}"),
+        json!({"event_types": ["account.opened"]}),
+    )
+    .await;
+
     // KEK rotation: a new current key, the old one kept to read old records.
     api.hub.terminate();
     let first_log = api.hub.log.clone();
@@ -628,16 +643,59 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         d.signed_by(&s2) && d.signed_by(&s1),
         "both secrets sign during the grace"
     );
-    // And a new subscription is sealed under the new key from the start.
+    // And a new subscription is sealed under the new key from the start, its URL's query too
+    // (a receiver that takes its credential there).
     let (sub2, s3) = subscribe_webhook(
         &api,
         tenant,
-        &url,
+        &format!("{url}?{query}"),
         json!({"event_types": ["account.closed"], "sensitive_headers": {"X-Key": "k2-sealed-value"}}),
     )
     .await;
+    let closed = event(tenant, "ledger", "account", "closed");
+    produce(&p, &api.topic, std::slice::from_ref(&closed));
+    let d = sink.wait_for(&closed.id());
+    assert!(d.signed_by(&s3));
+    assert_eq!(
+        d.query.as_deref(),
+        Some(query.as_str()),
+        "the request goes to the URL as given"
+    );
+    assert_eq!(d.header("x-key"), "k2-sealed-value");
+    let shown = api.get_subscription(tenant, &sub2).await;
+    assert_eq!(
+        shown["destination"]["url"],
+        format!("{url}?code=***&v=***"),
+        "shown with its values redacted: {shown}"
+    );
+
+    // A PATCH naming the same URL moves its sealed query to the new key; nothing else changes.
+    let (status, patched) = call(
+        &api,
+        Method::PATCH,
+        &format!("/v1/subscriptions/{subq}"),
+        &api.token(tenant),
+        Some(&json!({"destination": {"type": "webhook", "url": format!("{url}?{query}")}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{patched}");
+    assert_eq!(patched["verification_state"], "active", "{patched}");
+    assert_eq!(
+        patched["destination"]["url"],
+        format!("{url}?code=***&v=***")
+    );
 
     let records = control_records(&api.prefix);
+    assert_eq!(
+        records[&subq]
+            .destination
+            .sealed_query
+            .as_ref()
+            .unwrap()
+            .key_id,
+        "k2",
+        "moved to the current key"
+    );
     let key_ids = |id: &str| -> Vec<&str> {
         records[id]
             .signing_secrets
@@ -665,6 +723,15 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     assert_eq!(
         records[&sub2]
             .destination
+            .sealed_query
+            .as_ref()
+            .unwrap()
+            .key_id,
+        "k2"
+    );
+    assert_eq!(
+        records[&sub2]
+            .destination
             .sensitive_headers
             .as_ref()
             .unwrap()
@@ -682,6 +749,7 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     forms("KEK k2", &kek2, &mut needles);
     needles.push(("sensitive header".into(), credential.clone().into_bytes()));
     needles.push(("sensitive header 2".into(), b"k2-sealed-value".to_vec()));
+    needles.push(("URL query credential".into(), query_credential.into_bytes()));
     needles.push(("JWT secret".into(), JWT.as_bytes().to_vec()));
 
     let topics = topics_of(&api.prefix, &[&api.topic]);
@@ -914,6 +982,40 @@ async fn a_record_written_past_the_api_forges_no_hub_header_and_an_unopenable_se
             .await
             >= 1
     );
+}
+
+/// A webhook URL's query is sealed bound to its subscription and the URL as shown: a record
+/// written past the API that points the sealed query at another host sends nothing anywhere
+/// (a hub-side failure, counted), so the credential in it never leaves for that host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_query_pointed_at_another_host_is_never_sent() {
+    let api = ApiHub::start("sealedq", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
+    let tenant = "tenant-sealedq";
+    let (url, sink) = Sink::start().await;
+    let (other, elsewhere) = Sink::start().await;
+    let query = format!("code={}", unique("qsecret"));
+    let (id, secret) = subscribe_webhook(&api, tenant, &format!("{url}?{query}"), json!({})).await;
+    let p = producer();
+    let ev = event(tenant, "ledger", "transaction", "created");
+    produce(&p, &api.topic, std::slice::from_ref(&ev));
+    let d = sink.wait_for(&ev.id());
+    assert!(d.signed_by(&secret));
+    assert_eq!(d.query.as_deref(), Some(query.as_str()));
+
+    let mut forged = control_records(&api.prefix)[&id].clone();
+    forged.destination.url = Some(format!("{other}?code=***"));
+    forged.version += 1;
+    write_control_record(&api, &forged).await;
+    let after = event(tenant, "ledger", "transaction", "created");
+    produce(&p, &api.topic, std::slice::from_ref(&after));
+    api.hub
+        .metrics_when(&api.http, "streaming_hub_url_queries_unopened_total", 1)
+        .await;
+    assert!(
+        elsewhere.ids().is_empty() && elsewhere.probes() == 0,
+        "nothing went to the host the record names now"
+    );
+    assert_eq!(sink.ids(), [ev.id()], "nor to the one it was sealed for");
 }
 
 // ---------------------------------------------------------------------------------------------

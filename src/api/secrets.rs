@@ -24,6 +24,7 @@ use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord
 use crate::runtime::secret::Secret;
 use crate::subscriptions::control::RepoError;
 use crate::subscriptions::model::{FieldError, rfc3339};
+use crate::subscriptions::sealed_url;
 use crate::subscriptions::secrets::{Binding, generate_signing_secret};
 
 /// The longest grace a rotated-out secret may get.
@@ -79,6 +80,24 @@ pub fn open_sensitive(
     let headers = serde_json::from_slice(&plain)
         .map_err(|_| unopened(&"the opened headers are not a map of names to strings"))?;
     Ok((headers, binding))
+}
+
+/// The URL requests to `rec`'s webhook go to: its sealed query opened (see
+/// [`crate::subscriptions::sealed_url`]). One that does not open here is `422 sealed_url`: the
+/// caller mends it by sending `destination.url` again.
+pub fn request_url<'a>(
+    state: &ApiState,
+    rec: &'a SubscriptionRecord,
+) -> Result<std::borrow::Cow<'a, str>, ApiError> {
+    sealed_url::request_url(Some(&state.kek), &rec.id, &rec.destination).map_err(|e| {
+        tracing::warn!(subscription_id = %rec.id, error = %e, "the stored URL's sealed query does not open");
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "sealed_url",
+            "the stored URL's query does not open for this subscription and URL; send destination.url again",
+        )
+        .with_field("destination.url")
+    })
 }
 
 /// The signing secrets that still sign at `now` and open here, current first (as deliveries

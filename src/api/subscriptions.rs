@@ -35,6 +35,7 @@ use crate::subscriptions::model::{
     ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule,
     validate_event_types, validate_header_map, validate_header_sets, validate_origin,
 };
+use crate::subscriptions::sealed_url;
 use crate::subscriptions::secrets::generate_signing_secret;
 use crate::subscriptions::table::Sub;
 
@@ -110,12 +111,14 @@ pub async fn create(
             headers,
             sensitive_headers,
         } => {
-            let sealed = seal_sensitive(&state, &id, &url, &sensitive_headers)?;
+            let stored = sealed_url::seal(&state.kek, &id, &url);
+            let sealed = seal_sensitive(&state, &id, &stored.url, &sensitive_headers)?;
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
-                url: Some(url),
+                url: Some(stored.url),
                 headers,
                 sensitive_headers: sealed,
+                sealed_query: stored.sealed_query,
             };
             let secret = valid.signing_secret.unwrap_or_else(generate_signing_secret);
             (destination, Some(secret))
@@ -126,6 +129,7 @@ pub async fn create(
                 url: None,
                 headers: Default::default(),
                 sensitive_headers: None,
+                sealed_query: None,
             };
             (destination, None)
         }
@@ -322,10 +326,27 @@ fn apply(
                 None => open_sensitive(state, &rec)?.0,
             };
             validate_header_sets(&rec.destination.headers, &sensitive)?;
-            if let Some(url) = p.url.filter(|u| rec.destination.url.as_ref() != Some(u)) {
-                rec.destination.url = Some(url);
-                rec.verification_state = VerificationState::Pending;
-                url_changed = true;
+            // A URL sent back as shown (its query values redacted), or as stored, is no change.
+            let kek = Some(&*state.kek);
+            let same = |u: &String| sealed_url::names_stored(kek, &rec.id, &rec.destination, u);
+            match p.url {
+                Some(url) if !same(&url) => {
+                    let stored = sealed_url::seal(&state.kek, &rec.id, &url);
+                    rec.destination.url = Some(stored.url);
+                    rec.destination.sealed_query = stored.sealed_query;
+                    rec.verification_state = VerificationState::Pending;
+                    url_changed = true;
+                }
+                // The same URL: its query moves to the current key (a KEK rotation), nothing
+                // else changes.
+                Some(_) => {
+                    if let Some(stored) =
+                        sealed_url::under_current_key(&state.kek, &rec.id, &rec.destination)
+                    {
+                        rec.destination.sealed_query = stored.sealed_query;
+                    }
+                }
+                None => {}
             }
             // Sealed again when they change and when the URL they are bound to changes (the
             // caller's URL: headers sealed before that binding, by the id alone, are bound to it

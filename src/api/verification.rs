@@ -20,7 +20,7 @@ use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody};
 use super::extract::{ApiPath, ApiQuery, SubscriptionQuery};
 use super::responses::{CheckedSubscription, VerificationOutcome};
-use super::secrets::{open_secrets, open_sensitive};
+use super::secrets::{open_secrets, open_sensitive, request_url};
 use super::subscriptions::{load, view_of};
 use crate::delivery::verify::{VerifyError, probe};
 use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
@@ -48,11 +48,11 @@ async fn run(
     if state.kek.may_send(binding, &rec.id) {
         headers.extend(sensitive);
     }
-    let url = rec.destination.url.as_deref().unwrap_or_default();
+    let url = request_url(state, rec)?;
     let sinks = state.sinks;
     Ok(probe(
         &state.http,
-        url,
+        &url,
         &headers,
         &secrets,
         sinks.allow_private,
@@ -139,7 +139,8 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
-            `timeout`, `redirect`, …); the subscription is now `failed`", body = ErrorBody),
+            `timeout`, `redirect`, …); the subscription is now `failed`. Or no probe: the stored sealed headers or URL query \
+            do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
 pub async fn verify(
     State(state): State<ApiState>,

@@ -24,8 +24,9 @@ use crate::ingest::classify::CE_HEADER_ESCAPED;
 use crate::runtime::clock::SharedClock;
 use crate::runtime::secret::Secret;
 use crate::subscriptions::model::is_reserved_header;
+use crate::subscriptions::sealed_url;
 use crate::subscriptions::secrets::{
-    Kek, NotSent, headers_not_sent, reserved_header_dropped, secret_unopened,
+    Kek, NotSent, headers_not_sent, reserved_header_dropped, secret_unopened, url_unopened,
 };
 use crate::subscriptions::table::Sub;
 
@@ -85,6 +86,14 @@ pub struct Outcome {
     /// The destination URL of the attempt (its subscription's when it was claimed): the breaker
     /// the outcome counts for, even if the subscription has moved to another URL since.
     pub url: Option<String>,
+    /// The nonce of the URL's sealed query, if any (sealed again on every change of the URL):
+    /// with `url`, which URL the attempt went to, without its query in plaintext.
+    pub query_nonce: Option<Vec<u8>>,
+}
+
+/// [`Outcome::query_nonce`] of a destination.
+fn query_nonce(d: &crate::runtime::records::DestinationRecord) -> Option<Vec<u8>> {
+    d.sealed_query.as_ref().map(|b| b.nonce.clone())
 }
 
 impl Outcome {
@@ -98,7 +107,14 @@ impl Outcome {
     pub fn hub_side(&self) -> bool {
         matches!(
             self.error_kind.as_deref(),
-            Some("no_kek" | "secret_unreadable" | "no_signing_secret" | "signing_failed" | "panic")
+            Some(
+                "no_kek"
+                    | "secret_unreadable"
+                    | "url_unreadable"
+                    | "no_signing_secret"
+                    | "signing_failed"
+                    | "panic"
+            )
         )
     }
 
@@ -149,6 +165,7 @@ impl Workers {
                     sole_payload: a.sole_payload,
                     body_bytes: a.event.body.len(),
                     url: a.subscription.destination.url.clone(),
+                    query_nonce: query_nonce(&a.subscription.destination),
                 });
                 return;
             }
@@ -171,6 +188,7 @@ impl Workers {
                 sole_payload: a.sole_payload,
                 body_bytes: a.event.body.len(),
                 url: a.subscription.destination.url.clone(),
+                query_nonce: query_nonce(&a.subscription.destination),
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))
@@ -188,14 +206,25 @@ impl Workers {
 
     async fn send(&self, a: &Attempt, mut out: Outcome) -> Outcome {
         let sub = &a.subscription;
-        let Some(url) = sub.destination.url.as_deref() else {
+        if sub.destination.url.is_none() {
             out.error_kind = Some("no_url".into());
             return out;
-        };
+        }
         let secrets = match self.secrets(sub) {
             Ok(s) => s,
             Err(kind) => {
                 out.error_kind = Some(kind.into());
+                return out;
+            }
+        };
+        // The shown URL (`url`) binds the sensitive headers; the request goes to the URL with its
+        // sealed query opened.
+        let url = sub.destination.url.as_deref().unwrap_or_default();
+        let target = match sealed_url::request_url(self.kek.as_deref(), &sub.id, &sub.destination) {
+            Ok(target) => target,
+            Err(_) => {
+                url_unopened(&sub.id);
+                out.error_kind = Some("url_unreadable".into());
                 return out;
             }
         };
@@ -213,7 +242,7 @@ impl Workers {
                     return out;
                 }
             };
-        let mut req = match self.urls.post(&self.http, url) {
+        let mut req = match self.urls.post(&self.http, &target) {
             Ok(r) => r,
             Err(e) => {
                 out.error_kind = Some(e.code().into());

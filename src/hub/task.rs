@@ -3075,7 +3075,11 @@ fn keep_unrecorded(kept: &mut FastMap<Vec<u8>, (i64, Outcome)>, o: &Outcome, now
 /// it delivered to the URL `a` would send to (the request the receiver got, its delivery id and
 /// response), on `a`'s lease. None: `a` is sent.
 fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
-    if !o.success() || o.job_key != a.job_key || o.url != a.subscription.destination.url {
+    let d = &a.subscription.destination;
+    // A query sealed again (its values changed, shown the same) is another URL too.
+    let same_url = o.url == d.url
+        && o.query_nonce.as_deref() == d.sealed_query.as_ref().map(|b| b.nonce.as_slice());
+    if !o.success() || o.job_key != a.job_key || !same_url {
         return None;
     }
     Some(Outcome {
@@ -3095,6 +3099,7 @@ fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
         sole_payload: a.sole_payload,
         body_bytes: a.event.body.len(),
         url: o.url.clone(),
+        query_nonce: o.query_nonce.clone(),
     })
 }
 
@@ -3393,6 +3398,7 @@ mod tests {
             sole_payload: None,
             body_bytes: 2,
             url: Some(url.into()),
+            query_nonce: None,
         }
     }
 
@@ -3409,6 +3415,23 @@ mod tests {
         assert!(taken.success());
         // Sent elsewhere (the URL changed since): this claim's URL still gets its request.
         assert!(reused(&delivered_to("https://b.example/hook", 50_000), &a).is_none());
+        // So with a sealed query: shown the same, sealed again when its values changed.
+        let blob = |nonce: u8| crate::runtime::records::EncryptedBlob {
+            key_id: "k1".into(),
+            nonce: vec![nonce; 12],
+            ciphertext: vec![0; 20],
+        };
+        let mut sealed = attempt_to("https://a.example/hook?code=***", 90_000);
+        Arc::make_mut(&mut sealed.subscription)
+            .destination
+            .sealed_query = Some(blob(2));
+        let mut earlier = delivered_to("https://a.example/hook?code=***", 50_000);
+        earlier.query_nonce = Some(vec![1; 12]);
+        assert!(reused(&earlier, &sealed).is_none());
+        earlier.query_nonce = Some(vec![2; 12]);
+        assert!(reused(&earlier, &sealed).is_some());
+        earlier.query_nonce = None;
+        assert!(reused(&earlier, &sealed).is_none());
         // A failure proves nothing delivered.
         let mut failed = delivered_to("https://a.example/hook", 50_000);
         failed.error_kind = Some("bad_status".into());
@@ -3524,6 +3547,7 @@ mod tests {
             sole_payload: None,
             body_bytes: 0,
             url: None,
+            query_nonce: None,
         }
     }
 

@@ -51,9 +51,12 @@ pub const MAX_DECODE_ALLOCATION: usize = 2 * 1024 * 1024;
 pub const NAMESPACE: &str = "studio.lerian.streaming_hub";
 
 /// Previous versions of the bundled schemas, still readable after a schema change; see the module
-/// doc. `dead_letter` v2 added the dead event's headers and value.
-const RETIRED_WRITER_SCHEMAS: &[&str] =
-    &[include_str!("../../schemas/retired/dead_letter.v1.avsc")];
+/// doc. `dead_letter` v2 added the dead event's headers and value; `subscription` v3 added
+/// `destination.sealed_query`.
+const RETIRED_WRITER_SCHEMAS: &[&str] = &[
+    include_str!("../../schemas/retired/dead_letter.v1.avsc"),
+    include_str!("../../schemas/retired/subscription.v2.avsc"),
+];
 
 /// The records the hub writes, one per schema file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -419,6 +422,7 @@ mod tests {
                     nonce: vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
                     ciphertext: vec![0xde, 0xad, 0xbe, 0xef, 0x00, 0xff],
                 }),
+                sealed_query: None,
             },
             enabled: false,
             verification_state: VerificationState::Active,
@@ -454,6 +458,7 @@ mod tests {
                 url: None,
                 headers: BTreeMap::new(),
                 sensitive_headers: None,
+                sealed_query: None,
             },
             enabled: true,
             verification_state: VerificationState::Pending,
@@ -657,6 +662,14 @@ mod tests {
     #[test]
     fn every_kind_round_trips_exactly() {
         round_trip(subscription());
+        let mut sealed = subscription();
+        sealed.destination.url = Some("https://hooks.example.com/in?code=***".into());
+        sealed.destination.sealed_query = Some(EncryptedBlob {
+            key_id: "kek-1".into(),
+            nonce: vec![7; 12],
+            ciphertext: vec![0x51; 30],
+        });
+        round_trip(sealed);
         round_trip(pull_subscription());
         round_trip(dedup_entry());
         round_trip(SequenceRecord {
@@ -952,6 +965,23 @@ mod tests {
                 ..written
             }
         );
+    }
+
+    #[test]
+    fn a_subscription_written_before_sealed_queries_still_decodes() {
+        // What every instance wrote before v3: no `sealed_query`, so its URL is the one requests go to.
+        let v2 = parse(include_str!("../../schemas/retired/subscription.v2.avsc")).unwrap();
+        let written = subscription();
+        let bytes = encode_by_resolution(
+            &v2,
+            fingerprint_of(&v2),
+            apache_avro::to_value(&written).unwrap(),
+        )
+        .unwrap();
+        assert_ne!(bytes[2..10], CODEC.fingerprint(RecordKind::Subscription));
+        let read: SubscriptionRecord = CODEC.decode_record(&bytes).unwrap();
+        assert_eq!(read, written);
+        assert_eq!(read.destination.sealed_query, None);
     }
 
     #[test]

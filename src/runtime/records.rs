@@ -69,6 +69,7 @@ impl SubscriptionRecord {
                 url: None,
                 headers: BTreeMap::new(),
                 sensitive_headers: None,
+                sealed_query: None,
             },
             enabled: true,
             verification_state: VerificationState::Active,
@@ -94,6 +95,10 @@ pub struct DestinationRecord {
     pub headers: BTreeMap<String, String>,
     /// Encrypted JSON object of sensitive headers.
     pub sensitive_headers: Option<EncryptedBlob>,
+    /// The URL's query and fragment as given, sealed: `url` shows them redacted (see
+    /// [`crate::subscriptions::sealed_url`]). None: `url` is the URL requests go to.
+    #[serde(default)]
+    pub sealed_query: Option<EncryptedBlob>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

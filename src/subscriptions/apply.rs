@@ -55,6 +55,7 @@ use serde_json::Value;
 use super::control::{self, RepoError, Subscriptions};
 use super::model::{CreateSubscription, FieldError, SinkPolicy, ValidCreate, ValidDestination};
 use super::pending::{ProbeError, Prober, open_sensitive_headers, seal_sensitive_headers};
+use super::sealed_url;
 use super::secrets::{Binding, Kek, SecretError, generate_signing_secret};
 use super::table::{SharedTable, Table};
 use crate::config::Config;
@@ -358,12 +359,14 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
             headers,
             sensitive_headers,
         } => {
-            let sealed = seal_sensitive_headers(kek, &d.id, &url, &sensitive_headers);
+            let stored = sealed_url::seal(kek, &d.id, &url);
+            let sealed = seal_sensitive_headers(kek, &d.id, &stored.url, &sensitive_headers);
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
-                url: Some(url),
+                url: Some(stored.url),
                 headers,
                 sensitive_headers: sealed,
+                sealed_query: stored.sealed_query,
             };
             (
                 destination,
@@ -376,6 +379,7 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
                 url: None,
                 headers: Default::default(),
                 sensitive_headers: None,
+                sealed_query: None,
             };
             (destination, None)
         }
@@ -443,7 +447,15 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             DestinationType::Webhook,
         ) => {
             next.destination.headers = headers;
-            url_changed = current.destination.url.as_deref() != Some(url.as_str());
+            // The file names the URL as given (or as the API shows it): compared with the one
+            // requests go to, so a sealed query is no change.
+            url_changed =
+                !sealed_url::names_stored(Some(kek), &current.id, &current.destination, &url);
+            let stored = url_changed.then(|| sealed_url::seal(kek, &current.id, &url));
+            let bound_to = match &stored {
+                Some(stored) => stored.url.clone(),
+                None => current.destination.url.clone().unwrap_or_default(),
+            };
             // Sealed again when they change, when the URL they are bound to changes, when they
             // were sealed before that binding existed, and when they do not open here (a key
             // removed, a record copied or tampered with): the entry holds the whole desired set,
@@ -470,11 +482,17 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             };
             if reseal {
                 next.destination.sensitive_headers =
-                    seal_sensitive_headers(kek, &current.id, &url, &sensitive_headers);
+                    seal_sensitive_headers(kek, &current.id, &bound_to, &sensitive_headers);
             }
-            if url_changed {
-                next.destination.url = Some(url);
+            if let Some(stored) = stored {
+                next.destination.url = Some(stored.url);
+                next.destination.sealed_query = stored.sealed_query;
                 next.verification_state = VerificationState::Pending;
+            } else if let Some(stored) =
+                sealed_url::under_current_key(kek, &current.id, &current.destination)
+            {
+                // The same URL, its query sealed under a previous key: moved to the current one.
+                next.destination.sealed_query = stored.sealed_query;
             }
         }
         _ => {
@@ -792,18 +810,28 @@ pub async fn apply_file(
     result
 }
 
-/// `sub` with its id-only sealed headers bound to its URL, as its next version (None: nothing
-/// to bind).
+/// `sub` as its next version with its URL's query sealed (written before queries were) and its
+/// id-only sealed headers bound to its URL (None: nothing to seal or bind). Headers bound to a
+/// URL whose query is sealed now are bound again, to the URL as shown.
 fn resealed(
     sub: &SubscriptionRecord,
     kek: &Kek,
     now: i64,
 ) -> Result<Option<SubscriptionRecord>, SecretError> {
     let (headers, binding) = open_sensitive_headers(kek, sub)?;
-    if binding == Binding::Url {
+    let url = sub.destination.url.as_deref().unwrap_or_default();
+    let plain_query = sub.destination.kind == DestinationType::Webhook
+        && sub.destination.sealed_query.is_none()
+        && sealed_url::redacted(url) != url;
+    if binding == Binding::Url && !plain_query {
         return Ok(None);
     }
     let mut rec = sub.clone();
+    if plain_query {
+        let stored = sealed_url::seal(kek, &rec.id, url);
+        rec.destination.url = Some(stored.url);
+        rec.destination.sealed_query = stored.sealed_query;
+    }
     let url = rec.destination.url.clone().unwrap_or_default();
     rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &url, &headers);
     rec.version += 1;
@@ -814,8 +842,9 @@ fn resealed(
 /// `streaming-hub subscriptions reseal`: binds every webhook's sensitive headers sealed before
 /// headers were bound to their URL to the URL its record names now (a one-off step of the
 /// upgrade, run while the control topic is trusted: until then such headers are not sent unless
-/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on). Prints `resealed <id> v<version>` per
-/// subscription; returns the exit code: 0 all bound, 2 some did not open or changed while being
+/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals the query of every webhook URL stored
+/// before queries were sealed (shown in plaintext on the control topic until then). Prints
+/// `resealed <id> v<version>` per subscription; returns the exit code: 0 all bound, 2 some did not open or changed while being
 /// bound (run it again) or the KEK is missing, 3 the control topic could not be read or written.
 pub async fn reseal_command(config: &Config) -> u8 {
     let who = "streaming-hub subscriptions reseal";
@@ -893,14 +922,14 @@ pub async fn reseal_all(
                 continue;
             }
         };
-        let (version, blob) = (rec.version, rec.destination.sensitive_headers.clone());
+        let (version, destination) = (rec.version, rec.destination.clone());
         subs.put(rec).await.map_err(|error| ApplyError::Write {
             id: id.clone(),
             error,
         })?;
         let ours = subs
             .get(&id)
-            .is_some_and(|s| s.version == version && s.destination.sensitive_headers == blob);
+            .is_some_and(|s| s.version == version && s.destination == destination);
         if ours {
             report.resealed += 1;
             emit(out, &format!("resealed {id} v{version}"))?;
@@ -963,6 +992,15 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         (format!("http://{addr}/hook"), hits)
+    }
+
+    /// One `subscriptions reseal` run: what it printed and its report.
+    async fn reseal_report(t: &Target) -> (String, Reseal) {
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
+            .await
+            .unwrap();
+        (String::from_utf8(out).unwrap(), report)
     }
 
     fn target() -> Target {
@@ -1340,15 +1378,9 @@ mod tests {
         legacy.version += 1;
         t.subs.put(legacy.clone()).await.unwrap();
 
-        let (mut out, mut report) = (Vec::new(), Reseal::default());
-        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
-            .await
-            .unwrap();
+        let (out, report) = reseal_report(&t).await;
         let v = legacy.version + 1;
-        assert_eq!(
-            String::from_utf8(out).unwrap(),
-            format!("resealed {B} v{v}\n")
-        );
+        assert_eq!(out, format!("resealed {B} v{v}\n"));
         assert_eq!(
             (report.resealed, report.failed.len(), report.moved.len()),
             (1, 0, 0)
@@ -1373,13 +1405,60 @@ mod tests {
             .ciphertext[0] ^= 1;
         broken.version += 1;
         t.subs.put(broken.clone()).await.unwrap();
-        let (mut out, mut report) = (Vec::new(), Reseal::default());
-        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
-            .await
-            .unwrap();
+        let (out, report) = reseal_report(&t).await;
         assert!(out.is_empty());
         assert_eq!(report.failed, [(B.to_string(), SecretError::Open)]);
         assert_eq!(*t.subs.get(B).unwrap(), broken);
+    }
+
+    #[tokio::test]
+    async fn a_url_query_is_sealed_no_change_when_applied_again_and_reseal_seals_an_old_plain_one()
+    {
+        let t = target();
+        let (url, _) = echo().await;
+        let given = format!("{url}?code=fn_key_1");
+        let shown = format!("{url}?code=***");
+        let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                           "destination": {"type": "webhook", "url": given,
+                                           "sensitive_headers": {"x-k": "2"}}}]);
+        run(&t, &file).await.0.unwrap();
+        let b = t.subs.get(B).unwrap();
+        assert_eq!(b.destination.url.as_deref(), Some(shown.as_str()));
+        let opened = sealed_url::request_url(Some(&t.kek), B, &b.destination).unwrap();
+        assert_eq!(opened, given);
+        let headers = b.destination.sensitive_headers.as_ref().unwrap();
+        assert_eq!(
+            t.kek.open_bound(headers, B, &shown).unwrap().1,
+            Binding::Url
+        );
+        // The file names the URL as given; stored sealed, it is the same URL.
+        let (r, out) = run(&t, &file).await;
+        assert_eq!(r.unwrap().unchanged, 1, "{out}");
+        assert_eq!(t.subs.get(B).unwrap(), b);
+
+        // Written before queries were sealed: the query in plaintext, headers bound to it.
+        let mut legacy = (*b).clone();
+        legacy.destination.url = Some(given.clone());
+        legacy.destination.sealed_query = None;
+        legacy.destination.sensitive_headers = Some(t.kek.seal_bound(br#"{"x-k":"2"}"#, B, &given));
+        legacy.version += 1;
+        t.subs.put(legacy.clone()).await.unwrap();
+        let (out, _) = reseal_report(&t).await;
+        let v = legacy.version + 1;
+        assert_eq!(out, format!("resealed {B} v{v}\n"));
+        let b = t.subs.get(B).unwrap();
+        assert_eq!(b.destination.url.as_deref(), Some(shown.as_str()));
+        let opened = sealed_url::request_url(Some(&t.kek), B, &b.destination).unwrap();
+        assert_eq!(opened, given);
+        let headers = b.destination.sensitive_headers.as_ref().unwrap();
+        let (plain, binding) = t.kek.open_bound(headers, B, &shown).unwrap();
+        assert_eq!(
+            (plain.as_slice(), binding),
+            (br#"{"x-k":"2"}"#.as_slice(), Binding::Url)
+        );
+        // Nothing left to seal.
+        let (out, report) = reseal_report(&t).await;
+        assert!(out.is_empty() && report.resealed == 0);
     }
 
     #[tokio::test]

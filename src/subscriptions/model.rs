@@ -333,7 +333,12 @@ impl SubscriptionView {
     pub fn of(rec: &SubscriptionRecord, sensitive_header_names: Vec<String>) -> SubscriptionView {
         let destination = match rec.destination.kind {
             DestinationType::Webhook => DestinationView::Webhook {
-                url: rec.destination.url.clone().unwrap_or_default(),
+                // Redacted again: a record written before queries were sealed holds its query
+                // as given (`subscriptions reseal` seals it).
+                url: super::sealed_url::redacted(
+                    rec.destination.url.as_deref().unwrap_or_default(),
+                )
+                .into_owned(),
                 headers: rec.destination.headers.clone(),
                 sensitive_header_names,
             },
@@ -571,6 +576,15 @@ pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, 
     }
     let parsed = check_url(url, policy.allow_private, policy.allow_insecure)
         .map_err(|e| FieldError::new(field, e.code(), e.to_string()))?;
+    // Shown with its query values redacted it may be longer (`?a&b` → `?***&***`): it is held
+    // to the same bound, so the URL the API shows can be sent back.
+    if super::sealed_url::redacted(parsed.as_str()).len() > MAX_URL_BYTES {
+        return Err(FieldError::new(
+            field,
+            "too_long",
+            "a URL is at most 2048 bytes, also as shown with its query values as ***",
+        ));
+    }
     if let Some(host) = parsed.domain() {
         let resolver = GuardedResolver::new(policy.allow_private);
         match tokio::time::timeout(RESOLVE_TIMEOUT, resolver.lookup(host)).await {

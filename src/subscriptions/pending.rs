@@ -44,6 +44,7 @@ use crate::runtime::records::{
 };
 use crate::subscriptions::control::{RepoError, Subscriptions};
 use crate::subscriptions::model::SinkPolicy;
+use crate::subscriptions::sealed_url;
 use crate::subscriptions::secrets::{Binding, Kek, SecretError};
 use crate::subscriptions::table::Sub;
 
@@ -132,10 +133,10 @@ impl Prober {
         if self.kek.may_send(binding, &rec.id) {
             headers.extend(sensitive);
         }
-        let url = rec.destination.url.as_deref().unwrap_or_default();
+        let url = sealed_url::request_url(Some(&self.kek), &rec.id, &rec.destination)?;
         probe(
             &self.http,
-            url,
+            &url,
             &headers,
             &secrets,
             self.sinks.allow_private,
@@ -468,6 +469,7 @@ mod tests {
                 url: Some(url.to_string()),
                 headers: Default::default(),
                 sensitive_headers: seal_sensitive_headers(kek, &id, url, &sensitive),
+                sealed_query: None,
             },
             id,
             tenant_id: "t1".into(),

@@ -198,6 +198,28 @@ impl Kek {
         }
     }
 
+    /// Seals a webhook URL's query and fragment (`tail`, from its `?` or `#` on), bound to
+    /// `subscription_id` and the URL as shown (`shown`, its values redacted): see
+    /// [`crate::subscriptions::sealed_url`].
+    pub fn seal_url_tail(&self, tail: &str, subscription_id: &str, shown: &str) -> EncryptedBlob {
+        self.seal_with(
+            tail.as_bytes(),
+            &tagged_aad(URL_TAIL_TAG, subscription_id, shown),
+        )
+    }
+
+    /// Opens what [`Kek::seal_url_tail`] sealed for this subscription and shown URL.
+    pub fn open_url_tail(
+        &self,
+        blob: &EncryptedBlob,
+        subscription_id: &str,
+        shown: &str,
+    ) -> Result<String, SecretError> {
+        let aad = tagged_aad(URL_TAIL_TAG, subscription_id, shown);
+        let plain = self.open_parts(&blob.key_id, &blob.nonce, &blob.ciphertext, &aad)?;
+        String::from_utf8(plain).map_err(|_| SecretError::Open)
+    }
+
     fn open_parts(
         &self,
         key_id: &str,
@@ -368,6 +390,24 @@ pub fn secret_unopened(subscription_id: &str) {
     }
 }
 
+/// Counts an attempt not sent because its webhook URL's sealed query did not open (sealed under
+/// a key not configured, copied from another record or URL, tampered with): the request cannot
+/// go to the URL as shown, which is not the receiver's. A hub-side failure (`url_unreadable`),
+/// `streaming_hub_url_queries_unopened_total`, with a WARN line the first time for each
+/// subscription.
+pub fn url_unopened(subscription_id: &str) {
+    metrics::counter!("streaming_hub_url_queries_unopened_total").increment(1);
+    if first_warning("url", subscription_id) {
+        tracing::warn!(
+            subscription_id,
+            "the webhook URL's sealed query does not open for this subscription and URL (sealed \
+             under a key not configured, copied from another record, or tampered with); \
+             attempts fail on the hub's side (url_unreadable) until it opens or the URL is set \
+             again"
+        );
+    }
+}
+
 /// Counts a custom header dropped from a request because the hub or the connection owns its
 /// name (a record the API did not write: any producer may write the control topic):
 /// `streaming_hub_reserved_headers_dropped_total`, with a WARN line the first time for each
@@ -399,14 +439,17 @@ fn first_warning(what: &'static str, subscription_id: &str) -> bool {
 /// (8 bytes, big-endian), the id, the URL. Length-prefixed, so no id and URL pair reads as
 /// another pair whatever bytes either holds.
 fn bound_aad(subscription_id: &str, url: &str) -> Vec<u8> {
+    tagged_aad(b"streaming-hub/headers/v2", subscription_id, url)
+}
+
+/// The version tag of a sealed URL tail's associated data: a header blob never opens as a URL
+/// tail, nor the other way round.
+const URL_TAIL_TAG: &[u8] = b"streaming-hub/url-tail/v1";
+
+/// Associated data: `tag`, the id's length (8 bytes, big-endian), the id, the URL.
+fn tagged_aad(tag: &[u8], subscription_id: &str, url: &str) -> Vec<u8> {
     let id = subscription_id.as_bytes();
-    [
-        b"streaming-hub/headers/v2".as_slice(),
-        &(id.len() as u64).to_be_bytes(),
-        id,
-        url.as_bytes(),
-    ]
-    .concat()
+    [tag, &(id.len() as u64).to_be_bytes(), id, url.as_bytes()].concat()
 }
 
 #[cfg(test)]

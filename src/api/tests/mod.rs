@@ -212,6 +212,8 @@ pub struct Received(pub Arc<Mutex<Vec<(HeaderMap, String)>>>);
 pub struct Hook {
     pub url: String,
     pub received: Received,
+    /// Each request's query, as received.
+    pub queries: Arc<Mutex<Vec<Option<String>>>>,
     pub echo: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -219,17 +221,22 @@ impl Hook {
     pub async fn start(echo: bool) -> Hook {
         let received = Received::default();
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(echo));
-        let (r, f) = (received.clone(), flag.clone());
+        let queries = Arc::new(Mutex::new(Vec::new()));
+        let (r, f, q) = (received.clone(), flag.clone(), queries.clone());
+        use axum::extract::RawQuery;
         let app = axum::Router::new().route(
             "/hook",
-            axum::routing::post(move |headers: HeaderMap, body: String| async move {
-                r.0.lock().unwrap().push((headers, body.clone()));
-                if f.load(std::sync::atomic::Ordering::SeqCst) {
-                    body
-                } else {
-                    "ok".to_string()
-                }
-            }),
+            axum::routing::post(
+                move |headers: HeaderMap, RawQuery(query): RawQuery, body: String| async move {
+                    r.0.lock().unwrap().push((headers, body.clone()));
+                    q.lock().unwrap().push(query);
+                    if f.load(std::sync::atomic::Ordering::SeqCst) {
+                        body
+                    } else {
+                        "ok".to_string()
+                    }
+                },
+            ),
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/hook", listener.local_addr().unwrap());
@@ -237,6 +244,7 @@ impl Hook {
         Hook {
             url,
             received,
+            queries,
             echo: flag,
         }
     }

@@ -378,3 +378,91 @@ async fn a_write_not_yet_seen_back_still_answers_the_new_secret() {
             .starts_with("whsec_")
     );
 }
+
+#[tokio::test]
+async fn a_url_query_is_sealed_shown_redacted_and_a_url_sent_back_as_shown_keeps_it() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let query = "code=fn_key_topsecret&clientId=default";
+    let shown = format!("{}?code=***&clientId=***", hook.url);
+    let last_query = || hook.queries.lock().unwrap().last().cloned().flatten();
+    let a = h
+        .post(
+            "/v1/subscriptions",
+            &token,
+            webhook_body(&format!("{}?{query}", hook.url)),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "active", "{}", a.text);
+    assert_eq!(
+        last_query().as_deref(),
+        Some(query),
+        "the probe goes to the URL as given"
+    );
+    let id = a.body["id"].as_str().unwrap().to_string();
+    let uri = format!("/v1/subscriptions/{id}");
+    let got = h.get(&uri, &token).await;
+    assert_eq!(got.body["destination"]["url"], shown.as_str());
+    for text in [&a.text, &got.text] {
+        assert!(!text.contains("fn_key_topsecret"), "{text}");
+    }
+    let stored = h.state.subs.get(&id).unwrap();
+    assert!(stored.destination.sealed_query.is_some());
+    assert!(!format!("{stored:?}").contains("fn_key_topsecret"));
+    let bytes = crate::runtime::avro::Codec::new()
+        .unwrap()
+        .encode(RecordKind::Subscription, &*stored)
+        .unwrap();
+    assert!(!contains(&bytes, "fn_key_topsecret"));
+
+    // Sent back as shown (a read-modify-write): the stored URL stays, nothing is probed again.
+    let probes = hook.requests().len();
+    let patch = |url: String| {
+        let body = json!({"destination": {"type": "webhook", "url": url}});
+        h.call(Method::PATCH, &uri, Some(&token), Some(body), &[])
+    };
+    let p = patch(shown.clone()).await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    assert_eq!(p.body["verification_state"], "active", "{}", p.text);
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().destination,
+        stored.destination
+    );
+    assert_eq!(hook.requests().len(), probes);
+    // So is the URL as given.
+    let p = patch(format!("{}?{query}", hook.url)).await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().destination,
+        stored.destination
+    );
+    assert_eq!(hook.requests().len(), probes);
+    // A verification probe opens it.
+    let v = h
+        .call(
+            Method::POST,
+            &format!("{uri}/verify"),
+            Some(&token),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(v.status, StatusCode::OK, "{}", v.text);
+    assert_eq!(hook.requests().len(), probes + 1);
+    assert_eq!(last_query().as_deref(), Some(query));
+
+    // A new value is a new URL: sealed again and probed there, shown the same.
+    let rotated = "code=rotated_key&clientId=default";
+    let p = patch(format!("{}?{rotated}", hook.url)).await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    assert_eq!(p.body["destination"]["url"], shown.as_str());
+    assert_eq!(last_query().as_deref(), Some(rotated));
+    let now = h.state.subs.get(&id).unwrap();
+    assert_ne!(
+        now.destination.sealed_query,
+        stored.destination.sealed_query
+    );
+    assert!(!p.text.contains("rotated_key"), "{}", p.text);
+}

@@ -93,6 +93,15 @@ async fn each_create_validation_error_names_its_field() {
             "url_scheme",
         ),
         (
+            // 2,021 bytes as given, 4,019 as shown (`?***&***…`): it could not be sent back.
+            webhook(
+                &format!("https://93.184.215.14/h?{}", vec!["a"; 999].join("&")),
+                json!({}),
+            ),
+            "destination.url",
+            "too_long",
+        ),
+        (
             webhook("https://10.0.0.7/hook", json!({})),
             "destination.url",
             "url_private_address",

@@ -1,0 +1,311 @@
+//! A webhook URL's query at rest (DESIGN.md §3: credentials on the control topic are sealed).
+//!
+//! Some receivers take their credential only in the URL's query (Azure Functions' `code`,
+//! Teams workflows' `sig`, Google Chat's `key` and `token`). Stored as given, it would be in
+//! plaintext on the control topic and in every answer of the API. So a webhook URL with a query
+//! or a fragment is stored in two parts:
+//! - `destination.url`, what may be shown: every query value and the fragment replaced by
+//!   [`REDACTED`], the names kept (`https://h.example/in?code=***&v=***`);
+//! - `destination.sealed_query`: the query and fragment as given (the URL from its `?` or `#`
+//!   on), sealed under the KEK, bound to the subscription id and the URL as shown.
+//!
+//! Every value is sealed whatever its name: no guess at which ones are credentials. Requests go
+//! to the shown URL up to its `?` or `#`, followed by the opened text ([`request_url`]). The shown
+//! URL is what the API answers, what sensitive headers are bound to and what the breaker's origin
+//! comes from. A URL sent back as the API shows it names the stored one ([`names_stored`]), so a
+//! read-modify-write keeps the sealed values.
+//!
+//! A credential in the URL's path (Slack's, Discord's) cannot be told from a path: it is stored
+//! as given.
+use std::borrow::Cow;
+
+use crate::runtime::records::{DestinationRecord, EncryptedBlob};
+use crate::subscriptions::secrets::{Kek, SecretError};
+
+/// What a sealed query value and a sealed fragment are shown as.
+pub const REDACTED: &str = "***";
+
+/// `url` split at its query or fragment: the part before the first `?` or `#`, and the rest
+/// (empty when it has neither). A checked URL has no `?` or `#` before its query or fragment.
+fn split(url: &str) -> (&str, &str) {
+    url.split_at(url.find(['?', '#']).unwrap_or(url.len()))
+}
+
+/// `url` as it may be shown: every query value, and the fragment, replaced by [`REDACTED`]
+/// (`?a=1&b&c=` → `?a=***&***&c=***`; empty pieces stay empty). Unchanged without a query or
+/// fragment, and for a URL already shown so.
+pub fn redacted(url: &str) -> Cow<'_, str> {
+    let (base, tail) = split(url);
+    if tail.is_empty() {
+        return Cow::Borrowed(url);
+    }
+    let (query, fragment) = match tail.find('#') {
+        Some(i) => (&tail[..i], Some(&tail[i + 1..])),
+        None => (tail, None),
+    };
+    let mut shown = String::with_capacity(url.len());
+    shown.push_str(base);
+    if let Some(query) = query.strip_prefix('?') {
+        shown.push('?');
+        for (i, piece) in query.split('&').enumerate() {
+            if i > 0 {
+                shown.push('&');
+            }
+            match piece.split_once('=') {
+                Some((name, _)) => {
+                    shown.push_str(name);
+                    shown.push('=');
+                    shown.push_str(REDACTED);
+                }
+                // A piece without a name may be the credential itself (`?s3cr3t`).
+                None if !piece.is_empty() => shown.push_str(REDACTED),
+                None => {}
+            }
+        }
+    }
+    if let Some(fragment) = fragment {
+        shown.push('#');
+        if !fragment.is_empty() {
+            shown.push_str(REDACTED);
+        }
+    }
+    if shown == url {
+        Cow::Borrowed(url)
+    } else {
+        Cow::Owned(shown)
+    }
+}
+
+/// A webhook URL as stored: what `destination.url` shows and the sealed rest, if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredUrl {
+    pub url: String,
+    pub sealed_query: Option<EncryptedBlob>,
+}
+
+/// Stores a checked webhook URL for subscription `id`: shown redacted, its query and fragment
+/// sealed. A URL with nothing to redact is stored as given, with nothing sealed.
+pub fn seal(kek: &Kek, id: &str, url: &str) -> StoredUrl {
+    match redacted(url) {
+        Cow::Borrowed(_) => StoredUrl {
+            url: url.to_string(),
+            sealed_query: None,
+        },
+        Cow::Owned(shown) => {
+            let (_, tail) = split(url);
+            let sealed = kek.seal_url_tail(tail, id, &shown);
+            StoredUrl {
+                url: shown,
+                sealed_query: Some(sealed),
+            }
+        }
+    }
+}
+
+/// The URL requests to `d` (of subscription `id`) go to. Without a sealed query, its `url` as
+/// stored; with one, the shown URL's base and the opened query. It fails when the sealed query
+/// does not open here (no KEK, a key this instance lacks, copied from another subscription or
+/// URL, tampered with): the shown URL is never sent to, since it is not the receiver's.
+pub fn request_url<'a>(
+    kek: Option<&Kek>,
+    id: &str,
+    d: &'a DestinationRecord,
+) -> Result<Cow<'a, str>, SecretError> {
+    let url = d.url.as_deref().unwrap_or_default();
+    let Some(blob) = &d.sealed_query else {
+        return Ok(Cow::Borrowed(url));
+    };
+    let kek = kek.ok_or(SecretError::Open)?;
+    let tail = kek.open_url_tail(blob, id, url)?;
+    // What was sealed is what the shown URL redacts: anything else (a forged shown URL cannot
+    // open, but a tail that would move the request elsewhere is refused all the same).
+    if !tail.starts_with(['?', '#']) {
+        return Err(SecretError::Open);
+    }
+    let (base, _) = split(url);
+    Ok(Cow::Owned(format!("{base}{tail}")))
+}
+
+/// `d`'s URL stored again under the current key, when its query was sealed under another and
+/// opens here (a KEK rotation); the URL as shown stays the same, and with it what its sensitive
+/// headers are bound to. None otherwise.
+pub fn under_current_key(kek: &Kek, id: &str, d: &DestinationRecord) -> Option<StoredUrl> {
+    let blob = d.sealed_query.as_ref()?;
+    if blob.key_id == kek.current_id() {
+        return None;
+    }
+    let url = request_url(Some(kek), id, d).ok()?;
+    Some(seal(kek, id, &url))
+}
+
+/// Whether `given`, a checked URL, names the destination stored in `d`: it is the URL as the API
+/// shows it (a read-modify-write), or the URL requests go to. A sealed query that does not open
+/// here names nothing else.
+pub fn names_stored(kek: Option<&Kek>, id: &str, d: &DestinationRecord, given: &str) -> bool {
+    let Some(stored) = d.url.as_deref() else {
+        return false;
+    };
+    if redacted(stored) == given {
+        return true;
+    }
+    request_url(kek, id, d).is_ok_and(|url| url == given)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::records::DestinationType;
+
+    fn kek(byte: u8) -> Kek {
+        use base64::Engine;
+        Kek::new(
+            "k1",
+            &base64::engine::general_purpose::STANDARD.encode([byte; 32]),
+        )
+        .unwrap()
+    }
+
+    fn webhook(stored: StoredUrl) -> DestinationRecord {
+        DestinationRecord {
+            kind: DestinationType::Webhook,
+            url: Some(stored.url),
+            headers: Default::default(),
+            sensitive_headers: None,
+            sealed_query: stored.sealed_query,
+        }
+    }
+
+    #[test]
+    fn every_query_value_and_the_fragment_are_shown_redacted_and_names_kept() {
+        let cases = [
+            ("https://h.example/in", "https://h.example/in"),
+            ("https://h.example/in?", "https://h.example/in?"),
+            (
+                "https://h.example/api/x?code=abc%3D%3D&clientId=default",
+                "https://h.example/api/x?code=***&clientId=***",
+            ),
+            ("https://h.example/in?s3cr3t", "https://h.example/in?***"),
+            (
+                "https://h.example/in?a=&&b=2",
+                "https://h.example/in?a=***&&b=***",
+            ),
+            ("https://h.example/in#tok", "https://h.example/in#***"),
+            ("https://h.example/in?a=1#", "https://h.example/in?a=***#"),
+            (
+                "https://h.example:8443/?x=1#y",
+                "https://h.example:8443/?x=***#***",
+            ),
+        ];
+        for (given, shown) in cases {
+            assert_eq!(redacted(given), shown, "{given}");
+            assert_eq!(redacted(shown), shown, "shown again: {shown}");
+        }
+    }
+
+    #[test]
+    fn a_query_is_stored_sealed_and_requests_go_to_the_url_as_given() {
+        let k = kek(1);
+        let given = "https://chat.example/v1/spaces/AAA/messages?key=AIzaSy-secret&token=t0k%3D";
+        let stored = seal(&k, "sub-1", given);
+        assert_eq!(
+            stored.url,
+            "https://chat.example/v1/spaces/AAA/messages?key=***&token=***"
+        );
+        let blob = stored.sealed_query.clone().unwrap();
+        let text = format!("{blob:?}");
+        assert!(!text.contains("AIzaSy") && !text.contains("t0k"));
+        let d = webhook(stored);
+        assert_eq!(request_url(Some(&k), "sub-1", &d).unwrap(), given);
+        assert!(names_stored(Some(&k), "sub-1", &d, given));
+        assert!(names_stored(
+            Some(&k),
+            "sub-1",
+            &d,
+            d.url.as_deref().unwrap()
+        ));
+        assert!(!names_stored(
+            Some(&k),
+            "sub-1",
+            &d,
+            "https://chat.example/v1/spaces/AAA/messages?key=other&token=t0k%3D"
+        ));
+    }
+
+    #[test]
+    fn a_url_with_nothing_to_redact_is_stored_as_given() {
+        let k = kek(1);
+        let stored = seal(&k, "sub-1", "https://h.example/in");
+        assert_eq!(stored.sealed_query, None);
+        let d = webhook(stored);
+        assert_eq!(
+            request_url(None, "sub-1", &d).unwrap(),
+            "https://h.example/in"
+        );
+    }
+
+    #[test]
+    fn a_query_sealed_under_a_previous_key_moves_to_the_current_one_shown_the_same() {
+        use base64::Engine;
+        let old = kek(1);
+        let given = "https://h.example/in?sig=abc";
+        let d = webhook(seal(&old, "sub-1", given));
+        let b64 = |byte: u8| base64::engine::general_purpose::STANDARD.encode([byte; 32]);
+        let config = crate::config::Config::from_vars([
+            ("STREAMING_HUB_KEK".to_string(), b64(2)),
+            ("STREAMING_HUB_KEK_ID".to_string(), "k2".to_string()),
+            (
+                "STREAMING_HUB_KEK_PREVIOUS".to_string(),
+                format!("k1:{}", b64(1)),
+            ),
+        ])
+        .unwrap();
+        let rotated = Kek::from_config(&config).unwrap();
+        let moved = under_current_key(&rotated, "sub-1", &d).unwrap();
+        assert_eq!(Some(moved.url.as_str()), d.url.as_deref());
+        assert_eq!(moved.sealed_query.as_ref().unwrap().key_id, "k2");
+        let moved = webhook(moved);
+        assert_eq!(request_url(Some(&rotated), "sub-1", &moved).unwrap(), given);
+        assert_eq!(
+            under_current_key(&rotated, "sub-1", &moved),
+            None,
+            "already there"
+        );
+        assert_eq!(under_current_key(&old, "sub-1", &d), None);
+    }
+
+    #[test]
+    fn a_sealed_query_opens_only_for_its_subscription_shown_url_and_key() {
+        let k = kek(1);
+        let d = webhook(seal(&k, "sub-1", "https://h.example/in?sig=abc"));
+        // Another subscription's record holding the copy.
+        assert!(request_url(Some(&k), "sub-2", &d).is_err());
+        // The same blob under another host or path, or other names.
+        for url in [
+            "https://evil.example/in?sig=***",
+            "https://h.example/other?sig=***",
+            "https://h.example/in?sog=***",
+        ] {
+            let moved = DestinationRecord {
+                url: Some(url.into()),
+                ..d.clone()
+            };
+            assert!(request_url(Some(&k), "sub-1", &moved).is_err(), "{url}");
+            assert!(!names_stored(
+                Some(&k),
+                "sub-1",
+                &moved,
+                "https://h.example/in?sig=abc"
+            ));
+        }
+        // Another key, or none.
+        assert!(request_url(Some(&kek(2)), "sub-1", &d).is_err());
+        assert!(request_url(None, "sub-1", &d).is_err());
+        // A header blob is not a URL tail, even for the same subscription and URL.
+        let headers = k.seal_bound(b"?sig=abc", "sub-1", "https://h.example/in?sig=***");
+        let swapped = DestinationRecord {
+            sealed_query: Some(headers),
+            ..d.clone()
+        };
+        assert!(request_url(Some(&k), "sub-1", &swapped).is_err());
+    }
+}
