@@ -148,8 +148,8 @@ enum SubscriptionsAction {
     },
     /// Binds sensitive headers sealed before headers were bound to their URL to the URL each
     /// record names now (until then they are not sent unless STREAMING_HUB_SEND_UNBOUND_HEADERS
-    /// is on), and seals webhook URL queries stored before queries were sealed (one-off, on
-    /// upgrade). Exit 0 done, 2 some did not open or changed meanwhile (run again) or no KEK, 3
+    /// is on), and seals webhook URLs stored before URLs were sealed past their host (one-off,
+    /// on upgrade). Exit 0 done, 2 some did not open or changed meanwhile (run again) or no KEK, 3
     /// broker error.
     Reseal,
 }

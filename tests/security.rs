@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{RawQuery, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::routing::post;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
@@ -50,7 +50,8 @@ use streaming_hub::runtime::secret::Secret;
 #[derive(Clone, Debug)]
 struct Delivery {
     headers: BTreeMap<String, String>,
-    /// The request URL's query, as received.
+    /// The request URL's path and query, as received.
+    path: String,
     query: Option<String>,
     /// Every value of `webhook-signature`, one per header line.
     signature_lines: Vec<String>,
@@ -87,7 +88,7 @@ struct Sink {
 async fn sink_handler(
     State(s): State<Sink>,
     headers: HeaderMap,
-    RawQuery(query): RawQuery,
+    uri: Uri,
     body: Bytes,
 ) -> (StatusCode, Bytes) {
     let signature_lines = headers
@@ -106,7 +107,8 @@ async fn sink_handler(
     }
     s.deliveries.lock().unwrap().push(Delivery {
         headers,
-        query,
+        path: uri.path().to_string(),
+        query: uri.query().map(str::to_string),
         signature_lines,
         body: body.to_vec(),
     });
@@ -118,6 +120,7 @@ impl Sink {
         let sink = Sink::default();
         let app = Router::new()
             .route("/hook", post(sink_handler))
+            .route("/hook/{token}", post(sink_handler))
             .with_state(sink.clone());
         let addr = serve(app).await;
         (format!("http://{addr}/hook"), sink)
@@ -582,13 +585,15 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         );
     }
 
-    // A URL whose query holds a credential, sealed under k1.
+    // A URL whose path and query hold credentials, sealed under k1.
     let query_credential = unique("qcred");
+    let path_credential = unique("pcred");
     let query = format!("code={query_credential}&v=1");
+    let with_credentials = format!("{url}/{path_credential}?{query}");
     let (subq, _) = subscribe_webhook(
         &api,
         tenant,
-        &format!("{url}?{query}"),
+        &with_credentials,
         json!({"event_types": ["account.opened"]}),
     )
     .await;
@@ -648,7 +653,7 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     let (sub2, s3) = subscribe_webhook(
         &api,
         tenant,
-        &format!("{url}?{query}"),
+        &with_credentials,
         json!({"event_types": ["account.closed"], "sensitive_headers": {"X-Key": "k2-sealed-value"}}),
     )
     .await;
@@ -657,39 +662,42 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     let d = sink.wait_for(&closed.id());
     assert!(d.signed_by(&s3));
     assert_eq!(
-        d.query.as_deref(),
-        Some(query.as_str()),
+        (d.path.as_str(), d.query.as_deref()),
+        (
+            format!("/hook/{path_credential}").as_str(),
+            Some(query.as_str())
+        ),
         "the request goes to the URL as given"
     );
     assert_eq!(d.header("x-key"), "k2-sealed-value");
     let shown = api.get_subscription(tenant, &sub2).await;
     assert_eq!(
         shown["destination"]["url"],
-        format!("{url}?code=***&v=***"),
-        "shown with its values redacted: {shown}"
+        format!("{url}/***?code=***&v=***"),
+        "shown redacted: {shown}"
     );
 
-    // A PATCH naming the same URL moves its sealed query to the new key; nothing else changes.
+    // A PATCH naming the same URL moves its sealed part to the new key; nothing else changes.
     let (status, patched) = call(
         &api,
         Method::PATCH,
         &format!("/v1/subscriptions/{subq}"),
         &api.token(tenant),
-        Some(&json!({"destination": {"type": "webhook", "url": format!("{url}?{query}")}})),
+        Some(&json!({"destination": {"type": "webhook", "url": with_credentials}})),
     )
     .await;
     assert_eq!(status, 200, "{patched}");
     assert_eq!(patched["verification_state"], "active", "{patched}");
     assert_eq!(
         patched["destination"]["url"],
-        format!("{url}?code=***&v=***")
+        format!("{url}/***?code=***&v=***")
     );
 
     let records = control_records(&api.prefix);
     assert_eq!(
         records[&subq]
             .destination
-            .sealed_query
+            .sealed_target
             .as_ref()
             .unwrap()
             .key_id,
@@ -723,7 +731,7 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     assert_eq!(
         records[&sub2]
             .destination
-            .sealed_query
+            .sealed_target
             .as_ref()
             .unwrap()
             .key_id,
@@ -750,6 +758,7 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     needles.push(("sensitive header".into(), credential.clone().into_bytes()));
     needles.push(("sensitive header 2".into(), b"k2-sealed-value".to_vec()));
     needles.push(("URL query credential".into(), query_credential.into_bytes()));
+    needles.push(("URL path credential".into(), path_credential.into_bytes()));
     needles.push(("JWT secret".into(), JWT.as_bytes().to_vec()));
 
     let topics = topics_of(&api.prefix, &[&api.topic]);
@@ -984,11 +993,11 @@ async fn a_record_written_past_the_api_forges_no_hub_header_and_an_unopenable_se
     );
 }
 
-/// A webhook URL's query is sealed bound to its subscription and the URL as shown: a record
-/// written past the API that points the sealed query at another host sends nothing anywhere
+/// A webhook URL is sealed past its host, bound to its subscription and the URL as shown: a record
+/// written past the API that points the sealed part at another host sends nothing anywhere
 /// (a hub-side failure, counted), so the credential in it never leaves for that host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sealed_query_pointed_at_another_host_is_never_sent() {
+async fn a_sealed_target_pointed_at_another_host_is_never_sent() {
     let api = ApiHub::start("sealedq", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
     let tenant = "tenant-sealedq";
     let (url, sink) = Sink::start().await;
@@ -1009,7 +1018,7 @@ async fn a_sealed_query_pointed_at_another_host_is_never_sent() {
     let after = event(tenant, "ledger", "transaction", "created");
     produce(&p, &api.topic, std::slice::from_ref(&after));
     api.hub
-        .metrics_when(&api.http, "streaming_hub_url_queries_unopened_total", 1)
+        .metrics_when(&api.http, "streaming_hub_sealed_urls_unopened_total", 1)
         .await;
     assert!(
         elsewhere.ids().is_empty() && elsewhere.probes() == 0,

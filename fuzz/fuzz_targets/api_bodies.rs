@@ -125,6 +125,7 @@ fn fixture(state: &ApiState, pull: bool) -> SubscriptionRecord {
             url: Some("https://hooks.example.com/in".into()),
             headers: BTreeMap::from([("x-team".to_owned(), "payments".to_owned())]),
             sensitive_headers: None,
+            sealed_target: None,
         };
         rec.signing_secrets =
             vec![

@@ -81,6 +81,11 @@ fn samples() -> Vec<Vec<u8>> {
             nonce: vec![7; 12],
             ciphertext: vec![0xde, 0xad, 0xbe, 0xef],
         }),
+        sealed_target: Some(EncryptedBlob {
+            key_id: "k1".into(),
+            nonce: vec![8; 12],
+            ciphertext: vec![0x51; 24],
+        }),
     };
     subscription.retry_schedule = Some(vec![5_000, 300_000]);
     subscription.disabled_reason = Some("failing".into());

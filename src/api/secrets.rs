@@ -82,7 +82,7 @@ pub fn open_sensitive(
     Ok((headers, binding))
 }
 
-/// The URL requests to `rec`'s webhook go to: its sealed query opened (see
+/// The URL requests to `rec`'s webhook go to: its sealed target opened (see
 /// [`crate::subscriptions::sealed_url`]). One that does not open here is `422 sealed_url`: the
 /// caller mends it by sending `destination.url` again.
 pub fn request_url<'a>(
@@ -90,11 +90,11 @@ pub fn request_url<'a>(
     rec: &'a SubscriptionRecord,
 ) -> Result<std::borrow::Cow<'a, str>, ApiError> {
     sealed_url::request_url(Some(&state.kek), &rec.id, &rec.destination).map_err(|e| {
-        tracing::warn!(subscription_id = %rec.id, error = %e, "the stored URL's sealed query does not open");
+        tracing::warn!(subscription_id = %rec.id, error = %e, "the stored URL's sealed target does not open");
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "sealed_url",
-            "the stored URL's query does not open for this subscription and URL; send destination.url again",
+            "the stored URL's sealed path and query do not open for this subscription and URL; send destination.url again",
         )
         .with_field("destination.url")
     })

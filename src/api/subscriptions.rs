@@ -118,7 +118,7 @@ pub async fn create(
                 url: Some(stored.url),
                 headers,
                 sensitive_headers: sealed,
-                sealed_query: stored.sealed_query,
+                sealed_target: stored.sealed_target,
             };
             let secret = valid.signing_secret.unwrap_or_else(generate_signing_secret);
             (destination, Some(secret))
@@ -129,7 +129,7 @@ pub async fn create(
                 url: None,
                 headers: Default::default(),
                 sensitive_headers: None,
-                sealed_query: None,
+                sealed_target: None,
             };
             (destination, None)
         }
@@ -326,24 +326,24 @@ fn apply(
                 None => open_sensitive(state, &rec)?.0,
             };
             validate_header_sets(&rec.destination.headers, &sensitive)?;
-            // A URL sent back as shown (its query values redacted), or as stored, is no change.
+            // A URL sent back as shown (redacted), or as given, is no change.
             let kek = Some(&*state.kek);
             let same = |u: &String| sealed_url::names_stored(kek, &rec.id, &rec.destination, u);
             match p.url {
                 Some(url) if !same(&url) => {
                     let stored = sealed_url::seal(&state.kek, &rec.id, &url);
                     rec.destination.url = Some(stored.url);
-                    rec.destination.sealed_query = stored.sealed_query;
+                    rec.destination.sealed_target = stored.sealed_target;
                     rec.verification_state = VerificationState::Pending;
                     url_changed = true;
                 }
-                // The same URL: its query moves to the current key (a KEK rotation), nothing
+                // The same URL: its sealed target moves to the current key (a KEK rotation), nothing
                 // else changes.
                 Some(_) => {
                     if let Some(stored) =
                         sealed_url::under_current_key(&state.kek, &rec.id, &rec.destination)
                     {
-                        rec.destination.sealed_query = stored.sealed_query;
+                        rec.destination.sealed_target = stored.sealed_target;
                     }
                 }
                 None => {}

@@ -139,7 +139,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
-            `timeout`, `redirect`, …); the subscription is now `failed`. Or no probe: the stored sealed headers or URL query \
+            `timeout`, `redirect`, …); the subscription is now `failed`. Or no probe: the stored sealed headers or URL \
             do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
 pub async fn verify(

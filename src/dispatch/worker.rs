@@ -86,14 +86,14 @@ pub struct Outcome {
     /// The destination URL of the attempt (its subscription's when it was claimed): the breaker
     /// the outcome counts for, even if the subscription has moved to another URL since.
     pub url: Option<String>,
-    /// The nonce of the URL's sealed query, if any (sealed again on every change of the URL):
-    /// with `url`, which URL the attempt went to, without its query in plaintext.
-    pub query_nonce: Option<Vec<u8>>,
+    /// The nonce of the URL's sealed target, if any (sealed again on every change of the URL):
+    /// with `url`, which URL the attempt went to, without its credentials in plaintext.
+    pub target_nonce: Option<Vec<u8>>,
 }
 
-/// [`Outcome::query_nonce`] of a destination.
-fn query_nonce(d: &crate::runtime::records::DestinationRecord) -> Option<Vec<u8>> {
-    d.sealed_query.as_ref().map(|b| b.nonce.clone())
+/// [`Outcome::target_nonce`] of a destination.
+fn target_nonce(d: &crate::runtime::records::DestinationRecord) -> Option<Vec<u8>> {
+    d.sealed_target.as_ref().map(|b| b.nonce.clone())
 }
 
 impl Outcome {
@@ -165,7 +165,7 @@ impl Workers {
                     sole_payload: a.sole_payload,
                     body_bytes: a.event.body.len(),
                     url: a.subscription.destination.url.clone(),
-                    query_nonce: query_nonce(&a.subscription.destination),
+                    target_nonce: target_nonce(&a.subscription.destination),
                 });
                 return;
             }
@@ -188,7 +188,7 @@ impl Workers {
                 sole_payload: a.sole_payload,
                 body_bytes: a.event.body.len(),
                 url: a.subscription.destination.url.clone(),
-                query_nonce: query_nonce(&a.subscription.destination),
+                target_nonce: target_nonce(&a.subscription.destination),
             };
             let t0 = Instant::now();
             let result = std::panic::AssertUnwindSafe(w.send(&a, base.clone()))
@@ -218,7 +218,7 @@ impl Workers {
             }
         };
         // The shown URL (`url`) binds the sensitive headers; the request goes to the URL with its
-        // sealed query opened.
+        // sealed target opened.
         let url = sub.destination.url.as_deref().unwrap_or_default();
         let target = match sealed_url::request_url(self.kek.as_deref(), &sub.id, &sub.destination) {
             Ok(target) => target,

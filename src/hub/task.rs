@@ -3076,9 +3076,9 @@ fn keep_unrecorded(kept: &mut FastMap<Vec<u8>, (i64, Outcome)>, o: &Outcome, now
 /// response), on `a`'s lease. None: `a` is sent.
 fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
     let d = &a.subscription.destination;
-    // A query sealed again (its values changed, shown the same) is another URL too.
+    // A URL sealed again (its path or query changed, shown the same) is another URL too.
     let same_url = o.url == d.url
-        && o.query_nonce.as_deref() == d.sealed_query.as_ref().map(|b| b.nonce.as_slice());
+        && o.target_nonce.as_deref() == d.sealed_target.as_ref().map(|b| b.nonce.as_slice());
     if !o.success() || o.job_key != a.job_key || !same_url {
         return None;
     }
@@ -3099,7 +3099,7 @@ fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
         sole_payload: a.sole_payload,
         body_bytes: a.event.body.len(),
         url: o.url.clone(),
-        query_nonce: o.query_nonce.clone(),
+        target_nonce: o.target_nonce.clone(),
     })
 }
 
@@ -3398,7 +3398,7 @@ mod tests {
             sole_payload: None,
             body_bytes: 2,
             url: Some(url.into()),
-            query_nonce: None,
+            target_nonce: None,
         }
     }
 
@@ -3424,13 +3424,13 @@ mod tests {
         let mut sealed = attempt_to("https://a.example/hook?code=***", 90_000);
         Arc::make_mut(&mut sealed.subscription)
             .destination
-            .sealed_query = Some(blob(2));
+            .sealed_target = Some(blob(2));
         let mut earlier = delivered_to("https://a.example/hook?code=***", 50_000);
-        earlier.query_nonce = Some(vec![1; 12]);
+        earlier.target_nonce = Some(vec![1; 12]);
         assert!(reused(&earlier, &sealed).is_none());
-        earlier.query_nonce = Some(vec![2; 12]);
+        earlier.target_nonce = Some(vec![2; 12]);
         assert!(reused(&earlier, &sealed).is_some());
-        earlier.query_nonce = None;
+        earlier.target_nonce = None;
         assert!(reused(&earlier, &sealed).is_none());
         // A failure proves nothing delivered.
         let mut failed = delivered_to("https://a.example/hook", 50_000);
@@ -3547,7 +3547,7 @@ mod tests {
             sole_payload: None,
             body_bytes: 0,
             url: None,
-            query_nonce: None,
+            target_nonce: None,
         }
     }
 

@@ -52,7 +52,7 @@ pub const NAMESPACE: &str = "studio.lerian.streaming_hub";
 
 /// Previous versions of the bundled schemas, still readable after a schema change; see the module
 /// doc. `dead_letter` v2 added the dead event's headers and value; `subscription` v3 added
-/// `destination.sealed_query`.
+/// `destination.sealed_target`.
 const RETIRED_WRITER_SCHEMAS: &[&str] = &[
     include_str!("../../schemas/retired/dead_letter.v1.avsc"),
     include_str!("../../schemas/retired/subscription.v2.avsc"),
@@ -422,7 +422,7 @@ mod tests {
                     nonce: vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
                     ciphertext: vec![0xde, 0xad, 0xbe, 0xef, 0x00, 0xff],
                 }),
-                sealed_query: None,
+                sealed_target: None,
             },
             enabled: false,
             verification_state: VerificationState::Active,
@@ -458,7 +458,7 @@ mod tests {
                 url: None,
                 headers: BTreeMap::new(),
                 sensitive_headers: None,
-                sealed_query: None,
+                sealed_target: None,
             },
             enabled: true,
             verification_state: VerificationState::Pending,
@@ -664,7 +664,7 @@ mod tests {
         round_trip(subscription());
         let mut sealed = subscription();
         sealed.destination.url = Some("https://hooks.example.com/in?code=***".into());
-        sealed.destination.sealed_query = Some(EncryptedBlob {
+        sealed.destination.sealed_target = Some(EncryptedBlob {
             key_id: "kek-1".into(),
             nonce: vec![7; 12],
             ciphertext: vec![0x51; 30],
@@ -969,7 +969,7 @@ mod tests {
 
     #[test]
     fn a_subscription_written_before_sealed_queries_still_decodes() {
-        // What every instance wrote before v3: no `sealed_query`, so its URL is the one requests go to.
+        // What every instance wrote before v3: no `sealed_target`, so its URL is the one requests go to.
         let v2 = parse(include_str!("../../schemas/retired/subscription.v2.avsc")).unwrap();
         let written = subscription();
         let bytes = encode_by_resolution(
@@ -981,7 +981,7 @@ mod tests {
         assert_ne!(bytes[2..10], CODEC.fingerprint(RecordKind::Subscription));
         let read: SubscriptionRecord = CODEC.decode_record(&bytes).unwrap();
         assert_eq!(read, written);
-        assert_eq!(read.destination.sealed_query, None);
+        assert_eq!(read.destination.sealed_target, None);
     }
 
     #[test]

@@ -69,7 +69,7 @@ impl SubscriptionRecord {
                 url: None,
                 headers: BTreeMap::new(),
                 sensitive_headers: None,
-                sealed_query: None,
+                sealed_target: None,
             },
             enabled: true,
             verification_state: VerificationState::Active,
@@ -95,10 +95,10 @@ pub struct DestinationRecord {
     pub headers: BTreeMap<String, String>,
     /// Encrypted JSON object of sensitive headers.
     pub sensitive_headers: Option<EncryptedBlob>,
-    /// The URL's query and fragment as given, sealed: `url` shows them redacted (see
+    /// The URL past its host as given (path, query, fragment), sealed: `url` shows it redacted (see
     /// [`crate::subscriptions::sealed_url`]). None: `url` is the URL requests go to.
     #[serde(default)]
-    pub sealed_query: Option<EncryptedBlob>,
+    pub sealed_target: Option<EncryptedBlob>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -366,7 +366,7 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
                 url: Some(stored.url),
                 headers,
                 sensitive_headers: sealed,
-                sealed_query: stored.sealed_query,
+                sealed_target: stored.sealed_target,
             };
             (
                 destination,
@@ -379,7 +379,7 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
                 url: None,
                 headers: Default::default(),
                 sensitive_headers: None,
-                sealed_query: None,
+                sealed_target: None,
             };
             (destination, None)
         }
@@ -448,7 +448,7 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
         ) => {
             next.destination.headers = headers;
             // The file names the URL as given (or as the API shows it): compared with the one
-            // requests go to, so a sealed query is no change.
+            // requests go to, so a sealed URL is no change.
             url_changed =
                 !sealed_url::names_stored(Some(kek), &current.id, &current.destination, &url);
             let stored = url_changed.then(|| sealed_url::seal(kek, &current.id, &url));
@@ -486,13 +486,13 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             }
             if let Some(stored) = stored {
                 next.destination.url = Some(stored.url);
-                next.destination.sealed_query = stored.sealed_query;
+                next.destination.sealed_target = stored.sealed_target;
                 next.verification_state = VerificationState::Pending;
             } else if let Some(stored) =
                 sealed_url::under_current_key(kek, &current.id, &current.destination)
             {
-                // The same URL, its query sealed under a previous key: moved to the current one.
-                next.destination.sealed_query = stored.sealed_query;
+                // The same URL, sealed under a previous key: moved to the current one.
+                next.destination.sealed_target = stored.sealed_target;
             }
         }
         _ => {
@@ -810,9 +810,9 @@ pub async fn apply_file(
     result
 }
 
-/// `sub` as its next version with its URL's query sealed (written before queries were) and its
+/// `sub` as its next version with its URL sealed past its host (written before URLs were) and its
 /// id-only sealed headers bound to its URL (None: nothing to seal or bind). Headers bound to a
-/// URL whose query is sealed now are bound again, to the URL as shown.
+/// URL sealed now are bound again, to the URL as shown.
 fn resealed(
     sub: &SubscriptionRecord,
     kek: &Kek,
@@ -820,17 +820,17 @@ fn resealed(
 ) -> Result<Option<SubscriptionRecord>, SecretError> {
     let (headers, binding) = open_sensitive_headers(kek, sub)?;
     let url = sub.destination.url.as_deref().unwrap_or_default();
-    let plain_query = sub.destination.kind == DestinationType::Webhook
-        && sub.destination.sealed_query.is_none()
+    let plain_url = sub.destination.kind == DestinationType::Webhook
+        && sub.destination.sealed_target.is_none()
         && sealed_url::redacted(url) != url;
-    if binding == Binding::Url && !plain_query {
+    if binding == Binding::Url && !plain_url {
         return Ok(None);
     }
     let mut rec = sub.clone();
-    if plain_query {
+    if plain_url {
         let stored = sealed_url::seal(kek, &rec.id, url);
         rec.destination.url = Some(stored.url);
-        rec.destination.sealed_query = stored.sealed_query;
+        rec.destination.sealed_target = stored.sealed_target;
     }
     let url = rec.destination.url.clone().unwrap_or_default();
     rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &url, &headers);
@@ -842,10 +842,11 @@ fn resealed(
 /// `streaming-hub subscriptions reseal`: binds every webhook's sensitive headers sealed before
 /// headers were bound to their URL to the URL its record names now (a one-off step of the
 /// upgrade, run while the control topic is trusted: until then such headers are not sent unless
-/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals the query of every webhook URL stored
-/// before queries were sealed (shown in plaintext on the control topic until then). Prints
-/// `resealed <id> v<version>` per subscription; returns the exit code: 0 all bound, 2 some did not open or changed while being
-/// bound (run it again) or the KEK is missing, 3 the control topic could not be read or written.
+/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals every webhook URL stored before URLs
+/// were sealed (in plaintext on the control topic until then). Prints `resealed <id> v<version>`
+/// per subscription; returns the exit code: 0 all bound, 2 some did not open or changed while
+/// being bound (run it again) or the KEK is missing, 3 the control topic could not be read or
+/// written.
 pub async fn reseal_command(config: &Config) -> u8 {
     let who = "streaming-hub subscriptions reseal";
     let mut out = std::io::stdout();
@@ -1436,10 +1437,10 @@ mod tests {
         assert_eq!(r.unwrap().unchanged, 1, "{out}");
         assert_eq!(t.subs.get(B).unwrap(), b);
 
-        // Written before queries were sealed: the query in plaintext, headers bound to it.
+        // Written before URLs were sealed: the query in plaintext, headers bound to it.
         let mut legacy = (*b).clone();
         legacy.destination.url = Some(given.clone());
-        legacy.destination.sealed_query = None;
+        legacy.destination.sealed_target = None;
         legacy.destination.sensitive_headers = Some(t.kek.seal_bound(br#"{"x-k":"2"}"#, B, &given));
         legacy.version += 1;
         t.subs.put(legacy.clone()).await.unwrap();

@@ -160,6 +160,8 @@ pub fn check_signing_secret(secret: &Secret) -> Result<(), FieldError> {
 pub enum DestinationSpec {
     /// Signed HTTPS POSTs to `url`.
     Webhook {
+        /// Stored sealed past its host, like `sensitive_headers`, and shown with each path
+        /// segment that does not read as words, every query value and the fragment as `***`.
         url: String,
         /// Extra request headers, stored and shown as they are.
         #[serde(default)]
@@ -181,7 +183,7 @@ impl std::fmt::Debug for DestinationSpec {
                 sensitive_headers,
             } => f
                 .debug_struct("Webhook")
-                .field("url", url)
+                .field("url", &super::sealed_url::redacted(url))
                 .field("headers", headers)
                 .field(
                     "sensitive_headers",
@@ -248,7 +250,7 @@ impl std::fmt::Debug for DestinationPatch {
                 sensitive_headers,
             } => f
                 .debug_struct("Webhook")
-                .field("url", url)
+                .field("url", &url.as_deref().map(super::sealed_url::redacted))
                 .field("headers", headers)
                 .field(
                     "sensitive_headers",
@@ -296,6 +298,8 @@ pub struct SubscriptionView {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum DestinationView {
     Webhook {
+        /// As stored: path segments that do not read as words, query values and the fragment
+        /// shown as `***` (sent back as it is, it leaves the URL as it is).
         url: String,
         headers: BTreeMap<String, String>,
         sensitive_header_names: Vec<String>,
@@ -732,6 +736,24 @@ mod tests {
                 .code,
             "too_many"
         );
+    }
+
+    #[test]
+    fn a_destination_as_debugged_shows_no_credential() {
+        let url = "https://r.example/in?code=fn_key_1";
+        let spec: DestinationSpec = serde_json::from_value(serde_json::json!(
+            {"type": "webhook", "url": url, "sensitive_headers": {"authorization": "Bearer t0k"}}
+        ))
+        .unwrap();
+        let patch: DestinationPatch =
+            serde_json::from_value(serde_json::json!({"type": "webhook", "url": url})).unwrap();
+        for text in [format!("{spec:?}"), format!("{patch:?}")] {
+            assert!(text.contains("code=***"), "{text}");
+            assert!(
+                !text.contains("fn_key_1") && !text.contains("t0k"),
+                "{text}"
+            );
+        }
     }
 
     #[test]

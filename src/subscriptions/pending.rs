@@ -469,7 +469,7 @@ mod tests {
                 url: Some(url.to_string()),
                 headers: Default::default(),
                 sensitive_headers: seal_sensitive_headers(kek, &id, url, &sensitive),
-                sealed_query: None,
+                sealed_target: None,
             },
             id,
             tenant_id: "t1".into(),

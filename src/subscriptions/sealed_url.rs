@@ -1,50 +1,88 @@
-//! A webhook URL's query at rest (DESIGN.md §3: credentials on the control topic are sealed).
+//! A webhook URL's credentials at rest (DESIGN.md §3: credentials on the control topic are
+//! sealed).
 //!
-//! Some receivers take their credential only in the URL's query (Azure Functions' `code`,
-//! Teams workflows' `sig`, Google Chat's `key` and `token`). Stored as given, it would be in
-//! plaintext on the control topic and in every answer of the API. So a webhook URL with a query
-//! or a fragment is stored in two parts:
-//! - `destination.url`, what may be shown: every query value and the fragment replaced by
-//!   [`REDACTED`], the names kept (`https://h.example/in?code=***&v=***`);
-//! - `destination.sealed_query`: the query and fragment as given (the URL from its `?` or `#`
-//!   on), sealed under the KEK, bound to the subscription id and the URL as shown.
+//! Many receivers take their credential in the URL itself: in the query (Azure Functions'
+//! `code`, Teams workflows' `sig`, Google Chat's `key` and `token`) or in the path (Slack's and
+//! Discord's webhook tokens, Make's and n8n's hook ids). Stored as given, it would be in plaintext
+//! on the control topic and in every answer of the API. So a webhook URL is stored in two parts:
+//! - `destination.url`, what may be shown: scheme, host and port as given; each path segment
+//!   that reads as words ([`shown_segment`]) as given, any other as [`REDACTED`]; every query
+//!   value and the fragment as [`REDACTED`], the query's names kept
+//!   (`https://hooks.slack.com/services/***/***/***`, `https://r.example/api/in?code=***`);
+//! - `destination.sealed_target`: everything past the host as given (path, query, fragment),
+//!   sealed under the KEK, bound to the subscription id and the URL as shown. None when nothing
+//!   was redacted: the URL is stored as given.
 //!
-//! Every value is sealed whatever its name: no guess at which ones are credentials. Requests go
-//! to the shown URL up to its `?` or `#`, followed by the opened text ([`request_url`]). The shown
+//! Query values are sealed whatever their names: no guess at which are credentials. Requests go to
+//! the shown URL's scheme, host and port followed by the opened text ([`request_url`]). The shown
 //! URL is what the API answers, what sensitive headers are bound to and what the breaker's origin
 //! comes from. A URL sent back as the API shows it names the stored one ([`names_stored`]), so a
-//! read-modify-write keeps the sealed values.
+//! read-modify-write keeps what is sealed.
 //!
-//! A credential in the URL's path (Slack's, Discord's) cannot be told from a path: it is stored
-//! as given.
+//! What reads as words is a guess: a path segment of letters only, in runs of at most 16 between
+//! `-`, `_`, `.` or `~`, is shown as given, so a credential of that shape (rare among random
+//! tokens, which carry digits or are longer) is stored in plaintext. The host is always shown.
 use std::borrow::Cow;
 
 use crate::runtime::records::{DestinationRecord, EncryptedBlob};
 use crate::subscriptions::secrets::{Kek, SecretError};
 
-/// What a sealed query value and a sealed fragment are shown as.
+/// What a sealed path segment, query value or fragment is shown as.
 pub const REDACTED: &str = "***";
 
-/// `url` split at its query or fragment: the part before the first `?` or `#`, and the rest
-/// (empty when it has neither). A checked URL has no `?` or `#` before its query or fragment.
+/// The longest run of letters in a path segment shown as given.
+const MAX_WORD: usize = 16;
+
+/// The longest path segment shown as given.
+const MAX_SEGMENT: usize = 48;
+
+/// `url` split past its host: scheme, `//` and authority; then the rest (path, query,
+/// fragment; empty when there is none). A checked URL has no `/`, `?` or `#` in its authority.
 fn split(url: &str) -> (&str, &str) {
-    url.split_at(url.find(['?', '#']).unwrap_or(url.len()))
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    let end = url[after_scheme..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| after_scheme + i);
+    url.split_at(end)
 }
 
-/// `url` as it may be shown: every query value, and the fragment, replaced by [`REDACTED`]
-/// (`?a=1&b&c=` → `?a=***&***&c=***`; empty pieces stay empty). Unchanged without a query or
-/// fragment, and for a URL already shown so.
-pub fn redacted(url: &str) -> Cow<'_, str> {
-    let (base, tail) = split(url);
-    if tail.is_empty() {
-        return Cow::Borrowed(url);
+/// Whether a path segment is shown as given: empty, at most 3 characters (`v1`, `api`), or words:
+/// letters in runs of at most [`MAX_WORD`] between `-`, `_`, `.` or `~`, at most [`MAX_SEGMENT`]
+/// in all. Anything else (digits, percent-escapes, long runs) may be a token.
+pub fn shown_segment(segment: &str) -> bool {
+    if segment.len() <= 3 {
+        return true;
     }
-    let (query, fragment) = match tail.find('#') {
-        Some(i) => (&tail[..i], Some(&tail[i + 1..])),
-        None => (tail, None),
+    segment.len() <= MAX_SEGMENT
+        && segment
+            .bytes()
+            .all(|b| b.is_ascii_alphabetic() || matches!(b, b'-' | b'_' | b'.' | b'~'))
+        && segment
+            .split(['-', '_', '.', '~'])
+            .all(|run| run.len() <= MAX_WORD)
+}
+
+/// `url` as it may be shown (see the module doc): `?a=1&b&c=` → `?a=***&***&c=***`, empty
+/// pieces stay empty. Unchanged when nothing is redacted, and for a URL already shown so.
+pub fn redacted(url: &str) -> Cow<'_, str> {
+    let (base, rest) = split(url);
+    let (path, rest) = rest.split_at(rest.find(['?', '#']).unwrap_or(rest.len()));
+    let (query, fragment) = match rest.find('#') {
+        Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+        None => (rest, None),
     };
     let mut shown = String::with_capacity(url.len());
     shown.push_str(base);
+    for (i, segment) in path.split('/').enumerate() {
+        if i > 0 {
+            shown.push('/');
+        }
+        if shown_segment(segment) {
+            shown.push_str(segment);
+        } else {
+            shown.push_str(REDACTED);
+        }
+    }
     if let Some(query) = query.strip_prefix('?') {
         shown.push('?');
         for (i, piece) in query.split('&').enumerate() {
@@ -80,57 +118,58 @@ pub fn redacted(url: &str) -> Cow<'_, str> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredUrl {
     pub url: String,
-    pub sealed_query: Option<EncryptedBlob>,
+    pub sealed_target: Option<EncryptedBlob>,
 }
 
-/// Stores a checked webhook URL for subscription `id`: shown redacted, its query and fragment
+/// Stores a checked webhook URL for subscription `id`: shown redacted, everything past its host
 /// sealed. A URL with nothing to redact is stored as given, with nothing sealed.
 pub fn seal(kek: &Kek, id: &str, url: &str) -> StoredUrl {
     match redacted(url) {
         Cow::Borrowed(_) => StoredUrl {
             url: url.to_string(),
-            sealed_query: None,
+            sealed_target: None,
         },
         Cow::Owned(shown) => {
-            let (_, tail) = split(url);
-            let sealed = kek.seal_url_tail(tail, id, &shown);
+            let (_, rest) = split(url);
+            let sealed = kek.seal_url_target(rest, id, &shown);
             StoredUrl {
                 url: shown,
-                sealed_query: Some(sealed),
+                sealed_target: Some(sealed),
             }
         }
     }
 }
 
-/// The URL requests to `d` (of subscription `id`) go to. Without a sealed query, its `url` as
-/// stored; with one, the shown URL's base and the opened query. It fails when the sealed query
-/// does not open here (no KEK, a key this instance lacks, copied from another subscription or
-/// URL, tampered with): the shown URL is never sent to, since it is not the receiver's.
+/// The URL requests to `d` (of subscription `id`) go to. Without a sealed target, its `url` as
+/// stored; with one, the shown URL's scheme, host and port and the opened rest. It fails when
+/// the sealed target does not open here (no KEK, a key this instance lacks, copied from another
+/// subscription or URL, tampered with): the shown URL is never sent to, since it is not the
+/// receiver's.
 pub fn request_url<'a>(
     kek: Option<&Kek>,
     id: &str,
     d: &'a DestinationRecord,
 ) -> Result<Cow<'a, str>, SecretError> {
     let url = d.url.as_deref().unwrap_or_default();
-    let Some(blob) = &d.sealed_query else {
+    let Some(blob) = &d.sealed_target else {
         return Ok(Cow::Borrowed(url));
     };
     let kek = kek.ok_or(SecretError::Open)?;
-    let tail = kek.open_url_tail(blob, id, url)?;
-    // What was sealed is what the shown URL redacts: anything else (a forged shown URL cannot
-    // open, but a tail that would move the request elsewhere is refused all the same).
-    if !tail.starts_with(['?', '#']) {
+    let rest = kek.open_url_target(blob, id, url)?;
+    // What was sealed is what follows the host: anything else (it cannot open under a forged
+    // shown URL) would move the request to another host, and is refused all the same.
+    if !rest.is_empty() && !rest.starts_with(['/', '?', '#']) {
         return Err(SecretError::Open);
     }
     let (base, _) = split(url);
-    Ok(Cow::Owned(format!("{base}{tail}")))
+    Ok(Cow::Owned(format!("{base}{rest}")))
 }
 
-/// `d`'s URL stored again under the current key, when its query was sealed under another and
-/// opens here (a KEK rotation); the URL as shown stays the same, and with it what its sensitive
-/// headers are bound to. None otherwise.
+/// `d`'s URL stored again under the current key, when it was sealed under another and opens here
+/// (a KEK rotation); the URL as shown stays the same, and with it what its sensitive headers are
+/// bound to. None otherwise.
 pub fn under_current_key(kek: &Kek, id: &str, d: &DestinationRecord) -> Option<StoredUrl> {
-    let blob = d.sealed_query.as_ref()?;
+    let blob = d.sealed_target.as_ref()?;
     if blob.key_id == kek.current_id() {
         return None;
     }
@@ -139,7 +178,7 @@ pub fn under_current_key(kek: &Kek, id: &str, d: &DestinationRecord) -> Option<S
 }
 
 /// Whether `given`, a checked URL, names the destination stored in `d`: it is the URL as the API
-/// shows it (a read-modify-write), or the URL requests go to. A sealed query that does not open
+/// shows it (a read-modify-write), or the URL requests go to. A sealed target that does not open
 /// here names nothing else.
 pub fn names_stored(kek: Option<&Kek>, id: &str, d: &DestinationRecord, given: &str) -> bool {
     let Some(stored) = d.url.as_deref() else {
@@ -171,13 +210,45 @@ mod tests {
             url: Some(stored.url),
             headers: Default::default(),
             sensitive_headers: None,
-            sealed_query: stored.sealed_query,
+            sealed_target: stored.sealed_target,
         }
     }
 
     #[test]
-    fn every_query_value_and_the_fragment_are_shown_redacted_and_names_kept() {
+    fn what_may_be_a_credential_is_shown_redacted_and_names_and_words_kept() {
         let cases = [
+            (
+                "https://hooks.slack.com/services/T0123ABCD/B0123ABCD/abcdefghijklmnopqrstuvwx",
+                "https://hooks.slack.com/services/***/***/***",
+            ),
+            (
+                "https://discord.com/api/webhooks/123456789012345678/AbC-dEf_gh",
+                "https://discord.com/api/webhooks/***/AbC-dEf_gh",
+            ),
+            (
+                "https://hooks.zapier.com/hooks/catch/1234567/abc1de2/",
+                "https://hooks.zapier.com/hooks/catch/***/***/",
+            ),
+            (
+                "https://api.tenant.example/webhooks/streaming-hub",
+                "https://api.tenant.example/webhooks/streaming-hub",
+            ),
+            (
+                "https://h.example/v1/tenants/42/in",
+                "https://h.example/v1/tenants/42/in",
+            ),
+            ("https://h.example/hook%20x/in", "https://h.example/***/in"),
+            (
+                "https://h.example/a-very-long-path-segment-of-words-that-goes-on-and-on",
+                "https://h.example/***",
+            ),
+            (
+                "https://[::1]:8443/a1b2c3d4?x=1",
+                "https://[::1]:8443/***?x=***",
+            ),
+            ("https://h.example", "https://h.example"),
+            ("https://h.example/", "https://h.example/"),
+            ("https://h.example?x=1", "https://h.example?x=***"),
             ("https://h.example/in", "https://h.example/in"),
             ("https://h.example/in?", "https://h.example/in?"),
             (
@@ -211,7 +282,7 @@ mod tests {
             stored.url,
             "https://chat.example/v1/spaces/AAA/messages?key=***&token=***"
         );
-        let blob = stored.sealed_query.clone().unwrap();
+        let blob = stored.sealed_target.clone().unwrap();
         let text = format!("{blob:?}");
         assert!(!text.contains("AIzaSy") && !text.contains("t0k"));
         let d = webhook(stored);
@@ -232,10 +303,28 @@ mod tests {
     }
 
     #[test]
+    fn a_path_is_stored_sealed_and_requests_go_to_the_url_as_given() {
+        let k = kek(1);
+        let given =
+            "https://hooks.slack.com/services/T0123ABCD/B0123ABCD/abcdefghijklmnopqrstuvwx?x=1#f";
+        let stored = seal(&k, "sub-1", given);
+        assert_eq!(
+            stored.url,
+            "https://hooks.slack.com/services/***/***/***?x=***#***"
+        );
+        let d = webhook(stored);
+        assert_eq!(request_url(Some(&k), "sub-1", &d).unwrap(), given);
+        assert!(names_stored(Some(&k), "sub-1", &d, given));
+        let other =
+            "https://hooks.slack.com/services/T0123ABCD/B0123ABCD/abcdefghijklmnopqrstuvwy?x=1#f";
+        assert!(!names_stored(Some(&k), "sub-1", &d, other));
+    }
+
+    #[test]
     fn a_url_with_nothing_to_redact_is_stored_as_given() {
         let k = kek(1);
         let stored = seal(&k, "sub-1", "https://h.example/in");
-        assert_eq!(stored.sealed_query, None);
+        assert_eq!(stored.sealed_target, None);
         let d = webhook(stored);
         assert_eq!(
             request_url(None, "sub-1", &d).unwrap(),
@@ -262,7 +351,7 @@ mod tests {
         let rotated = Kek::from_config(&config).unwrap();
         let moved = under_current_key(&rotated, "sub-1", &d).unwrap();
         assert_eq!(Some(moved.url.as_str()), d.url.as_deref());
-        assert_eq!(moved.sealed_query.as_ref().unwrap().key_id, "k2");
+        assert_eq!(moved.sealed_target.as_ref().unwrap().key_id, "k2");
         let moved = webhook(moved);
         assert_eq!(request_url(Some(&rotated), "sub-1", &moved).unwrap(), given);
         assert_eq!(
@@ -274,7 +363,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sealed_query_opens_only_for_its_subscription_shown_url_and_key() {
+    fn a_sealed_target_opens_only_for_its_subscription_shown_url_and_key() {
         let k = kek(1);
         let d = webhook(seal(&k, "sub-1", "https://h.example/in?sig=abc"));
         // Another subscription's record holding the copy.
@@ -303,7 +392,7 @@ mod tests {
         // A header blob is not a URL tail, even for the same subscription and URL.
         let headers = k.seal_bound(b"?sig=abc", "sub-1", "https://h.example/in?sig=***");
         let swapped = DestinationRecord {
-            sealed_query: Some(headers),
+            sealed_target: Some(headers),
             ..d.clone()
         };
         assert!(request_url(Some(&k), "sub-1", &swapped).is_err());

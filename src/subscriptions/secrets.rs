@@ -198,24 +198,29 @@ impl Kek {
         }
     }
 
-    /// Seals a webhook URL's query and fragment (`tail`, from its `?` or `#` on), bound to
-    /// `subscription_id` and the URL as shown (`shown`, its values redacted): see
+    /// Seals a webhook URL past its host (`target`: path, query, fragment), bound to
+    /// `subscription_id` and the URL as shown (`shown`, redacted): see
     /// [`crate::subscriptions::sealed_url`].
-    pub fn seal_url_tail(&self, tail: &str, subscription_id: &str, shown: &str) -> EncryptedBlob {
+    pub fn seal_url_target(
+        &self,
+        target: &str,
+        subscription_id: &str,
+        shown: &str,
+    ) -> EncryptedBlob {
         self.seal_with(
-            tail.as_bytes(),
-            &tagged_aad(URL_TAIL_TAG, subscription_id, shown),
+            target.as_bytes(),
+            &tagged_aad(URL_TARGET_TAG, subscription_id, shown),
         )
     }
 
-    /// Opens what [`Kek::seal_url_tail`] sealed for this subscription and shown URL.
-    pub fn open_url_tail(
+    /// Opens what [`Kek::seal_url_target`] sealed for this subscription and shown URL.
+    pub fn open_url_target(
         &self,
         blob: &EncryptedBlob,
         subscription_id: &str,
         shown: &str,
     ) -> Result<String, SecretError> {
-        let aad = tagged_aad(URL_TAIL_TAG, subscription_id, shown);
+        let aad = tagged_aad(URL_TARGET_TAG, subscription_id, shown);
         let plain = self.open_parts(&blob.key_id, &blob.nonce, &blob.ciphertext, &aad)?;
         String::from_utf8(plain).map_err(|_| SecretError::Open)
     }
@@ -390,17 +395,17 @@ pub fn secret_unopened(subscription_id: &str) {
     }
 }
 
-/// Counts an attempt not sent because its webhook URL's sealed query did not open (sealed under
+/// Counts an attempt not sent because its webhook URL's sealed target did not open (sealed under
 /// a key not configured, copied from another record or URL, tampered with): the request cannot
 /// go to the URL as shown, which is not the receiver's. A hub-side failure (`url_unreadable`),
-/// `streaming_hub_url_queries_unopened_total`, with a WARN line the first time for each
+/// `streaming_hub_sealed_urls_unopened_total`, with a WARN line the first time for each
 /// subscription.
 pub fn url_unopened(subscription_id: &str) {
-    metrics::counter!("streaming_hub_url_queries_unopened_total").increment(1);
+    metrics::counter!("streaming_hub_sealed_urls_unopened_total").increment(1);
     if first_warning("url", subscription_id) {
         tracing::warn!(
             subscription_id,
-            "the webhook URL's sealed query does not open for this subscription and URL (sealed \
+            "the webhook URL's sealed path and query do not open for this subscription and URL (sealed \
              under a key not configured, copied from another record, or tampered with); \
              attempts fail on the hub's side (url_unreadable) until it opens or the URL is set \
              again"
@@ -442,9 +447,9 @@ fn bound_aad(subscription_id: &str, url: &str) -> Vec<u8> {
     tagged_aad(b"streaming-hub/headers/v2", subscription_id, url)
 }
 
-/// The version tag of a sealed URL tail's associated data: a header blob never opens as a URL
-/// tail, nor the other way round.
-const URL_TAIL_TAG: &[u8] = b"streaming-hub/url-tail/v1";
+/// The version tag of a sealed URL target's associated data: a header blob never opens as a URL
+/// target, nor the other way round.
+const URL_TARGET_TAG: &[u8] = b"streaming-hub/url-target/v1";
 
 /// Associated data: `tag`, the id's length (8 bytes, big-endian), the id, the URL.
 fn tagged_aad(tag: &[u8], subscription_id: &str, url: &str) -> Vec<u8> {

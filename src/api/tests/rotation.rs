@@ -409,7 +409,7 @@ async fn a_url_query_is_sealed_shown_redacted_and_a_url_sent_back_as_shown_keeps
         assert!(!text.contains("fn_key_topsecret"), "{text}");
     }
     let stored = h.state.subs.get(&id).unwrap();
-    assert!(stored.destination.sealed_query.is_some());
+    assert!(stored.destination.sealed_target.is_some());
     assert!(!format!("{stored:?}").contains("fn_key_topsecret"));
     let bytes = crate::runtime::avro::Codec::new()
         .unwrap()
@@ -461,8 +461,8 @@ async fn a_url_query_is_sealed_shown_redacted_and_a_url_sent_back_as_shown_keeps
     assert_eq!(last_query().as_deref(), Some(rotated));
     let now = h.state.subs.get(&id).unwrap();
     assert_ne!(
-        now.destination.sealed_query,
-        stored.destination.sealed_query
+        now.destination.sealed_target,
+        stored.destination.sealed_target
     );
     assert!(!p.text.contains("rotated_key"), "{}", p.text);
 }
