@@ -34,8 +34,8 @@ pub const MAX_GRACE: Duration = Duration::from_secs(7 * 86_400);
 /// rotations still in their grace.
 pub const MAX_LIVE_SECRETS: usize = 5;
 
-/// Seals a webhook's sensitive headers (a JSON object) for subscription `id` and its
-/// destination `url` (see [`crate::subscriptions::secrets`]); none → `None`.
+/// Seals a webhook's sensitive headers (a JSON object) for subscription `id` and the `url`
+/// requests go to (see [`crate::subscriptions::secrets`]); none → `None`.
 pub fn seal_sensitive(
     state: &ApiState,
     id: &str,
@@ -59,7 +59,7 @@ pub fn open_sensitive(
     let Some(blob) = &rec.destination.sensitive_headers else {
         return Ok((BTreeMap::new(), Binding::Url));
     };
-    let url = rec.destination.url.as_deref().unwrap_or_default();
+    let url = request_url(state, rec)?;
     // Sealed for another subscription or URL (a record copied on the control topic), or under a
     // key this instance does not have: the caller mends it by sending the headers again.
     let unopened = |why: &dyn std::fmt::Display| {
@@ -73,7 +73,7 @@ pub fn open_sensitive(
     };
     let (plain, binding) = state
         .kek
-        .open_bound(blob, &rec.id, url)
+        .open_bound(blob, &rec.id, &url)
         .map_err(|e| unopened(&e))?;
     // Not the parser's error: it quotes the opened text, which would put a header's value in
     // the log.

@@ -24,7 +24,7 @@ use super::extract::{ApiPath, ApiQuery, JsonBody, SubscriptionQuery, if_match};
 use super::responses::{
     CheckedSubscription, CreatedSubscription, SubscriptionPage, VerificationOutcome,
 };
-use super::secrets::{open_sensitive, seal_sensitive};
+use super::secrets::{open_sensitive, request_url, seal_sensitive};
 use super::verification::{Probe, probe_and_record};
 use crate::runtime::records::{
     DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
@@ -32,7 +32,7 @@ use crate::runtime::records::{
 use crate::subscriptions::control::RepoError;
 use crate::subscriptions::model::{
     CreateSubscription, DestinationPatch, FieldError, PatchSubscription, SubscriptionView,
-    ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule,
+    ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule, refuse_redacted,
     validate_event_types, validate_header_map, validate_header_sets, validate_origin,
 };
 use crate::subscriptions::sealed_url;
@@ -111,8 +111,9 @@ pub async fn create(
             headers,
             sensitive_headers,
         } => {
+            refuse_redacted(&url)?;
             let stored = sealed_url::seal(&state.kek, &id, &url);
-            let sealed = seal_sensitive(&state, &id, &stored.url, &sensitive_headers)?;
+            let sealed = seal_sensitive(&state, &id, &url, &sensitive_headers)?;
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
                 url: Some(stored.url),
@@ -331,6 +332,7 @@ fn apply(
             let same = |u: &String| sealed_url::names_stored(kek, &rec.id, &rec.destination, u);
             match p.url {
                 Some(url) if !same(&url) => {
+                    refuse_redacted(&url)?;
                     let stored = sealed_url::seal(&state.kek, &rec.id, &url);
                     rec.destination.url = Some(stored.url);
                     rec.destination.sealed_target = stored.sealed_target;
@@ -353,9 +355,9 @@ fn apply(
             // then). A PATCH of anything else leaves them as they are: binding old headers to
             // whatever URL the record names now would bind them to one someone else wrote.
             if sensitive_headers.is_some() || url_changed {
-                let url = rec.destination.url.as_deref().unwrap_or_default();
+                let url = request_url(state, &rec)?.into_owned();
                 rec.destination.sensitive_headers =
-                    seal_sensitive(state, &rec.id, url, &sensitive)?;
+                    seal_sensitive(state, &rec.id, &url, &sensitive)?;
             }
         }
         _ => {

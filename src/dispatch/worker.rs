@@ -217,9 +217,8 @@ impl Workers {
                 return out;
             }
         };
-        // The shown URL (`url`) binds the sensitive headers; the request goes to the URL with its
-        // sealed target opened.
-        let url = sub.destination.url.as_deref().unwrap_or_default();
+        // The request, and the sensitive headers' binding, go to the URL with its sealed target
+        // opened.
         let target = match sealed_url::request_url(self.kek.as_deref(), &sub.id, &sub.destination) {
             Ok(target) => target,
             Err(_) => {
@@ -269,7 +268,7 @@ impl Workers {
             // sealed before headers were bound to their URL (any URL may have been written next
             // to it since), unless STREAMING_HUB_SEND_UNBOUND_HEADERS is on: `streaming-hub
             // subscriptions reseal` binds those.
-            match kek.open_bound(blob, &sub.id, url) {
+            match kek.open_bound(blob, &sub.id, &target) {
                 Ok((plain, binding)) if kek.may_send(binding, &sub.id) => {
                     match serde_json::from_slice::<std::collections::BTreeMap<String, String>>(
                         &plain,

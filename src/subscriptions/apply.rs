@@ -53,7 +53,9 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::Value;
 
 use super::control::{self, RepoError, Subscriptions};
-use super::model::{CreateSubscription, FieldError, SinkPolicy, ValidCreate, ValidDestination};
+use super::model::{
+    CreateSubscription, FieldError, SinkPolicy, ValidCreate, ValidDestination, refuse_redacted,
+};
 use super::pending::{ProbeError, Prober, open_sensitive_headers, seal_sensitive_headers};
 use super::sealed_url;
 use super::secrets::{Binding, Kek, SecretError, generate_signing_secret};
@@ -329,7 +331,13 @@ pub fn plan(
     for d in desired {
         let index = d.index;
         let step = match table.get(&d.id) {
-            None => Ok(create(d, kek, now)),
+            None => match &d.spec.destination {
+                ValidDestination::Webhook { url, .. } => {
+                    refuse_redacted(url).map_err(Planned::Invalid)
+                }
+                ValidDestination::Pull => Ok(()),
+            }
+            .map(|()| create(d, kek, now)),
             Some(current) => update(d, &current, kek, now),
         };
         match step {
@@ -360,7 +368,7 @@ fn create(d: Desired, kek: &Kek, now: i64) -> Step {
             sensitive_headers,
         } => {
             let stored = sealed_url::seal(kek, &d.id, &url);
-            let sealed = seal_sensitive_headers(kek, &d.id, &stored.url, &sensitive_headers);
+            let sealed = seal_sensitive_headers(kek, &d.id, &url, &sensitive_headers);
             let destination = DestinationRecord {
                 kind: DestinationType::Webhook,
                 url: Some(stored.url),
@@ -451,10 +459,17 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             // requests go to, so a sealed URL is no change.
             url_changed =
                 !sealed_url::names_stored(Some(kek), &current.id, &current.destination, &url);
+            if url_changed {
+                refuse_redacted(&url).map_err(Planned::Invalid)?;
+            }
             let stored = url_changed.then(|| sealed_url::seal(kek, &current.id, &url));
+            // Headers are bound to the URL requests go to: unknown here only when the file
+            // sends the URL as shown and the stored one does not open (then they stay).
             let bound_to = match &stored {
-                Some(stored) => stored.url.clone(),
-                None => current.destination.url.clone().unwrap_or_default(),
+                Some(_) => Some(url.clone()),
+                None => sealed_url::request_url(Some(kek), &current.id, &current.destination)
+                    .ok()
+                    .map(|u| u.into_owned()),
             };
             // Sealed again when they change, when the URL they are bound to changes, when they
             // were sealed before that binding existed, and when they do not open here (a key
@@ -480,9 +495,9 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
                 }
                 Err(e) => return Err(Planned::Sealed(current.id.clone(), e)),
             };
-            if reseal {
+            if let (true, Some(bound_to)) = (reseal, &bound_to) {
                 next.destination.sensitive_headers =
-                    seal_sensitive_headers(kek, &current.id, &bound_to, &sensitive_headers);
+                    seal_sensitive_headers(kek, &current.id, bound_to, &sensitive_headers);
             }
             if let Some(stored) = stored {
                 next.destination.url = Some(stored.url);
@@ -811,8 +826,8 @@ pub async fn apply_file(
 }
 
 /// `sub` as its next version with its URL sealed past its host (written before URLs were) and its
-/// id-only sealed headers bound to its URL (None: nothing to seal or bind). Headers bound to a
-/// URL sealed now are bound again, to the URL as shown.
+/// id-only sealed headers bound to the URL requests go to (None: nothing to seal or bind).
+/// Headers already bound stay as they are: the URL requests go to does not change.
 fn resealed(
     sub: &SubscriptionRecord,
     kek: &Kek,
@@ -827,13 +842,15 @@ fn resealed(
         return Ok(None);
     }
     let mut rec = sub.clone();
+    if binding == Binding::SubscriptionOnly {
+        let target = sealed_url::request_url(Some(kek), &sub.id, &sub.destination)?;
+        rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &target, &headers);
+    }
     if plain_url {
         let stored = sealed_url::seal(kek, &rec.id, url);
         rec.destination.url = Some(stored.url);
         rec.destination.sealed_target = stored.sealed_target;
     }
-    let url = rec.destination.url.clone().unwrap_or_default();
-    rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &url, &headers);
     rec.version += 1;
     rec.updated_at = now;
     Ok(Some(rec))
@@ -1427,17 +1444,30 @@ mod tests {
         assert_eq!(b.destination.url.as_deref(), Some(shown.as_str()));
         let opened = sealed_url::request_url(Some(&t.kek), B, &b.destination).unwrap();
         assert_eq!(opened, given);
+        // Headers bound to the URL requests go to, not to the shown one.
         let headers = b.destination.sensitive_headers.as_ref().unwrap();
         assert_eq!(
-            t.kek.open_bound(headers, B, &shown).unwrap().1,
+            t.kek.open_bound(headers, B, &given).unwrap().1,
             Binding::Url
         );
-        // The file names the URL as given; stored sealed, it is the same URL.
+        assert!(t.kek.open_bound(headers, B, &shown).is_err());
+        // The file names the URL as given; stored sealed, it is the same URL. So does the URL
+        // as shown; one edited from it is refused, nothing written.
         let (r, out) = run(&t, &file).await;
         assert_eq!(r.unwrap().unchanged, 1, "{out}");
+        let mut as_shown = file.clone();
+        as_shown[0]["destination"]["url"] = json!(shown);
+        let (r, out) = run(&t, &as_shown).await;
+        assert_eq!(r.unwrap().unchanged, 1, "{out}");
+        as_shown[0]["destination"]["url"] = json!(format!("{url}?code=***&v=2"));
+        match run(&t, &as_shown).await.0 {
+            Err(ApplyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "redacted"),
+            other => panic!("{:?}", other.map(|s| s.to_string())),
+        }
         assert_eq!(t.subs.get(B).unwrap(), b);
 
-        // Written before URLs were sealed: the query in plaintext, headers bound to it.
+        // Written before URLs were sealed: the query in plaintext, headers bound to it. Reseal
+        // seals it; the headers stay bound to the URL requests go to, which is the same.
         let mut legacy = (*b).clone();
         legacy.destination.url = Some(given.clone());
         legacy.destination.sealed_target = None;
@@ -1452,7 +1482,7 @@ mod tests {
         let opened = sealed_url::request_url(Some(&t.kek), B, &b.destination).unwrap();
         assert_eq!(opened, given);
         let headers = b.destination.sensitive_headers.as_ref().unwrap();
-        let (plain, binding) = t.kek.open_bound(headers, B, &shown).unwrap();
+        let (plain, binding) = t.kek.open_bound(headers, B, &given).unwrap();
         assert_eq!(
             (plain.as_slice(), binding),
             (br#"{"x-k":"2"}"#.as_slice(), Binding::Url)

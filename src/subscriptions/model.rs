@@ -568,6 +568,20 @@ pub fn validate_header_sets(
     }
 }
 
+/// Refuses a new webhook URL that holds the `***` mark of a URL as the API shows it (see
+/// [`super::sealed_url`]): edited from the shown form, the mark would be sent as it is.
+pub fn refuse_redacted(url: &str) -> Result<(), FieldError> {
+    if super::sealed_url::holds_redacted(url) {
+        return Err(FieldError::new(
+            "destination.url",
+            "redacted",
+            "the URL holds *** where the shown URL hides a value: send the URL as given in full, \
+             or as shown unchanged to keep it",
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a webhook URL against the policy and resolves its host; returns the normalised URL.
 pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, FieldError> {
     let field = "destination.url";
@@ -582,7 +596,8 @@ pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, 
         .map_err(|e| FieldError::new(field, e.code(), e.to_string()))?;
     // Shown with its query values redacted it may be longer (`?a&b` → `?***&***`): it is held
     // to the same bound, so the URL the API shows can be sent back.
-    if super::sealed_url::redacted(parsed.as_str()).len() > MAX_URL_BYTES {
+    let shown = super::sealed_url::redacted(parsed.as_str());
+    if parsed.as_str().len().max(shown.len()) > MAX_URL_BYTES {
         return Err(FieldError::new(
             field,
             "too_long",

@@ -147,8 +147,8 @@ impl Prober {
     }
 }
 
-/// Seals a webhook's sensitive headers for subscription `id` and its destination `url` as the
-/// API does (one JSON object); none → `None`.
+/// Seals a webhook's sensitive headers for subscription `id` and the `url` requests go to as
+/// the API does (one JSON object); none → `None`.
 pub fn seal_sensitive_headers(
     kek: &Kek,
     id: &str,
@@ -171,8 +171,8 @@ pub fn open_sensitive_headers(
     let Some(blob) = &rec.destination.sensitive_headers else {
         return Ok((BTreeMap::new(), Binding::Url));
     };
-    let url = rec.destination.url.as_deref().unwrap_or_default();
-    let (plain, binding) = kek.open_bound(blob, &rec.id, url)?;
+    let url = sealed_url::request_url(Some(kek), &rec.id, &rec.destination)?;
+    let (plain, binding) = kek.open_bound(blob, &rec.id, &url)?;
     let headers = serde_json::from_slice(&plain).map_err(|_| SecretError::Open)?;
     Ok((headers, binding))
 }

@@ -14,10 +14,11 @@
 //!   was redacted: the URL is stored as given.
 //!
 //! Query values are sealed whatever their names: no guess at which are credentials. Requests go to
-//! the shown URL's scheme, host and port followed by the opened text ([`request_url`]). The shown
-//! URL is what the API answers, what sensitive headers are bound to and what the breaker's origin
-//! comes from. A URL sent back as the API shows it names the stored one ([`names_stored`]), so a
-//! read-modify-write keeps what is sealed.
+//! the shown URL's scheme, host and port followed by the opened text ([`request_url`]); that URL
+//! is what sensitive headers are bound to. The shown URL is what the API answers and what the
+//! breaker's origin comes from. A URL sent back as the API shows it names the stored one
+//! ([`names_stored`]), so a read-modify-write keeps what is sealed; one edited from it, still
+//! holding a [`REDACTED`] mark, is refused ([`holds_redacted`]): stored, the mark would be sent.
 //!
 //! What reads as words is a guess: a path segment of letters only, in runs of at most 16 between
 //! `-`, `_`, `.` or `~`, is shown as given, so a credential of that shape (rare among random
@@ -173,8 +174,20 @@ pub fn under_current_key(kek: &Kek, id: &str, d: &DestinationRecord) -> Option<S
     if blob.key_id == kek.current_id() {
         return None;
     }
-    let url = request_url(Some(kek), id, d).ok()?;
-    Some(seal(kek, id, &url))
+    // Bound to the URL as stored, not as the rules would show it now.
+    let shown = d.url.as_deref()?;
+    let rest = kek.open_url_target(blob, id, shown).ok()?;
+    Some(StoredUrl {
+        url: shown.to_string(),
+        sealed_target: Some(kek.seal_url_target(&rest, id, shown)),
+    })
+}
+
+/// Whether `url` holds the [`REDACTED`] mark past its host: a URL as the API shows it, or one
+/// edited from it (`/***/in?code=new`). Such a URL names a stored one or nothing: requests would
+/// go to the mark itself.
+pub fn holds_redacted(url: &str) -> bool {
+    split(url).1.contains(REDACTED)
 }
 
 /// Whether `given`, a checked URL, names the destination stored in `d`: it is the URL as the API

@@ -431,6 +431,22 @@ async fn a_url_query_is_sealed_shown_redacted_and_a_url_sent_back_as_shown_keeps
         stored.destination
     );
     assert_eq!(hook.requests().len(), probes);
+    // Edited from the shown URL, it is refused: the mark would be sent.
+    let p = patch(format!("{}?code=***&clientId=other", hook.url)).await;
+    assert_eq!(
+        (
+            p.status,
+            &p.body["error"]["code"],
+            &p.body["error"]["field"]
+        ),
+        (
+            StatusCode::BAD_REQUEST,
+            &json!("redacted"),
+            &json!("destination.url")
+        ),
+        "{}",
+        p.text
+    );
     // So is the URL as given.
     let p = patch(format!("{}?{query}", hook.url)).await;
     assert_eq!(p.status, StatusCode::OK, "{}", p.text);

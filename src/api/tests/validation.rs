@@ -93,6 +93,12 @@ async fn each_create_validation_error_names_its_field() {
             "url_scheme",
         ),
         (
+            // Edited from a URL as shown: the mark would be sent as it is.
+            webhook("https://93.184.215.14/hook?code=***", json!({})),
+            "destination.url",
+            "redacted",
+        ),
+        (
             // 2,021 bytes as given, 4,019 as shown (`?***&***…`): it could not be sent back.
             webhook(
                 &format!("https://93.184.215.14/h?{}", vec!["a"; 999].join("&")),
