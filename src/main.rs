@@ -146,11 +146,11 @@ enum SubscriptionsAction {
         #[arg(short = 'f', long = "file")]
         file: std::path::PathBuf,
     },
-    /// Binds sensitive headers sealed before headers were bound to their URL to the URL each
-    /// record names now (until then they are not sent unless STREAMING_HUB_SEND_UNBOUND_HEADERS
-    /// is on), and seals webhook URLs stored before URLs were sealed past their host (one-off,
-    /// on upgrade). Exit 0 done, 2 some did not open or changed meanwhile (run again) or no KEK, 3
-    /// broker error.
+    /// Seals again under the current KEK every signing secret (expired ones dropped), sensitive
+    /// header set and webhook URL sealed under a previous one (ends a KEK rotation); binds
+    /// sensitive headers sealed before headers were bound to their URL, and seals webhook URLs
+    /// stored before URLs were sealed (one-off, on upgrade). Exit 0 done, 2 some did not open or
+    /// changed meanwhile (run again) or no KEK, 3 broker error.
     Reseal,
 }
 

@@ -746,9 +746,65 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
             .key_id,
         "k2"
     );
+
+    // Ending the rotation: `subscriptions reseal` seals again under k2 what is still under k1
+    // (sub1's previous signing secret, in its grace, and its headers); then k1 can go.
+    let printed = reseal(&api.hub.env);
+    assert!(printed.contains(&format!("resealed {sub1} ")), "{printed}");
+    let records = control_records(&api.prefix);
+    for (id, rec) in [&sub1, &subq, &sub2].map(|id| (id, &records[id])) {
+        let mut keys: Vec<&str> = rec
+            .signing_secrets
+            .iter()
+            .map(|s| s.key_id.as_str())
+            .collect();
+        keys.extend(
+            rec.destination
+                .sensitive_headers
+                .iter()
+                .map(|b| b.key_id.as_str()),
+        );
+        keys.extend(
+            rec.destination
+                .sealed_target
+                .iter()
+                .map(|b| b.key_id.as_str()),
+        );
+        assert!(keys.iter().all(|k| *k == "k2"), "{id}: {keys:?}");
+    }
+    assert_eq!(
+        records[&sub1].signing_secrets.len(),
+        2,
+        "the one in its grace kept"
+    );
+    let second_log = api.hub.log.clone();
+    api.hub.terminate();
+    let mut env = api.hub.env.clone();
+    env.remove("STREAMING_HUB_KEK_PREVIOUS");
+    api.hub = Hub::start(&env);
+    let (transfer, opened) = (
+        event(tenant, "ledger", "transaction", "created"),
+        event(tenant, "ledger", "account", "opened"),
+    );
+    produce(&p, &api.topic, &[transfer.clone(), opened.clone()]);
+    let d = sink.wait_for(&transfer.id());
+    assert!(
+        d.signed_by(&s1) && d.signed_by(&s2),
+        "both secrets open under k2 alone"
+    );
+    assert_eq!(d.header("authorization"), credential);
+    let d = sink.wait_for(&opened.id());
+    assert_eq!(
+        (d.path.as_str(), d.query.as_deref()),
+        (
+            format!("/hook/{path_credential}").as_str(),
+            Some(query.as_str())
+        ),
+        "the sealed URL opens under k2 alone"
+    );
     api.hub.terminate();
 
-    // Nothing secret anywhere: every byte of every topic, both logs, the state directory.
+    // Nothing secret anywhere: every byte of every topic, the logs, the state directory.
     let mut needles = Vec::new();
     forms("signing secret 1", &s1, &mut needles);
     forms("signing secret 2", &s2, &mut needles);
@@ -782,6 +838,7 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     }
     let logs = [
         std::fs::read(&first_log).unwrap(),
+        std::fs::read(&second_log).unwrap(),
         std::fs::read(&api.hub.log).unwrap(),
     ];
     for log in &logs {
@@ -880,17 +937,7 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
     );
 
     // ...until `subscriptions reseal` binds them to the URL the record names (the upgrade step).
-    let reseal = || {
-        let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-            .args(["subscriptions", "reseal"])
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .envs(&api.hub.env)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let reseal = || reseal(&api.hub.env);
     assert_eq!(reseal(), format!("resealed {id} v{}\n", legacy.version + 1));
     let resealed = wait_until(Duration::from_secs(30), "the resealed record", || {
         control_records(&api.prefix)
@@ -1025,6 +1072,20 @@ async fn a_sealed_target_pointed_at_another_host_is_never_sent() {
         "nothing went to the host the record names now"
     );
     assert_eq!(sink.ids(), [ev.id()], "nor to the one it was sealed for");
+}
+
+/// Runs `streaming-hub subscriptions reseal` with the hub's environment; what it printed (it
+/// must succeed).
+fn reseal(env: &BTreeMap<String, String>) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["subscriptions", "reseal"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -825,44 +825,74 @@ pub async fn apply_file(
     result
 }
 
-/// `sub` as its next version with its URL sealed past its host (written before URLs were) and its
-/// id-only sealed headers bound to the URL requests go to (None: nothing to seal or bind).
-/// Headers already bound stay as they are: the URL requests go to does not change.
+/// `sub` as its next version with everything sealed in it under the current key and bound as
+/// this version binds it (None: nothing to do):
+/// - signing secrets sealed under a previous key, sealed again (those expired are dropped: they
+///   never sign again);
+/// - sensitive headers sealed by the id alone (before headers were bound to their URL) or under
+///   a previous key, sealed again, bound to the URL requests go to;
+/// - a URL stored before URLs were sealed, sealed past its host; one sealed under a previous key,
+///   sealed again (shown the same).
+///
+/// Anything that does not open fails the whole record: nothing of it is written.
 fn resealed(
     sub: &SubscriptionRecord,
     kek: &Kek,
     now: i64,
 ) -> Result<Option<SubscriptionRecord>, SecretError> {
-    let (headers, binding) = open_sensitive_headers(kek, sub)?;
-    let url = sub.destination.url.as_deref().unwrap_or_default();
-    let plain_url = sub.destination.kind == DestinationType::Webhook
-        && sub.destination.sealed_target.is_none()
-        && sealed_url::redacted(url) != url;
-    if binding == Binding::Url && !plain_url {
-        return Ok(None);
-    }
+    let current = kek.current_id();
     let mut rec = sub.clone();
-    if binding == Binding::SubscriptionOnly {
+    rec.signing_secrets.clear();
+    for s in &sub.signing_secrets {
+        if s.key_id == current {
+            rec.signing_secrets.push(s.clone());
+        } else if s.expires_at.is_none_or(|t| t > now) {
+            rec.signing_secrets.push(kek.reseal_secret(s, &sub.id)?);
+        }
+    }
+    let (headers, binding) = open_sensitive_headers(kek, sub)?;
+    let headers_key = sub
+        .destination
+        .sensitive_headers
+        .as_ref()
+        .map(|b| &b.key_id);
+    if binding == Binding::SubscriptionOnly || headers_key.is_some_and(|k| k.as_str() != current) {
         let target = sealed_url::request_url(Some(kek), &sub.id, &sub.destination)?;
         rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &target, &headers);
     }
-    if plain_url {
-        let stored = sealed_url::seal(kek, &rec.id, url);
-        rec.destination.url = Some(stored.url);
-        rec.destination.sealed_target = stored.sealed_target;
+    if sub.destination.kind == DestinationType::Webhook {
+        let url = sub.destination.url.as_deref().unwrap_or_default();
+        match &sub.destination.sealed_target {
+            None if sealed_url::redacted(url) != url => {
+                let stored = sealed_url::seal(kek, &rec.id, url);
+                rec.destination.url = Some(stored.url);
+                rec.destination.sealed_target = stored.sealed_target;
+            }
+            Some(blob) if blob.key_id != current => {
+                let stored = sealed_url::under_current_key(kek, &sub.id, &sub.destination)
+                    .ok_or(SecretError::Open)?;
+                rec.destination.sealed_target = stored.sealed_target;
+            }
+            _ => {}
+        }
+    }
+    if rec == *sub {
+        return Ok(None);
     }
     rec.version += 1;
     rec.updated_at = now;
     Ok(Some(rec))
 }
 
-/// `streaming-hub subscriptions reseal`: binds every webhook's sensitive headers sealed before
-/// headers were bound to their URL to the URL its record names now (a one-off step of the
-/// upgrade, run while the control topic is trusted: until then such headers are not sent unless
-/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals every webhook URL stored before URLs
-/// were sealed (in plaintext on the control topic until then). Prints `resealed <id> v<version>`
-/// per subscription; returns the exit code: 0 all bound, 2 some did not open or changed while
-/// being bound (run it again) or the KEK is missing, 3 the control topic could not be read or
+/// `streaming-hub subscriptions reseal`: brings every subscription's sealed values to the current
+/// key and binding (see `resealed`). It ends a KEK rotation: once it has run with nothing left
+/// (an empty output), no subscription needs the previous key. And it is a one-off step of two
+/// upgrades, run while the control topic is trusted: it binds sensitive headers sealed before
+/// headers were bound to their URL (until then not sent unless
+/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals webhook URLs stored before URLs were
+/// sealed (in plaintext on the control topic until then). Prints `resealed <id> v<version>` per
+/// subscription; returns the exit code: 0 all done, 2 some did not open or changed while being
+/// sealed (run it again) or the KEK is missing, 3 the control topic could not be read or
 /// written.
 pub async fn reseal_command(config: &Config) -> u8 {
     let who = "streaming-hub subscriptions reseal";
@@ -940,14 +970,14 @@ pub async fn reseal_all(
                 continue;
             }
         };
-        let (version, destination) = (rec.version, rec.destination.clone());
+        let (version, written) = (rec.version, rec.clone());
         subs.put(rec).await.map_err(|error| ApplyError::Write {
             id: id.clone(),
             error,
         })?;
         let ours = subs
             .get(&id)
-            .is_some_and(|s| s.version == version && s.destination == destination);
+            .is_some_and(|s| s.version == version && *s == written);
         if ours {
             report.resealed += 1;
             emit(out, &format!("resealed {id} v{version}"))?;
@@ -1490,6 +1520,73 @@ mod tests {
         // Nothing left to seal.
         let (out, report) = reseal_report(&t).await;
         assert!(out.is_empty() && report.resealed == 0);
+    }
+
+    /// A KEK rotation ends with `subscriptions reseal`: every value still sealed under the
+    /// previous key is sealed again under the current one (an expired signing secret dropped),
+    /// after which the current key alone opens the record.
+    #[tokio::test]
+    async fn reseal_moves_every_sealed_value_to_the_current_key_and_then_the_old_one_can_go() {
+        let t = target();
+        let (url, _) = echo().await;
+        let given = format!("{url}?code=fn_1");
+        let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                           "destination": {"type": "webhook", "url": given,
+                                           "sensitive_headers": {"x-k": "2"}}}]);
+        run(&t, &file).await.0.unwrap();
+        let now = SystemClock.now_ms(); // as the command reads it
+        let mut b = (*t.subs.get(B).unwrap()).clone();
+        let secret = |expires_at| t.kek.seal_secret(&generate_signing_secret(), B, expires_at);
+        b.signing_secrets.push(secret(Some(now + 3_600_000))); // in its grace
+        b.signing_secrets.push(secret(Some(now - 1))); // expired
+        b.version += 1;
+        t.subs.put(b.clone()).await.unwrap();
+
+        let b64 = |byte: u8| base64::engine::general_purpose::STANDARD.encode([byte; 32]);
+        let vars = [
+            ("STREAMING_HUB_KEK", b64(4)),
+            ("STREAMING_HUB_KEK_ID", "k2".to_string()),
+            (
+                "STREAMING_HUB_KEK_PREVIOUS",
+                format!("{}:{}", t.kek.current_id(), b64(3)),
+            ),
+        ];
+        let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
+        let rotated = Kek::from_config(&config).unwrap();
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &rotated, &mut out, &mut report)
+            .await
+            .unwrap();
+        let v = b.version + 1;
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("resealed {B} v{v}\n")
+        );
+        let r = t.subs.get(B).unwrap();
+        assert_eq!(r.destination.url, b.destination.url, "shown the same");
+        let expiries: Vec<_> = r.signing_secrets.iter().map(|s| s.expires_at).collect();
+        assert_eq!(
+            expiries,
+            [None, Some(now + 3_600_000)],
+            "the expired one dropped"
+        );
+
+        let alone = Kek::new("k2", &b64(4)).unwrap();
+        let live = alone.open_live_secrets(&r.signing_secrets, B, now);
+        assert_eq!((live.opened.len(), live.unopened), (2, 0));
+        assert_eq!(
+            sealed_url::request_url(Some(&alone), B, &r.destination).unwrap(),
+            given
+        );
+        let (headers, binding) = open_sensitive_headers(&alone, &r).unwrap();
+        assert_eq!(headers.get("x-k").map(String::as_str), Some("2"));
+        assert_eq!(binding, Binding::Url);
+
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &rotated, &mut out, &mut report)
+            .await
+            .unwrap();
+        assert!(out.is_empty() && report.resealed == 0, "nothing left");
     }
 
     #[tokio::test]

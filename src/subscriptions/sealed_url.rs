@@ -251,6 +251,11 @@ mod tests {
                 "https://h.example/v1/tenants/42/in",
             ),
             ("https://h.example/hook%20x/in", "https://h.example/***/in"),
+            // The load harness's sinks: every delivery of `streaming-hub load` opens its URL.
+            (
+                "http://127.0.0.1:8080/hook/tenant-17/0",
+                "http://127.0.0.1:8080/hook/***/0",
+            ),
             (
                 "https://h.example/a-very-long-path-segment-of-words-that-goes-on-and-on",
                 "https://h.example/***",
