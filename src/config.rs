@@ -521,8 +521,8 @@ settings! {
     /// DANGEROUS: allow `http://` webhook URLs (otherwise `https://` only).
     allow_insecure_sinks: bool = "false";
     /// Upgrade transition only: also send sensitive headers sealed before they were bound to
-    /// their URL (by the subscription id alone), until `streaming-hub subscriptions reseal` has
-    /// bound them. Off, such headers are not sent: any URL may have been written next to them.
+    /// their URL (by the subscription id alone), until `streaming-hub subscriptions reseal
+    /// --bind-unbound` has bound them. Off, such headers are not sent: any URL may have been written next to them.
     send_unbound_headers: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";

@@ -147,11 +147,15 @@ enum SubscriptionsAction {
         file: std::path::PathBuf,
     },
     /// Seals again under the current KEK every signing secret (expired ones dropped), sensitive
-    /// header set and webhook URL sealed under a previous one (ends a KEK rotation); binds
-    /// sensitive headers sealed before headers were bound to their URL, and seals webhook URLs
-    /// stored before URLs were sealed (one-off, on upgrade). Exit 0 done, 2 some did not open or
-    /// changed meanwhile (run again) or no KEK, 3 broker error.
-    Reseal,
+    /// header set and webhook URL sealed under a previous one (ends a KEK rotation), and seals
+    /// webhook URLs stored before URLs were sealed. Exit 0 done, 2 some did not open or changed
+    /// meanwhile (run again) or no KEK, 3 broker error.
+    Reseal {
+        /// Also bind sensitive headers sealed before headers were bound to their URL to the URL
+        /// their record sends to now (one-off, on upgrade, while the control topic is trusted).
+        #[arg(long)]
+        bind_unbound: bool,
+    },
 }
 
 /// The C libraries (librdkafka, RocksDB) allocate with glibc's malloc. Its mmap threshold grows
@@ -252,8 +256,11 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Subscriptions { action: SubscriptionsAction::Reseal } => {
-                ExitCode::from(streaming_hub::subscriptions::apply::reseal_command(&config).await)
+            Command::Subscriptions { action: SubscriptionsAction::Reseal { bind_unbound } } => {
+                ExitCode::from(
+                    streaming_hub::subscriptions::apply::reseal_command(&config, bind_unbound)
+                        .await,
+                )
             }
             Command::Subscriptions { action: SubscriptionsAction::Apply { file } } => {
                 ExitCode::from(streaming_hub::subscriptions::apply::command(&config, &file).await)

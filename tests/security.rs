@@ -11,7 +11,7 @@
 //!   after which old records still open (deliveries verify with the same secret) and new ones are
 //!   sealed under the new key. Sealed headers copied onto another URL through the control topic
 //!   are not sent there; headers sealed before that binding are not sent until
-//!   `subscriptions reseal` binds them to the URL their record names.
+//!   `subscriptions reseal --bind-unbound` binds them to the URL their record sends to.
 //! - Tenant isolation: another tenant's token gets `404` (indistinguishable from an unknown id) on
 //!   every tenant route that names a subscription, never sees its subscriptions or events, and
 //!   every `/admin/*` route refuses tenant tokens with `403`. The routes come from
@@ -597,6 +597,14 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
         json!({"event_types": ["account.opened"]}),
     )
     .await;
+    // The same, left as it is until `subscriptions reseal` moves it.
+    let (subr, _) = subscribe_webhook(
+        &api,
+        tenant,
+        &with_credentials,
+        json!({"event_types": ["account.updated"]}),
+    )
+    .await;
 
     // KEK rotation: a new current key, the old one kept to read old records.
     api.hub.terminate();
@@ -749,10 +757,11 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
 
     // Ending the rotation: `subscriptions reseal` seals again under k2 what is still under k1
     // (sub1's previous signing secret, in its grace, and its headers); then k1 can go.
-    let printed = reseal(&api.hub.env);
+    let printed = reseal(&api.hub.env, &[]);
     assert!(printed.contains(&format!("resealed {sub1} ")), "{printed}");
     let records = control_records(&api.prefix);
-    for (id, rec) in [&sub1, &subq, &sub2].map(|id| (id, &records[id])) {
+    assert!(printed.contains(&format!("resealed {subr} ")), "{printed}");
+    for (id, rec) in [&sub1, &subq, &subr, &sub2].map(|id| (id, &records[id])) {
         let mut keys: Vec<&str> = rec
             .signing_secrets
             .iter()
@@ -782,26 +791,33 @@ async fn secrets_never_reach_a_topic_or_the_trace_log_and_survive_a_kek_rotation
     let mut env = api.hub.env.clone();
     env.remove("STREAMING_HUB_KEK_PREVIOUS");
     api.hub = Hub::start(&env);
-    let (transfer, opened) = (
+    let (transfer, opened, updated) = (
         event(tenant, "ledger", "transaction", "created"),
         event(tenant, "ledger", "account", "opened"),
+        event(tenant, "ledger", "account", "updated"),
     );
-    produce(&p, &api.topic, &[transfer.clone(), opened.clone()]);
+    produce(
+        &p,
+        &api.topic,
+        &[transfer.clone(), opened.clone(), updated.clone()],
+    );
     let d = sink.wait_for(&transfer.id());
     assert!(
         d.signed_by(&s1) && d.signed_by(&s2),
         "both secrets open under k2 alone"
     );
     assert_eq!(d.header("authorization"), credential);
-    let d = sink.wait_for(&opened.id());
-    assert_eq!(
-        (d.path.as_str(), d.query.as_deref()),
-        (
-            format!("/hook/{path_credential}").as_str(),
-            Some(query.as_str())
-        ),
-        "the sealed URL opens under k2 alone"
-    );
+    for ev in [&opened, &updated] {
+        let d = sink.wait_for(&ev.id());
+        assert_eq!(
+            (d.path.as_str(), d.query.as_deref()),
+            (
+                format!("/hook/{path_credential}").as_str(),
+                Some(query.as_str())
+            ),
+            "the sealed URL opens under k2 alone"
+        );
+    }
     api.hub.terminate();
 
     // Nothing secret anywhere: every byte of every topic, the logs, the state directory.
@@ -937,7 +953,7 @@ async fn sealed_headers_are_sent_only_to_the_url_they_were_sealed_for_and_reseal
     );
 
     // ...until `subscriptions reseal` binds them to the URL the record names (the upgrade step).
-    let reseal = || reseal(&api.hub.env);
+    let reseal = || reseal(&api.hub.env, &["--bind-unbound"]);
     assert_eq!(reseal(), format!("resealed {id} v{}\n", legacy.version + 1));
     let resealed = wait_until(Duration::from_secs(30), "the resealed record", || {
         control_records(&api.prefix)
@@ -1074,11 +1090,12 @@ async fn a_sealed_target_pointed_at_another_host_is_never_sent() {
     assert_eq!(sink.ids(), [ev.id()], "nor to the one it was sealed for");
 }
 
-/// Runs `streaming-hub subscriptions reseal` with the hub's environment; what it printed (it
-/// must succeed).
-fn reseal(env: &BTreeMap<String, String>) -> String {
+/// Runs `streaming-hub subscriptions reseal <args>` with the hub's environment; what it printed
+/// (it must succeed).
+fn reseal(env: &BTreeMap<String, String>, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
         .args(["subscriptions", "reseal"])
+        .args(args)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(env)

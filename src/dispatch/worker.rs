@@ -267,7 +267,7 @@ impl Workers {
             // subscription or URL does not open, and the attempt goes without it. Nor does one
             // sealed before headers were bound to their URL (any URL may have been written next
             // to it since), unless STREAMING_HUB_SEND_UNBOUND_HEADERS is on: `streaming-hub
-            // subscriptions reseal` binds those.
+            // subscriptions reseal --bind-unbound` binds those.
             match kek.open_bound(blob, &sub.id, &target) {
                 Ok((plain, binding)) if kek.may_send(binding, &sub.id) => {
                     match serde_json::from_slice::<std::collections::BTreeMap<String, String>>(

@@ -825,20 +825,29 @@ pub async fn apply_file(
     result
 }
 
-/// `sub` as its next version with everything sealed in it under the current key and bound as
-/// this version binds it (None: nothing to do):
-/// - signing secrets sealed under a previous key, sealed again (those expired are dropped: they
-///   never sign again);
-/// - sensitive headers sealed by the id alone (before headers were bound to their URL) or under
-///   a previous key, sealed again, bound to the URL requests go to;
+/// How long past its expiry a signing secret under a previous key is still sealed again rather
+/// than dropped: the command's clock may run ahead of the hubs'.
+const EXPIRED_KEPT_MS: i64 = 10 * 60 * 1000;
+
+/// `sub` as its next version with everything sealed in it under the current key (None: nothing
+/// to do):
+/// - signing secrets sealed under a previous key, sealed again (those expired more than
+///   [`EXPIRED_KEPT_MS`] ago are dropped: they never sign again);
+/// - sensitive headers under a previous key, sealed again as they were bound; with
+///   `bind_unbound` (the upgrade step), those sealed by the id alone are bound to the URL requests
+///   go to. Without it they stay bound to the id alone (not sent): binding them trusts the URL
+///   next to them, which anyone who can write the control topic may have put there;
 /// - a URL stored before URLs were sealed, sealed past its host; one sealed under a previous key,
 ///   sealed again (shown the same).
 ///
-/// Anything that does not open fails the whole record: nothing of it is written.
+/// Anything that does not open fails the whole record: nothing of it is written. `updated_at` is
+/// kept: nothing a subscriber sees changed, and a change would open a new failure span for
+/// auto-disable and the breaker.
 fn resealed(
     sub: &SubscriptionRecord,
     kek: &Kek,
     now: i64,
+    bind_unbound: bool,
 ) -> Result<Option<SubscriptionRecord>, SecretError> {
     let current = kek.current_id();
     let mut rec = sub.clone();
@@ -846,19 +855,29 @@ fn resealed(
     for s in &sub.signing_secrets {
         if s.key_id == current {
             rec.signing_secrets.push(s.clone());
-        } else if s.expires_at.is_none_or(|t| t > now) {
+        } else if s.expires_at.is_none_or(|t| t + EXPIRED_KEPT_MS > now) {
             rec.signing_secrets.push(kek.reseal_secret(s, &sub.id)?);
         }
     }
     let (headers, binding) = open_sensitive_headers(kek, sub)?;
-    let headers_key = sub
-        .destination
-        .sensitive_headers
-        .as_ref()
-        .map(|b| &b.key_id);
-    if binding == Binding::SubscriptionOnly || headers_key.is_some_and(|k| k.as_str() != current) {
-        let target = sealed_url::request_url(Some(kek), &sub.id, &sub.destination)?;
-        rec.destination.sensitive_headers = seal_sensitive_headers(kek, &rec.id, &target, &headers);
+    let old_key =
+        (sub.destination.sensitive_headers.as_ref()).is_some_and(|b| b.key_id.as_str() != current);
+    match binding {
+        Binding::SubscriptionOnly if bind_unbound => {
+            let target = sealed_url::request_url(Some(kek), &sub.id, &sub.destination)?;
+            rec.destination.sensitive_headers =
+                seal_sensitive_headers(kek, &rec.id, &target, &headers);
+        }
+        Binding::SubscriptionOnly if old_key => {
+            let json = serde_json::to_vec(&headers).expect("a map of strings always serializes");
+            rec.destination.sensitive_headers = Some(kek.seal(&json, &rec.id));
+        }
+        Binding::Url if old_key => {
+            let target = sealed_url::request_url(Some(kek), &sub.id, &sub.destination)?;
+            rec.destination.sensitive_headers =
+                seal_sensitive_headers(kek, &rec.id, &target, &headers);
+        }
+        _ => {}
     }
     if sub.destination.kind == DestinationType::Webhook {
         let url = sub.destination.url.as_deref().unwrap_or_default();
@@ -869,9 +888,8 @@ fn resealed(
                 rec.destination.sealed_target = stored.sealed_target;
             }
             Some(blob) if blob.key_id != current => {
-                let stored = sealed_url::under_current_key(kek, &sub.id, &sub.destination)
-                    .ok_or(SecretError::Open)?;
-                rec.destination.sealed_target = stored.sealed_target;
+                let rest = kek.open_url_target(blob, &sub.id, url)?;
+                rec.destination.sealed_target = Some(kek.seal_url_target(&rest, &sub.id, url));
             }
             _ => {}
         }
@@ -880,27 +898,28 @@ fn resealed(
         return Ok(None);
     }
     rec.version += 1;
-    rec.updated_at = now;
     Ok(Some(rec))
 }
 
-/// `streaming-hub subscriptions reseal`: brings every subscription's sealed values to the current
-/// key and binding (see `resealed`). It ends a KEK rotation: once it has run with nothing left
-/// (an empty output), no subscription needs the previous key. And it is a one-off step of two
-/// upgrades, run while the control topic is trusted: it binds sensitive headers sealed before
-/// headers were bound to their URL (until then not sent unless
-/// `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on), and seals webhook URLs stored before URLs were
-/// sealed (in plaintext on the control topic until then). Prints `resealed <id> v<version>` per
+/// `streaming-hub subscriptions reseal [--bind-unbound]`: brings every subscription's sealed
+/// values to the current key (see `resealed`). It ends a KEK rotation: once it has run with
+/// nothing left (an empty output), no subscription needs the previous key. It also seals webhook
+/// URLs stored before URLs were sealed (in plaintext on the control topic until then). With
+/// `--bind-unbound`, a one-off step of an upgrade run while the control topic is trusted, it
+/// binds sensitive headers sealed before headers were bound to their URL (until then not sent
+/// unless `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on). Prints `resealed <id> v<version>` per
 /// subscription; returns the exit code: 0 all done, 2 some did not open or changed while being
 /// sealed (run it again) or the KEK is missing, 3 the control topic could not be read or
 /// written.
-pub async fn reseal_command(config: &Config) -> u8 {
+pub async fn reseal_command(config: &Config, bind_unbound: bool) -> u8 {
     let who = "streaming-hub subscriptions reseal";
     let mut out = std::io::stdout();
     let mut report = Reseal::default();
-    let result = reseal(config, &mut out, &mut report).await;
+    let result = reseal(config, bind_unbound, &mut out, &mut report).await;
     for (id, e) in &report.failed {
-        eprintln!("{who}: {id}: sensitive headers do not open: {e}");
+        eprintln!(
+            "{who}: {id}: a sealed value (signing secret, sensitive headers or URL) does not open: {e}"
+        );
     }
     for id in &report.moved {
         eprintln!("{who}: {id}: written by someone else meanwhile; run again");
@@ -932,6 +951,7 @@ pub struct Reseal {
 
 async fn reseal(
     config: &Config,
+    bind_unbound: bool,
     out: &mut (dyn Write + Send),
     report: &mut Reseal,
 ) -> Result<(), ApplyError> {
@@ -942,7 +962,7 @@ async fn reseal(
     }
     let kek = Kek::from_config(config).map_err(|e| ApplyError::Kek(e.to_string()))?;
     let (reader, subs) = read_control_topic(config).await?;
-    let result = reseal_all(&subs, &kek, out, report).await;
+    let result = reseal_all(&subs, &kek, bind_unbound, out, report).await;
     tokio::task::spawn_blocking(move || drop(reader)).await.ok();
     result
 }
@@ -953,6 +973,7 @@ async fn reseal(
 pub async fn reseal_all(
     subs: &Subscriptions,
     kek: &Kek,
+    bind_unbound: bool,
     out: &mut (dyn Write + Send),
     report: &mut Reseal,
 ) -> Result<(), ApplyError> {
@@ -962,7 +983,7 @@ pub async fn reseal_all(
         let Some(current) = subs.get(&id) else {
             continue; // deleted meanwhile
         };
-        let rec = match resealed(&current, kek, SystemClock.now_ms()) {
+        let rec = match resealed(&current, kek, SystemClock.now_ms(), bind_unbound) {
             Ok(Some(rec)) => rec,
             Ok(None) => continue,
             Err(e) => {
@@ -1045,7 +1066,7 @@ mod tests {
     /// One `subscriptions reseal` run: what it printed and its report.
     async fn reseal_report(t: &Target) -> (String, Reseal) {
         let (mut out, mut report) = (Vec::new(), Reseal::default());
-        reseal_all(&t.subs, &t.kek, &mut out, &mut report)
+        reseal_all(&t.subs, &t.kek, true, &mut out, &mut report)
             .await
             .unwrap();
         (String::from_utf8(out).unwrap(), report)
@@ -1425,6 +1446,14 @@ mod tests {
         legacy.destination.sensitive_headers = Some(t.kek.seal(br#"{"x-k":"2"}"#, B));
         legacy.version += 1;
         t.subs.put(legacy.clone()).await.unwrap();
+        // Without --bind-unbound they stay bound to the id alone: binding them trusts the URL
+        // next to them.
+        let (mut out, mut report) = (Vec::new(), Reseal::default());
+        reseal_all(&t.subs, &t.kek, false, &mut out, &mut report)
+            .await
+            .unwrap();
+        assert!(out.is_empty() && report.resealed == 0);
+        assert_eq!(*t.subs.get(B).unwrap(), legacy);
 
         let (out, report) = reseal_report(&t).await;
         let v = legacy.version + 1;
@@ -1538,7 +1567,7 @@ mod tests {
         let mut b = (*t.subs.get(B).unwrap()).clone();
         let secret = |expires_at| t.kek.seal_secret(&generate_signing_secret(), B, expires_at);
         b.signing_secrets.push(secret(Some(now + 3_600_000))); // in its grace
-        b.signing_secrets.push(secret(Some(now - 1))); // expired
+        b.signing_secrets.push(secret(Some(now - 3_600_000))); // expired an hour ago
         b.version += 1;
         t.subs.put(b.clone()).await.unwrap();
 
@@ -1554,7 +1583,7 @@ mod tests {
         let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
         let rotated = Kek::from_config(&config).unwrap();
         let (mut out, mut report) = (Vec::new(), Reseal::default());
-        reseal_all(&t.subs, &rotated, &mut out, &mut report)
+        reseal_all(&t.subs, &rotated, false, &mut out, &mut report)
             .await
             .unwrap();
         let v = b.version + 1;
@@ -1564,6 +1593,10 @@ mod tests {
         );
         let r = t.subs.get(B).unwrap();
         assert_eq!(r.destination.url, b.destination.url, "shown the same");
+        assert_eq!(
+            r.updated_at, b.updated_at,
+            "no new failure span for auto-disable"
+        );
         let expiries: Vec<_> = r.signing_secrets.iter().map(|s| s.expires_at).collect();
         assert_eq!(
             expiries,
@@ -1583,7 +1616,7 @@ mod tests {
         assert_eq!(binding, Binding::Url);
 
         let (mut out, mut report) = (Vec::new(), Reseal::default());
-        reseal_all(&t.subs, &rotated, &mut out, &mut report)
+        reseal_all(&t.subs, &rotated, false, &mut out, &mut report)
             .await
             .unwrap();
         assert!(out.is_empty() && report.resealed == 0, "nothing left");

@@ -8,7 +8,7 @@
 //! subscription's sealed headers into a record pointing at a URL of their own and have the hub
 //! send the credentials there. Headers sealed before this binding (bound to the id only) still
 //! open, reported as [`Binding::SubscriptionOnly`], for the API to show their names and for
-//! `streaming-hub subscriptions reseal` to seal them again bound to the URL the record names
+//! `streaming-hub subscriptions reseal --bind-unbound` to seal them again bound to the URL the record sends to
 //! (a one-off step of the upgrade); the delivery workers and verification probes do not send
 //! them (any URL could have been written next to them) unless `STREAMING_HUB_SEND_UNBOUND_HEADERS`
 //! is on, the upgrade's transition.
@@ -367,7 +367,7 @@ pub fn headers_not_sent(subscription_id: &str, why: NotSent) {
         (true, NotSent::Unbound) => tracing::warn!(
             subscription_id,
             "sensitive headers sealed before they were bound to their URL are not sent; run \
-             `streaming-hub subscriptions reseal` to bind them"
+             `streaming-hub subscriptions reseal --bind-unbound` to bind them"
         ),
         (true, NotSent::Unopened) => tracing::warn!(
             subscription_id,
