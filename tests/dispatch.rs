@@ -893,6 +893,43 @@ async fn claims_ahead_are_bounded_by_the_bytes_their_events_hold() {
     );
 }
 
+/// More claimed than the workers can start within the lease: with one worker, a 1 s timeout
+/// (an 11 s lease) and a sink taking 500 ms, the attempts queued past the 20th wait more than
+/// the 10 s left. They are handed back unsent and counted
+/// (`streaming_hub_attempts_unsent_total`), claimed again, and every event is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_that_waited_past_their_lease_are_handed_back_unsent_and_counted() {
+    let s = ApiHub::start(
+        "unsent",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "1s"),
+            ("STREAMING_HUB_DISPATCH_WORKERS", "1"),
+        ],
+    )
+    .await;
+    let (url, sink) = start_slow_sink(vec![200], Duration::from_millis(500)).await;
+    subscribe(&s, "tenant-slow", &url, None).await;
+    let events: Vec<Rec> = (0..30)
+        .map(|_| event("tenant-slow", "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &events);
+    s.hub
+        .metrics_when(&s.http, "streaming_hub_attempts_unsent_total", 1)
+        .await;
+    let got = wait_for_deliveries(&sink, events.len(), Duration::from_secs(120));
+    let mut ids: Vec<&str> = got
+        .iter()
+        .map(|r| r.headers["x-lerian-event-id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    let mut want: Vec<String> = events.iter().map(|e| e.id()).collect();
+    want.sort_unstable();
+    assert_eq!(
+        ids, want,
+        "each event once: an attempt handed back was never sent"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_the_state_changelog()
 {

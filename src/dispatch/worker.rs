@@ -148,6 +148,7 @@ impl Workers {
             if w.clock.now_ms() + w.http_timeout_ms > a.lease_until {
                 // Sending now could outlive the lease: the hub may already be reclaiming the job,
                 // and a second copy would go out. Hand it back unsent instead.
+                crate::runtime::telemetry::attempt_unsent();
                 let _ = done.send(Outcome {
                     partition: a.partition,
                     job_key: a.job_key.clone(),

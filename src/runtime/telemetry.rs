@@ -230,6 +230,15 @@ pub fn resend_avoided(how: &'static str) {
     counter!(RESENDS_AVOIDED, "how" => how).increment(1);
 }
 
+pub const ATTEMPTS_UNSENT: &str = "streaming_hub_attempts_unsent_total";
+
+/// A claimed attempt handed back unsent: it waited for a worker until too little of its lease was
+/// left to finish within it (claims ahead of slow destinations). Its job is due again at once,
+/// with no attempt counted, and is claimed again.
+pub fn attempt_unsent() {
+    counter!(ATTEMPTS_UNSENT).increment(1);
+}
+
 pub const HUB_BATCHES_RUN_AGAIN: &str = "streaming_hub_hub_batches_run_again_total";
 
 /// A hub batch whose offsets the coordinator refused as the group moved to its next generation
