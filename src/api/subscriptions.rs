@@ -342,10 +342,10 @@ fn apply(
                 // The same URL: its sealed target moves to the current key (a KEK rotation), nothing
                 // else changes.
                 Some(_) => {
-                    if let Some(stored) =
+                    if let Ok(Some(moved)) =
                         sealed_url::under_current_key(&state.kek, &rec.id, &rec.destination)
                     {
-                        rec.destination.sealed_target = stored.sealed_target;
+                        rec.destination.sealed_target = Some(moved);
                     }
                 }
                 None => {}

@@ -88,12 +88,15 @@ pub struct Outcome {
     pub url: Option<String>,
     /// The nonce of the URL's sealed target, if any (sealed again on every change of the URL):
     /// with `url`, which URL the attempt went to, without its credentials in plaintext.
-    pub target_nonce: Option<Vec<u8>>,
+    pub target_nonce: Option<[u8; 12]>,
 }
 
-/// [`Outcome::target_nonce`] of a destination.
-fn target_nonce(d: &crate::runtime::records::DestinationRecord) -> Option<Vec<u8>> {
-    d.sealed_target.as_ref().map(|b| b.nonce.clone())
+/// [`Outcome::target_nonce`] of a destination (no allocation per attempt). A nonce that is not
+/// 12 bytes never opens, so its attempts never deliver and nothing compares them.
+pub fn target_nonce(d: &crate::runtime::records::DestinationRecord) -> Option<[u8; 12]> {
+    d.sealed_target
+        .as_ref()
+        .and_then(|b| b.nonce.as_slice().try_into().ok())
 }
 
 impl Outcome {

@@ -3077,8 +3077,7 @@ fn keep_unrecorded(kept: &mut FastMap<Vec<u8>, (i64, Outcome)>, o: &Outcome, now
 fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
     let d = &a.subscription.destination;
     // A URL sealed again (its path or query changed, shown the same) is another URL too.
-    let same_url = o.url == d.url
-        && o.target_nonce.as_deref() == d.sealed_target.as_ref().map(|b| b.nonce.as_slice());
+    let same_url = o.url == d.url && o.target_nonce == crate::dispatch::worker::target_nonce(d);
     if !o.success() || o.job_key != a.job_key || !same_url {
         return None;
     }
@@ -3099,7 +3098,7 @@ fn reused(o: &Outcome, a: &Attempt) -> Option<Outcome> {
         sole_payload: a.sole_payload,
         body_bytes: a.event.body.len(),
         url: o.url.clone(),
-        target_nonce: o.target_nonce.clone(),
+        target_nonce: o.target_nonce,
     })
 }
 
@@ -3426,9 +3425,9 @@ mod tests {
             .destination
             .sealed_target = Some(blob(2));
         let mut earlier = delivered_to("https://a.example/hook?code=***", 50_000);
-        earlier.target_nonce = Some(vec![1; 12]);
+        earlier.target_nonce = Some([1; 12]);
         assert!(reused(&earlier, &sealed).is_none());
-        earlier.target_nonce = Some(vec![2; 12]);
+        earlier.target_nonce = Some([2; 12]);
         assert!(reused(&earlier, &sealed).is_some());
         earlier.target_nonce = None;
         assert!(reused(&earlier, &sealed).is_none());

@@ -503,11 +503,11 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
                 next.destination.url = Some(stored.url);
                 next.destination.sealed_target = stored.sealed_target;
                 next.verification_state = VerificationState::Pending;
-            } else if let Some(stored) =
+            } else if let Ok(Some(moved)) =
                 sealed_url::under_current_key(kek, &current.id, &current.destination)
             {
                 // The same URL, sealed under a previous key: moved to the current one.
-                next.destination.sealed_target = stored.sealed_target;
+                next.destination.sealed_target = Some(moved);
             }
         }
         _ => {
@@ -887,11 +887,13 @@ fn resealed(
                 rec.destination.url = Some(stored.url);
                 rec.destination.sealed_target = stored.sealed_target;
             }
-            Some(blob) if blob.key_id != current => {
-                let rest = kek.open_url_target(blob, &sub.id, url)?;
-                rec.destination.sealed_target = Some(kek.seal_url_target(&rest, &sub.id, url));
+            Some(_) => {
+                if let Some(moved) = sealed_url::under_current_key(kek, &sub.id, &sub.destination)?
+                {
+                    rec.destination.sealed_target = Some(moved);
+                }
             }
-            _ => {}
+            None => {}
         }
     }
     if rec == *sub {

@@ -166,21 +166,25 @@ pub fn request_url<'a>(
     Ok(Cow::Owned(format!("{base}{rest}")))
 }
 
-/// `d`'s URL stored again under the current key, when it was sealed under another and opens here
-/// (a KEK rotation); the URL as shown stays the same, and with it what its sensitive headers are
-/// bound to. None otherwise.
-pub fn under_current_key(kek: &Kek, id: &str, d: &DestinationRecord) -> Option<StoredUrl> {
-    let blob = d.sealed_target.as_ref()?;
+/// `d`'s sealed target sealed again under the current key, when it was sealed under another (a
+/// KEK rotation); the URL as shown stays the same, and with it what its sensitive headers are
+/// bound to. `Ok(None)`: nothing sealed, or already under the current key; an error: it does not
+/// open here.
+pub fn under_current_key(
+    kek: &Kek,
+    id: &str,
+    d: &DestinationRecord,
+) -> Result<Option<EncryptedBlob>, SecretError> {
+    let Some(blob) = d.sealed_target.as_ref() else {
+        return Ok(None);
+    };
     if blob.key_id == kek.current_id() {
-        return None;
+        return Ok(None);
     }
     // Bound to the URL as stored, not as the rules would show it now.
-    let shown = d.url.as_deref()?;
-    let rest = kek.open_url_target(blob, id, shown).ok()?;
-    Some(StoredUrl {
-        url: shown.to_string(),
-        sealed_target: Some(kek.seal_url_target(&rest, id, shown)),
-    })
+    let shown = d.url.as_deref().unwrap_or_default();
+    let rest = kek.open_url_target(blob, id, shown)?;
+    Ok(Some(kek.seal_url_target(&rest, id, shown)))
 }
 
 /// Whether `url` holds the [`REDACTED`] mark past its host: a URL as the API shows it, or one
@@ -367,17 +371,19 @@ mod tests {
         ])
         .unwrap();
         let rotated = Kek::from_config(&config).unwrap();
-        let moved = under_current_key(&rotated, "sub-1", &d).unwrap();
-        assert_eq!(Some(moved.url.as_str()), d.url.as_deref());
-        assert_eq!(moved.sealed_target.as_ref().unwrap().key_id, "k2");
-        let moved = webhook(moved);
+        let blob = under_current_key(&rotated, "sub-1", &d).unwrap().unwrap();
+        assert_eq!(blob.key_id, "k2");
+        let moved = DestinationRecord {
+            sealed_target: Some(blob),
+            ..d.clone()
+        };
         assert_eq!(request_url(Some(&rotated), "sub-1", &moved).unwrap(), given);
         assert_eq!(
             under_current_key(&rotated, "sub-1", &moved),
-            None,
+            Ok(None),
             "already there"
         );
-        assert_eq!(under_current_key(&old, "sub-1", &d), None);
+        assert_eq!(under_current_key(&old, "sub-1", &d), Ok(None));
     }
 
     #[test]
