@@ -110,6 +110,10 @@ pub struct RunResult {
     /// Seconds of unmeasured throughput runs on the broker before this run's scenarios
     /// (`--warm-broker`; 0 = the broker as the run found it).
     pub broker_warmed_s: f64,
+    /// Claimed attempts the hub handed back unsent, having waited for a worker until too little
+    /// of their lease was left (`streaming_hub_attempts_unsent_total` as the run left it): each
+    /// is a claim, and its transaction, spent for nothing.
+    pub attempts_unsent: Option<u64>,
 }
 
 /// The sink: verifies signatures, records (event, subscription, latency).
@@ -385,6 +389,15 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
     // Not in `all`: it adds the attempts' lease (25 s by default) to its run. The sink takes
     // 50 ms, as a real receiver might: attempts then outlast their transaction's early wait
     // (`STREAMING_HUB_EARLY_ATTEMPT_WAIT`, 20 ms) and are in flight across the rebalance.
+    // More events than the sinks can take: 100 tenants at 100 events/s in all, each delivery
+    // held `ms` at the sink, so the default 64 workers keep up only with sinks faster than
+    // 640 ms. A backlog builds, and claims must not run so far ahead of the workers that they
+    // wait out their lease (`attempts_unsent`).
+    let backlog = |delay_ms: u64| Spec {
+        name: format!("backlog-{delay_ms}ms"),
+        sink_delay: Duration::from_millis(delay_ms),
+        ..at(100)
+    };
     let scale_out = Spec {
         name: "scale-out".into(),
         scale_out_after: Some(d / 3),
@@ -401,6 +414,14 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         "scale-out" => vec![scale_out],
         "limits" => vec![],
         // One rate of the latency curve, for A/B runs of a setting at that rate.
+        one if one.starts_with("backlog=") => match one["backlog=".len()..].parse::<u64>() {
+            Ok(ms) if ms > 0 => vec![backlog(ms)],
+            _ => {
+                return Err(format!(
+                    "bad scenario {one:?}: backlog=<sink delay in ms>, e.g. backlog=1000"
+                ));
+            }
+        },
         one if one.starts_with("latency=") => match one["latency=".len()..].parse::<u32>() {
             Ok(rate) if rate > 0 => vec![at(rate)],
             _ => {
@@ -422,7 +443,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         ],
         other => {
             return Err(format!(
-                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, noisy-neighbour, recovery, scale-out, limits or all"
+                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, backlog=<ms>, noisy-neighbour, recovery, scale-out, limits or all"
             ));
         }
     };
@@ -774,6 +795,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         .unwrap_or(0);
     // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
     // outcome) as the run left them, next to the results.
+    let mut attempts_unsent = None;
     if hub.is_some() {
         let name = match spec.rate {
             Some(r) => format!("metrics-{}-{r}.prom", spec.name),
@@ -782,6 +804,10 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         match http.get(format!("http://{hub_addr}/metrics")).send().await {
             Ok(r) => {
                 let text = r.text().await.unwrap_or_default();
+                attempts_unsent = Some(counter_of(
+                    &text,
+                    crate::runtime::telemetry::ATTEMPTS_UNSENT,
+                ));
                 if let Err(e) = std::fs::write(opts.out.join(&name), text) {
                     eprintln!("load: could not write {name}: {e}");
                 }
@@ -917,7 +943,18 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         recovery_s,
         longest_tenant_wait_ms,
         broker_warmed_s: 0.0,
+        attempts_unsent,
     })
+}
+
+/// A counter's value in a Prometheus text exposition (0 when it is not there: never counted).
+fn counter_of(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.strip_prefix(name))
+        .filter(|rest| rest.starts_with([' ', '{']))
+        .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// The longest gap between two consecutive deliveries of one tenant, over `(tenant, receive
@@ -1331,8 +1368,30 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{broker_pid, ceiling, longest_tenant_wait, per_1k, specs_of, topics_of_run};
+    use super::{
+        broker_pid, ceiling, counter_of, longest_tenant_wait, per_1k, specs_of, topics_of_run,
+    };
     use std::time::Duration;
+
+    #[test]
+    fn a_counter_is_read_from_the_hubs_metrics_by_its_whole_name() {
+        let text = "# TYPE streaming_hub_attempts_unsent_total counter\n\
+                    streaming_hub_attempts_unsent_total 42\n\
+                    streaming_hub_attempts_unsent_total_other 7\n\
+                    streaming_hub_x{a=\"1\"} 2\nstreaming_hub_x{a=\"2\"} 3\n";
+        assert_eq!(counter_of(text, "streaming_hub_attempts_unsent_total"), 42);
+        assert_eq!(
+            counter_of(text, "streaming_hub_x"),
+            5,
+            "labelled series add up"
+        );
+        assert_eq!(counter_of(text, "streaming_hub_absent_total"), 0);
+        let (specs, _) = specs_of("backlog=1000", Duration::from_secs(20)).unwrap();
+        assert_eq!(specs[0].name, "backlog-1000ms");
+        assert_eq!(specs[0].sink_delay, Duration::from_secs(1));
+        assert!(specs_of("backlog=0", Duration::from_secs(20)).is_err());
+        assert!(specs_of("backlog=x", Duration::from_secs(20)).is_err());
+    }
 
     #[test]
     fn the_broker_is_found_by_the_pid_file_beside_its_data_while_it_runs() {

@@ -6,6 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,8 +33,8 @@ struct Sink {
     got: Arc<Mutex<Vec<Received>>>,
     /// Status for the n-th delivery (verification probes are answered apart); the last repeats.
     script: Arc<Vec<u16>>,
-    /// How long each delivery takes to answer.
-    delay: Duration,
+    /// How long each delivery takes to answer, in ms (a test may change it as it goes).
+    delay: Arc<AtomicU64>,
     /// Instead of the script: every first attempt fails (500), every later one succeeds.
     fail_first_attempts: bool,
 }
@@ -59,8 +60,10 @@ async fn sink_handler(
         });
         got.len() - 1
     };
-    if !s.delay.is_zero() {
-        tokio::time::sleep(s.delay).await; // a slow receiver (the request is recorded on arrival)
+    let delay = s.delay.load(Ordering::SeqCst);
+    if delay > 0 {
+        // A slow receiver (the request is recorded on arrival).
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     let status = if s.fail_first_attempts {
         if first_attempt { 500 } else { 200 }
@@ -81,7 +84,7 @@ async fn start_slow_sink(script: Vec<u16>, delay: Duration) -> (String, Sink) {
     let sink = Sink {
         got: Arc::default(),
         script: Arc::new(script),
-        delay,
+        delay: Arc::new(AtomicU64::new(delay.as_millis() as u64)),
         fail_first_attempts: false,
     };
     let app = Router::new()
@@ -294,7 +297,7 @@ async fn retried_fan_out_deliveries_each_carry_their_own_events_body() {
     let sink = Sink {
         got: Arc::default(),
         script: Arc::new(vec![]),
-        delay: Duration::ZERO,
+        delay: Arc::default(),
         fail_first_attempts: true,
     };
     let app = Router::new()
@@ -893,12 +896,19 @@ async fn claims_ahead_are_bounded_by_the_bytes_their_events_hold() {
     );
 }
 
-/// More claimed than the workers can start within the lease: with one worker, a 1 s timeout
-/// (an 11 s lease) and a sink taking 500 ms, the attempts queued past the 20th wait more than
-/// the 10 s left. They are handed back unsent and counted
-/// (`streaming_hub_attempts_unsent_total`), claimed again, and every event is delivered once.
+/// Claims run ahead of the workers only as far as the attempts' measured time lets them start
+/// within their lease. One worker and a 1 s timeout (an 11 s lease: an attempt may wait 10 s
+/// for the worker):
+/// - the sink answers at once: the tenant's attempts are timed fast;
+/// - it turns to 300 ms, and 40 events come at once: claimed together at the fast pace, 12 s of
+///   work for one worker. Those that waited past 10 s are handed back unsent and counted
+///   (`streaming_hub_attempts_unsent_total`), claimed again, and delivered;
+/// - 40 more events at 300 ms: claimed at the measured pace (17 ahead, 5 s of work), none is
+///   handed back. With fixed bounds alone they were all claimed at once, as before.
+///
+/// Every event is delivered once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn attempts_that_waited_past_their_lease_are_handed_back_unsent_and_counted() {
+async fn claims_run_ahead_only_as_far_as_the_workers_start_them_within_the_lease() {
     let s = ApiHub::start(
         "unsent",
         &[
@@ -907,16 +917,36 @@ async fn attempts_that_waited_past_their_lease_are_handed_back_unsent_and_counte
         ],
     )
     .await;
-    let (url, sink) = start_slow_sink(vec![200], Duration::from_millis(500)).await;
+    let (url, sink) = start_slow_sink(vec![200], Duration::ZERO).await;
     subscribe(&s, "tenant-slow", &url, None).await;
-    let events: Vec<Rec> = (0..30)
-        .map(|_| event("tenant-slow", "ledger", "transaction", "created"))
-        .collect();
-    produce(&producer(), &s.topic, &events);
-    s.hub
-        .metrics_when(&s.http, "streaming_hub_attempts_unsent_total", 1)
+    let p = producer();
+    let batch = |n: usize| -> Vec<Rec> {
+        (0..n)
+            .map(|_| event("tenant-slow", "ledger", "transaction", "created"))
+            .collect()
+    };
+    let mut events = batch(10);
+    produce(&p, &s.topic, &events);
+    wait_for_deliveries(&sink, events.len(), Duration::from_secs(60));
+
+    sink.delay.store(300, Ordering::SeqCst);
+    let burst = batch(40);
+    produce(&p, &s.topic, &burst);
+    events.extend(burst);
+    s.wait_metric("streaming_hub_attempts_unsent_total", 1)
         .await;
+    wait_for_deliveries(&sink, events.len(), Duration::from_secs(120));
+    let unsent = s.metric("streaming_hub_attempts_unsent_total").await;
+
+    let paced = batch(40);
+    produce(&p, &s.topic, &paced);
+    events.extend(paced);
     let got = wait_for_deliveries(&sink, events.len(), Duration::from_secs(120));
+    assert_eq!(
+        s.metric("streaming_hub_attempts_unsent_total").await,
+        unsent,
+        "claimed at the measured pace, no attempt waited out its lease"
+    );
     let mut ids: Vec<&str> = got
         .iter()
         .map(|r| r.headers["x-lerian-event-id"].as_str())

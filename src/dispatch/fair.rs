@@ -80,6 +80,11 @@ impl FairPermits {
         s.free += 1;
     }
 
+    /// Tenants waiting for a permit now (each gets one in that many grants).
+    pub fn waiting_tenants(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).turns.len()
+    }
+
     /// Permits free now (for tests and metrics).
     pub fn available(&self) -> usize {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).free

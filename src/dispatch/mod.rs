@@ -16,6 +16,7 @@ pub mod curve;
 pub mod fair;
 pub mod health;
 pub mod jobs;
+pub mod pace;
 pub mod worker;
 
 use rdkafka::message::Message;

@@ -30,7 +30,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use crate::config::Config;
 use crate::dispatch::jobs::{self, DUE, JOBS, JobStore, TenantRing};
 use crate::dispatch::worker::{Attempt, Outcome, Workers};
-use crate::dispatch::{EventView, breaker, curve, health};
+use crate::dispatch::{EventView, breaker, curve, health, pace};
 use crate::hub::dedup::{self, DEDUP, DEDUP_EXPIRY, SEQUENCE, Seen};
 use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
@@ -1335,6 +1335,8 @@ pub struct Dispatch {
     /// Most attempts of one tenant claimed and not finished (fairness: another tenant's next
     /// event waits behind at most this many of a backlogged tenant's attempts).
     pub max_in_flight_per_tenant: usize,
+    /// `STREAMING_HUB_DISPATCH_WORKERS` (every loop's).
+    workers_total: usize,
     in_flight_by_tenant: FastMap<String, TenantCap>,
     /// Attempts in flight per inbox partition (a partition given up waits for its own).
     in_flight_by_partition: FastMap<i32, usize>,
@@ -1376,6 +1378,10 @@ pub struct Dispatch {
     /// Deliveries that found no lease of theirs to record them on (their transaction aborted),
     /// by job key, with when they stop counting (see [`Dispatch::launch`]).
     unrecorded: FastMap<Vec<u8>, (i64, Outcome)>,
+    /// Attempt times, and how far they let claims run ahead of the workers.
+    pace: pace::Pace,
+    /// Tenants waiting for a worker when this round of claims began.
+    waiting_tenants: usize,
 }
 
 impl Dispatch {
@@ -1386,6 +1392,8 @@ impl Dispatch {
         config: &Config,
     ) -> Dispatch {
         let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let timeout_ms = config.http_timeout.as_millis() as i64;
+        let lease_ms = timeout_ms + 10_000;
         Dispatch {
             table,
             workers,
@@ -1399,10 +1407,11 @@ impl Dispatch {
             }
             .max(config.dispatch_workers * 4),
             max_in_flight_per_tenant: config.dispatch_workers * 4,
+            workers_total: config.dispatch_workers,
             in_flight_by_tenant: FastMap::default(),
             in_flight_by_partition: FastMap::default(),
             handed: None,
-            lease_ms: (config.http_timeout.as_millis() as i64) + 10_000,
+            lease_ms,
             poison_threshold: config.poison_threshold,
             done_tx,
             done_rx,
@@ -1420,6 +1429,8 @@ impl Dispatch {
             waiting: FastMap::default(),
             job_hasher: Default::default(),
             unrecorded: FastMap::default(),
+            pace: pace::Pace::new(config.dispatch_workers, 1, lease_ms, timeout_ms),
+            waiting_tenants: 0,
         }
     }
 
@@ -1432,6 +1443,12 @@ impl Dispatch {
             .div_ceil(stages.max(1))
             .max(self.max_in_flight_per_tenant);
         self.max_in_flight_bytes = self.max_in_flight_bytes.div_ceil(stages.max(1));
+        self.pace = pace::Pace::new(
+            self.workers_total,
+            stages,
+            self.lease_ms,
+            self.workers.http_timeout_ms,
+        );
         self
     }
 
@@ -1443,6 +1460,9 @@ impl Dispatch {
 
     /// An attempt of this loop ended: its slot is free, its outcome waits to be recorded.
     fn ended(&mut self, o: Outcome) {
+        if !o.not_attempted() && !o.hub_side() {
+            self.pace.timed(&o.tenant, o.latency_ms);
+        }
         self.in_flight = self.in_flight.saturating_sub(1);
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(o.body_bytes);
         if let Some(n) = self.in_flight_by_partition.get_mut(&o.partition) {
@@ -1555,7 +1575,13 @@ impl Dispatch {
     /// still gets its attempt, one at a time).
     fn may_claim(&self, claimed_bytes: usize) -> bool {
         let held = self.in_flight_bytes + claimed_bytes;
-        self.in_flight < self.max_in_flight && (held == 0 || held < self.max_in_flight_bytes)
+        self.in_flight < self.claims_limit() && (held == 0 || held < self.max_in_flight_bytes)
+    }
+
+    /// The most claims ahead now: the fixed bound, or less when attempts are slow enough that
+    /// the workers would not start that many before their leases run short (see `pace`).
+    fn claims_limit(&self) -> usize {
+        self.pace.loop_limit(self.max_in_flight)
     }
 
     /// Starts the attempts of a transaction's claims; one of a job with an attempt in flight or
@@ -1751,6 +1777,7 @@ impl HubStage {
                 );
                 if let Some(d) = &self.dispatch {
                     telemetry::attempts_claimed(self.stage, d.in_flight);
+                    telemetry::claims_ahead_limit(self.stage, d.claims_limit());
                 }
             }
             let (due, restoring) = {
@@ -2638,7 +2665,9 @@ fn claim_due(
     attempts: &mut Vec<Attempt>,
     early: &mut Vec<Attempt>,
 ) -> Result<(), HubError> {
-    let mut capacity = d.max_in_flight.saturating_sub(d.in_flight);
+    let mut capacity = d.claims_limit().saturating_sub(d.in_flight);
+    d.waiting_tenants = d.workers.permits.waiting_tenants();
+    d.pace.trim(|t| d.in_flight_by_tenant.contains_key(t));
     // Body bytes the claims of this transaction hold (see `Dispatch::may_claim`).
     let mut claimed_bytes = 0usize;
     // Fair across tasks too: each task with timers gets an equal share of this round's capacity
@@ -2851,7 +2880,13 @@ fn claim(
         .copied()
         .unwrap_or_default();
     let (busy, bytes) = (flying.attempts + here.attempts, flying.bytes + here.bytes);
-    if busy >= per_tenant_cap.attempts || (busy > 0 && bytes >= per_tenant_cap.bytes) {
+    let most = d.pace.tenant_limit(
+        &job.tenant_id,
+        d.waiting_tenants,
+        per_tenant_cap.attempts,
+        d.max_in_flight_per_tenant,
+    );
+    if busy >= most || (busy > 0 && bytes >= per_tenant_cap.bytes) {
         return Ok(false); // this tenant has enough in flight; its job stays due
     }
     let old_due = job.due_at;

@@ -356,6 +356,7 @@ pub const CONSUMER_LAG: &str = "streaming_hub_consumer_lag";
 pub const RESTORING: &str = "streaming_hub_restoring_partitions";
 pub const PARTITION_OWNED: &str = "streaming_hub_inbox_partition_owned";
 pub const ATTEMPTS_CLAIMED: &str = "streaming_hub_attempts_claimed";
+pub const CLAIMS_AHEAD_LIMIT: &str = "streaming_hub_claims_ahead_limit";
 
 /// A successful delivery, `ms` after ingest accepted the event (end-to-end latency in the hub).
 pub fn delivered_after(ms: i64) {
@@ -384,6 +385,7 @@ impl PerStage {
 
 static OPEN_BY_STAGE: PerStage = PerStage::new();
 static CLAIMED_BY_STAGE: PerStage = PerStage::new();
+static LIMIT_BY_STAGE: PerStage = PerStage::new();
 static DUE_BY_STAGE: PerStage = PerStage::new();
 
 pub fn breakers_open(stage: usize, n: usize) {
@@ -407,6 +409,12 @@ pub fn partitions_owned(hub_loop: usize, partitions: &[i32], owned: bool) {
 /// Attempts claimed and not yet finished (waiting for a worker or executing).
 pub fn attempts_claimed(stage: usize, n: usize) {
     gauge!(ATTEMPTS_CLAIMED).set(CLAIMED_BY_STAGE.set(stage, n));
+}
+
+/// The most attempts the hub loops may have claimed now: the fixed bound, or less while attempts
+/// are slow (`dispatch::pace`).
+pub fn claims_ahead_limit(stage: usize, n: usize) {
+    gauge!(CLAIMS_AHEAD_LIMIT).set(LIMIT_BY_STAGE.set(stage, n));
 }
 
 /// Partitions whose stores are being restored now (`/readyz` is 503 meanwhile).
