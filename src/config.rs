@@ -526,15 +526,16 @@ settings! {
     send_unbound_headers: bool = "false";
     /// Default grace period of a rotated-out signing secret (at most 7 days).
     secret_rotation_grace: std::time::Duration = "24h";
-    /// Concurrent delivery attempts per instance, granted round-robin across the tenants waiting.
+    /// Concurrent delivery attempts per instance, granted round-robin across the tenants waiting,
+    /// first to those holding less than their share (README, "Fairness").
     /// Also the idle keep-alive connections kept per destination host (at least 32).
     dispatch_workers: usize = "64";
     /// Most attempts claimed ahead of the workers (each holds its payload in memory until it
     /// ends); `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the
-    /// workers. Fewer are claimed when attempts are slow: as many as the workers start within
-    /// 5 s (half the time a claim may wait for one), by measured attempt times; a tenant gets its
-    /// turns' part of them, and 4x the workers until its first attempt is timed (README, "Claims
-    /// and first attempts").
+    /// workers. Fewer are claimed when attempts are slow: those the workers run plus what they
+    /// start within 5 s (half the time a claim may wait for one), by measured attempt times; a
+    /// tenant gets its turns' part of them, and 4x the workers until its first attempt is timed
+    /// (README, "Claims and first attempts").
     dispatch_claims_ahead: usize = "0";
     /// Event bytes those claims may hold in memory, per instance (split between its hub loops,
     /// and between the tenants with due deliveries): large events claim fewer attempts ahead. A

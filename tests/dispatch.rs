@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,6 +37,8 @@ struct Sink {
     delay: Arc<AtomicU64>,
     /// Instead of the script: every first attempt fails (500), every later one succeeds.
     fail_first_attempts: bool,
+    /// Deliveries answered (after the delay).
+    answered: Arc<AtomicUsize>,
 }
 
 async fn sink_handler(
@@ -65,6 +67,7 @@ async fn sink_handler(
         // A slow receiver (the request is recorded on arrival).
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
+    s.answered.fetch_add(1, Ordering::SeqCst);
     let status = if s.fail_first_attempts {
         if first_attempt { 500 } else { 200 }
     } else {
@@ -86,6 +89,7 @@ async fn start_slow_sink(script: Vec<u16>, delay: Duration) -> (String, Sink) {
         script: Arc::new(script),
         delay: Arc::new(AtomicU64::new(delay.as_millis() as u64)),
         fail_first_attempts: false,
+        answered: Arc::default(),
     };
     let app = Router::new()
         .route("/hook", post(sink_handler))
@@ -299,6 +303,7 @@ async fn retried_fan_out_deliveries_each_carry_their_own_events_body() {
         script: Arc::new(vec![]),
         delay: Arc::default(),
         fail_first_attempts: true,
+        answered: Arc::default(),
     };
     let app = Router::new()
         .route("/hook", post(sink_handler))
@@ -903,8 +908,8 @@ async fn claims_ahead_are_bounded_by_the_bytes_their_events_hold() {
 /// - it turns to 300 ms, and 40 events come at once: claimed together at the fast pace, 12 s of
 ///   work for one worker. Those that waited past 10 s are handed back unsent and counted
 ///   (`streaming_hub_attempts_unsent_total`), claimed again, and delivered;
-/// - 40 more events at 300 ms: claimed at the measured pace (17 ahead, 5 s of work), none is
-///   handed back. With fixed bounds alone they were all claimed at once, as before.
+/// - 40 more events at 300 ms: claimed at the measured pace (one running and 17 waiting, 5 s of
+///   work), none is handed back. With fixed bounds alone they were all claimed at once, as before.
 ///
 /// Every event is delivered once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -958,6 +963,51 @@ async fn claims_run_ahead_only_as_far_as_the_workers_start_them_within_the_lease
         ids, want,
         "each event once: an attempt handed back was never sent"
     );
+}
+
+/// A destination that answers only after 8 s (no failure, so no breaker) does not keep the
+/// workers from a tenant with nothing in flight. With 16 workers, tenant S's 16 events take 15
+/// of them (the last is kept for tenants under their share), and tenant F's event starts at once
+/// on it: delivered before any of S's requests is answered. Before, S took all 16 and F's event
+/// waited for one of S's attempts to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_destination_does_not_keep_the_workers_from_another_tenant() {
+    let s = ApiHub::start(
+        "slowneighbour",
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "10s"),
+            ("STREAMING_HUB_DISPATCH_WORKERS", "16"),
+        ],
+    )
+    .await;
+    let (slow_url, slow_sink) = start_slow_sink(vec![200], Duration::from_secs(8)).await;
+    let (fast_url, fast_sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-s", &slow_url, None).await;
+    subscribe(&s, "tenant-f", &fast_url, None).await;
+    let p = producer();
+    let slow_events: Vec<Rec> = (0..16)
+        .map(|_| event("tenant-s", "ledger", "transaction", "created"))
+        .collect();
+    produce(&p, &s.topic, &slow_events);
+    wait_for_deliveries(&slow_sink, 15, Duration::from_secs(60));
+    let ev = event("tenant-f", "ledger", "transaction", "created");
+    produce(&p, &s.topic, std::slice::from_ref(&ev));
+    let got = wait_for_deliveries(&fast_sink, 1, Duration::from_secs(60));
+    assert_eq!(got[0].headers["x-lerian-event-id"], ev.id());
+    assert_eq!(
+        slow_sink.answered.load(Ordering::SeqCst),
+        0,
+        "F's event did not wait for a worker of S's"
+    );
+    let got = wait_for_deliveries(&slow_sink, 16, Duration::from_secs(60));
+    let mut ids: Vec<&str> = got
+        .iter()
+        .map(|r| r.headers["x-lerian-event-id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    let mut want: Vec<String> = slow_events.iter().map(|e| e.id()).collect();
+    want.sort_unstable();
+    assert_eq!(ids, want, "each of S's events once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

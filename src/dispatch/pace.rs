@@ -8,14 +8,14 @@
 //! and at one second per delivery the 64 workers take 64 s to start them all, against 10 s of
 //! lease to spare.
 //!
-//! So the bounds follow the attempts' measured time (Little's law), to what the workers start
-//! within half the lease's spare time (the horizon):
-//! - the loop's claims ahead: at most `workers × horizon ÷ mean attempt time` (its share of
-//!   the workers when several loops share them), never below its share of the workers;
-//! - a tenant's: at most what its turns start within the horizon. Permits go round-robin
-//!   across the tenants waiting for one, so a tenant starts at most one attempt in `waiting`
-//!   grants, and grants come at `workers ÷ mean attempt time`; nor faster than `workers ÷ its
-//!   own attempt time`. Never below one claim.
+//! So the bounds follow the attempts' measured time (Little's law): the claims that hold a
+//! worker, plus what the workers start within half the lease's spare time (the horizon):
+//! - the loop's claims ahead: at most `workers + its share of the workers × horizon ÷ mean
+//!   attempt time` (several loops share the workers);
+//! - a tenant's: at most its part of the workers (`workers ÷ tenants waiting`), plus what its
+//!   turns start within the horizon. Permits go round-robin across the tenants waiting for one,
+//!   so a tenant starts at most one attempt in `waiting` grants, and grants come at `workers ÷
+//!   mean attempt time`; nor faster than `workers ÷ its own attempt time`.
 //!
 //! A tenant with no attempt timed yet is held to `STREAMING_HUB_DISPATCH_WORKERS × 4` claims
 //! until its first one ends (four attempt times of the whole pool): claiming more for a sink
@@ -82,8 +82,8 @@ impl Pace {
         let Some(ms) = self.loop_ms else {
             return max;
         };
-        let paced = (self.loop_workers * self.horizon_ms / ms).ceil() as usize;
-        paced.max(self.loop_workers.ceil() as usize).min(max)
+        let started = (self.loop_workers * self.horizon_ms / ms).ceil() as usize;
+        (self.workers as usize).saturating_add(started).min(max)
     }
 
     /// The most claims `tenant` may have ahead, under `max` (its fixed bound), with `waiting`
@@ -92,12 +92,15 @@ impl Pace {
         let Some(&own) = self.tenant_ms.get(tenant) else {
             return untimed.min(max).max(1);
         };
+        let waiting = waiting.max(1) as f64;
         // Attempts per ms this tenant can start: its turns among the tenants waiting, at most.
         let mut rate = self.workers / own;
         if let Some(mean) = self.loop_ms {
-            rate = rate.min(self.workers / (waiting.max(1) as f64 * mean));
+            rate = rate.min(self.workers / (waiting * mean));
         }
-        ((rate * self.horizon_ms).ceil() as usize).clamp(1, max.max(1))
+        let running = (self.workers / waiting).ceil() as usize;
+        let started = (rate * self.horizon_ms).ceil() as usize;
+        running.saturating_add(started).clamp(1, max.max(1))
     }
 }
 
@@ -127,27 +130,32 @@ mod tests {
     fn a_slow_sink_is_claimed_only_as_far_as_the_workers_start_within_the_horizon() {
         let mut p = pace(1);
         p.timed("slow", 1000);
-        // Alone: 64 workers at 1 s each start 320 attempts in 5 s.
-        assert_eq!(p.tenant_limit("slow", 1, 4096, 256), 320);
-        assert_eq!(p.loop_limit(4096), 320);
-        // With 99 other tenants waiting as well, its turns come once in 100 grants.
+        // Alone: the 64 workers it runs, and the 320 they start in 5 s at 1 s each.
+        assert_eq!(p.tenant_limit("slow", 1, 4096, 256), 384);
+        assert_eq!(p.loop_limit(4096), 384);
+        // With 99 other tenants waiting as well, its turns come once in 100 grants: one
+        // running, and 3.2 started in 5 s.
         let mut p = pace(1);
         p.timed("slow", 1000);
         for i in 0..99 {
             p.timed(&format!("t{i}"), 1000);
         }
-        assert_eq!(p.tenant_limit("slow", 100, 4096, 256), 4);
-        // Two loops share the workers: each gets half of the loop bound, never below its
-        // half of the workers.
+        assert_eq!(p.tenant_limit("slow", 100, 4096, 256), 5);
+        // Two loops share the workers: each may have all of them running (the other loop may
+        // be idle), and half of what they start.
         let mut p = pace(2);
         p.timed("slow", 1000);
-        assert_eq!(p.loop_limit(4096), 160);
+        assert_eq!(p.loop_limit(4096), 64 + 160);
         for _ in 0..500 {
             p.timed("slow", 60_000);
         }
-        assert_eq!(p.loop_limit(4096), 32, "a whole worker share, however slow");
-        // A tenant's limit is never below one claim, however slow.
-        assert_eq!(p.tenant_limit("slow", 1000, 4096, 256), 1);
+        assert_eq!(p.loop_limit(4096), 64 + 3, "every worker, however slow");
+        // Alone with a sink that takes 10 s, a tenant keeps every worker busy.
+        let mut p = pace(1);
+        p.timed("ten", 10_000);
+        assert_eq!(p.tenant_limit("ten", 1, 4096, 256), 64 + 32);
+        // Among 1,000 tenants waiting: one running, one more.
+        assert_eq!(p.tenant_limit("ten", 1000, 4096, 256), 2);
     }
 
     #[test]
@@ -170,9 +178,10 @@ mod tests {
         for _ in 0..30 {
             p.timed("t", 500);
         }
-        // 64 workers at ~500 ms: 640 in 5 s (the average is within a few ms of 500 by now).
+        // 64 running, and at ~500 ms 640 started in 5 s (the average is within a few ms of 500
+        // by now).
         let limit = p.tenant_limit("t", 1, 4096, 256);
-        assert!((620..=700).contains(&limit), "{limit}");
+        assert!((64 + 620..=64 + 700).contains(&limit), "{limit}");
         // With nine other tenants waiting, its turns come once in ten grants.
         let shared = p.tenant_limit("t", 10, 4096, 256);
         assert!(shared < limit / 2, "{shared}");
