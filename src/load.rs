@@ -430,6 +430,21 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         "slow-sink" => vec![slow(None), slow(Some(256))],
         "noisy-neighbour" => vec![noisy],
         "slow-neighbour" => vec![slow_neighbour],
+        // The others' sinks taking `ms` as well (the slow one's 10 s then hold fewer workers).
+        one if one.starts_with("slow-neighbour=") => {
+            match one["slow-neighbour=".len()..].parse::<u64>() {
+                Ok(ms) => vec![Spec {
+                    name: format!("slow-neighbour-{ms}ms"),
+                    sink_delay: Duration::from_millis(ms),
+                    ..slow_neighbour
+                }],
+                _ => {
+                    return Err(format!(
+                        "bad scenario {one:?}: slow-neighbour=<the other sinks' delay in ms>"
+                    ));
+                }
+            }
+        }
         "recovery" => vec![recovery],
         "scale-out" => vec![scale_out],
         "limits" => vec![],
@@ -463,7 +478,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         ],
         other => {
             return Err(format!(
-                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, backlog=<ms>, noisy-neighbour, slow-neighbour, recovery, scale-out, limits or all"
+                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, backlog=<ms>, noisy-neighbour, slow-neighbour[=<ms>], recovery, scale-out, limits or all"
             ));
         }
     };
@@ -1416,6 +1431,9 @@ mod tests {
             "labelled series add up"
         );
         assert_eq!(counter_of(text, "streaming_hub_absent_total"), 0);
+        let (specs, _) = specs_of("slow-neighbour=20", Duration::from_secs(20)).unwrap();
+        assert_eq!(specs[0].sink_delay, Duration::from_millis(20));
+        assert_eq!(specs[0].slow_delay, Duration::from_secs(10));
         let (specs, _) = specs_of("backlog=1000", Duration::from_secs(20)).unwrap();
         assert_eq!(specs[0].name, "backlog-1000ms");
         assert_eq!(specs[0].sink_delay, Duration::from_secs(1));

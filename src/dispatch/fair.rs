@@ -184,7 +184,13 @@ impl FairPermits {
         }
     }
 
-    /// Tenants waiting for a permit now (each gets one in that many grants).
+    /// Permits `tenant` holds now.
+    pub fn held(&self, tenant: &str) -> usize {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.tenants.get(tenant).map_or(0, |t| t.held)
+    }
+
+    /// Tenants waiting for a permit now (they take turns; one over its share gets fewer).
     pub fn waiting_tenants(&self) -> usize {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).turns.len()
     }
@@ -285,8 +291,11 @@ mod tests {
             "over its share, no reserve for it"
         );
         assert_eq!(pool.available(), 1);
-        // Fast done, slow is alone again: its share is the whole pool.
+        assert_eq!((pool.held("slow"), pool.held("fast")), (13, 2));
+        // Fast gives one back: two free, more than the reserve, and slow's waiting attempt takes
+        // one; then the other, and fast holds none.
         drop((fast, fast_2nd));
+        assert_eq!(pool.held("fast"), 0);
         let slow_16th = granted(slow_16th).await;
         assert_eq!(pool.available(), 2);
         drop((slow, slow_16th));

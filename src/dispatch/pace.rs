@@ -12,10 +12,11 @@
 //! worker, plus what the workers start within half the lease's spare time (the horizon):
 //! - the loop's claims ahead: at most `workers + its share of the workers × horizon ÷ mean
 //!   attempt time` (several loops share the workers);
-//! - a tenant's: at most its part of the workers (`workers ÷ tenants waiting`), plus what its
-//!   turns start within the horizon. Permits go round-robin across the tenants waiting for one,
-//!   so a tenant starts at most one attempt in `waiting` grants, and grants come at `workers ÷
-//!   mean attempt time`; nor faster than `workers ÷ its own attempt time`.
+//! - a tenant's: the workers it holds now, plus what it starts within the horizon: at most one
+//!   attempt in `waiting` grants (the tenants waiting for a worker take turns; `fair` may give
+//!   a tenant over its share fewer), grants coming at `workers ÷ mean attempt time`; never
+//!   faster than `workers ÷ its own attempt time`, nor than the workers it holds free up (the
+//!   pool may give it no more: its share, the reserve).
 //!
 //! A tenant with no attempt timed yet is held to `STREAMING_HUB_DISPATCH_WORKERS × 4` claims
 //! until its first one ends (four attempt times of the whole pool): claiming more for a sink
@@ -87,8 +88,16 @@ impl Pace {
     }
 
     /// The most claims `tenant` may have ahead, under `max` (its fixed bound), with `waiting`
-    /// tenants waiting for a worker now; `untimed` for a tenant with no attempt timed yet.
-    pub fn tenant_limit(&self, tenant: &str, waiting: usize, max: usize, untimed: usize) -> usize {
+    /// tenants waiting for a worker now; `untimed` for a tenant with no attempt timed yet;
+    /// `held` tells the workers it holds now (asked only when the bound may depend on it).
+    pub fn tenant_limit(
+        &self,
+        tenant: &str,
+        waiting: usize,
+        max: usize,
+        untimed: usize,
+        held: impl FnOnce() -> usize,
+    ) -> usize {
         let Some(&own) = self.tenant_ms.get(tenant) else {
             return untimed.min(max).max(1);
         };
@@ -98,7 +107,11 @@ impl Pace {
         if let Some(mean) = self.loop_ms {
             rate = rate.min(self.workers / (waiting * mean));
         }
-        let running = (self.workers / waiting).ceil() as usize;
+        if rate * self.horizon_ms >= max as f64 {
+            return max.max(1); // fast attempts: the fixed bound binds first
+        }
+        let running = held();
+        let rate = rate.min(running.max(1) as f64 / own);
         let started = (rate * self.horizon_ms).ceil() as usize;
         running.saturating_add(started).clamp(1, max.max(1))
     }
@@ -117,13 +130,13 @@ mod tests {
     fn untimed_the_fixed_bounds_hold_and_a_new_tenant_gets_four_attempts_per_worker() {
         let p = pace(1);
         assert_eq!(p.loop_limit(4096), 4096);
-        assert_eq!(p.tenant_limit("t", 1, 4096, 256), 256);
+        assert_eq!(p.tenant_limit("t", 1, 4096, 256, || 0), 256);
         assert_eq!(
-            p.tenant_limit("t", 1, 40, 256),
+            p.tenant_limit("t", 1, 40, 256, || 0),
             40,
             "never above the fixed bound"
         );
-        assert_eq!(p.tenant_limit("t", 1, 0, 0), 1, "never below one");
+        assert_eq!(p.tenant_limit("t", 1, 0, 0, || 0), 1, "never below one");
     }
 
     #[test]
@@ -131,8 +144,12 @@ mod tests {
         let mut p = pace(1);
         p.timed("slow", 1000);
         // Alone: the 64 workers it runs, and the 320 they start in 5 s at 1 s each.
-        assert_eq!(p.tenant_limit("slow", 1, 4096, 256), 384);
+        assert_eq!(p.tenant_limit("slow", 1, 4096, 256, || 64), 384);
         assert_eq!(p.loop_limit(4096), 384);
+        // Holding 40 (others hold the rest, or it is the reserve): what those 40 start.
+        assert_eq!(p.tenant_limit("slow", 1, 4096, 256, || 40), 240);
+        // Holding none yet: it grows as the workers come.
+        assert_eq!(p.tenant_limit("slow", 1, 4096, 256, || 0), 5);
         // With 99 other tenants waiting as well, its turns come once in 100 grants: one
         // running, and 3.2 started in 5 s.
         let mut p = pace(1);
@@ -140,7 +157,7 @@ mod tests {
         for i in 0..99 {
             p.timed(&format!("t{i}"), 1000);
         }
-        assert_eq!(p.tenant_limit("slow", 100, 4096, 256), 5);
+        assert_eq!(p.tenant_limit("slow", 100, 4096, 256, || 1), 5);
         // Two loops share the workers: each may have all of them running (the other loop may
         // be idle), and half of what they start.
         let mut p = pace(2);
@@ -153,9 +170,9 @@ mod tests {
         // Alone with a sink that takes 10 s, a tenant keeps every worker busy.
         let mut p = pace(1);
         p.timed("ten", 10_000);
-        assert_eq!(p.tenant_limit("ten", 1, 4096, 256), 64 + 32);
+        assert_eq!(p.tenant_limit("ten", 1, 4096, 256, || 64), 64 + 32);
         // Among 1,000 tenants waiting: one running, one more.
-        assert_eq!(p.tenant_limit("ten", 1000, 4096, 256), 2);
+        assert_eq!(p.tenant_limit("ten", 1000, 4096, 256, || 1), 2);
     }
 
     #[test]
@@ -165,7 +182,8 @@ mod tests {
             p.timed(&format!("t{i}"), 5);
         }
         assert_eq!(p.loop_limit(4096), 4096);
-        assert_eq!(p.tenant_limit("t7", 100, 256, 256), 256);
+        let not_asked = || -> usize { panic!("the fixed bound binds first") };
+        assert_eq!(p.tenant_limit("t7", 100, 256, 256, not_asked), 256);
     }
 
     #[test]
@@ -174,16 +192,16 @@ mod tests {
         for _ in 0..20 {
             p.timed("t", 2);
         }
-        assert_eq!(p.tenant_limit("t", 1, 4096, 256), 4096);
+        assert_eq!(p.tenant_limit("t", 1, 4096, 256, || 0), 4096);
         for _ in 0..30 {
             p.timed("t", 500);
         }
         // 64 running, and at ~500 ms 640 started in 5 s (the average is within a few ms of 500
         // by now).
-        let limit = p.tenant_limit("t", 1, 4096, 256);
+        let limit = p.tenant_limit("t", 1, 4096, 256, || 64);
         assert!((64 + 620..=64 + 700).contains(&limit), "{limit}");
         // With nine other tenants waiting, its turns come once in ten grants.
-        let shared = p.tenant_limit("t", 10, 4096, 256);
+        let shared = p.tenant_limit("t", 10, 4096, 256, || 7);
         assert!(shared < limit / 2, "{shared}");
     }
 
@@ -195,7 +213,11 @@ mod tests {
         }
         p.trim(|t| t == "t3");
         assert_eq!(p.tenant_ms.len(), 1);
-        assert_eq!(p.tenant_limit("t4", 1, 4096, 256), 256, "untimed again");
+        assert_eq!(
+            p.tenant_limit("t4", 1, 4096, 256, || 0),
+            256,
+            "untimed again"
+        );
         p.trim(|_| false);
         assert_eq!(
             p.tenant_ms.len(),

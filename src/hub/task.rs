@@ -2885,6 +2885,7 @@ fn claim(
         d.waiting_tenants,
         per_tenant_cap.attempts,
         d.max_in_flight_per_tenant,
+        || d.workers.permits.held(&job.tenant_id),
     );
     if busy >= most || (busy > 0 && bytes >= per_tenant_cap.bytes) {
         return Ok(false); // this tenant has enough in flight; its job stays due
