@@ -103,10 +103,22 @@ impl FairPermits {
                 .div_ceil(s.tenants.len() + usize::from(held == 0 && !queued));
             if !queued && s.may_take(held, share) && (s.turns.is_empty() || held < share) {
                 s.free -= 1;
-                s.tenants.entry(tenant.to_string()).or_default().held += 1;
+                // The name is copied once per grant (the permit keeps it), and once more as the
+                // key of a tenant new to the pool.
+                let name = tenant.to_string();
+                match s.tenants.get_mut(tenant) {
+                    Some(t) => t.held += 1,
+                    None => {
+                        let t = Tenant {
+                            held: 1,
+                            ..Tenant::default()
+                        };
+                        s.tenants.insert(name.clone(), t);
+                    }
+                }
                 return Permit {
                     pool: Some(self.clone()),
-                    tenant: tenant.to_string(),
+                    tenant: name,
                 };
             }
             let (tx, rx) = oneshot::channel();
