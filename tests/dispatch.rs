@@ -1442,15 +1442,10 @@ async fn outcomes_of_attempts_in_flight_on_partitions_given_up_are_committed_bef
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let held = Arc::new(Mutex::new(Vec::new()));
     let squatter = squatter_thread(group, inbox.clone(), stop.clone(), held.clone());
-    wait_until(
+    s.hub.wait_logged(
         Duration::from_secs(120),
-        "the hub waiting for the attempts of the partitions it gives up",
-        || {
-            s.hub
-                .log_text()
-                .contains("partitions given up: waiting for their attempts in flight")
-                .then_some(())
-        },
+        "partitions given up: waiting for their attempts in flight",
+        &[],
     );
     gate.send(true).unwrap();
     let theirs: Vec<i32> = wait_until(Duration::from_secs(120), "the squatter holds some", || {
@@ -1529,15 +1524,10 @@ async fn a_transaction_open_when_another_instance_joins_commits_and_its_events_g
 
     // Another instance joins while the transaction waits for its first attempts.
     let b = Hub::start(&another_instance(&s.hub.env, "2"));
-    wait_until(
+    s.hub.wait_logged(
         Duration::from_secs(120),
-        "the first instance gives up partitions",
-        || {
-            s.hub
-                .log_text()
-                .contains("partitions given up: waiting for their attempts in flight")
-                .then_some(())
-        },
+        "partitions given up: waiting for their attempts in flight",
+        &[&b],
     );
     gate.send(true).unwrap();
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
@@ -1566,39 +1556,55 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     )
     .await;
     gate.send(true).unwrap();
-    // One event per tenant goes through first: a partition the group never committed takes
-    // every record on the committed-claim path, with no early attempt (so no hold).
-    let first = produce_one_each(&s, &tenants);
-    wait_delivered(&s, &first, Duration::from_secs(90));
+    // First one event per tenant that no subscription takes (`account.*`), so every partition
+    // of theirs has a committed offset (a partition the group never committed takes every
+    // record on the committed-claim path, with no early attempt) and no transaction has started
+    // a first attempt early: the hold is the next batch's. Delivered events here would race:
+    // a partition first committed by one transaction and read again in the next takes the
+    // early path, and that earlier transaction took the one hold (seen in CI).
+    let unmatched: Vec<Rec> = tenants
+        .iter()
+        .map(|t| event(t, "ledger", "account", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &unmatched);
+    let inbox = format!("{}.inbox", s.prefix);
+    let ids: std::collections::BTreeSet<String> = unmatched.iter().map(Rec::id).collect();
+    read_until(&[&inbox], Duration::from_secs(90), |got| {
+        let seen: std::collections::BTreeSet<String> = got.iter().map(|g| g.rec.id()).collect();
+        seen.is_superset(&ids)
+    });
+    let group = format!("{}-group.hub", s.prefix);
+    wait_until(
+        Duration::from_secs(90),
+        "the hub group past the unmatched events",
+        || group_caught_up(&group, &inbox).then_some(()),
+    );
+    assert!(
+        !s.hub
+            .log_text()
+            .contains("holding this transaction's offsets until the group moves on"),
+        "a transaction without first attempts was held"
+    );
     let before = *got.lock().unwrap();
+    assert_eq!(before, 0, "an unmatched event was delivered");
 
     // The sink holds the first attempts: their jobs are written leased in the held transaction,
     // after the hold, so those writes are still in flight when the refusal comes (as under load).
     gate.send(false).unwrap();
     let events = produce_one_each(&s, &tenants);
-    wait_until(
+    s.hub.wait_logged(
         Duration::from_secs(90),
-        "a transaction holds its offsets",
-        || {
-            s.hub
-                .log_text()
-                .contains("holding this transaction's offsets until the group moves on")
-                .then_some(())
-        },
+        "holding this transaction's offsets until the group moves on",
+        &[],
     );
     // The second instance without the hook: its own first transaction is not held.
     let mut env2 = another_instance(&s.hub.env, "2");
     env2.remove("STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS");
     let b = Hub::start(&env2);
-    wait_until(
+    s.hub.wait_logged(
         Duration::from_secs(120),
-        "the refused batch runs again",
-        || {
-            s.hub
-                .log_text()
-                .contains("hub batch runs again at once under the group's next generation")
-                .then_some(())
-        },
+        "hub batch runs again at once under the group's next generation",
+        &[&b],
     );
     let again = metric_sum(
         &s.hub.metrics_text(&s.http).await.unwrap(),

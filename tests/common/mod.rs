@@ -552,6 +552,31 @@ impl Hub {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits until this hub's log has `needle`; on a timeout the failure shows the last lines
+    /// of this hub's log and of `others`' (what the hubs did instead).
+    pub fn wait_logged(&self, timeout: Duration, needle: &str, others: &[&Hub]) {
+        let deadline = Instant::now() + timeout;
+        while !self.log_text().contains(needle) {
+            if Instant::now() >= deadline {
+                let tails: Vec<String> = std::iter::once(self)
+                    .chain(others.iter().copied())
+                    .map(|h| {
+                        format!(
+                            "--- {}:\n{}",
+                            h.env["STREAMING_HUB_INSTANCE_ID"],
+                            log_tail(&h.log_text(), 80)
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "timed out after {timeout:?} waiting for the log line {needle:?}\n{}",
+                    tails.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Hub {
@@ -559,6 +584,36 @@ impl Drop for Hub {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The last `n` lines of a hub's log, without colour codes, each cut at 400 characters.
+fn log_tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..]
+        .iter()
+        .map(|l| {
+            let plain = strip_ansi(l);
+            plain.chars().take(400).collect::<String>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn unsafe_sigterm(pid: u32) {
