@@ -43,6 +43,18 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   env -u CARGO_TARGET_DIR cargo install cargo-fuzz --locked
 fi
 
+# Each clone path builds this crate and the fuzz targets anew (cargo hashes where a path
+# dependency lives), and nothing removed the old copies: 46 GB of them after six weeks of CI
+# runs filled the disk. Copies built more than two days ago go; a tree whose sources have not
+# changed that long rebuilds its own (about 2 minutes).
+if [[ -d "$target_dir" ]]; then
+  name_args=(-name 'libstreaming_hub-*' -o -name 'streaming_hub-*')
+  for t in $targets ingest_classify avro_decode api_bodies; do
+    name_args+=(-o -name "$t-*")
+  done
+  find "$target_dir" -path '*/release/deps/*' -type f \( "${name_args[@]}" \) -mmin +2880 -delete
+fi
+
 echo "== cargo fuzz build" >&2
 start=$(date +%s)
 cargo +nightly fuzz build -s none --target-dir "$target_dir"

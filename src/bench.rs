@@ -516,6 +516,7 @@ fn bench_deliver(config: &Config, records: usize, size: usize) -> Result<String,
                 subscription: subs[i].clone(),
                 event,
                 sole_payload: None,
+                holds_long: false,
             };
             workers.spawn(workers_rt.handle(), a, done_tx.clone());
             sent += 1;

@@ -29,6 +29,9 @@ const TENANT_WEIGHT: f64 = 0.2;
 const LOOP_WEIGHT: f64 = 0.02;
 /// Tenants whose attempt time is kept; past it, those with nothing in flight are forgotten.
 const MAX_TIMED_TENANTS: usize = 100_000;
+/// A tenant whose attempts take this many times the loop's average holds its workers long
+/// (`holds_long`).
+const LONG_HOLD: f64 = 4.0;
 
 /// Attempt times, averaged per tenant and over the loop, and the bounds they give.
 pub struct Pace {
@@ -75,6 +78,17 @@ impl Pace {
     pub fn trim(&mut self, in_flight: impl Fn(&str) -> bool) {
         if self.tenant_ms.len() > MAX_TIMED_TENANTS {
             self.tenant_ms.retain(|t, _| in_flight(t));
+        }
+    }
+
+    /// Whether `tenant`'s attempts hold a worker at least [`LONG_HOLD`] times as long as the
+    /// loop's average attempt, or are not timed yet: a worker it takes beyond its share is lost
+    /// to the others for that long, so the pool keeps room for their recent demand
+    /// (`fair::FairPermits`). A tenant as fast as the rest may use whatever is free.
+    pub fn holds_long(&self, tenant: &str) -> bool {
+        match (self.tenant_ms.get(tenant), self.loop_ms) {
+            (Some(&own), Some(mean)) => own >= LONG_HOLD * mean,
+            _ => true,
         }
     }
 
@@ -173,6 +187,25 @@ mod tests {
         assert_eq!(p.tenant_limit("ten", 1, 4096, 256, || 64), 64 + 32);
         // Among 1,000 tenants waiting: one running, one more.
         assert_eq!(p.tenant_limit("ten", 1000, 4096, 256, || 1), 2);
+    }
+
+    #[test]
+    fn a_tenant_holds_long_when_untimed_or_far_slower_than_the_loop() {
+        let mut p = pace(1);
+        assert!(p.holds_long("new"), "untimed");
+        for i in 0..50 {
+            p.timed(&format!("t{i}"), 20);
+        }
+        p.timed("slow", 10_000);
+        assert!(p.holds_long("slow"));
+        assert!(!p.holds_long("t3"));
+        // A loop whose attempts are all slow: none is slower than the rest.
+        let mut p = pace(1);
+        for _ in 0..200 {
+            p.timed("a", 1_000);
+            p.timed("b", 1_200);
+        }
+        assert!(!p.holds_long("a") && !p.holds_long("b"));
     }
 
     #[test]

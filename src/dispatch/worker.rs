@@ -60,6 +60,9 @@ pub struct Attempt {
     /// When the claim found this job its payload's only holder: the payload holds count then
     /// ([`jobs::payload_holds`](crate::dispatch::jobs::payload_holds)); else None.
     pub sole_payload: Option<u64>,
+    /// Whether its tenant's attempts hold a worker far longer than the loop's do, or are not
+    /// timed yet (`Pace::holds_long`): the pool then keeps room for the others' recent demand.
+    pub holds_long: bool,
 }
 
 /// What happened to one attempt.
@@ -147,7 +150,7 @@ impl Workers {
     pub fn spawn(&self, handle: &tokio::runtime::Handle, a: Attempt, done: Sender<Outcome>) {
         let w = self.clone();
         handle.spawn(async move {
-            let _permit = w.permits.acquire(&a.tenant).await;
+            let _permit = w.permits.acquire(&a.tenant, a.holds_long).await;
             if w.clock.now_ms() + w.http_timeout_ms > a.lease_until {
                 // Sending now could outlive the lease: the hub may already be reclaiming the job,
                 // and a second copy would go out. Hand it back unsent instead.

@@ -3005,6 +3005,7 @@ fn claim(
         subscription: sub,
         event,
         sole_payload: sole.then(jobs::payload_holds),
+        holds_long: d.pace.holds_long(&job.tenant_id),
     });
     Ok(true)
 }
@@ -3412,6 +3413,7 @@ mod tests {
                 bytes::Bytes::from_static(b"{}"),
             ),
             sole_payload: Some(7),
+            holds_long: false,
         }
     }
 
