@@ -30,8 +30,9 @@
 //!   10 to 11 s; never less than its share among the most tenants present in that time. A
 //!   tenant as fast as the others may use whatever is free: a worker it takes comes back soon.
 //!   A tenant alone, or beside tenants that wanted nothing for the window, takes every worker
-//!   but the reserve again, from its next permit given back (nothing re-reads the window when
-//!   no permit moves).
+//!   but the reserve again, from the next permit asked for or given back (nothing re-reads the
+//!   window when no permit moves). Before a hub loop has timed any attempt, every tenant counts
+//!   as slow; so does a tenant not timed yet.
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -254,11 +255,12 @@ impl FairPermits {
             }
             // Permits past the reserve that the tenants in turn may not take (held to their
             // room) may be this one's, or another's in turn. (Anything less than that, the
-            // last release already gave to whoever could take it.)
+            // last release already gave to whoever could take it.) Sampled first, so a room
+            // that has grown counts at once.
+            s.sample();
             if s.free > s.reserve {
                 self.grant(s);
             }
-            s.sample();
             rx
         };
         match rx.await {
@@ -280,8 +282,9 @@ impl FairPermits {
         }
         s.settle(tenant);
         s.free += 1;
-        self.grant(s);
+        // Sampled first, so a room that has grown (old demand forgotten) counts at once.
         s.sample();
+        self.grant(s);
     }
 
     /// Free permits go to the tenants waiting, first those under their share (in turn), then
