@@ -293,20 +293,19 @@ impl FairPermits {
     fn grant(&self, s: &mut State) {
         while s.free > 0 && !s.turns.is_empty() {
             let share = s.share();
-            let standing = |name: &String| {
-                s.tenants
+            // One lookup per tenant in turn and pass: under its share only, then any.
+            let may = |name: &String, under_only: bool| {
+                let (held, long) = s
+                    .tenants
                     .get(name)
-                    .map_or((0, false), |t| (t.held, t.holds_long))
-            };
-            let may = |name: &String| {
-                let (held, long) = standing(name);
-                s.may_take(held, share, long)
+                    .map_or((0, false), |t| (t.held, t.holds_long));
+                (!under_only || held < share) && s.may_take(held, share, long)
             };
             let next = s
                 .turns
                 .iter()
-                .position(|name| standing(name).0 < share && may(name))
-                .or_else(|| s.turns.iter().position(may));
+                .position(|name| may(name, true))
+                .or_else(|| s.turns.iter().position(|name| may(name, false)));
             let Some(at) = next else {
                 break;
             };
@@ -500,10 +499,7 @@ mod tests {
     async fn a_tenant_as_fast_as_the_others_may_use_whatever_is_free() {
         let pool = FairPermits::sampling(16, Duration::ZERO, Duration::from_secs(3600));
         let fast = grants(&pool, "fast", 6).await;
-        let mut other = Vec::new();
-        for _ in 0..9 {
-            other.push(granted(take_as(&pool, "other", false)).await);
-        }
+        let mut other = grants_as(&pool, "other", 9, false).await;
         let waiting: Vec<_> = (0..6).map(|_| take_as(&pool, "other", false)).collect();
         settle().await;
         drop(fast);
@@ -533,9 +529,18 @@ mod tests {
     }
 
     async fn grants(pool: &FairPermits, tenant: &'static str, n: usize) -> Vec<Permit> {
+        grants_as(pool, tenant, n, true).await
+    }
+
+    async fn grants_as(
+        pool: &FairPermits,
+        tenant: &'static str,
+        n: usize,
+        holds_long: bool,
+    ) -> Vec<Permit> {
         let mut out = Vec::new();
         for _ in 0..n {
-            out.push(granted(take(pool, tenant)).await);
+            out.push(granted(take_as(pool, tenant, holds_long)).await);
         }
         out
     }
