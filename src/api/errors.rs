@@ -24,6 +24,7 @@ pub mod codes {
     pub const UNSUPPORTED_MEDIA_TYPE: &str = "unsupported_media_type";
     pub const VERSION_MISMATCH: &str = "version_mismatch";
     pub const NOT_A_WEBHOOK: &str = "not_a_webhook";
+    pub const SUBSCRIPTION_INACTIVE: &str = "subscription_inactive";
     pub const TOO_MANY_SECRETS: &str = "too_many_secrets";
     pub const UNAVAILABLE: &str = "unavailable";
     pub const INTERNAL: &str = "internal";

@@ -153,7 +153,8 @@ fn body_error(path: &str, inner: &serde_json::Error) -> ApiError {
             (!path.is_empty() && path != ".").then(|| path.to_string()),
         )
     };
-    // serde's messages name types and fields, never values from elsewhere: safe to return.
+    // Types and fields only: a value in the wrong field may be a credential.
+    let message = without_string_value(&message);
     let message = message
         .split(" at line ")
         .next()
@@ -163,6 +164,33 @@ fn body_error(path: &str, inner: &serde_json::Error) -> ApiError {
     match field {
         Some(f) => error.with_field(f),
         None => error,
+    }
+}
+
+/// A serde message without the value it quotes (`invalid type: string "Bearer …", expected a
+/// map`, an integer or a variant in backticks): the value may be a credential put in the wrong
+/// field, and API answers and apply's errors (stderr, often a CI log) end up in logs. The kind
+/// of value stays.
+pub(crate) fn without_string_value(message: &str) -> String {
+    let end = message.rfind(", expected");
+    let cut = |at: usize| match end {
+        Some(end) if end >= at => format!("{}{}", &message[..at], &message[end..]),
+        _ => format!("{} (value not shown)", &message[..at]),
+    };
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some(i) = message.find(prefix) {
+            let from = i + prefix.len();
+            let upto = end.filter(|&e| e >= from).unwrap_or(message.len());
+            // Keep the kind ("string", "integer", "map"); cut what follows it.
+            return match message[from..upto].find(' ') {
+                Some(k) => cut(from + k),
+                None => message.to_string(),
+            };
+        }
+    }
+    match message.find("unknown variant ") {
+        Some(i) => cut(i + "unknown variant".len()),
+        None => message.to_string(),
     }
 }
 

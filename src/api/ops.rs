@@ -15,12 +15,12 @@ use super::ApiState;
 use super::auth::{Admin, Caller};
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, JsonBody};
-use super::subscriptions::load;
+use super::subscriptions::{caught_up, load};
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
 use crate::ops::ratelimit::RateLimiter;
 use crate::ops::redeliver::{Progress, RedeliverError, Redeliverer, check_redeliverable};
-use crate::runtime::records::DestinationType;
+use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
 
 /// What the operations endpoints share.
 pub struct Ops {
@@ -239,8 +239,33 @@ fn remember(ops: &Ops, kind: &str, subscription: Option<&str>) -> Arc<Mutex<Prog
     p
 }
 
+/// A recover or replay to a subscription that is disabled or not verified: `409`. The hub drops
+/// redeliveries to it (`streaming_hub_redeliveries_total{outcome="inactive"}`), so queueing them
+/// would answer success for nothing.
+fn check_active(sub: &SubscriptionRecord) -> Result<(), ApiError> {
+    let why = if !sub.enabled {
+        "it is disabled"
+    } else {
+        match sub.verification_state {
+            VerificationState::Active => return Ok(()),
+            VerificationState::Pending => "its destination's verification is pending",
+            VerificationState::Failed => "its destination failed verification",
+        }
+    };
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        codes::SUBSCRIPTION_INACTIVE,
+        format!(
+            "nothing is redelivered to this subscription while {why}: verify it \
+             (POST /v1/subscriptions/{{id}}/verify) or enable it first"
+        ),
+    ))
+}
+
 /// A recover or redrive that failed on Kafka: `503`, naming the run and what it queued when it
-/// stopped partway (a retry queues those again).
+/// stopped partway (a retry queues those again). The broker's words (topics, partitions,
+/// addresses) stay in the log and the run's progress, which only operators read: a recover's
+/// answer goes to a tenant.
 fn stopped(progress: &Mutex<Progress>, e: String) -> ApiError {
     let p = finish(progress, Err(RedeliverError::Kafka(e.clone())));
     if p.requested == 0 {
@@ -252,7 +277,7 @@ fn stopped(progress: &Mutex<Progress>, e: String) -> ApiError {
         codes::UNAVAILABLE,
         format!(
             "the run {} stopped partway, after queueing {} redeliveries (a retry queues them \
-             again): {e}",
+             again); why is in the instance's log",
             p.id, p.requested
         ),
     )
@@ -402,6 +427,7 @@ pub struct TenantQuery {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
+        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`)", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn recover(
     State(state): State<ApiState>,
@@ -416,6 +442,7 @@ pub async fn recover(
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
+    check_active(&sub)?;
     let since = body.since_ms()?;
     let ops = ops(&state)?.clone();
     let Some(slot) = ops.scans.enter(&tenant) else {
@@ -470,13 +497,15 @@ impl ReplayRequest {
         (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 403, description = "Not an admin token", body = ErrorBody),
-        (status = 404, description = "No such subscription", body = ErrorBody)))]
+        (status = 404, description = "No such subscription", body = ErrorBody),
+        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`)", body = ErrorBody)))]
 pub async fn start_replay(
     State(state): State<ApiState>,
     _admin: Admin,
     JsonBody(body): JsonBody<ReplayRequest>,
 ) -> Result<Response, ApiError> {
-    let ops = ops(&state)?.clone();
+    // A table still loading would answer a wrong 404.
+    caught_up(&state)?;
     let sub = state
         .subs
         .get(&body.subscription_id)
@@ -484,7 +513,9 @@ pub async fn start_replay(
     check_redeliverable(&sub).map_err(|e| {
         ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
     })?;
+    check_active(&sub)?;
     let (from, to) = body.window()?;
+    let ops = ops(&state)?.clone();
     let Some(slot) = ops.scans.enter(&sub.tenant_id) else {
         return Ok(scans_busy());
     };
@@ -749,6 +780,24 @@ mod tests {
         let a3 = gate.enter("a", Duration::from_secs(30)).await;
         assert!(a3.is_some(), "a has one running: another is let in");
         drop((a2, c1));
+    }
+
+    #[test]
+    fn a_run_stopped_partway_names_the_run_not_the_brokers_words() {
+        let progress = Mutex::new(Progress {
+            id: "run-1".into(),
+            requested: 3,
+            ..Progress::default()
+        });
+        let broker = "no record from hub.dlq/3 within 10s (broker 10.0.4.2:9092)";
+        let e = stopped(&progress, broker.to_string());
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(e.message.contains("run-1") && e.message.contains("3 redeliveries"));
+        assert!(!e.message.contains("hub.dlq") && !e.message.contains("10.0.4.2"));
+        let p = progress.lock().unwrap();
+        assert_eq!(p.state, "failed");
+        let kept = format!("kafka: {broker}");
+        assert_eq!(p.error.as_deref(), Some(kept.as_str()), "operators read it");
     }
 
     #[test]

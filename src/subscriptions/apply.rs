@@ -60,6 +60,7 @@ use super::pending::{ProbeError, Prober, open_sensitive_headers, seal_sensitive_
 use super::sealed_url;
 use super::secrets::{Binding, Kek, SecretError, generate_signing_secret};
 use super::table::{SharedTable, Table};
+use crate::api::extract::without_string_value;
 use crate::config::Config;
 use crate::runtime::avro::Codec;
 use crate::runtime::clock::{Clock, SharedClock, SystemClock};
@@ -230,32 +231,6 @@ async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired
         enabled,
         spec,
     })
-}
-
-/// A serde message without the value it quotes (`invalid type: string "Bearer …", expected a
-/// map`, an integer or a variant in backticks): the value may be a credential put in the wrong
-/// field, and apply's errors go to stderr, often a CI log. The kind of value stays.
-fn without_string_value(message: &str) -> String {
-    let end = message.rfind(", expected");
-    let cut = |at: usize| match end {
-        Some(end) if end >= at => format!("{}{}", &message[..at], &message[end..]),
-        _ => format!("{} (value not shown)", &message[..at]),
-    };
-    for prefix in ["invalid type: ", "invalid value: "] {
-        if let Some(i) = message.find(prefix) {
-            let from = i + prefix.len();
-            let upto = end.filter(|&e| e >= from).unwrap_or(message.len());
-            // Keep the kind ("string", "integer", "map"); cut what follows it.
-            return match message[from..upto].find(' ') {
-                Some(k) => cut(from + k),
-                None => message.to_string(),
-            };
-        }
-    }
-    match message.find("unknown variant ") {
-        Some(i) => cut(i + "unknown variant".len()),
-        None => message.to_string(),
-    }
 }
 
 /// Names the field of a serde error the way the API's body parser does: the path to it, plus the

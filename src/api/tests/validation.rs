@@ -260,6 +260,50 @@ async fn each_patch_validation_error_names_its_field() {
 }
 
 #[tokio::test]
+async fn a_value_in_the_wrong_place_is_named_by_its_field_never_shown() {
+    let h = Harness::strict();
+    let token = h.token("acme");
+    let credential = "Bearer sk_live_4f9a";
+    let a = h
+        .post(
+            "/v1/subscriptions",
+            &token,
+            webhook(PUBLIC_URL, json!({"sensitive_headers": credential})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.text);
+    assert_eq!(a.body["error"]["field"], "destination", "{}", a.text);
+    assert!(
+        a.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid type: string"),
+        "{}",
+        a.text
+    );
+    let id = h.create_pull("acme").await;
+    let patches = [
+        json!({"destination": {"type": credential}}),
+        json!({"enabled": credential}),
+        json!({"retry_schedule": credential}),
+    ];
+    for body in patches {
+        let a = h
+            .call(
+                Method::PATCH,
+                &format!("/v1/subscriptions/{id}"),
+                Some(&token),
+                Some(body.clone()),
+                &[],
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{body}: {}", a.text);
+        assert!(!a.text.contains("sk_live"), "{body}: {}", a.text);
+    }
+    assert!(!a.text.contains("sk_live"), "{}", a.text);
+}
+
+#[tokio::test]
 async fn malformed_json_is_400_and_a_non_json_body_is_415() {
     let h = Harness::new();
     let token = h.token("acme");
