@@ -636,8 +636,18 @@ async fn retries_of_a_destination_that_failed_verification_are_spent_unsent_unti
             .bearer_auth(s.token(tenant))
             .send()
     };
+    // A failed re-probe of a verified destination answers 422 and keeps it active.
     sink.verifies.store(false, Ordering::SeqCst);
     assert_eq!(verify(&s).await.unwrap().status(), 422);
+    assert_eq!(
+        s.get_subscription(tenant, &id).await["verification_state"],
+        "active"
+    );
+    // One that failed verification (as a new URL whose probe fails is left): written so.
+    let mut rec = control_records(&s.prefix)[&id].clone();
+    rec.verification_state = streaming_hub::runtime::records::VerificationState::Failed;
+    rec.version += 1;
+    write_control_record(&s, &rec).await;
     assert_eq!(
         s.get_subscription(tenant, &id).await["verification_state"],
         "failed"

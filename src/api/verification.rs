@@ -6,7 +6,11 @@
 //!   writes `active`, a failure leaves it `pending` (the answer says why);
 //! - `/verify` ([`Probe::Requested`]): a pass writes `active` AND `enabled = true` and clears
 //!   `disabled_reason`/`disabled_at` (how an auto-disabled subscription comes back); a failure
-//!   writes `failed` and the answer is `422` with the probe's code.
+//!   answers `422` with the probe's code, and writes `failed` only over `pending` or `failed`: a
+//!   destination already verified stays `active`. A failed re-probe (an endpoint mid-deploy) is
+//!   no reason to stop matching its events, which would lose them with no dead letter; whether
+//!   it is broken is the retry curve's, the breaker's and auto-disable's to judge, from its
+//!   deliveries.
 //!
 //! The probe runs without the write lock. Its result is written onto the subscription as it is
 //! after the probe, and only if the destination is still the one probed; a result about a URL
@@ -95,6 +99,7 @@ pub async fn probe_and_record(
         }
         (Ok(()), Probe::Requested) => next.verification_state = VerificationState::Active,
         (Err(_), Probe::OnChange) => {}
+        (Err(_), Probe::Requested) if latest.verification_state == VerificationState::Active => {}
         (Err(_), Probe::Requested) => next.verification_state = VerificationState::Failed,
     }
     if next != *latest {
@@ -139,7 +144,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
-            `timeout`, `redirect`, …); the subscription is now `failed`. Or no probe: the stored sealed headers or URL \
+            `timeout`, `redirect`, …); a subscription not yet verified is now `failed`, an `active` one stays `active`. Or no probe: the stored sealed headers or URL \
             do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
 pub async fn verify(

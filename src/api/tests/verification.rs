@@ -138,7 +138,11 @@ async fn verify_success_reactivates_and_reenables_an_auto_disabled_subscription(
     assert_eq!(failed.status, StatusCode::UNPROCESSABLE_ENTITY);
     let stored = h.state.subs.get(&id).unwrap();
     assert!(!stored.enabled, "a failed probe does not re-enable");
-    assert_eq!(stored.verification_state, VerificationState::Failed);
+    assert_eq!(
+        (stored.verification_state, stored.version),
+        (VerificationState::Active, 3),
+        "verified before: a failed re-probe writes nothing"
+    );
 
     hook.echo.store(true, std::sync::atomic::Ordering::SeqCst);
     let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
@@ -161,6 +165,33 @@ async fn verify_success_reactivates_and_reenables_an_auto_disabled_subscription(
     let stored = h.state.subs.get(&id).unwrap();
     assert!(stored.enabled && stored.disabled_reason.is_none() && stored.disabled_at.is_none());
     assert_eq!(stored.verification_state, VerificationState::Active);
+}
+
+/// A destination already verified that fails a re-probe (an endpoint mid-deploy) keeps
+/// `active`: its events go on matching and its deliveries go on (retried, dead-lettered,
+/// auto-disabled on their own evidence). Demoted, its events would match nothing, with no dead
+/// letter.
+#[tokio::test]
+async fn a_failed_reprobe_of_an_active_subscription_answers_422_and_keeps_it_active() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let id = h.create_webhook(&token, &hook.url).await;
+    assert_eq!(
+        h.state.subs.get(&id).unwrap().verification_state,
+        VerificationState::Active
+    );
+    hook.echo.store(false, std::sync::atomic::Ordering::SeqCst);
+    let uri = format!("/v1/subscriptions/{id}/verify");
+    let a = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.text);
+    assert_eq!(a.body["error"]["code"], "challenge_missing");
+    let stored = h.state.subs.get(&id).unwrap();
+    assert_eq!(
+        (stored.verification_state, stored.enabled, stored.version),
+        (VerificationState::Active, true, 2)
+    );
+    assert_eq!(hook.requests().len(), 2, "create probe, verify probe");
 }
 
 #[tokio::test]
