@@ -206,6 +206,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let mut hub_threads = Vec::new();
     if matches!(config.role, Role::All | Role::Delivery) {
         let kek = if config.kek.is_empty() {
+            tracing::warn!(
+                "delivery runs without STREAMING_HUB_KEK: webhook deliveries of the partitions \
+                 this instance owns are held (no attempt spent, \
+                 streaming_hub_deliveries_held_no_key_total) until an instance with the key \
+                 owns them"
+            );
             None
         } else {
             Some(Arc::new(

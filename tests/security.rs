@@ -1092,6 +1092,43 @@ async fn a_sealed_target_pointed_at_another_host_is_never_sent() {
 
 /// Runs `streaming-hub subscriptions reseal <args>` with the hub's environment; what it printed
 /// (it must succeed).
+/// An instance that runs delivery without `STREAMING_HUB_KEK` (a deployment that left the key
+/// out) holds due deliveries, no attempt spent: it failed each on the hub's side before, until
+/// the retry curve ran out and the event was dead-lettered. An instance with the key then
+/// delivers them as attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_without_the_key_holds_deliveries_for_one_that_has_it() {
+    let mut api = ApiHub::start("nokey", &[("STREAMING_HUB_DANGEROUS_TEST_CLOCK", "true")]).await;
+    let (url, sink) = Sink::start().await;
+    let tenant = "tenant-k";
+    let (_, secret) = subscribe_webhook(&api, tenant, &url, json!({})).await;
+    api.hub.terminate();
+    let with_key = api.hub.env.clone();
+    let mut env = with_key.clone();
+    env.remove("STREAMING_HUB_KEK");
+    api.hub = Hub::start(&env);
+    let ev = event(tenant, "ledger", "transaction", "created");
+    produce(&producer(), &api.topic, std::slice::from_ref(&ev));
+    api.wait_metric("streaming_hub_deliveries_held_no_key_total", 1)
+        .await;
+    assert_eq!(api.metric("streaming_hub_attempts_total").await, 0);
+    assert!(sink.ids().is_empty(), "nothing sent without the key");
+    assert!(
+        api.hub
+            .log_text()
+            .contains("delivery runs without STREAMING_HUB_KEK"),
+        "the start says so"
+    );
+    api.hub.terminate();
+    api.hub = Hub::start(&with_key);
+    api.advance("61s").await;
+    let d = sink.wait_for(&ev.id());
+    assert_eq!(d.header("x-lerian-attempt"), "1", "no attempt was spent");
+    assert!(d.signed_by(&secret));
+    assert_eq!(sink.ids(), [ev.id()]);
+    assert_eq!(api.metric("streaming_hub_dead_letters_total").await, 0);
+}
+
 fn reseal(env: &BTreeMap<String, String>, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
         .args(["subscriptions", "reseal"])

@@ -2962,6 +2962,17 @@ fn claim(
             return Ok(false);
         }
     }
+    if d.workers.kek.is_none() {
+        // No key-encryption key here (a deployment that left it out): nothing could be signed,
+        // and every attempt would be spent on the hub's own failure until the job was
+        // dead-lettered. It waits, no attempt spent, for an instance that has the key.
+        postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
+        telemetry::HeldNoKey {
+            subscription_id: &sub.id,
+        }
+        .emit();
+        return Ok(false);
+    }
     let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
     if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
         // The destination's breaker is open.

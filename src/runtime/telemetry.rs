@@ -618,6 +618,24 @@ impl HeldUnverified<'_> {
     }
 }
 
+pub const HELD_NO_KEY: &str = "streaming_hub_deliveries_held_no_key_total";
+
+/// A due delivery postponed, no attempt spent: this instance has no key-encryption key
+/// (`STREAMING_HUB_KEK`), so it could neither sign nor open a sealed URL.
+pub struct HeldNoKey<'a> {
+    pub subscription_id: &'a str,
+}
+
+impl HeldNoKey<'_> {
+    pub fn emit(&self) {
+        counter!(HELD_NO_KEY).increment(1);
+        tracing::debug!(
+            subscription_id = self.subscription_id,
+            "due delivery held: this instance has no key-encryption key"
+        );
+    }
+}
+
 pub const AUTO_DISABLED: &str = "streaming_hub_auto_disabled_total";
 
 /// A subscription was auto-disabled.
