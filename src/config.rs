@@ -507,7 +507,8 @@ settings! {
     /// Kafka's default bounds.
     session_timeout: std::time::Duration = "10s";
     /// Key-encryption key for signing secrets and credentials: base64 of 32 bytes (secret).
-    /// Required to run the subscription API; never logged.
+    /// Required to run the subscription API and to deliver webhooks (without it, an instance that
+    /// runs delivery holds its due deliveries, no attempt spent); never logged.
     kek: Secret = "";
     /// Id of `STREAMING_HUB_KEK`, stored next to every ciphertext so the key can be rotated.
     kek_id: String = "k1";
