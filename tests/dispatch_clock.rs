@@ -618,6 +618,60 @@ async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
     assert_eq!(s.get_subscription(tenant, &id).await["enabled"], true);
 }
 
+/// A subscription whose latest control record cannot be read (a newer version's schema, a bad
+/// write past the API) is out of the table, as on an instance reading the compacted topic that
+/// kept only that record; its pending retry is held, no attempt spent, instead of dropped as a
+/// deleted subscription's, and goes out once a readable record for it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_whose_record_cannot_be_read_holds_its_retries_until_it_can() {
+    let s = clock_hub("unread", &[]).await;
+    let (url, sink) = start_sink(500).await;
+    let tenant = "tenant-u";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1h"]})).await;
+    let ev = event(tenant, "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    wait_for(&sink, 1).await; // attempt 1 of 2 failed
+    let good = control_records(&s.prefix)[&id].clone();
+    // The single-object marker and a fingerprint no schema of this version has.
+    let mut newer = vec![0xc3, 0x01, 1, 2, 3, 4, 5, 6, 7, 8];
+    newer.extend_from_slice(b"a record of a later schema");
+    let r = Rec {
+        key: Some(id.clone().into_bytes()),
+        value: Some(newer),
+        ..Default::default()
+    };
+    produce(&producer(), &format!("{}.subscriptions", s.prefix), &[r]);
+    s.wait_metric(
+        "streaming_hub_control_records_skipped_total{reason=\"unknown_schema\"",
+        1,
+    )
+    .await;
+    assert_eq!(
+        s.get_subscription(tenant, &id).await["error"]["code"],
+        "not_found"
+    );
+    // The retry comes due: held, not sent, not dropped, not dead-lettered.
+    s.advance("2h").await;
+    s.wait_metric("streaming_hub_deliveries_held_unreadable_total", 1)
+        .await;
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        1,
+        "no request while unreadable"
+    );
+    assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
+    // Readable again: the held retry goes out as attempt 2, the last.
+    sink.status.store(200, Ordering::SeqCst);
+    let mut back = good;
+    back.version += 2;
+    write_control_record(&s, &back).await;
+    s.advance("61s").await;
+    wait_for(&sink, 2).await;
+    assert_eq!(sink.got.lock().unwrap()[1], (ev.id(), 200));
+    assert_eq!(*sink.attempts.lock().unwrap(), ["1", "2"]);
+    assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_of_a_destination_that_failed_verification_are_spent_unsent_until_it_passes() {
     let s = clock_hub("vfail", &[]).await;

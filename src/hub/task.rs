@@ -2893,6 +2893,18 @@ fn claim(
     let old_due = job.due_at;
     let sub = d.table.read().get(&job.subscription_id);
     let Some(sub) = sub else {
+        if d.table.read().is_unreadable(&job.subscription_id) {
+            // Its latest control record could not be read (a newer version's schema, a bad
+            // write past the API): not deleted. Held, no attempt spent, until one can be.
+            let id = job.subscription_id.clone();
+            postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
+            telemetry::Held {
+                subscription_id: &id,
+                why: telemetry::HeldFor::Unreadable,
+            }
+            .emit();
+            return Ok(false);
+        }
         // The subscription was deleted: its pending deliveries go with it.
         js.finish_job_quietly(&key, &job)?;
         return Ok(false);
@@ -2967,8 +2979,9 @@ fn claim(
         // and every attempt would be spent on the hub's own failure until the job was
         // dead-lettered. It waits, no attempt spent, for an instance that has the key.
         postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
-        telemetry::HeldNoKey {
+        telemetry::Held {
             subscription_id: &sub.id,
+            why: telemetry::HeldFor::NoKey,
         }
         .emit();
         return Ok(false);

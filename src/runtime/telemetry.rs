@@ -619,19 +619,38 @@ impl HeldUnverified<'_> {
 }
 
 pub const HELD_NO_KEY: &str = "streaming_hub_deliveries_held_no_key_total";
+pub const HELD_UNREADABLE: &str = "streaming_hub_deliveries_held_unreadable_total";
 
-/// A due delivery postponed, no attempt spent: this instance has no key-encryption key
-/// (`STREAMING_HUB_KEK`), so it could neither sign nor open a sealed URL.
-pub struct HeldNoKey<'a> {
-    pub subscription_id: &'a str,
+/// Why a due delivery was postponed with no attempt spent, besides its verification.
+#[derive(Debug, Clone, Copy)]
+pub enum HeldFor {
+    /// This instance has no key-encryption key (`STREAMING_HUB_KEK`): it could neither sign
+    /// nor open a sealed URL.
+    NoKey,
+    /// Its subscription's latest control record could not be read here (see
+    /// `Table::read_unreadable`).
+    Unreadable,
 }
 
-impl HeldNoKey<'_> {
+pub struct Held<'a> {
+    pub subscription_id: &'a str,
+    pub why: HeldFor,
+}
+
+impl Held<'_> {
     pub fn emit(&self) {
-        counter!(HELD_NO_KEY).increment(1);
+        let (name, why) = match self.why {
+            HeldFor::NoKey => (HELD_NO_KEY, "this instance has no key-encryption key"),
+            HeldFor::Unreadable => (
+                HELD_UNREADABLE,
+                "its subscription's latest control record could not be read",
+            ),
+        };
+        counter!(name).increment(1);
         tracing::debug!(
             subscription_id = self.subscription_id,
-            "due delivery held: this instance has no key-encryption key"
+            why,
+            "due delivery held"
         );
     }
 }

@@ -18,7 +18,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::Config;
-use crate::runtime::avro::{Codec, RecordKind};
+use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::SubscriptionRecord;
 use crate::subscriptions::table::{SharedTable, Sub, Table};
@@ -91,6 +91,7 @@ pub fn follow(
                 // seen from either (`Subscriptions::put`).
                 let _noted = Noted(&table, m.partition(), m.offset());
                 let Some(id) = m.key().and_then(|k| std::str::from_utf8(k).ok()) else {
+                    metrics::counter!(CONTROL_SKIPPED, "reason" => "invalid_key").increment(1);
                     tracing::warn!(
                         offset = m.offset(),
                         "control record without a valid key skipped"
@@ -115,14 +116,16 @@ pub fn follow(
                                     subscription_id = id.escape_debug().to_string(),
                                     offset = m.offset(),
                                     "control record whose id has a control character skipped"
-                                )
+                                );
+                                unreadable(&table, "control_character", id, &m);
                             }
                             Ok(rec) if rec.id == id && rec.version >= i64::MAX as u64 => {
                                 tracing::warn!(
                                     subscription_id = id,
                                     offset = m.offset(),
                                     "control record whose version has no successor skipped"
-                                )
+                                );
+                                unreadable(&table, "no_successor_version", id, &m);
                             }
                             Ok(rec) if rec.id == id => {
                                 tracing::debug!(
@@ -134,13 +137,21 @@ pub fn follow(
                                     t.read_record(id, Some(rec), m.partition(), m.offset())
                                 });
                             }
-                            Ok(_) => tracing::warn!(
-                                subscription_id = id,
-                                offset = m.offset(),
-                                "control record whose key and id differ skipped"
-                            ),
+                            Ok(_) => {
+                                tracing::warn!(
+                                    subscription_id = id,
+                                    offset = m.offset(),
+                                    "control record whose key and id differ skipped"
+                                );
+                                unreadable(&table, "key_not_id", id, &m);
+                            }
+                            Err(e @ CodecError::UnknownFingerprint(_)) => {
+                                tracing::error!(subscription_id = id, offset = m.offset(), error = %e, "control record of a schema this version does not know skipped (written by a newer version of the hub? run that version): the subscription is out of the table, its pending deliveries held");
+                                unreadable(&table, "unknown_schema", id, &m);
+                            }
                             Err(e) => {
-                                tracing::warn!(subscription_id = id, offset = m.offset(), error = %e, "undecodable control record skipped")
+                                tracing::warn!(subscription_id = id, offset = m.offset(), error = %e, "undecodable control record skipped");
+                                unreadable(&table, "undecodable", id, &m);
                             }
                         }
                     }
@@ -167,6 +178,21 @@ pub fn follow(
     }
     Ok(())
 }
+
+/// A control record for `id` that could not be read: the latest word on the subscription, so it
+/// goes out of the table (as it would be on an instance reading the compacted topic, which may
+/// keep only this record) and its pending deliveries are held until a readable record for it.
+fn unreadable(
+    table: &SharedTable,
+    reason: &'static str,
+    id: &str,
+    m: &rdkafka::message::BorrowedMessage<'_>,
+) {
+    metrics::counter!(CONTROL_SKIPPED, "reason" => reason).increment(1);
+    table.apply(|t| t.read_unreadable(id, m.partition(), m.offset()));
+}
+
+pub const CONTROL_SKIPPED: &str = "streaming_hub_control_records_skipped_total";
 
 /// Notes a control record as read when dropped: after its change, on every path out of its
 /// handling.

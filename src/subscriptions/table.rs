@@ -6,7 +6,7 @@
 //! checks origin, schema major and the gates (`enabled` and `verification_state = active`) on the
 //! hits, so its cost does not grow with other tenants' or other event types' subscriptions.
 //! Lookups borrow the event's strings: no allocation per event beyond the result.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -24,6 +24,11 @@ pub struct Table {
     /// where each landed (partition, offset). The table shows them already (read-your-writes);
     /// the reader skips the id's records before them, which the log order puts under them.
     written: HashMap<String, (i32, i64)>,
+    /// Subscriptions whose latest control record could not be read (a schema this version does
+    /// not know, a key that is not its id, …): out of the table, as an instance reading the
+    /// compacted topic would have them, and their pending deliveries held, not dropped as a
+    /// deleted subscription's are.
+    unreadable: HashSet<String>,
 }
 
 /// What an event offers to matching.
@@ -64,17 +69,44 @@ impl Table {
         partition: i32,
         offset: i64,
     ) {
-        match self.written.get(id) {
-            Some(&(p, o)) if p == partition && offset < o => return,
-            Some(_) => {
-                self.written.remove(id);
-            }
-            None => {}
+        if self.under_local_write(id, partition, offset) {
+            return;
         }
         self.remove(id);
+        self.unreadable.remove(id);
         if let Some(rec) = rec {
             self.insert(rec);
         }
+    }
+
+    /// A control record for `id` the reader could not read, in log order: the subscription is
+    /// out of the table until a later record for it (compaction may keep only this one, so an
+    /// instance restarted later would not have the earlier one either), and
+    /// [`Table::is_unreadable`] says so.
+    pub fn read_unreadable(&mut self, id: &str, partition: i32, offset: i64) {
+        if self.under_local_write(id, partition, offset) {
+            return;
+        }
+        self.remove(id);
+        self.unreadable.insert(id.to_string());
+    }
+
+    /// Whether a write of this instance's own, still to be read back, goes over `id`'s record
+    /// at (`partition`, `offset`); a record at or past it ends the wait for it.
+    fn under_local_write(&mut self, id: &str, partition: i32, offset: i64) -> bool {
+        match self.written.get(id) {
+            Some(&(p, o)) if p == partition && offset < o => true,
+            Some(_) => {
+                self.written.remove(id);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Whether `id`'s latest control record could not be read (see [`Table::read_unreadable`]).
+    pub fn is_unreadable(&self, id: &str) -> bool {
+        self.unreadable.contains(id)
     }
 
     /// This instance's write, taken by the broker at (`partition`, `offset`) and not read back
@@ -99,6 +131,7 @@ impl Table {
         }
         self.written.insert(id.to_string(), (partition, offset));
         self.remove(id);
+        self.unreadable.remove(id);
         if let Some(rec) = rec {
             self.insert(rec);
         }
@@ -467,6 +500,26 @@ mod tests {
         t.write_local("a", None, 0, 40);
         t.write_local("a", Some(sub("a", "t1", &["x.q"])), 0, 35);
         assert!(t.get("a").is_none());
+    }
+
+    #[test]
+    fn an_unreadable_record_takes_its_subscription_out_until_a_readable_one() {
+        let mut t = Table::default();
+        t.read_record("a", Some(sub("a", "t1", &["x.y"])), 0, 1);
+        t.read_unreadable("a", 0, 2);
+        assert!(t.get("a").is_none() && t.index.is_empty() && t.is_unreadable("a"));
+        t.read_record("a", Some(sub("a", "t1", &["x.y"])), 0, 3);
+        assert!(t.get("a").is_some() && !t.is_unreadable("a"));
+        t.read_unreadable("a", 0, 4);
+        t.read_record("a", None, 0, 5);
+        assert!(!t.is_unreadable("a"), "deleted: nothing left to hold");
+        // Under an own write not read back, an unreadable record before it changes nothing; the
+        // write clears an earlier mark.
+        t.read_unreadable("b", 0, 6);
+        t.write_local("b", Some(sub("b", "t1", &["x.y"])), 0, 9);
+        assert!(!t.is_unreadable("b"));
+        t.read_unreadable("b", 0, 8);
+        assert!(t.get("b").is_some() && !t.is_unreadable("b"));
     }
 
     #[test]
