@@ -308,6 +308,9 @@ macro_rules! upper {
     (pull_rate) => {
         "PULL_RATE"
     };
+    (max_subscriptions_per_tenant) => {
+        "MAX_SUBSCRIPTIONS_PER_TENANT"
+    };
     (pull_burst) => {
         "PULL_BURST"
     };
@@ -575,6 +578,10 @@ settings! {
     pull_rate: u32 = "10";
     /// Pull API: requests a tenant may make in a burst before `429 Retry-After`.
     pull_burst: u32 = "20";
+    /// Most subscriptions a tenant may have: a create through the API past it answers `409
+    /// subscription_limit` (every instance holds every subscription in memory). `0` = no
+    /// limit. `subscriptions apply` and writers of the control topic are not held to it.
+    max_subscriptions_per_tenant: u32 = "1000";
     /// Consumer group of the forensics index (producers' `.dlq` topics, quarantine, dead
     /// deliveries), suffixed `-<instance>` so every instance indexes everything; empty =
     /// `<STREAMING_HUB_GROUP_ID>.forensics`.

@@ -89,6 +89,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
         (status = 202, description = "Written to the control topic but not yet visible to this instance (no probe yet: the background retrier probes it); the signing secret is in this answer all the same", body = CreatedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
+        (status = 409, description = "The tenant has as many subscriptions as the hub allows (`subscription_limit`)", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn create(
@@ -102,6 +103,17 @@ pub async fn create(
     // own created the subscription for that tenant, not the one the query named.)
     let tenant = caller.tenant_for_either(body.tenant_id.as_deref(), query.tenant_id.as_deref())?;
     caught_up(&state)?;
+    let most = state.max_subscriptions_per_tenant;
+    if most > 0 && state.subs.list(&tenant).len() >= most {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            codes::SUBSCRIPTION_LIMIT,
+            format!(
+                "the tenant has {most} subscriptions, the most this hub allows \
+                 (STREAMING_HUB_MAX_SUBSCRIPTIONS_PER_TENANT): delete one first"
+            ),
+        ));
+    }
     let valid = body.validate(state.sinks).await?;
     let id = uuid::Uuid::now_v7().to_string();
     let now = state.clock.now_ms();

@@ -228,6 +228,43 @@ async fn recover_and_replay_of_an_inactive_subscription_are_refused() {
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
 }
 
+/// Every instance holds every subscription in memory: a tenant's creates stop at the limit.
+#[tokio::test]
+async fn a_create_past_the_tenants_limit_is_409_and_a_delete_makes_room() {
+    let mut h = Harness::new();
+    assert_eq!(h.state.max_subscriptions_per_tenant, 1000, "the default");
+    h.state.max_subscriptions_per_tenant = 3;
+    let token = h.token("acme");
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(h.create_pull("acme").await);
+    }
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(
+        (a.status, a.body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("subscription_limit")),
+        "{}",
+        a.text
+    );
+    assert_eq!(h.state.subs.list("acme").len(), 3, "nothing written");
+    let other = h
+        .post("/v1/subscriptions", &h.token("other"), pull_body())
+        .await;
+    assert_eq!(
+        other.status,
+        StatusCode::CREATED,
+        "another tenant's own count"
+    );
+    let uri = format!("/v1/subscriptions/{}", ids[0]);
+    let a = h.call(Method::DELETE, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    h.state.max_subscriptions_per_tenant = 0;
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "0: no limit");
+}
+
 #[tokio::test]
 async fn an_admin_create_takes_the_tenant_its_query_names() {
     let h = Harness::new();
