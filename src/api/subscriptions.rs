@@ -366,6 +366,26 @@ fn apply(
             // caller's URL: headers sealed before that binding, by the id alone, are bound to it
             // then). A PATCH of anything else leaves them as they are: binding old headers to
             // whatever URL the record names now would bind them to one someone else wrote.
+            // Write-only credentials never follow the URL to another receiver: a token that may
+            // PATCH would otherwise read them from its own host's verification probe. Moved to
+            // another origin, they are sent again (`{}` drops them).
+            if url_changed && sensitive_headers.is_none() && !sensitive.is_empty() {
+                let before = origin(&request_url(state, current)?);
+                let moved = match (before, origin(&request_url(state, &rec)?)) {
+                    (Some(before), Some(after)) => before != after,
+                    _ => true,
+                };
+                if moved {
+                    let e = FieldError::new(
+                        "destination.sensitive_headers",
+                        "required",
+                        "the URL moves to another host: send the sensitive headers again for \
+                         it (`{}` drops them); they never follow the URL to a host they were \
+                         not given for",
+                    );
+                    return Err(e.into());
+                }
+            }
             if sensitive_headers.is_some() || url_changed {
                 let url = request_url(state, &rec)?.into_owned();
                 rec.destination.sensitive_headers =
@@ -382,6 +402,12 @@ fn apply(
         }
     }
     Ok((rec, url_changed))
+}
+
+/// A URL's scheme, host and port: who receives what is sent to it.
+fn origin(url: &str) -> Option<String> {
+    let origin = reqwest::Url::parse(url).ok()?.origin();
+    origin.is_tuple().then(|| origin.ascii_serialization())
 }
 
 #[utoipa::path(patch, path = "/v1/subscriptions/{id}", tag = "subscriptions", request_body = PatchSubscription,

@@ -330,6 +330,87 @@ async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
     );
 }
 
+/// Write-only credentials never follow a URL to another host: a PATCH that moves the URL to
+/// another origin without sending `sensitive_headers` again is refused (whoever may PATCH would
+/// otherwise read them off their own host's probe); on the same origin they follow, and sent
+/// again (or `{}`) they go to the new host.
+#[tokio::test]
+async fn sensitive_headers_never_follow_the_url_to_another_host() {
+    let h = Harness::new();
+    let (hook, other) = (Hook::start(true).await, Hook::start(true).await);
+    let token = h.token("acme");
+    let mut body = webhook_body(&hook.url);
+    body["destination"]["sensitive_headers"] = json!({"Authorization": "Bearer sk_live_mine"});
+    let id = h.post("/v1/subscriptions", &token, body).await.body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let uri = format!("/v1/subscriptions/{id}");
+    let patch = |url: &str, extra: Option<serde_json::Value>| {
+        let mut d = json!({"type": "webhook", "url": url});
+        if let Some(s) = extra {
+            d["sensitive_headers"] = s;
+        }
+        json!({ "destination": d })
+    };
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(patch(&other.url, None)),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (
+            p.status,
+            p.body["error"]["field"].as_str(),
+            p.body["error"]["code"].as_str()
+        ),
+        (
+            StatusCode::BAD_REQUEST,
+            Some("destination.sensitive_headers"),
+            Some("required")
+        ),
+        "{}",
+        p.text
+    );
+    assert!(
+        other.requests().is_empty(),
+        "no probe went to the other host"
+    );
+    assert_eq!(h.state.subs.get(&id).unwrap().version, 2, "nothing written");
+    // The same origin, another path: they follow.
+    let same = format!("{}?v=2", hook.url);
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(patch(&same, None)),
+            &[],
+        )
+        .await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    let (headers, _) = hook.requests().pop().unwrap();
+    assert_eq!(headers["authorization"], "Bearer sk_live_mine");
+    // Sent again, they go to the new host.
+    let again = json!({"Authorization": "Bearer sk_live_theirs"});
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(patch(&other.url, Some(again))),
+            &[],
+        )
+        .await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    let (headers, _) = other.requests().pop().unwrap();
+    assert_eq!(headers["authorization"], "Bearer sk_live_theirs");
+}
+
 /// The control topic took the write but this instance's table has not shown it back in time:
 /// the subscription exists, so its secret is answered (a 503 lost it, and a client retrying the
 /// create made a second subscription).
