@@ -479,9 +479,9 @@ settings! {
     ingest_batch_max: usize = "20000";
     /// Most inbox records the hub task puts in one transaction.
     hub_batch_max: usize = "20000";
-    /// Most new jobs (matched webhook deliveries, estimated while the batch fills) one hub
-    /// transaction creates: each holds its payload, job and changelog records in memory until the
-    /// commit (1,000,000 pending jobs: 664 MiB peak with 20000 records per batch, 462 MiB with
+    /// Most new jobs (matched webhook deliveries, and pull subscriptions' copies, estimated while
+    /// the batch fills) one hub transaction creates: each holds its payload, job and changelog
+    /// records (a copy: its payload and headers) in memory until the commit (1,000,000 pending jobs: 664 MiB peak with 20000 records per batch, 462 MiB with
     /// this bound at 5000; BENCHMARKS.md).
     hub_batch_jobs: usize = "5000";
     /// Hub loops per instance, each a consumer group member on its own thread with its own

@@ -358,6 +358,38 @@ async fn a_pull_page_of_large_events_ends_at_its_byte_bound_and_the_next_goes_on
     );
 }
 
+/// A pull subscription's copy counts toward `STREAMING_HUB_HUB_BATCH_JOBS` as a webhook job
+/// does: with the bound at 2 and two pull subscriptions, each hub transaction takes one event
+/// (the copies were uncounted: all four events, eight copies, went in one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_copies_count_toward_the_bound_of_a_hub_transaction() {
+    let mut s = ApiHub::start("pull-bound", &[("STREAMING_HUB_HUB_BATCH_JOBS", "2")]).await;
+    let tenant = "tenant-bound";
+    for _ in 0..2 {
+        let pull = json!({"event_types": ["*"], "destination": {"type": "pull"}});
+        s.create_subscription(tenant, pull).await;
+    }
+    // Produced while the hub is down, so they reach its inbox together.
+    s.hub.terminate();
+    let evs: Vec<Rec> = (0..4)
+        .map(|_| event(tenant, "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &s.topic, &evs);
+    let env = s.hub.env.clone();
+    s.hub = Hub::start(&env);
+    let pull = format!("{}.pull", s.prefix);
+    read_until(&[&pull], Duration::from_secs(60), |r| r.len() >= 8);
+    s.wait_metric("streaming_hub_hub_events_total{outcome=\"new\"", 4)
+        .await;
+    let text = s.metrics_text().await;
+    let largest = text
+        .lines()
+        .find_map(|l| l.strip_prefix("streaming_hub_hub_batch_records{quantile=\"1\"} "))
+        .and_then(|v| v.parse::<f64>().ok())
+        .expect(&text);
+    assert_eq!(largest, 1.0, "one event per transaction");
+}
+
 fn assert_no_eof_errors(log: &str) {
     let eof: Vec<&str> = log
         .lines()
