@@ -180,6 +180,17 @@ impl Kept {
     }
 }
 
+/// How far ahead of this instance's clock a record's time may be and still be filed by it.
+const FUTURE_SKEW_MS: i64 = 5 * 60_000;
+
+/// Where a record of time `record_ms` is filed, seen at `now`: at its time, but no later than a
+/// little past now. A producer whose clock runs far ahead writes the time it sets; filed there, a
+/// flood of its records would outrank every later record, and a full index, dropping the oldest
+/// first, would keep every later one out until that time came. (It is shown with its own time.)
+fn filed_at(record_ms: i64, now: i64) -> i64 {
+    record_ms.min(now.saturating_add(FUTURE_SKEW_MS))
+}
+
 /// One kind's records, oldest first, bounded by count and by bytes.
 #[derive(Default)]
 struct Queue {
@@ -305,17 +316,16 @@ impl Forensics {
     }
 
     fn add(&self, kind: Kind, m: &BorrowedMessage<'_>, codec: &Codec) {
-        let time = m
-            .timestamp()
-            .to_millis()
-            .unwrap_or_else(|| self.clock.now_ms());
-        if time < self.clock.now_ms() - self.retention_ms {
+        let now = self.clock.now_ms();
+        let time = m.timestamp().to_millis().unwrap_or(now);
+        if time < now - self.retention_ms {
             return;
         }
         let mut inner = self.lock();
         match kind {
             Kind::ProducerDlq | Kind::Quarantine => {
-                let kept = forensic_record(m, time, kind);
+                let mut kept = forensic_record(m, time, kind);
+                kept.time = filed_at(time, now);
                 let q = if kind == Kind::Quarantine {
                     &mut inner.quarantine
                 } else {
@@ -636,6 +646,30 @@ mod tests {
             payload_omitted: false,
         };
         Kept::new(time, rec, Some(payload))
+    }
+
+    #[test]
+    fn records_from_a_clock_far_ahead_do_not_keep_later_ones_out() {
+        let now = 1_800_000_000_000;
+        let year_2100 = 4_102_444_800_000;
+        assert_eq!(filed_at(now - 5, now), now - 5);
+        assert_eq!(filed_at(year_2100, now), now + FUTURE_SKEW_MS);
+        let mut q = Queue::default();
+        for _ in 0..MAX_PER_KIND {
+            let mut k = kept(year_2100, b"{}");
+            k.time = filed_at(year_2100, now);
+            q.push(k);
+        }
+        // Later, a genuine record: filed after the flood, so the oldest of the flood goes.
+        let later = now + FUTURE_SKEW_MS + 1;
+        q.push(kept(filed_at(later, later), b"{}"));
+        assert_eq!(q.items.len(), MAX_PER_KIND);
+        assert_eq!(q.items.back().unwrap().time, later, "kept, the newest");
+        assert_eq!(
+            q.items.back().unwrap().rec.time,
+            rfc3339_ms(later),
+            "shown with its own time"
+        );
     }
 
     #[test]
