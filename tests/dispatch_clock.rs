@@ -340,7 +340,9 @@ async fn one_success_in_between_resets_the_failure_span() {
         &s.topic,
         &[event("tenant-s", "ledger", "transaction", "posted")],
     );
-    s.advance("31s").await; // past the breaker's cool-down: the probe goes through and succeeds
+    // Past the breaker's cool-down (doubled by each failed probe, up to 5 minutes): the probe
+    // goes through and succeeds.
+    s.advance("301s").await;
     s.wait_metric("streaming_hub_attempts_total{outcome=\"delivered\"", 1)
         .await; // the span closes
     sink.status.store(500, Ordering::SeqCst);

@@ -4,7 +4,9 @@
 //!
 //! Closed → open after `OPEN_AFTER` consecutive failures; open for `COOL_DOWN` (on the injected
 //! clock); then half-open: exactly one job goes through as a probe while the others keep being
-//! shed; its success closes the breaker, its failure opens it again. State is in memory per
+//! shed; its success closes the breaker, its failure opens it again for twice as long as the
+//! last time, up to `MAX_COOL_DOWN` (every shed job is written again each time it comes due: a
+//! destination down for days with a large backlog would have it all rewritten every 30 s). State is in memory per
 //! instance (a restart starts closed; the retry curve still spaces attempts).
 use std::collections::HashMap;
 
@@ -12,6 +14,9 @@ use std::collections::HashMap;
 pub const OPEN_AFTER: u32 = 5;
 /// How long an open breaker sheds before it lets one probe through (ms).
 pub const COOL_DOWN_MS: i64 = 30_000;
+/// The longest an open breaker sheds between probes, its cool-down doubled by each failed probe
+/// (ms).
+pub const MAX_COOL_DOWN_MS: i64 = 300_000;
 /// How long a job shed while a probe is in flight waits before it is looked at again (ms).
 const PROBE_WAIT_MS: i64 = 1_000;
 /// A probe with no outcome after this long is taken as lost (its outcome went with a partition
@@ -41,6 +46,8 @@ struct State {
     probing: Option<i64>,
     /// The last admit or outcome of this destination.
     seen_at: i64,
+    /// The cool-down of its last opening (ms).
+    cool_down: i64,
 }
 
 /// An open breaker not asked about for this long is not counted as open (its destination has no
@@ -171,7 +178,12 @@ impl Breakers {
         s.consecutive += 1;
         if s.probing.is_some() || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
             let opened = s.open_until.is_none();
-            s.open_until = Some(now + COOL_DOWN_MS);
+            s.cool_down = if opened {
+                COOL_DOWN_MS
+            } else {
+                (s.cool_down * 2).clamp(COOL_DOWN_MS, MAX_COOL_DOWN_MS)
+            };
+            s.open_until = Some(now + s.cool_down);
             s.probing = None;
             return opened.then_some(Transition::Opened);
         }
@@ -427,11 +439,49 @@ mod tests {
             None,
             "probe failed: open again"
         );
-        assert!(matches!(b.admit("t", "o", after + 2), Admit::Shed { .. }));
-        let later = after + 1 + COOL_DOWN_MS;
+        // Open again, for twice as long.
+        let later = after + 1 + 2 * COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "o", later - 1), Admit::Shed { until: later });
         assert_eq!(b.admit("t", "o", later), Admit::Go);
         assert_eq!(b.record("t", "o", true, later), Some(Transition::Closed));
         assert_eq!(b.admit("t", "o", later), Admit::Go);
+    }
+
+    #[test]
+    fn each_failed_probe_doubles_the_cool_down_up_to_its_bound_and_a_close_resets_it() {
+        let mut b = Breakers::default();
+        let mut now = 0;
+        for _ in 0..OPEN_AFTER {
+            b.record("t", "o", false, now);
+        }
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            let Admit::Shed { until } = b.admit("t", "o", now) else {
+                panic!("open")
+            };
+            waits.push(until - now);
+            now = until;
+            assert_eq!(b.admit("t", "o", now), Admit::Go, "the probe");
+            b.record("t", "o", false, now);
+        }
+        let s = 1_000;
+        assert_eq!(waits, [30 * s, 60 * s, 120 * s, 240 * s, 300 * s, 300 * s]);
+        assert_eq!(MAX_COOL_DOWN_MS, 300 * s);
+        // Closed by a success, then open again: from the first cool-down.
+        let Admit::Shed { until } = b.admit("t", "o", now) else {
+            panic!("open")
+        };
+        b.admit("t", "o", until);
+        b.record("t", "o", true, until);
+        for _ in 0..OPEN_AFTER {
+            b.record("t", "o", false, until);
+        }
+        assert_eq!(
+            b.admit("t", "o", until),
+            Admit::Shed {
+                until: until + COOL_DOWN_MS
+            }
+        );
     }
 
     #[test]
