@@ -56,10 +56,19 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "x-auth-token",
 ];
 /// Words that make any header name a credential's (`X-Access-Token`, `X-Client-Secret`,
-/// `X-Upstream-Authorization`): a name that only looks like one goes sealed too, and is still
-/// sent; one that is and went plain would be shown by every read and stored in plaintext.
+/// `X-Upstream-Authorization`, Azure's `x-functions-key` and `Ocp-Apim-Subscription-Key`,
+/// `X-Hub-Signature`): a name that only looks like one goes sealed too, and is still sent; one
+/// that is and went plain would be shown by every read and stored in plaintext.
 const CREDENTIAL_WORDS: &[&str] = &[
-    "auth", "token", "secret", "password", "passwd", "apikey", "api-key", "api_key", "session",
+    "auth",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "key",
+    "signature",
+    "credential",
+    "session",
 ];
 
 /// Whether a (lower-case) header name carries a credential.
@@ -838,6 +847,10 @@ mod tests {
             "X-Upstream-Authorization",
             "X-Session-Id",
             "X-Db-Password",
+            "x-functions-key",
+            "Ocp-Apim-Subscription-Key",
+            "X-Hub-Signature-256",
+            "X-Client-Credential",
         ] {
             let e = validate_header_map("headers", &map(name, "v")).unwrap_err();
             assert_eq!(
