@@ -621,9 +621,9 @@ async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
 }
 
 /// A subscription whose latest control record cannot be read (a newer version's schema, a bad
-/// write past the API) is out of the table, as on an instance reading the compacted topic that
-/// kept only that record; its pending retry is held, no attempt spent, instead of dropped as a
-/// deleted subscription's, and goes out once a readable record for it is back.
+/// write past the API): its pending retry is held, no attempt spent, neither sent on the version
+/// before it (which may be stale) nor dropped as a deleted subscription's would be, and goes out
+/// once a readable record for it is back. The API answers 409 rather than show or write over it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_whose_record_cannot_be_read_holds_its_retries_until_it_can() {
     let s = clock_hub("unread", &[]).await;
@@ -650,7 +650,7 @@ async fn a_subscription_whose_record_cannot_be_read_holds_its_retries_until_it_c
     .await;
     assert_eq!(
         s.get_subscription(tenant, &id).await["error"]["code"],
-        "not_found"
+        "record_unreadable"
     );
     // The retry comes due: held, not sent, not dropped, not dead-lettered.
     s.advance("2h").await;

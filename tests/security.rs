@@ -1090,8 +1090,6 @@ async fn a_sealed_target_pointed_at_another_host_is_never_sent() {
     assert_eq!(sink.ids(), [ev.id()], "nor to the one it was sealed for");
 }
 
-/// Runs `streaming-hub subscriptions reseal <args>` with the hub's environment; what it printed
-/// (it must succeed).
 /// An instance that runs delivery without `STREAMING_HUB_KEK` (a deployment that left the key
 /// out) holds due deliveries, no attempt spent: it failed each on the hub's side before, until
 /// the retry curve ran out and the event was dead-lettered. An instance with the key then
@@ -1129,6 +1127,8 @@ async fn an_instance_without_the_key_holds_deliveries_for_one_that_has_it() {
     assert_eq!(api.metric("streaming_hub_dead_letters_total").await, 0);
 }
 
+/// Runs `streaming-hub subscriptions reseal <args>` with the hub's environment; what it printed
+/// (it must succeed).
 fn reseal(env: &BTreeMap<String, String>, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
         .args(["subscriptions", "reseal"])

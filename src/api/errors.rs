@@ -26,6 +26,7 @@ pub mod codes {
     pub const NOT_A_WEBHOOK: &str = "not_a_webhook";
     pub const SUBSCRIPTION_INACTIVE: &str = "subscription_inactive";
     pub const SUBSCRIPTION_LIMIT: &str = "subscription_limit";
+    pub const RECORD_UNREADABLE: &str = "record_unreadable";
     pub const TOO_MANY_SECRETS: &str = "too_many_secrets";
     pub const UNAVAILABLE: &str = "unavailable";
     pub const INTERNAL: &str = "internal";

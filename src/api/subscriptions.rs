@@ -53,14 +53,25 @@ pub fn caught_up(state: &ApiState) -> Result<(), ApiError> {
     ))
 }
 
-/// The tenant's subscription `id`, or `404` (`503` while the table loads).
+/// The tenant's subscription `id`, or `404` (`503` while the table loads; `409
+/// record_unreadable` when its latest control record cannot be read here: what this instance
+/// has of it may be stale, and a write from it would undo the newer one).
 pub fn load(state: &ApiState, tenant: &str, id: &str) -> Result<Sub, ApiError> {
     caught_up(state)?;
-    state
+    let sub = state
         .subs
         .get(id)
         .filter(|s| s.tenant_id == tenant)
-        .ok_or_else(ApiError::not_found)
+        .ok_or_else(ApiError::not_found)?;
+    if state.subs.table().read().is_unreadable(id) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            codes::RECORD_UNREADABLE,
+            "this subscription's latest record cannot be read by this instance (written by a \
+             newer version of the hub, or past the API): use an instance that runs that version",
+        ));
+    }
+    Ok(sub)
 }
 
 /// The view of `rec`, with the names of its sealed headers.

@@ -52,7 +52,9 @@ struct State {
 
 /// An open breaker not asked about for this long is not counted as open (its destination has no
 /// due job: the subscription was deleted, its URL moved, or its partition went to another loop).
-const QUIET_MS: i64 = PROBE_LOST_MS;
+/// Its shed jobs come due again at the end of its cool-down, so it is asked about at least that
+/// often while it has any.
+const QUIET_MS: i64 = MAX_COOL_DOWN_MS + PROBE_LOST_MS;
 /// A breaker not asked about for this long is forgotten (longer than the longest retry step, so
 /// the consecutive failures of a destination retried hours apart still add up).
 const FORGET_MS: i64 = 24 * 3600 * 1000;
@@ -467,6 +469,11 @@ mod tests {
         let s = 1_000;
         assert_eq!(waits, [30 * s, 60 * s, 120 * s, 240 * s, 300 * s, 300 * s]);
         assert_eq!(MAX_COOL_DOWN_MS, 300 * s);
+        assert_eq!(
+            b.open_count(now + MAX_COOL_DOWN_MS),
+            1,
+            "counted open through its longest cool-down, no job asking meanwhile"
+        );
         // Closed by a success, then open again: from the first cool-down.
         let Admit::Shed { until } = b.admit("t", "o", now) else {
             panic!("open")

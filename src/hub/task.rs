@@ -2891,25 +2891,17 @@ fn claim(
         return Ok(false); // this tenant has enough in flight; its job stays due
     }
     let old_due = job.due_at;
-    let sub = d.table.read().get(&job.subscription_id);
-    let Some(sub) = sub else {
-        if d.table.read().is_unreadable(&job.subscription_id) {
-            // Its latest control record could not be read (a newer version's schema, a bad
-            // write past the API): not deleted. Held, no attempt spent, until one can be.
-            let id = job.subscription_id.clone();
-            postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
-            telemetry::Held {
-                subscription_id: &id,
-                why: telemetry::HeldFor::Unreadable,
-            }
-            .emit();
-            return Ok(false);
-        }
+    let (sub, unreadable) = {
+        let table = d.table.read();
+        let id = &job.subscription_id;
+        (table.get(id), table.is_unreadable(id))
+    };
+    if sub.is_none() && !unreadable {
         // The subscription was deleted: its pending deliveries go with it.
         js.finish_job_quietly(&key, &job)?;
         return Ok(false);
-    };
-    if !sub.enabled {
+    }
+    if sub.as_ref().is_some_and(|s| !s.enabled) && !unreadable {
         let dl = jobs::dead_letter_without_attempt(
             js,
             &key,
@@ -2931,6 +2923,22 @@ fn claim(
             return Ok(false);
         }
     }
+    let sub = match sub {
+        Some(sub) if !unreadable => sub,
+        _ => {
+            // Its latest control record could not be read (a newer version's schema, a bad
+            // write past the API): not deleted, and what the table has of it may be stale.
+            // Held, no attempt spent, until a record for it can be read.
+            let id = job.subscription_id.clone();
+            postpone(js, &key, job, now + VERIFY_HOLD_MS)?;
+            telemetry::Held {
+                subscription_id: &id,
+                why: telemetry::HeldFor::Unreadable,
+            }
+            .emit();
+            return Ok(false);
+        }
+    };
     // Only a destination that answered its verification gets deliveries (a new URL is probed
     // first). While the probe is pending the job waits, no attempt spent; once verification
     // failed each due attempt is spent without a request, on the retry curve (no breaker, no

@@ -171,9 +171,15 @@ impl Kept {
     fn answer(&self) -> ForensicRecord {
         let mut rec = self.rec.clone();
         if let Some(p) = &self.raw {
-            match serde_json::from_slice::<Box<serde_json::value::RawValue>>(p) {
-                Ok(json) => rec.payload = Some(json),
-                Err(_) => rec.payload_base64 = Some(STANDARD.encode(p)),
+            // Parsed as a tree first and the tree dropped (one at a time): the raw form alone
+            // passes what a client's parser refuses (nesting past 128, `1e400`, a lone
+            // surrogate), which would make the whole page unreadable.
+            let json = serde_json::from_slice::<serde_json::Value>(p)
+                .ok()
+                .and_then(|_| serde_json::from_slice::<Box<serde_json::value::RawValue>>(p).ok());
+            match json {
+                Some(json) => rec.payload = Some(json),
+                None => rec.payload_base64 = Some(STANDARD.encode(p)),
             }
         }
         rec
@@ -751,6 +757,12 @@ mod tests {
             serde_json::json!({"amount": 10, "ids": [1, 2]})
         );
         assert_eq!(json.payload_base64, None);
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        for strict in [&b"[1e400]"[..], br#""\ud800""#, deep.as_bytes()] {
+            let k = kept(3, strict).answer();
+            assert!(k.payload.is_none(), "{}", String::from_utf8_lossy(strict));
+            assert!(k.payload_base64.is_some());
+        }
         let raw = kept(2, b"\x00not json").answer();
         assert!(raw.payload.is_none());
         assert_eq!(raw.payload_base64, Some(STANDARD.encode(b"\x00not json")));

@@ -305,15 +305,27 @@ pub fn plan(
     let mut errors = Vec::new();
     for d in desired {
         let index = d.index;
-        let step = match table.get(&d.id) {
-            None => match &d.spec.destination {
-                ValidDestination::Webhook { url, .. } => {
-                    refuse_redacted(url).map_err(Planned::Invalid)
+        // Its latest record cannot be read here: planned from the version before it (or as new,
+        // with a new secret) the write would undo it.
+        let step = if table.is_unreadable(&d.id) {
+            Err(Planned::Invalid(FieldError::new(
+                "id",
+                "unreadable",
+                "this subscription's latest control record cannot be read by this version \
+                 (written by a newer version of the hub, or past the API): apply with that \
+                 version",
+            )))
+        } else {
+            match table.get(&d.id) {
+                None => match &d.spec.destination {
+                    ValidDestination::Webhook { url, .. } => {
+                        refuse_redacted(url).map_err(Planned::Invalid)
+                    }
+                    ValidDestination::Pull => Ok(()),
                 }
-                ValidDestination::Pull => Ok(()),
+                .map(|()| create(d, kek, now)),
+                Some(current) => update(d, &current, kek, now),
             }
-            .map(|()| create(d, kek, now)),
-            Some(current) => update(d, &current, kek, now),
         };
         match step {
             Ok(s) => steps.push(s),
@@ -1092,6 +1104,41 @@ mod tests {
             Err(e) => panic!("expected invalid entries, got {e}"),
             Ok(s) => panic!("expected invalid entries, got {s}"),
         }
+    }
+
+    /// An entry whose subscription's latest control record this version cannot read is refused:
+    /// planned from the version before it, or as new with a new secret, it would undo it.
+    #[tokio::test]
+    async fn an_entry_whose_latest_record_cannot_be_read_is_refused() {
+        let t = target();
+        let pull = json!({"type": "pull"});
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+        ]);
+        let (r, _) = run(&t, &file).await;
+        assert!(r.is_ok(), "{r:?}");
+        // A's record, then one this version cannot read; B has only such a record (the rest
+        // compacted away).
+        t.subs.table().apply(|table| {
+            table.read_record(B, None, 0, 99);
+            table.read_unreadable(A, 0, 100);
+            table.read_unreadable(B, 0, 101);
+        });
+        let desired = vec![
+            entry(0, file[0].clone(), t.sinks).await.unwrap(),
+            entry(1, file[1].clone(), t.sinks).await.unwrap(),
+        ];
+        let table = t.subs.table().read();
+        let Err(ApplyError::Invalid(errors)) = plan(desired, &table, &t.kek, t.clock.now_ms())
+        else {
+            panic!("refused")
+        };
+        let refused: Vec<_> = errors
+            .iter()
+            .map(|e| (e.index, e.error.field.as_str(), e.error.code))
+            .collect();
+        assert_eq!(refused, [(0, "id", "unreadable"), (1, "id", "unreadable")]);
     }
 
     #[tokio::test]

@@ -146,7 +146,7 @@ pub fn follow(
                                 unreadable(&table, "key_not_id", id, &m);
                             }
                             Err(e @ CodecError::UnknownFingerprint(_)) => {
-                                tracing::error!(subscription_id = id, offset = m.offset(), error = %e, "control record of a schema this version does not know skipped (written by a newer version of the hub? run that version): the subscription is out of the table, its pending deliveries held");
+                                tracing::error!(subscription_id = id, offset = m.offset(), error = %e, "control record of a schema this version does not know skipped (written by a newer version of the hub? run that version): its deliveries are held");
                                 unreadable(&table, "unknown_schema", id, &m);
                             }
                             Err(e) => {
@@ -179,9 +179,9 @@ pub fn follow(
     Ok(())
 }
 
-/// A control record for `id` that could not be read: the latest word on the subscription, so it
-/// goes out of the table (as it would be on an instance reading the compacted topic, which may
-/// keep only this record) and its pending deliveries are held until a readable record for it.
+/// A control record for `id` that could not be read: the latest word on the subscription, so its
+/// deliveries are held until a readable record for it (the version before it, if the table has
+/// one, is still matched; see `Table::read_unreadable`).
 fn unreadable(
     table: &SharedTable,
     reason: &'static str,

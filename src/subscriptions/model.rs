@@ -54,18 +54,27 @@ const CREDENTIAL_HEADERS: &[&str] = &[
     "x-api-key",
     "api-key",
     "x-auth-token",
+    "x-functions-key",
+    "ocp-apim-subscription-key",
+    "x-goog-api-key",
 ];
 /// Words that make any header name a credential's (`X-Access-Token`, `X-Client-Secret`,
-/// `X-Upstream-Authorization`, Azure's `x-functions-key` and `Ocp-Apim-Subscription-Key`,
-/// `X-Hub-Signature`): a name that only looks like one goes sealed too, and is still sent; one
-/// that is and went plain would be shown by every read and stored in plaintext.
+/// `X-Upstream-Authorization`, `X-Hub-Signature`): a name that only looks like one goes sealed
+/// too, and is still sent; one that is and went plain would be shown by every read and stored in
+/// plaintext. Not `key` alone: `Idempotency-Key` and `X-Routing-Key` are no credentials.
 const CREDENTIAL_WORDS: &[&str] = &[
     "auth",
     "token",
     "secret",
     "password",
     "passwd",
-    "key",
+    "apikey",
+    "api-key",
+    "api_key",
+    "access-key",
+    "access_key",
+    "private-key",
+    "private_key",
     "signature",
     "credential",
     "session",
@@ -859,7 +868,12 @@ mod tests {
             );
             assert!(validate_header_map("sensitive_headers", &map(name, "v")).is_ok());
         }
-        for name in ["X-Tenant", "Accept-Language", "X-Request-Source"] {
+        for name in [
+            "X-Tenant",
+            "Accept-Language",
+            "X-Request-Source",
+            "X-Routing-Key",
+        ] {
             assert!(
                 validate_header_map("headers", &map(name, "v")).is_ok(),
                 "{name}"

@@ -25,9 +25,10 @@ pub struct Table {
     /// the reader skips the id's records before them, which the log order puts under them.
     written: HashMap<String, (i32, i64)>,
     /// Subscriptions whose latest control record could not be read (a schema this version does
-    /// not know, a key that is not its id, …): out of the table, as an instance reading the
-    /// compacted topic would have them, and their pending deliveries held, not dropped as a
-    /// deleted subscription's are.
+    /// not know, a key that is not its id, …): the table keeps the version before it, if any
+    /// (still matched, so an old instance in a rolling upgrade keeps creating their jobs), but
+    /// their deliveries are held, neither sent on a version that may be stale nor dropped as a
+    /// deleted subscription's are, and the API does not write over them.
     unreadable: HashSet<String>,
 }
 
@@ -79,15 +80,13 @@ impl Table {
         }
     }
 
-    /// A control record for `id` the reader could not read, in log order: the subscription is
-    /// out of the table until a later record for it (compaction may keep only this one, so an
-    /// instance restarted later would not have the earlier one either), and
-    /// [`Table::is_unreadable`] says so.
+    /// A control record for `id` the reader could not read, in log order: [`Table::is_unreadable`]
+    /// says so until a later record for it; the version before it, if any, stays (see
+    /// `unreadable`).
     pub fn read_unreadable(&mut self, id: &str, partition: i32, offset: i64) {
         if self.under_local_write(id, partition, offset) {
             return;
         }
-        self.remove(id);
         self.unreadable.insert(id.to_string());
     }
 
@@ -503,11 +502,16 @@ mod tests {
     }
 
     #[test]
-    fn an_unreadable_record_takes_its_subscription_out_until_a_readable_one() {
+    fn an_unreadable_record_marks_its_subscription_until_a_readable_one() {
         let mut t = Table::default();
         t.read_record("a", Some(sub("a", "t1", &["x.y"])), 0, 1);
         t.read_unreadable("a", 0, 2);
-        assert!(t.get("a").is_none() && t.index.is_empty() && t.is_unreadable("a"));
+        assert!(t.is_unreadable("a"));
+        assert_eq!(
+            ids(t.matches(&ev("t1", "s", "x", "y", 1))),
+            ["a"],
+            "the version before it is still matched"
+        );
         t.read_record("a", Some(sub("a", "t1", &["x.y"])), 0, 3);
         assert!(t.get("a").is_some() && !t.is_unreadable("a"));
         t.read_unreadable("a", 0, 4);
