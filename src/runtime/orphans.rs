@@ -210,8 +210,13 @@ impl Tracker {
             // the set is noted as acted on again, so the rejoins it calls for hold it back once
             // more; kept due from before, it called on members without being noted, and came
             // back after their rejoins as a set never acted on: a second round at once).
+            // A new id, too: a member skips a finding it acted on until every member had its
+            // turn counted from then, and with the count starting over that turn never came
+            // before the set was held again, so nobody acted in any later round.
             self.holding = false;
+            self.next_id += 1;
             self.current = Some(Finding {
+                id: self.next_id,
                 times: 1,
                 since: now,
                 due: None,
@@ -444,6 +449,14 @@ pub struct Rejoin {
 }
 
 impl Rejoin {
+    /// The same finding again only once every member had its turn (each rejoin that works ends
+    /// it).
+    fn waits_turn(&self, finding: &Finding) -> bool {
+        let turns = 2 * finding.ranked.len() as u32;
+        self.acted
+            .is_some_and(|(id, at)| id == finding.id && finding.times < at + turns)
+    }
+
     /// Called once per turn of the loop (at least every few hundred milliseconds, idle or not),
     /// between batches; the loop keeps polling, which serves the revocation the leave waits for.
     /// It acts only while the loop's membership is the one its last rebalance callback ran under
@@ -483,13 +496,7 @@ impl Rejoin {
         if finding.read_at.elapsed() > STALE_FINDING {
             return Ok(());
         }
-        // The same finding again only once every member had its turn (each rejoin that works
-        // ends it).
-        let turns = 2 * finding.ranked.len() as u32;
-        if self
-            .acted
-            .is_some_and(|(id, at)| id == finding.id && finding.times < at + turns)
-        {
+        if self.waits_turn(&finding) {
             return Ok(());
         }
         let me = crate::runtime::kafka::membership(consumer)
@@ -625,12 +632,24 @@ mod tests {
         }
         let after = read(&stuck, 670).expect("tried again ten minutes later");
         assert_eq!(after.times, 1);
+        assert_ne!(
+            after.id, first.id,
+            "a new finding: a member that acted on the first skips that id until its turn ends"
+        );
         assert!(!after.calls_on("a"));
         assert!(
             !read(&stuck, 680).unwrap().calls_on("a"),
             "as a new finding"
         );
-        assert!(read(&stuck, 700).unwrap().calls_on("a"), "persisted again");
+        let round_two = read(&stuck, 700).unwrap();
+        assert!(round_two.calls_on("a"), "persisted again");
+        // Member a, which left in the first round (at its third reading), acts again now.
+        let a = Rejoin {
+            acted: Some((first.id, third.times)),
+            left_at: None,
+        };
+        assert!(a.waits_turn(&fifth), "within the first round: b's turn");
+        assert!(!a.waits_turn(&round_two), "a new round");
         // Its rejoin's rebalance: the set goes and comes back: held back again, not a second
         // round at once.
         let moving = view("PreparingRebalance", &[("b", &[3, 4, 5]), ("a", &[])]);
