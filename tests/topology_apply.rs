@@ -111,3 +111,39 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     // It reports; it does not silently rewrite the operator's topic.
     assert_eq!(config_of(&name, "cleanup.policy").await, "delete");
 }
+
+/// Someone gave the inbox more partitions by hand, not the changelogs: the hub task of inbox
+/// partition 6 would restore partition 6 of each changelog, which does not exist, and the hub
+/// would fail at every start. Refused before anything is created, naming the topic.
+#[tokio::test]
+async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
+    require_broker();
+    let prefix = unique("topo");
+    let inbox = format!("{prefix}.inbox");
+    let t = NewTopic::new(&inbox, 8, TopicReplication::Fixed(1));
+    for r in admin()
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let (code, text) = topology_apply(&prefix, &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains(&format!(
+            "topic {prefix}.hub.dedup.changelog has 6 partitions, fewer than the inbox's 8"
+        )),
+        "{text}"
+    );
+    let md = admin()
+        .inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap();
+    assert!(
+        !md.topics()
+            .iter()
+            .any(|t| t.name() == format!("{prefix}.hub.dedup.changelog")),
+        "nothing created"
+    );
+}

@@ -28,6 +28,18 @@ pub enum TopologyError {
     #[error("creating topic {topic} failed: {why}")]
     Create { topic: String, why: String },
     #[error(
+        "topic {topic} has {have} partitions, fewer than the inbox's {inbox}: the hub task of inbox \
+         partition p keeps its state in partition p of every changelog, and the restore of the \
+         others would fail at every start; give it {inbox} (kafka-topics.sh --alter --partitions \
+         {inbox}: the hub writes each changelog record to its inbox partition's number, so the \
+         records in place stay where they are read)"
+    )]
+    ChangelogPartitions {
+        topic: String,
+        have: usize,
+        inbox: usize,
+    },
+    #[error(
         "STREAMING_HUB_FOLLOW_PATTERN matches the hub's own topic {topic}: ingest would read what \
          the hub writes; narrow it to producers' topics (lerian.streaming.<source>)"
     )]
@@ -177,6 +189,16 @@ impl Topology {
             if t.partitions < 1 {
                 return Err(format!("topic {}: partitions must be at least 1", t.name));
             }
+            let inbox = file.topic.iter().find(|i| i.name == "inbox");
+            if let Some(inbox) =
+                inbox.filter(|i| t.name.ends_with(".changelog") && t.partitions < i.partitions)
+            {
+                return Err(format!(
+                    "topic {}: partitions must be at least the inbox's ({}): the hub task of inbox \
+                     partition p keeps its state in partition p of every changelog",
+                    t.name, inbox.partitions
+                ));
+            }
             if let Some(r) = &t.retention {
                 retention_ms(r).map_err(|e| format!("topic {}: retention: {e}", t.name))?;
             }
@@ -247,6 +269,31 @@ impl Topology {
             .iter()
             .map(|t| (t.name().to_string(), t.partitions().len()))
             .collect();
+        // As the topics are, or will be once created.
+        let count = |name: &str| {
+            existing
+                .get(&self.full_name(name))
+                .copied()
+                .or_else(|| self.spec(name).map(|t| t.partitions as usize))
+        };
+        if let Some(inbox) = count("inbox") {
+            for t in self
+                .topics
+                .iter()
+                .filter(|t| t.name.ends_with(".changelog"))
+            {
+                match count(&t.name) {
+                    Some(have) if have < inbox => {
+                        return Err(TopologyError::ChangelogPartitions {
+                            topic: self.full_name(&t.name),
+                            have,
+                            inbox,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        }
         let opts = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
         let mut findings = Vec::new();
         let mut to_create = Vec::new();
@@ -446,6 +493,21 @@ mod tests {
         assert_eq!(
             t.followed_own_topic("^.*"),
             Some("streaming-hub.inbox".to_string())
+        );
+    }
+
+    #[test]
+    fn a_changelog_with_fewer_partitions_than_the_inbox_is_refused() {
+        let file = FILE.replacen(
+            "name = \"hub.dedup.changelog\"\npartitions = 6",
+            "name = \"hub.dedup.changelog\"\npartitions = 3",
+            1,
+        );
+        assert_ne!(file, FILE, "the bundled file changed shape");
+        let e = Topology::parse(&file, "p", 1).err().unwrap();
+        assert!(
+            e.contains("hub.dedup.changelog") && e.contains("(6)"),
+            "{e}"
         );
     }
 
