@@ -18,6 +18,17 @@ async fn config_of(topic: &str, key: &str) -> String {
     r.get(key).and_then(|e| e.value.clone()).unwrap_or_default()
 }
 
+/// Creates a topic as an operator would, past the topology.
+async fn by_hand(t: NewTopic<'_>) {
+    for r in admin()
+        .create_topics(&[t], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
     require_broker();
@@ -92,14 +103,8 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     let prefix = unique("topo");
     // Someone created the control topic by hand, with the default delete policy.
     let name = format!("{prefix}.subscriptions");
-    let t = NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete");
-    for r in admin()
-        .create_topics(&[t], &AdminOptions::new())
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
+    by_hand(NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete"))
+        .await;
     let (code, text) = topology_apply(&prefix, &[]);
     assert_eq!(code, 1, "{text}");
     assert!(
@@ -120,14 +125,7 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
     require_broker();
     let prefix = unique("topo");
     let inbox = format!("{prefix}.inbox");
-    let t = NewTopic::new(&inbox, 8, TopicReplication::Fixed(1));
-    for r in admin()
-        .create_topics(&[t], &AdminOptions::new())
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
+    by_hand(NewTopic::new(&inbox, 8, TopicReplication::Fixed(1))).await;
     let (code, text) = topology_apply(&prefix, &[]);
     assert_eq!(code, 1, "{text}");
     assert!(
