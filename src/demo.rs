@@ -73,7 +73,10 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
     let mut sent = 0u64;
     // The last ledger event (tenant, ce-id): a producer retry re-sends it with the same ce-id.
     let mut last: Option<(&str, String)> = None;
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / opts.rate.max(1) as f64));
+    // At least 1 µs apart: a period that rounds to zero panics in tokio.
+    let period =
+        Duration::from_secs_f64(1.0 / opts.rate.max(1) as f64).max(Duration::from_micros(1));
+    let mut tick = tokio::time::interval(period);
     let mut last_print = Instant::now();
     println!(
         "producing sample events to {} at {}/s; watching {}",

@@ -206,6 +206,16 @@ fn main() -> ExitCode {
             eprintln!("streaming-hub token: give --tenant, or --admin");
             return ExitCode::from(2);
         }
+        if tenant
+            .as_deref()
+            .is_some_and(|t| !streaming_hub::api::auth::valid_tenant(t))
+        {
+            eprintln!(
+                "streaming-hub token: --tenant must be 1-256 bytes without control characters \
+                 (the API refuses any other)"
+            );
+            return ExitCode::from(2);
+        }
         println!(
             "{}",
             streaming_hub::api::mint(&config.jwt_secret, tenant.as_deref(), *admin, *ttl)
@@ -326,9 +336,17 @@ fn main() -> ExitCode {
                 };
                 match tokio::task::spawn_blocking(move || streaming_hub::replay::run(&config, &target)).await {
                     Ok(Ok(moved)) => {
+                        let back = moved.iter().any(|(_, old, new)| *old != Some(*new));
                         for (p, old, new) in moved {
                             let old = old.map_or("none".to_string(), |o| o.to_string());
                             println!("inbox partition {p}: {old} -> {new}");
+                        }
+                        if !back {
+                            eprintln!(
+                                "streaming-hub replay: no partition moved: each committed offset \
+                                 is at or before the target already (a time after the last \
+                                 records?); nothing will be delivered again"
+                            );
                         }
                         ExitCode::SUCCESS
                     }

@@ -478,6 +478,17 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("has no committed offset"), "{err}");
 
+    // A time after every record (a mistyped year) moves nothing, and says so.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["replay", "--to-datetime", "2999-01-01T00:00:00Z"])
+        .env_clear()
+        .envs(&env)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("no partition moved"), "{err}");
+
     s.hub = Hub::start(&env);
     let got = wait_for_deliveries(&sink, 4, Duration::from_secs(60));
     // Parallel workers do not promise order between events: compare as sets.

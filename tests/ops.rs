@@ -1087,3 +1087,28 @@ fn kafka_debug_shows_librdkafka_lines_whatever_the_log_filter() {
         "librdkafka's debug output is off unless asked for"
     );
 }
+
+/// `streaming-hub token` mints only what the API takes: a tenant of 1-256 bytes without control
+/// characters (an empty one was printed, exit 0, and every request with it was refused).
+#[test]
+fn the_token_command_refuses_a_tenant_the_api_would_not_take() {
+    let token = |tenant: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+            .args(["token", "--tenant", tenant])
+            .env("STREAMING_HUB_JWT_SECRET", JWT)
+            .output()
+            .unwrap()
+    };
+    for bad in ["", "a\tb", &"t".repeat(257)] {
+        let out = token(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(out.stdout.is_empty(), "nothing minted for {bad:?}");
+    }
+    let out = token("acme");
+    assert_eq!(out.status.code(), Some(0));
+    let minted = String::from_utf8(out.stdout).unwrap();
+    let keys =
+        streaming_hub::api::auth::JwtKeys::new(streaming_hub::runtime::secret::Secret::new(JWT));
+    let caller = streaming_hub::api::auth::verify(&keys, minted.trim(), 0).unwrap();
+    assert_eq!(caller.tenant.as_deref(), Some("acme"));
+}

@@ -29,6 +29,12 @@ const MAX_TOKEN_BYTES: usize = 8 * 1024;
 /// Longest tenant id an admin may name.
 const MAX_TENANT_BYTES: usize = 256;
 
+/// A tenant id as the hub takes it, wherever it comes from (a token, a body, an apply file, the
+/// `token` command): 1 to 256 bytes, no control character.
+pub fn valid_tenant(t: &str) -> bool {
+    !t.is_empty() && t.len() <= MAX_TENANT_BYTES && !t.chars().any(char::is_control)
+}
+
 /// The key that signs and checks API tokens.
 #[derive(Clone, Debug)]
 pub struct JwtKeys {
@@ -139,7 +145,7 @@ impl Caller {
         let field =
             |code: &str, msg: &str| ApiError::bad_request(code, msg).with_field("tenant_id");
         if let Some(t) = named {
-            if t.is_empty() || t.len() > MAX_TENANT_BYTES || t.chars().any(char::is_control) {
+            if !valid_tenant(t) {
                 return Err(field(
                     "invalid",
                     "tenant_id must be 1-256 bytes without control characters",
@@ -197,7 +203,9 @@ pub fn verify(keys: &JwtKeys, token: &str, now_secs: i64) -> Result<Caller, Toke
     if claims.exp <= now_secs {
         return Err(TokenError::Expired);
     }
-    let tenant = claims.tenant_id.filter(|t| !t.is_empty());
+    // A token's own tenant obeys the rule a named one does (a token minted past it, by hand or
+    // by an earlier `token`, names no tenant the API would take).
+    let tenant = claims.tenant_id.filter(|t| valid_tenant(t));
     if tenant.is_none() && !claims.admin {
         return Err(TokenError::NoSubject);
     }
@@ -291,6 +299,35 @@ mod tests {
                 admin: true
             })
         );
+    }
+
+    #[test]
+    fn a_token_whose_own_tenant_breaks_the_rule_names_none() {
+        let long = "t".repeat(257);
+        for bad in ["", "a\u{0}b", "line\nbreak", long.as_str()] {
+            assert!(!valid_tenant(bad));
+            let t = mint_at(
+                &keys().secret,
+                Some(bad),
+                false,
+                Duration::from_secs(60),
+                NOW,
+            );
+            assert_eq!(
+                verify(&keys(), &t, NOW),
+                Err(TokenError::NoSubject),
+                "{bad:?}"
+            );
+            let a = mint_at(
+                &keys().secret,
+                Some(bad),
+                true,
+                Duration::from_secs(60),
+                NOW,
+            );
+            assert_eq!(verify(&keys(), &a, NOW).unwrap().tenant, None, "{bad:?}");
+        }
+        assert!(valid_tenant(&"t".repeat(256)) && valid_tenant("acme ltda"));
     }
 
     #[test]

@@ -87,7 +87,6 @@ pub mod exit {
 }
 
 /// Longest tenant id, as the API's tokens allow ([`crate::api::Caller::tenant_for`]).
-const MAX_TENANT_BYTES: usize = 256;
 /// How long reading the control topic to its end may take.
 const CATCH_UP: Duration = Duration::from_secs(60);
 /// Verification probes in flight at once.
@@ -212,10 +211,7 @@ async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired
         .tenant_id
         .clone()
         .ok_or_else(|| FieldError::new("tenant_id", "required", "each entry names its tenant"))?;
-    if tenant_id.is_empty()
-        || tenant_id.len() > MAX_TENANT_BYTES
-        || tenant_id.chars().any(char::is_control)
-    {
+    if !crate::api::auth::valid_tenant(&tenant_id) {
         return Err(FieldError::new(
             "tenant_id",
             "invalid",
