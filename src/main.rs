@@ -336,7 +336,11 @@ fn main() -> ExitCode {
                 };
                 match tokio::task::spawn_blocking(move || streaming_hub::replay::run(&config, &target)).await {
                     Ok(Ok(moved)) => {
-                        let back = moved.iter().any(|(_, old, new)| *old != Some(*new));
+                        // Back from a committed offset: a partition never committed starts
+                        // at the log start whatever the replay says.
+                        let back = moved
+                            .iter()
+                            .any(|(_, old, new)| old.is_some_and(|o| *new < o));
                         for (p, old, new) in moved {
                             let old = old.map_or("none".to_string(), |o| o.to_string());
                             println!("inbox partition {p}: {old} -> {new}");

@@ -130,7 +130,8 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
     assert_eq!(code, 1, "{text}");
     assert!(
         text.contains(&format!(
-            "topic {prefix}.hub.dedup.changelog has 6 partitions, fewer than the inbox's 8"
+            "topic {prefix}.hub.dedup.changelog would be created with 6 partitions (the \
+             topology file's), fewer than the inbox's 8"
         )),
         "{text}"
     );
@@ -143,5 +144,17 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
             .iter()
             .any(|t| t.name() == format!("{prefix}.hub.dedup.changelog")),
         "nothing created"
+    );
+    // One made by hand with fewer: its own message, as it is on the broker.
+    let dedup = format!("{prefix}.hub.dedup.changelog");
+    by_hand(NewTopic::new(&dedup, 6, TopicReplication::Fixed(1)).set("cleanup.policy", "compact"))
+        .await;
+    let (code, text) = topology_apply(&prefix, &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains(&format!(
+            "topic {dedup} has 6 partitions, fewer than the inbox's 8"
+        )),
+        "{text}"
     );
 }

@@ -40,6 +40,16 @@ pub enum TopologyError {
         inbox: usize,
     },
     #[error(
+        "topic {topic} would be created with {want} partitions (the topology file's), fewer than \
+         the inbox's {inbox}: the hub task of inbox partition p keeps its state in partition p of \
+         every changelog; give it {inbox} in the topology file (or create it by hand)"
+    )]
+    NewChangelogPartitions {
+        topic: String,
+        want: usize,
+        inbox: usize,
+    },
+    #[error(
         "STREAMING_HUB_FOLLOW_PATTERN matches the hub's own topic {topic}: ingest would read what \
          the hub writes; narrow it to producers' topics (lerian.streaming.<source>)"
     )]
@@ -282,13 +292,13 @@ impl Topology {
                 .iter()
                 .filter(|t| t.name.ends_with(".changelog"))
             {
-                match count(&t.name) {
-                    Some(have) if have < inbox => {
-                        return Err(TopologyError::ChangelogPartitions {
-                            topic: self.full_name(&t.name),
-                            have,
-                            inbox,
-                        });
+                let topic = self.full_name(&t.name);
+                match (existing.get(&topic), t.partitions as usize) {
+                    (Some(&have), _) if have < inbox => {
+                        return Err(TopologyError::ChangelogPartitions { topic, have, inbox });
+                    }
+                    (None, want) if want < inbox => {
+                        return Err(TopologyError::NewChangelogPartitions { topic, want, inbox });
                     }
                     _ => {}
                 }

@@ -86,7 +86,6 @@ pub mod exit {
     pub const CONFLICT: u8 = 4;
 }
 
-/// Longest tenant id, as the API's tokens allow ([`crate::api::Caller::tenant_for`]).
 /// How long reading the control topic to its end may take.
 const CATCH_UP: Duration = Duration::from_secs(60);
 /// Verification probes in flight at once.
