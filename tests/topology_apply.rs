@@ -18,6 +18,13 @@ async fn config_of(topic: &str, key: &str) -> String {
     r.get(key).and_then(|e| e.value.clone()).unwrap_or_default()
 }
 
+/// `topology apply` exits 1 and says `want`.
+fn refused_saying(prefix: &str, want: &str) {
+    let (code, text) = topology_apply(prefix, &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains(want), "{text}");
+}
+
 /// Creates a topic as an operator would, past the topology.
 async fn by_hand(t: NewTopic<'_>) {
     for r in admin()
@@ -105,13 +112,9 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     let name = format!("{prefix}.subscriptions");
     by_hand(NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete"))
         .await;
-    let (code, text) = topology_apply(&prefix, &[]);
-    assert_eq!(code, 1, "{text}");
-    assert!(
-        text.contains(&format!(
-            "DIFFERS  {name}: cleanup.policy is delete, the topology says compact"
-        )),
-        "{text}"
+    refused_saying(
+        &prefix,
+        &format!("DIFFERS  {name}: cleanup.policy is delete, the topology says compact"),
     );
     // It reports; it does not silently rewrite the operator's topic.
     assert_eq!(config_of(&name, "cleanup.policy").await, "delete");
@@ -126,14 +129,12 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
     let prefix = unique("topo");
     let inbox = format!("{prefix}.inbox");
     by_hand(NewTopic::new(&inbox, 8, TopicReplication::Fixed(1))).await;
-    let (code, text) = topology_apply(&prefix, &[]);
-    assert_eq!(code, 1, "{text}");
-    assert!(
-        text.contains(&format!(
+    refused_saying(
+        &prefix,
+        &format!(
             "topic {prefix}.hub.dedup.changelog would be created with 6 partitions (the \
              topology file's), fewer than the inbox's 8"
-        )),
-        "{text}"
+        ),
     );
     let md = admin()
         .inner()
@@ -149,12 +150,8 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
     let dedup = format!("{prefix}.hub.dedup.changelog");
     by_hand(NewTopic::new(&dedup, 6, TopicReplication::Fixed(1)).set("cleanup.policy", "compact"))
         .await;
-    let (code, text) = topology_apply(&prefix, &[]);
-    assert_eq!(code, 1, "{text}");
-    assert!(
-        text.contains(&format!(
-            "topic {dedup} has 6 partitions, fewer than the inbox's 8"
-        )),
-        "{text}"
+    refused_saying(
+        &prefix,
+        &format!("topic {dedup} has 6 partitions, fewer than the inbox's 8"),
     );
 }

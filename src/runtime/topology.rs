@@ -279,14 +279,12 @@ impl Topology {
             .iter()
             .map(|t| (t.name().to_string(), t.partitions().len()))
             .collect();
-        // As the topics are, or will be once created.
-        let count = |name: &str| {
-            existing
-                .get(&self.full_name(name))
-                .copied()
-                .or_else(|| self.spec(name).map(|t| t.partitions as usize))
-        };
-        if let Some(inbox) = count("inbox") {
+        // The inbox as it is, or will be once created.
+        let inbox = existing
+            .get(&self.full_name("inbox"))
+            .copied()
+            .or_else(|| self.spec("inbox").map(|t| t.partitions as usize));
+        if let Some(inbox) = inbox {
             for t in self
                 .topics
                 .iter()
