@@ -96,6 +96,11 @@ fn table() -> Vec<(&'static str, Rec)> {
             ok().set("ce-schemaversion", Some(b"one")),
         ),
         ("missing_tenant", ok().set("ce-tenantid", None)),
+        // One byte past what a token or a subscription can name: never deliverable.
+        (
+            "invalid_tenant",
+            ok().set("ce-tenantid", Some(&[b't'; 257])),
+        ),
         (
             "duplicate_header",
             ok().add("ce-id", uuid::Uuid::now_v7().to_string().as_bytes()),

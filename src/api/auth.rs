@@ -22,12 +22,11 @@ use sha2::Sha256;
 
 use super::ApiState;
 use super::errors::{ApiError, codes};
+use crate::ingest::classify::MAX_TENANT_BYTES;
 use crate::runtime::secret::Secret;
 
 /// Longest `Authorization` value considered.
 const MAX_TOKEN_BYTES: usize = 8 * 1024;
-/// Longest tenant id an admin may name.
-const MAX_TENANT_BYTES: usize = 256;
 
 /// A tenant id as the hub takes it, wherever it comes from (a token, a body, an apply file, the
 /// `token` command): 1 to 256 bytes, no control character.

@@ -25,7 +25,9 @@
 //!    of a topic named `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` →
 //!    `source_mismatch` (failing closed: `lerian.streaming.ledger.v2` names no source, so
 //!    nothing matches it); topics not starting with `lerian.streaming.` are not checked.
-//! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`.
+//! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`; over [`MAX_TENANT_BYTES`] →
+//!    `invalid_tenant` (no subscription or token could name that tenant, so its events could
+//!    never be delivered; control characters were refused in step 1).
 //! 6. **Signature**, only with `require_signatures` (the HMAC runs only for otherwise valid records):
 //!    `ce-sig` or `ce-sigkid` absent → `signature_missing`; a key id the hub does not know →
 //!    `signature_unknown_key`; a known key bound to another `ce-source`, a malformed `ce-sig` or a
@@ -139,6 +141,7 @@ pub enum Reason {
     InvalidTime,
     InvalidSchemaversion,
     MissingTenant,
+    InvalidTenant,
     DuplicateHeader,
     InvalidHeaderEncoding,
     PayloadTooLarge,
@@ -151,7 +154,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -161,6 +164,7 @@ impl Reason {
         Reason::InvalidTime,
         Reason::InvalidSchemaversion,
         Reason::MissingTenant,
+        Reason::InvalidTenant,
         Reason::DuplicateHeader,
         Reason::InvalidHeaderEncoding,
         Reason::PayloadTooLarge,
@@ -184,6 +188,7 @@ impl Reason {
             Reason::InvalidTime => "invalid_time",
             Reason::InvalidSchemaversion => "invalid_schemaversion",
             Reason::MissingTenant => "missing_tenant",
+            Reason::InvalidTenant => "invalid_tenant",
             Reason::DuplicateHeader => "duplicate_header",
             Reason::InvalidHeaderEncoding => "invalid_header_encoding",
             Reason::PayloadTooLarge => "payload_too_large",
@@ -216,6 +221,10 @@ impl std::fmt::Display for Reason {
         f.write_str(self.code())
     }
 }
+
+/// The longest tenant id the hub takes, from a record (`ce-tenantid`), a token, a body or an apply
+/// file: it keys the inbox, every store and every token.
+pub const MAX_TENANT_BYTES: usize = 256;
 
 // Slots of the known `ce-*` headers: the 15 signed ones in canonical order, then `ce-sig`.
 const SPECVERSION: usize = 0;
@@ -529,6 +538,13 @@ fn judge(
         };
         let m = at("ce-tenantid", format_args!("{what}"));
         return Err(quarantine(Reason::MissingTenant, m));
+    }
+    if tenant.len() > MAX_TENANT_BYTES {
+        let m = at(
+            "ce-tenantid",
+            format_args!("is {} bytes, over {MAX_TENANT_BYTES}", tenant.len()),
+        );
+        return Err(quarantine(Reason::InvalidTenant, m));
     }
     if cfg.require_signatures {
         verify_signature(slots, source, value, &cfg.keys)?;
@@ -990,6 +1006,12 @@ mod tests {
                 ledger().remove("ce-tenantid"),
                 plain,
                 Q(MissingTenant, "ce-tenantid"),
+            ),
+            (
+                "long tenant",
+                ledger().set("ce-tenantid", &"t".repeat(MAX_TENANT_BYTES + 1)),
+                plain,
+                Q(InvalidTenant, "ce-tenantid"),
             ),
             (
                 "duplicate",
@@ -1624,6 +1646,31 @@ mod tests {
         ] {
             let rec = Rec::ledger().set("ce-type", t);
             assert_quarantined(rec.classify(&cfg), Reason::TypeMismatch, names);
+        }
+    }
+
+    #[test]
+    fn a_tenant_id_is_taken_up_to_the_bytes_a_token_can_name() {
+        // 85 three-byte characters and one byte: 256 bytes, the longest the API takes.
+        let longest = format!("{}x", "租".repeat(85));
+        assert_eq!(longest.len(), MAX_TENANT_BYTES);
+        let rec = Rec::ledger().set("ce-tenantid", &longest);
+        match rec.classify(&ClassifyConfig::default()) {
+            Verdict::Accept(a) => {
+                assert_eq!(a.tenant, longest);
+                assert!(crate::api::auth::valid_tenant(&a.tenant));
+            }
+            other => panic!("{other:?}"),
+        }
+        let over = format!("{longest}x");
+        assert!(!crate::api::auth::valid_tenant(&over));
+        let rec = Rec::ledger().set("ce-tenantid", &over);
+        match rec.classify(&ClassifyConfig::default()) {
+            Verdict::Quarantine(q) => {
+                assert_eq!(q.reason, Reason::InvalidTenant, "{}", q.message);
+                assert_eq!(q.message, "header ce-tenantid: is 257 bytes, over 256");
+            }
+            other => panic!("{other:?}"),
         }
     }
 
