@@ -83,10 +83,15 @@ struct Spec {
 pub struct RunResult {
     pub scenario: String,
     pub target_rate: Option<u32>,
+    /// At a fixed rate, the events the producer got to the broker per second of the measured
+    /// window (a run that fell short says so on stderr).
+    pub achieved_rate: Option<f64>,
     pub events: u64,
     pub expected_deliveries: u64,
     pub delivered: u64,
     pub missing: u64,
+    /// Deliveries of an event to a subscription it was not for (never counted as delivered).
+    pub unexpected: u64,
     pub duplicates: u64,
     pub bad_signatures: u64,
     pub deliveries_per_s: f64,
@@ -125,6 +130,9 @@ pub struct RunResult {
 struct Sink {
     secrets: Arc<Mutex<HashMap<String, Secret>>>,
     got: Arc<Mutex<Vec<Got>>>,
+    /// The distinct (event, subscription) pairs in `got`: what the wait for stragglers counts,
+    /// so a duplicate never stands in for a delivery still on its way.
+    unique: Arc<Mutex<std::collections::HashSet<(String, String)>>>,
     failing: Arc<Mutex<std::collections::HashSet<String>>>,
     delay: Duration,
     slow: Arc<Mutex<std::collections::HashSet<String>>>,
@@ -162,7 +170,10 @@ async fn sink_handler(
         signing::sign(&secret, h("webhook-id"), ts, &body)
             .is_ok_and(|want| h("webhook-signature").split(' ').any(|sig| sig == want))
     });
-    if !ok {
+    // The event is named by the signed `webhook-id`; `X-Lerian-Event-Id` must say the same
+    // (DESIGN.md §4), or a delivery could be counted for an event it does not carry.
+    let event = h("webhook-id");
+    if !ok || h("x-lerian-event-id") != event {
         s.bad.fetch_add(1, Ordering::Relaxed);
         return (StatusCode::UNAUTHORIZED, Bytes::new());
     }
@@ -175,8 +186,12 @@ async fn sink_handler(
     if s.failing.lock().unwrap().contains(&tenant) {
         return (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
     }
+    s.unique
+        .lock()
+        .unwrap()
+        .insert((event.to_string(), path.clone()));
     s.got.lock().unwrap().push(Got {
-        event: h("x-lerian-event-id").to_string(),
+        event: event.to_string(),
         sub: path,
         received_us,
         produced_us: produced_at(&body),
@@ -184,7 +199,10 @@ async fn sink_handler(
     (StatusCode::OK, Bytes::new())
 }
 
-/// The produce time the payload starts with: `{"produced_us":<n>,`.
+/// The produce time the payload starts with: `{"produced_us":<n>,`. At a fixed rate it is the
+/// time the event was due on the producer's schedule, not when the producer got to it: a
+/// producer that fell behind (descheduled, or waiting on a full queue) would otherwise hide the
+/// wait from the latency (coordinated omission).
 fn produced_at(body: &[u8]) -> i64 {
     let text = std::str::from_utf8(&body[..body.len().min(40)]).unwrap_or("");
     text.strip_prefix("{\"produced_us\":")
@@ -193,11 +211,8 @@ fn produced_at(body: &[u8]) -> i64 {
         .unwrap_or(0)
 }
 
-fn payload(size: usize) -> Vec<u8> {
-    let head = format!(
-        "{{\"produced_us\":{},\"amount\":\"100.00\",\"pad\":\"",
-        now_us()
-    );
+fn payload(size: usize, produced_us: i64) -> Vec<u8> {
+    let head = format!("{{\"produced_us\":{produced_us},\"amount\":\"100.00\",\"pad\":\"");
     let mut v = head.into_bytes();
     while v.len() + 2 < size {
         v.push(b'x');
@@ -230,7 +245,9 @@ fn peak_rss_mib(pid: u32) -> u64 {
 }
 
 /// Bytes on the broker's disk per topic of `prefix` (write amplification), keyed by the topic's
-/// name after the prefix (`hub.jobs.changelog`, `attempts`, …).
+/// name after the prefix (`hub.jobs.changelog`, `attempts`, …). Their growth over a run is a lower
+/// bound of what was written: the log cleaner may compact a changelog's rolled segments meanwhile,
+/// and the broker's own transaction and offsets topics are not counted.
 fn kafka_bytes(data_dir: &std::path::Path, prefix: &str) -> Option<BTreeMap<String, u64>> {
     let mut by_topic = BTreeMap::new();
     for e in std::fs::read_dir(data_dir).ok()?.flatten() {
@@ -552,7 +569,7 @@ pub async fn run(config: &Config, opts: LoadOptions) -> Result<(), String> {
     }
     if matches!(opts.scenario.as_str(), "limits" | "all") {
         let kafka = kafka_limit(config, opts.size, 300_000).await?;
-        let sink = sink_limit(Duration::from_secs(5)).await?;
+        let sink = sink_limit(config, opts.size, Duration::from_secs(5)).await?;
         let ceiling_throughput = ceiling(kafka, sink, 1);
         let ceiling_fanout = ceiling(kafka, sink, FANOUT_SUBSCRIPTIONS as u32);
         let line = json!({"limits": {"kafka_produce_consume_records_per_s": kafka, "sink_requests_per_s": sink}, "ceiling_deliveries_per_s": {"throughput": ceiling_throughput, "fanout": ceiling_fanout}, "size": opts.size, "broker_warmed_s": broker_warmed_s}).to_string();
@@ -721,7 +738,10 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     let bytes0 = data_dir.as_deref().and_then(|d| kafka_bytes(d, &prefix));
     let stop = Arc::new(AtomicBool::new(false));
     let produced: Arc<Mutex<Vec<(String, usize, i64)>>> = Arc::default();
-    let cpu0 = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
+    let mut cpu0 = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
+    // What a hub killed in the run (`recovery`) used before it died: its CPU from the start of
+    // the load and its peak memory, read just before the kill (its /proc entry goes with it).
+    let (mut killed_cpu, mut killed_rss) = (0.0, 0);
     let broker = broker_pid(data_dir.as_deref());
     let harness_cpu0 = cpu_seconds(std::process::id());
     let broker_cpu0 = broker.map(cpu_seconds);
@@ -745,6 +765,9 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
             if let Some(after) = spec.kill_after {
                 tokio::time::sleep(opts.warmup + after).await;
                 if let Some(mut h) = hub.take() {
+                    killed_cpu = cpu_seconds(h.pid()) - cpu0;
+                    killed_rss = peak_rss_mib(h.pid());
+                    cpu0 = 0.0; // the new process counts from its start
                     let _ = h.child.kill(); // SIGKILL
                     let _ = h.child.wait();
                     let env = std::mem::take(&mut h.env);
@@ -757,7 +780,11 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
                     {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
-                    recovery_s = Some(killed.elapsed().as_secs_f64());
+                    if sink.got.lock().unwrap().len() > seen {
+                        recovery_s = Some(killed.elapsed().as_secs_f64());
+                    } else {
+                        eprintln!("load: no delivery within 120 s of the restart");
+                    }
                 }
                 let left = (opts.warmup + opts.duration).saturating_sub(started.elapsed());
                 tokio::time::sleep(left).await;
@@ -793,14 +820,33 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         .filter(|(_, t, _)| *t >= spec.failing_tenants)
         .count() as u64
         * spec.subs_per_tenant as u64;
-    // Wait for every expected delivery (or until nothing arrives for 60 s).
+    // Wait for every expected delivery, counted once each (or until nothing arrives for 60 s).
+    // The distinct pairs are counted as they come; only once there are enough are they checked
+    // against what was expected, so an unexpected one never stands in for one still on its way.
+    let tenant_of_event: HashMap<&str, usize> = produced
+        .iter()
+        .filter(|(_, t, _)| *t >= spec.failing_tenants)
+        .map(|(id, t, _)| (id.as_str(), *t))
+        .collect();
+    let is_expected = |event: &str, sub: &str| {
+        tenant_of_event.get(event).is_some_and(|t| {
+            sub.strip_prefix(&format!("tenant-{t}/"))
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| n < spec.subs_per_tenant)
+        })
+    };
     let mut last = 0usize;
     let mut quiet_since = Instant::now();
     loop {
-        let n = sink.got.lock().unwrap().len();
-        if n as u64 >= expected {
+        let arrived = {
+            let unique = sink.unique.lock().unwrap();
+            unique.len() as u64 >= expected
+                && unique.iter().filter(|(e, s)| is_expected(e, s)).count() as u64 >= expected
+        };
+        if arrived {
             break;
         }
+        let n = sink.got.lock().unwrap().len();
         if n != last {
             last = n;
             quiet_since = Instant::now();
@@ -809,15 +855,15 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if second.is_some() {
-        // An attempt whose outcome a rebalance dropped is sent again by its partition's new
-        // owner once its lease ends (`STREAMING_HUB_HTTP_TIMEOUT` + 10 s): waited out, so such a
-        // second delivery counts as a duplicate below.
+    if second.is_some() || spec.kill_after.is_some() {
+        // An attempt whose outcome a rebalance or a kill dropped is sent again by its
+        // partition's owner once its lease ends (`STREAMING_HUB_HTTP_TIMEOUT` + 10 s): waited
+        // out, so such a second delivery counts as a duplicate below.
         let lease = config.http_timeout + Duration::from_secs(15);
         tokio::time::sleep(lease).await;
     }
     // A second instance's CPU counts from its start.
-    let cpu = hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0
+    let cpu = killed_cpu + hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0
         + second.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
     let harness_cpu = cpu_seconds(std::process::id()) - harness_cpu0;
     // None when the broker was not there to read at both ends (not `scripts/kafka.sh`'s, or
@@ -830,28 +876,30 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         .iter()
         .chain(second.iter())
         .map(|h| peak_rss_mib(h.pid()))
-        .max()
-        .unwrap_or(0);
+        .fold(killed_rss, u64::max);
     // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
     // outcome) as the run left them, next to the results.
     let mut attempts_unsent = None;
-    if hub.is_some() {
-        let name = match spec.rate {
-            Some(r) => format!("metrics-{}-{r}.prom", spec.name),
-            None => format!("metrics-{}.prom", spec.name),
+    for (n, h) in hub.iter().chain(second.iter()).enumerate() {
+        let instance = if n == 0 {
+            String::new()
+        } else {
+            format!("-{}", n + 1)
         };
-        match http.get(format!("http://{hub_addr}/metrics")).send().await {
+        let name = match spec.rate {
+            Some(r) => format!("metrics-{}-{r}{instance}.prom", spec.name),
+            None => format!("metrics-{}{instance}.prom", spec.name),
+        };
+        match http.get(format!("http://{}/metrics", h.addr)).send().await {
             Ok(r) => {
                 let text = r.text().await.unwrap_or_default();
-                attempts_unsent = Some(counter_of(
-                    &text,
-                    crate::runtime::telemetry::ATTEMPTS_UNSENT,
-                ));
+                *attempts_unsent.get_or_insert(0) +=
+                    counter_of(&text, crate::runtime::telemetry::ATTEMPTS_UNSENT);
                 if let Err(e) = std::fs::write(opts.out.join(&name), text) {
                     eprintln!("load: could not write {name}: {e}");
                 }
             }
-            Err(e) => eprintln!("load: could not read the hub's metrics: {e}"),
+            Err(e) => eprintln!("load: could not read the hub's metrics ({}): {e}", h.addr),
         }
     }
     drop(second);
@@ -863,87 +911,85 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
 
     // Results.
     let got = sink.got.lock().unwrap().clone();
-    let mut unique: HashMap<(String, String), usize> = HashMap::new();
-    for g in &got {
-        *unique.entry((g.event.clone(), g.sub.clone())).or_default() += 1;
+    let Tally {
+        first,
+        duplicates,
+        unexpected,
+        missing: wanted,
+        twice,
+    } = tally(&got, &produced, spec.failing_tenants, spec.subs_per_tenant);
+    for ((event, sub), n) in twice.iter().take(20) {
+        // Which deliveries came more than once, so the hub logs can tell who sent them.
+        eprintln!("load: delivered {n} times: event {event} subscription {sub}");
     }
-    let delivered = unique.len() as u64;
-    let duplicates = got.len() as u64 - delivered;
-    if duplicates > 0 {
-        // Which deliveries came twice (the first 20), so the hub logs can tell who sent them.
-        let mut twice: Vec<(&(String, String), &usize)> =
-            unique.iter().filter(|(_, n)| **n > 1).collect();
-        twice.sort();
-        for ((event, sub), n) in twice.iter().take(20) {
-            eprintln!("load: delivered {n} times: event {event} subscription {sub}");
-        }
+    let delivered = first.len() as u64;
+    if unexpected > 0 {
+        eprintln!("load: {unexpected} deliveries of an event to a subscription it was not for");
     }
-    if delivered < expected {
+    if !wanted.is_empty() {
         // Which events, so a miss can be traced (inbox, jobs changelog, DLQ) while the topics
         // are still there.
-        let mut per_event: HashMap<&str, usize> = HashMap::new();
-        for (event, _) in unique.keys() {
-            *per_event.entry(event.as_str()).or_default() += 1;
-        }
-        let short: Vec<(&str, usize)> = produced
-            .iter()
-            .filter(|(id, t, _)| {
-                *t >= spec.failing_tenants
-                    && per_event.get(id.as_str()).copied().unwrap_or(0) < spec.subs_per_tenant
-            })
-            .map(|(id, t, _)| (id.as_str(), *t))
-            .take(20)
-            .collect();
+        let short: Vec<_> = wanted.iter().take(20).collect();
         eprintln!(
-            "load: {} deliveries missing (topic prefix {prefix}); events short of a delivery (ce-id, tenant index; first 20): {short:?}",
-            expected - delivered
+            "load: {} deliveries missing (topic prefix {prefix}); (ce-id, subscription) short, first 20: {short:?}",
+            wanted.len()
         );
     }
-    if delivered < expected || opts.keep_topics {
+    if !wanted.is_empty() || opts.keep_topics {
         println!("load: the run's topics stay on the broker (prefix {prefix})");
     } else if let Err(e) = delete_run_topics(config, &prefix).await {
         eprintln!("load: could not delete the run's topics (prefix {prefix}): {e}");
     }
     let measure_from_us = now_us() - measure_from.elapsed().as_micros() as i64;
     let measure_to_us = measure_from_us + opts.duration.as_micros() as i64;
+    let in_measured = |us: i64| us >= measure_from_us && us < measure_to_us;
+    // At a fixed rate: how many events the producer queued to the broker in the measured window.
+    // Below the rate asked, the run measured a lighter load than its name says.
+    let achieved_rate = spec.rate.map(|_| {
+        produced
+            .iter()
+            .filter(|(_, _, at)| in_measured(*at))
+            .count() as f64
+            / opts.duration.as_secs_f64()
+    });
+    if let (Some(rate), Some(reached)) = (spec.rate, achieved_rate) {
+        if reached < 0.98 * f64::from(rate) {
+            eprintln!("load: the producer reached {reached:.0} events/s of the {rate} asked");
+        }
+    }
+    // Up to an hour; a later one counts as an hour (`saturating_record`), never left out.
     let mut all =
-        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).map_err(|e| e.to_string())?;
+        Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).map_err(|e| e.to_string())?;
     let mut healthy = all.clone();
     let in_window = |g: &Got| match spec.rate {
-        Some(_) => g.produced_us >= measure_from_us && g.produced_us < measure_to_us,
+        Some(_) => in_measured(g.produced_us),
         None => true,
     };
     // Healthy: not a failing tenant's (none of theirs arrive) nor a slow one's.
     let slow = sink.slow.lock().unwrap().clone();
-    for g in got.iter().filter(|g| in_window(g)) {
+    for g in first.iter().filter(|g| in_window(g)) {
         let lat = (g.received_us - g.produced_us).max(1) as u64;
-        let _ = all.record(lat);
+        all.saturating_record(lat);
         if !g.sub.split('/').next().is_some_and(|t| slow.contains(t)) {
-            let _ = healthy.record(lat);
+            healthy.saturating_record(lat);
         }
     }
-    let (first, last_rx) = got.iter().fold((i64::MAX, i64::MIN), |(a, b), g| {
+    let (first_rx, last_rx) = first.iter().fold((i64::MAX, i64::MIN), |(a, b), g| {
         (a.min(g.received_us), b.max(g.received_us))
     });
     let deliveries_per_s = match spec.rate {
         // Max rate: deliveries over the span they arrived in.
-        None if got.len() > 1 => got.len() as f64 / ((last_rx - first) as f64 / 1e6),
+        None if first.len() > 1 => first.len() as f64 / ((last_rx - first_rx) as f64 / 1e6),
         _ => {
-            got.iter()
-                .filter(|g| g.received_us >= measure_from_us && g.received_us < measure_to_us)
-                .count() as f64
+            first.iter().filter(|g| in_measured(g.received_us)).count() as f64
                 / opts.duration.as_secs_f64()
         }
     };
-    let tenant_of: HashMap<&str, usize> = produced
-        .iter()
-        .filter(|(_, t, _)| *t >= spec.failing_tenants)
-        .map(|(id, t, _)| (id.as_str(), *t))
-        .collect();
-    let longest_tenant_wait_ms = longest_tenant_wait(
-        got.iter()
-            .filter_map(|g| tenant_of.get(g.event.as_str()).map(|t| (*t, g.received_us))),
-    )
+    let longest_tenant_wait_ms = longest_tenant_wait(first.iter().filter_map(|g| {
+        tenant_of_event
+            .get(g.event.as_str())
+            .map(|t| (*t, g.received_us))
+    }))
     .map(|us| us as f64 / 1000.0);
     let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let kafka_bytes_by_topic = match (bytes0, bytes1) {
@@ -965,10 +1011,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     Ok(RunResult {
         scenario: spec.name.clone(),
         target_rate: spec.rate,
+        achieved_rate,
         events: produced.len() as u64,
         expected_deliveries: expected,
         delivered,
-        missing: expected.saturating_sub(delivered),
+        missing: wanted.len() as u64,
+        unexpected,
         duplicates,
         bad_signatures: sink.bad.load(Ordering::Relaxed),
         deliveries_per_s,
@@ -988,6 +1036,69 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         broker_warmed_s: 0.0,
         attempts_unsent,
     })
+}
+
+/// What a run's deliveries come to against what it produced.
+struct Tally<'a> {
+    /// The first arrival of each expected (event, subscription) pair: the deliveries.
+    first: Vec<&'a Got>,
+    /// Arrivals after a pair's first.
+    duplicates: u64,
+    /// Pairs that arrived but were not expected (another tenant's subscription, an event never
+    /// produced): never a delivery, so never a stand-in for a missing one.
+    unexpected: u64,
+    /// Expected pairs that never arrived, sorted.
+    missing: Vec<(&'a str, String)>,
+    /// Pairs that arrived more than once, with their count, sorted.
+    twice: Vec<((&'a str, &'a str), usize)>,
+}
+
+/// Tallies `got` against `produced` (ce-id, tenant index, _): every event of a tenant at or past
+/// `failing` is expected once at each of its tenant's `subs` subscriptions (`tenant-<t>/<n>`).
+fn tally<'a>(
+    got: &'a [Got],
+    produced: &'a [(String, usize, i64)],
+    failing: usize,
+    subs: usize,
+) -> Tally<'a> {
+    let mut arrivals: HashMap<(&str, &str), (usize, &Got)> = HashMap::new();
+    for g in got {
+        let e = arrivals
+            .entry((g.event.as_str(), g.sub.as_str()))
+            .or_insert((0, g));
+        e.0 += 1;
+        if g.received_us < e.1.received_us {
+            e.1 = g;
+        }
+    }
+    let mut wanted: std::collections::HashSet<(&str, String)> = produced
+        .iter()
+        .filter(|(_, t, _)| *t >= failing)
+        .flat_map(|(id, t, _)| (0..subs).map(move |n| (id.as_str(), format!("tenant-{t}/{n}"))))
+        .collect();
+    let (mut first, mut unexpected) = (Vec::with_capacity(arrivals.len()), 0);
+    for ((event, sub), (_, g)) in &arrivals {
+        if wanted.remove(&(*event, sub.to_string())) {
+            first.push(*g);
+        } else {
+            unexpected += 1;
+        }
+    }
+    let mut missing: Vec<(&str, String)> = wanted.into_iter().collect();
+    missing.sort();
+    let mut twice: Vec<((&str, &str), usize)> = arrivals
+        .iter()
+        .filter(|(_, (n, _))| *n > 1)
+        .map(|(k, (n, _))| (*k, *n))
+        .collect();
+    twice.sort();
+    Tally {
+        first,
+        duplicates: (got.len() - arrivals.len()) as u64,
+        unexpected,
+        missing,
+        twice,
+    }
 }
 
 /// A counter's value in a Prometheus text exposition (0 when it is not there: never counted).
@@ -1076,7 +1187,9 @@ fn producer(config: &Config) -> Result<BaseProducer<Acks>, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Produces the run's events: (ce-id, tenant index, produce time) of each.
+/// Produces the run's events: (ce-id, tenant index, time it was queued to the broker: librdkafka's
+/// queue, acknowledged later) of each. At a fixed rate the payload carries the time each event was
+/// due (see [`produced_at`]).
 fn produce_loop(
     config: &Config,
     topic: &str,
@@ -1086,26 +1199,28 @@ fn produce_loop(
     produced: &Mutex<Vec<(String, usize, i64)>>,
 ) -> Result<(), String> {
     let p = producer(config)?;
-    let started = Instant::now();
+    let (started, started_us) = (Instant::now(), now_us());
     let mut i: u64 = 0;
     loop {
-        match spec.rate {
+        let stamp_us = match spec.rate {
             Some(rate) => {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                let after = Duration::from_secs_f64(i as f64 / rate as f64);
                 let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
+                if started + after > now {
+                    std::thread::sleep(started + after - now);
                 }
+                started_us + after.as_micros() as i64
             }
             None => {
                 if i as usize >= spec.events {
                     break;
                 }
+                now_us()
             }
-        }
+        };
         let t = (i as usize) % spec.tenants;
         let tenant = format!("tenant-{t}");
         let id = uuid::Uuid::now_v7().to_string();
@@ -1128,7 +1243,7 @@ fn produce_loop(
                 value: Some(v),
             });
         }
-        let body = payload(size);
+        let body = payload(size, stamp_us);
         let record = BaseRecord::to(topic)
             .key(tenant.as_str())
             .payload(&body)
@@ -1210,7 +1325,10 @@ async fn delete_topics(
     Ok(())
 }
 
-/// The broker's produce→consume rate for this record size through the same client library.
+/// The broker's produce→consume rate for this record size through the same client library, from
+/// the producer's start to the last record consumed. The consumer is assigned its partitions
+/// (no group to join) before the producer starts, so neither a join nor a backlog built during
+/// one is in the figure.
 async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, String> {
     let topic = format!(
         "load-limit-{}",
@@ -1223,7 +1341,13 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
         .set("enable.auto.commit", "false")
         .create()
         .map_err(|e| e.to_string())?;
-    consumer.subscribe(&[&topic]).map_err(|e| e.to_string())?;
+    let mut partitions = rdkafka::TopicPartitionList::new();
+    for p in 0..6 {
+        partitions
+            .add_partition_offset(&topic, p, rdkafka::Offset::Beginning)
+            .map_err(|e| e.to_string())?;
+    }
+    consumer.assign(&partitions).map_err(|e| e.to_string())?;
     let spec = Spec {
         name: "limit".into(),
         rate: None,
@@ -1263,8 +1387,8 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
     })
     .await
     .map_err(|e| e.to_string())?;
-    producer.join().map_err(|_| "limit producer panicked")??;
     let rate = consumed as f64 / started.elapsed().as_secs_f64();
+    producer.join().map_err(|_| "limit producer panicked")??;
     if let Ok(admin) = kafka::admin(config) {
         if let Err(e) = delete_topics(&admin, std::slice::from_ref(&topic)).await {
             eprintln!("load: could not delete {topic}: {e}");
@@ -1273,8 +1397,9 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
     Ok(rate)
 }
 
-/// The sink's request rate from the hub's HTTP client (reqwest, keep-alive), 64 in flight.
-async fn sink_limit(for_how_long: Duration) -> Result<f64, String> {
+/// The sink's request rate from the hub's own HTTP client (`delivery::client::build_client`:
+/// keep-alive, HTTP/1.1, its pool and timeouts), 64 in flight, bodies of the run's size.
+async fn sink_limit(config: &Config, size: usize, for_how_long: Duration) -> Result<f64, String> {
     let sink = Sink::default();
     sink.secrets.lock().unwrap().insert(
         "tenant-0/0".into(),
@@ -1290,11 +1415,10 @@ async fn sink_limit(for_how_long: Duration) -> Result<f64, String> {
     let server = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let body = payload(1024);
+    let mut hub_like = config.clone();
+    hub_like.allow_private_sinks = true;
+    let http = crate::delivery::client::build_client(&hub_like).map_err(|e| e.to_string())?;
+    let body = payload(size, now_us());
     let secret = Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -1333,6 +1457,11 @@ async fn sink_limit(for_how_long: Duration) -> Result<f64, String> {
 /// The p99 latency target at 5,000 events/s (issue 8), drawn on the plot for reference.
 const P99_TARGET_MS: f64 = 50.0;
 
+/// The rate a latency run is drawn at: what the producer reached, else the rate asked.
+fn rate_of(r: &RunResult) -> Option<f64> {
+    r.achieved_rate.or(r.target_rate.map(f64::from))
+}
+
 /// Latency percentiles against rate, as a PNG. The latency axis is logarithmic: a rate the hub
 /// cannot keep up with reaches seconds, and on a linear axis it flattens every other point.
 fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
@@ -1342,7 +1471,7 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
         .map_err(|_| "font did not load".to_string())?;
-    let max_rate = runs.iter().filter_map(|r| r.target_rate).max().unwrap_or(1) as f64;
+    let max_rate = runs.iter().filter_map(|r| rate_of(r)).fold(1.0, f64::max);
     let max_ms = runs.iter().map(|r| r.p999_ms).fold(P99_TARGET_MS, f64::max) * 1.5;
     let min_ms = runs
         .iter()
@@ -1364,7 +1493,7 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
-        .x_desc("events/s")
+        .x_desc("events/s produced (the rate reached)")
         .y_desc("latency (ms, log scale)")
         .draw()
         .map_err(|e| e.to_string())?;
@@ -1386,10 +1515,11 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
         .label("p99 target (50 ms at 5,000/s)")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], target.stroke_width(3)));
     for (label, f, color) in series {
-        let pts: Vec<(f64, f64)> = runs
+        let mut pts: Vec<(f64, f64)> = runs
             .iter()
-            .filter_map(|r| Some((r.target_rate? as f64, f(r))))
+            .filter_map(|r| Some((rate_of(r)?, f(r))))
             .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?
@@ -1414,9 +1544,47 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::{
-        broker_pid, ceiling, counter_of, longest_tenant_wait, per_1k, specs_of, topics_of_run,
+        Got, broker_pid, ceiling, counter_of, longest_tenant_wait, payload, per_1k, produced_at,
+        specs_of, tally, topics_of_run,
     };
     use std::time::Duration;
+
+    fn got(event: &str, sub: &str, received_us: i64) -> Got {
+        Got {
+            event: event.into(),
+            sub: sub.into(),
+            received_us,
+            produced_us: 0,
+        }
+    }
+
+    #[test]
+    fn a_delivery_counts_once_and_only_for_the_subscription_it_was_for() {
+        // e1 of tenant-1 (two subscriptions), e2 of tenant-0 (failing: nothing expected).
+        let produced = vec![("e1".to_string(), 1, 0), ("e2".to_string(), 0, 0)];
+        let got = vec![
+            got("e1", "tenant-1/0", 30),
+            got("e1", "tenant-1/0", 10), // the same pair again, earlier: the first arrival
+            got("e1", "tenant-2/0", 20), // another tenant's subscription: not a delivery
+            got("e2", "tenant-0/0", 40), // a failing tenant's: not expected
+        ];
+        let t = tally(&got, &produced, 1, 2);
+        assert_eq!(t.first.len(), 1);
+        assert_eq!(t.first[0].received_us, 10);
+        assert_eq!(t.duplicates, 1);
+        assert_eq!(t.unexpected, 2);
+        // e1 at tenant-1/1 never came: the two unexpected ones do not make up for it.
+        assert_eq!(t.missing, vec![("e1", "tenant-1/1".to_string())]);
+        assert_eq!(t.twice, vec![(("e1", "tenant-1/0"), 2)]);
+    }
+
+    #[test]
+    fn the_payload_carries_the_time_it_was_due_at_the_size_asked() {
+        let body = payload(1024, 1_700_000_000_123_456);
+        assert_eq!(body.len(), 1024);
+        assert_eq!(produced_at(&body), 1_700_000_000_123_456);
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap();
+    }
 
     #[test]
     fn a_counter_is_read_from_the_hubs_metrics_by_its_whole_name() {
