@@ -41,6 +41,10 @@ pub enum AppError {
     Codec(String),
     #[error("http server: {0}")]
     Http(String),
+    /// A stage that panicked or whose error has no type of its own (the control reader): the
+    /// process still exits non-zero, so an orchestrator restarts it and an operator sees it.
+    #[error("{0}")]
+    Stage(String),
 }
 
 pub fn init_tracing(config: &Config) {
@@ -404,17 +408,27 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     // Every thread is joined before the first error is returned: the hub loops drain their
     // in-flight attempts and commit their outcomes on the way out, which a return here cut off.
     let mut ingest_error = None;
+    // A stage that panicked, or the control reader's error: exit non-zero all the same.
+    let mut stage_error = None;
     if let Some(handle) = ingest_thread {
         match tokio::task::spawn_blocking(move || handle.join()).await {
             Ok(Ok(result)) => ingest_error = result.err(),
-            _ => tracing::error!("ingest thread panicked"),
+            _ => {
+                tracing::error!("ingest thread panicked");
+                stage_error.get_or_insert(AppError::Stage("the ingest thread panicked".into()));
+            }
         }
     }
-    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || control_thread.join())
-        .await
-        .map(|j| j.unwrap_or(Ok(())))
-    {
-        tracing::error!(error = %e, "control topic reader failed");
+    match tokio::task::spawn_blocking(move || control_thread.join()).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => {
+            // Logged by the thread itself as it stopped.
+            stage_error.get_or_insert(AppError::Stage(format!("control topic reader: {e}")));
+        }
+        _ => {
+            tracing::error!("control topic reader panicked");
+            stage_error.get_or_insert(AppError::Stage("the control topic reader panicked".into()));
+        }
     }
     let mut first_error = None;
     for handle in hub_threads {
@@ -423,7 +437,10 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 first_error.get_or_insert(e);
             }
             Ok(Ok(Ok(()))) => {}
-            _ => tracing::error!("hub thread panicked"),
+            _ => {
+                tracing::error!("hub thread panicked");
+                stage_error.get_or_insert(AppError::Stage("a hub thread panicked".into()));
+            }
         }
     }
     http_down.notify_one();
@@ -440,6 +457,9 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     }
     if let Some(e) = first_error {
         return Err(e.into());
+    }
+    if let Some(e) = stage_error {
+        return Err(e);
     }
     served
 }

@@ -439,7 +439,8 @@ settings! {
     /// Consumer group of ingest (input topics); the hub tasks use `<group>.hub`.
     group_id: String = "streaming-hub";
     /// This instance's stable name: transactional ids and static group membership derive from it.
-    /// Empty = the host name. Two instances must never share one.
+    /// Empty = the host name (`/etc/hostname`, else the kernel's); the hub refuses to start when
+    /// neither can be read. Two instances must never share one.
     instance_id: String = "";
     /// Which parts run in this process: `all`, `ingest` or `delivery`.
     role: Role = "all";
@@ -606,6 +607,15 @@ settings! {
     log_format: LogFormat = "text";
 }
 
+/// This host's name: `/etc/hostname`, else the kernel's (`/proc/sys/kernel/hostname`).
+fn host_name() -> Option<String> {
+    ["/etc/hostname", "/proc/sys/kernel/hostname"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .map(|h| h.trim().to_string())
+        .find(|h| !h.is_empty())
+}
+
 impl Config {
     /// Reads the process environment (and the file it names).
     pub fn from_env() -> Result<Config, ConfigError> {
@@ -646,6 +656,19 @@ impl Config {
         };
         if self.kafka_brokers.trim().is_empty() {
             return Err(invalid("STREAMING_HUB_KAFKA_BROKERS", "must not be empty"));
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log) {
+            let why = format!("not a log filter such as `info` or `warn,streaming_hub=debug`: {e}");
+            return Err(invalid("STREAMING_HUB_LOG", &why));
+        }
+        if self.instance_id.is_empty() && host_name().is_none() {
+            // A constant in its place would give every such instance the same transactional
+            // ids and static membership: they would fence each other.
+            return Err(invalid(
+                "STREAMING_HUB_INSTANCE_ID",
+                "empty, and this host's name could not be read (/etc/hostname, \
+                 /proc/sys/kernel/hostname): set it, different on every instance",
+            ));
         }
         if self.topic_prefix.is_empty()
             || !self
@@ -926,16 +949,12 @@ impl Config {
         })
     }
 
-    /// The instance id, defaulting to the host name.
+    /// The instance id, defaulting to the host name (a configuration without either was refused).
     pub fn instance(&self) -> String {
         if !self.instance_id.is_empty() {
             return self.instance_id.clone();
         }
-        std::fs::read_to_string("/etc/hostname")
-            .ok()
-            .map(|h| h.trim().to_string())
-            .filter(|h| !h.is_empty())
-            .unwrap_or_else(|| "streaming-hub".to_string())
+        host_name().unwrap_or_else(|| "streaming-hub".to_string())
     }
 
     /// The forensics index's consumer group (before the instance suffix).
@@ -1037,6 +1056,18 @@ mod tests {
         assert!(c.require_uuidv7);
         assert_eq!(c.max_payload_bytes, 1 << 20);
         assert_eq!(c.hub_group_id(), "streaming-hub.hub");
+    }
+
+    #[test]
+    fn a_log_filter_that_does_not_parse_is_refused_naming_the_variable() {
+        let e = Config::from_vars(vars(&[("STREAMING_HUB_LOG", "info,streaming_hub=loud")]))
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with("STREAMING_HUB_LOG is invalid"),
+            "{e}"
+        );
+        let c = Config::from_vars(vars(&[("STREAMING_HUB_LOG", "warn,streaming_hub=debug")]));
+        assert_eq!(c.unwrap().log, "warn,streaming_hub=debug");
     }
 
     #[test]
