@@ -19,7 +19,9 @@ use common::*;
 use serde_json::json;
 use streaming_hub::delivery::signing;
 use streaming_hub::runtime::avro::{Codec, RecordKind};
-use streaming_hub::runtime::records::{AttemptRecord, DeadLetterReason, DeadLetterRecord};
+use streaming_hub::runtime::records::{
+    AttemptOutcome, AttemptRecord, DeadLetterReason, DeadLetterRecord,
+};
 use streaming_hub::runtime::secret::Secret;
 
 #[derive(Clone, Debug)]
@@ -284,6 +286,18 @@ async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
         .decode(RecordKind::Attempt, attempts[2].rec.value.as_ref().unwrap())
         .unwrap();
     assert_eq!(last.status, Some(200));
+    assert_eq!(last.outcome, AttemptOutcome::Delivered);
+    // The job is finished (its last changelog record a tombstone) before the absence of a
+    // fourth attempt and of a dead letter is checked: a job still scheduled would show here.
+    let job = format!("j/tenant-r\0{}\0", ev.id());
+    let job_ended = |r: &[Got]| key_history(r, &job).last() == Some(&false);
+    let changelog = read_until(
+        &[&format!("{}.hub.jobs.changelog", s.prefix)],
+        Duration::from_secs(30),
+        job_ended,
+    );
+    assert!(job_ended(&changelog), "the job's tombstone");
+    assert_eq!(sink.got.lock().unwrap().len(), 3, "no fourth attempt");
     assert_eq!(
         read_all(&[&format!("{}.dlq", s.prefix)], Duration::from_secs(30)).len(),
         0
@@ -441,6 +455,23 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     wait_for_deliveries(&sink, 2, Duration::from_secs(60));
 
     let env = s.hub.env.clone();
+    // A replay while the hub runs is refused, saying why (the group has an active member). A
+    // delivery can come before its transaction commits the inbox offsets (early attempts), and
+    // a group with nothing committed is refused for that first: asked again until it is not.
+    let refused = wait_until(
+        Duration::from_secs(60),
+        "the hub group's first commit",
+        || {
+            let out = replay(&env, &["--to-offset", "earliest"]);
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(
+                !out.status.success(),
+                "replay ran while the hub did: {stderr}"
+            );
+            (!stderr.contains("no committed offset")).then_some(stderr)
+        },
+    );
+    assert!(refused.contains("still active"), "{refused}");
     s.hub.terminate();
     // The stopped static member stays in the group until its session times out: replay refuses
     // (and says why) until then, and changes nothing.
@@ -448,12 +479,7 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     // hub never committed (no event of theirs) included.
     let mut refusals = Vec::new();
     let nothing = wait_until(Duration::from_secs(60), "replay accepted", || {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-            .args(["replay", "--to-datetime", "2999-01-01T00:00:00Z"])
-            .env_clear()
-            .envs(&env)
-            .output()
-            .unwrap();
+        let out = replay(&env, &["--to-datetime", "2999-01-01T00:00:00Z"]);
         if out.status.success() {
             return Some(String::from_utf8_lossy(&out.stderr).into_owned());
         }
@@ -466,12 +492,7 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
         "{refusals:?}"
     );
     assert!(nothing.contains("no partition moved"), "{nothing}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-        .args(["replay", "--to-offset", "earliest"])
-        .env_clear()
-        .envs(&env)
-        .output()
-        .unwrap();
+    let out = replay(&env, &["--to-offset", "earliest"]);
     let moved = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -487,12 +508,7 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     // A group nobody runs (a mistyped STREAMING_HUB_GROUP_ID) is refused, not "replayed".
     let mut wrong = env.clone();
     wrong.insert("STREAMING_HUB_GROUP_ID".into(), unique("no-such-group"));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-        .args(["replay", "--to-offset", "earliest"])
-        .env_clear()
-        .envs(&wrong)
-        .output()
-        .unwrap();
+    let out = replay(&wrong, &["--to-offset", "earliest"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("has no committed offset"), "{err}");
@@ -1170,17 +1186,7 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
     let job = format!("j/tenant-e\0{}\0", ev.id());
     let payload = format!("p/tenant-e\0{}", ev.id());
     // Written while it waited for its retry, then deleted once delivered (a tombstone last).
-    let history = |got: &[Got], key: &str| -> Vec<bool> {
-        got.iter()
-            .filter(|g| {
-                g.rec
-                    .key
-                    .as_deref()
-                    .is_some_and(|k| k.starts_with(key.as_bytes()))
-            })
-            .map(|g| g.rec.value.is_some())
-            .collect()
-    };
+    let history = key_history;
     let got = read_until(&[&changelog], Duration::from_secs(30), |r| {
         history(r, &job).last() == Some(&false)
     });
@@ -1354,11 +1360,18 @@ async fn failures_of_attempts_sent_before_a_url_change_count_for_the_old_destina
         !opened.iter().any(|l| l.contains(&origin(&url_b))),
         "B's breaker opened on A's failures: {opened:?}"
     );
-    // B takes the retries and a new event.
+    // B, its breaker closed, takes a new event (the five retries follow on their curve).
     let ev = event("tenant-m", "ledger", "transaction", "posted");
     produce(&p, &s.topic, std::slice::from_ref(&ev));
-    let got = wait_for_deliveries(&sink_b, 1, Duration::from_secs(60));
-    assert!(!got.is_empty());
+    wait_until(Duration::from_secs(60), "the new event at B", || {
+        sink_b
+            .got
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|d| d.headers["x-lerian-event-id"] == ev.id())
+            .then_some(())
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1405,6 +1418,31 @@ async fn an_id_that_is_not_a_uuid_goes_percent_encoded_alike_in_every_id_header_
     assert_eq!(h["webhook-signature"], want);
 }
 
+/// `streaming-hub replay <args>` with exactly the environment `env`.
+fn replay(env: &BTreeMap<String, String>, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .arg("replay")
+        .args(args)
+        .env_clear()
+        .envs(env)
+        .output()
+        .unwrap()
+}
+
+/// Of the records whose key starts with `key`, in order: whether each has a value (false: a
+/// tombstone).
+fn key_history(got: &[Got], key: &str) -> Vec<bool> {
+    got.iter()
+        .filter(|g| {
+            g.rec
+                .key
+                .as_deref()
+                .is_some_and(|k| k.starts_with(key.as_bytes()))
+        })
+        .map(|g| g.rec.value.is_some())
+        .collect()
+}
+
 /// A hub with `extra` settings, 12 tenants subscribed to one gated sink (closed), and every inbox
 /// partition of the hub's: the sink's request count and its gate.
 async fn gated_hub(
@@ -1422,7 +1460,11 @@ async fn gated_hub(
     for t in &tenants {
         subscribe(&s, t, &url, None).await;
     }
-    wait_owned(&s, 6).await;
+    assert_eq!(
+        wait_owned(&s, 6).await,
+        6,
+        "the hub owns every inbox partition"
+    );
     (s, tenants, got, gate)
 }
 

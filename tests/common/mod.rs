@@ -637,9 +637,15 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
     let mut tpl = TopicPartitionList::new();
     let mut ends = Vec::new();
     for t in topics {
-        let md = consumer
-            .fetch_metadata(Some(t), Duration::from_secs(10))
-            .expect("metadata");
+        // A topic that does not exist has no partition: it must not read as an empty one, or
+        // a check that something was never written passes for a misspelt name.
+        let what = format!("topic {t} to exist (no partition)");
+        let md = wait_until(timeout, &what, || {
+            let md = consumer
+                .fetch_metadata(Some(t), Duration::from_secs(10))
+                .expect("metadata");
+            (!md.topics()[0].partitions().is_empty()).then_some(md)
+        });
         for p in md.topics()[0].partitions() {
             tpl.add_partition_offset(t, p.id(), Offset::Beginning)
                 .unwrap();
