@@ -16,13 +16,21 @@ scripts/setup.sh
 # starts is stopped with it.
 started_broker=0
 if ! scripts/kafka.sh status >/dev/null 2>&1; then started_broker=1; fi
-scripts/kafka.sh start --fresh >/dev/null
+# Whatever stops the script from here on stops a broker it started (a failed start or build too).
+trap 'if [[ "$started_broker" == 1 ]]; then scripts/kafka.sh stop >/dev/null 2>&1 || true; fi' EXIT
+brokers="$(scripts/kafka.sh start --fresh)"
+export STREAMING_HUB_KAFKA_BROKERS="${STREAMING_HUB_KAFKA_BROKERS:-$brokers}"
 cargo build --quiet
 bin="$CARGO_TARGET_DIR/debug/streaming-hub"
 
 state="$(mktemp -d)"
 export STREAMING_HUB_STATE_DIR="$state/state"
 export STREAMING_HUB_HTTP_LISTEN_ADDR="${STREAMING_HUB_HTTP_LISTEN_ADDR:-127.0.0.1:8080}"
+if curl --noproxy '*' --max-time 2 -sS -o /dev/null "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/healthz" 2>/dev/null; then
+  # Its answers would pass for this run's hub (an earlier demo's, left running).
+  echo "demo: something already answers on $STREAMING_HUB_HTTP_LISTEN_ADDR: stop it or set STREAMING_HUB_HTTP_LISTEN_ADDR" >&2
+  exit 1
+fi
 # Each run is self-contained: its own producer topic, topic prefix and consumer groups, so
 # subscriptions and receivers of earlier runs do not linger in this one.
 run="demo$(date +%s)"
@@ -50,8 +58,8 @@ stop_all() {
 trap stop_all EXIT
 trap 'exit 130' INT TERM
 for _ in $(seq 1 300); do
-  if curl -fsS "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/readyz" >/dev/null 2>&1; then break; fi
   kill -0 $hub_pid 2>/dev/null || { cat "$log" >&2; echo "demo: the hub exited" >&2; exit 1; }
+  if curl --noproxy '*' --max-time 2 -fsS "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/readyz" >/dev/null 2>&1; then break; fi
   sleep 0.2
 done
 "$bin" demo --topic "$topic" --hub-url "http://$STREAMING_HUB_HTTP_LISTEN_ADDR" "${duration[@]}"

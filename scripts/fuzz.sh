@@ -6,13 +6,15 @@
 #   scripts/fuzz.sh 600          # 10 min per target, by hand
 #   FUZZ_TARGETS="avro_decode" scripts/fuzz.sh 60
 #
-# Builds go to $HOME/.cache/streaming-hub/fuzz-target (instrumented: never shared with the main
-# target dir; the first build compiles librdkafka and RocksDB again: 45 min on 2 busy cores, then
-# about 2 min after a change under src/, seconds otherwise). Corpora live in
+# Builds go to fuzz/ under the main crate's cargo target dir ($CARGO_TARGET_DIR, else
+# $HOME/.cache/streaming-hub/target), so whatever keeps that directory between runs keeps them
+# too (instrumented: a cargo target dir of their own inside it; the first build compiles
+# librdkafka and RocksDB again: 45 min on 2 busy cores, then about 2 min after a change under
+# src/, seconds otherwise). cargo-fuzz is installed under tools/ there, on the same grounds. Corpora live in
 # $HOME/.cache/streaming-hub/fuzz-corpus/<target> and grow from run to run, seeded from
 # fuzz/seeds/<target>; crashing inputs land in $HOME/.cache/streaming-hub/fuzz-artifacts/<target>.
 # Reproduce one with:
-#   cargo +nightly fuzz run -s none --target-dir "$HOME/.cache/streaming-hub/fuzz-target" <target> <file>
+#   cargo +nightly fuzz run -s none --target-dir "$HOME/.cache/streaming-hub/target/fuzz" <target> <file>
 #
 # No AddressSanitizer (`-s none`): the cc crate compiles the bundled zstd with -fsanitize=address,
 # and librdkafka's configure then fails to link its test programs against it. The code under test
@@ -27,7 +29,13 @@ if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 cache="$HOME/.cache/streaming-hub"
-target_dir="${FUZZ_TARGET_DIR:-$cache/fuzz-target}"
+main_target="${CARGO_TARGET_DIR:-$cache/target}"
+target_dir="${FUZZ_TARGET_DIR:-$main_target/fuzz}"
+if [[ -z "${FUZZ_TARGET_DIR:-}" && -d "$cache/fuzz-target" && ! -d "$target_dir" ]]; then
+  target_dir="$cache/fuzz-target" # where earlier versions of this script built: kept, not rebuilt
+fi
+tools="$main_target/tools"
+export PATH="$tools/bin:$PATH"
 corpus_root="${FUZZ_CORPUS_DIR:-$cache/fuzz-corpus}"
 artifact_root="$cache/fuzz-artifacts"
 targets="${FUZZ_TARGETS:-ingest_classify avro_decode api_bodies}"
@@ -39,8 +47,9 @@ if ! rustup toolchain list | grep -q '^nightly'; then
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "== cargo install cargo-fuzz" >&2
-  # Not into the main crate's target dir (scripts/test.sh exports CARGO_TARGET_DIR).
-  env -u CARGO_TARGET_DIR cargo install cargo-fuzz --locked
+  # Built in a directory of its own (scripts/test.sh exports CARGO_TARGET_DIR), installed beside
+  # the builds it serves.
+  env -u CARGO_TARGET_DIR cargo install cargo-fuzz --locked --root "$tools"
 fi
 
 # Each clone path builds this crate and the fuzz targets anew (cargo hashes where a path

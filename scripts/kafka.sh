@@ -263,7 +263,8 @@ start_node() {
 wait_ready() {
   local brokers="$1" deadline=$((SECONDS + 90)) i
   while ((SECONDS < deadline)); do
-    if metadata_ok "$KAFKA_PORT" "$brokers"; then return 0; fi
+    # Our own processes first: an answer on the port from a broker that is not ours (one that
+    # outlived its pid file) must not pass for this start.
     for ((i = 1; i <= brokers; i++)); do
       local pidf; pidf="$(node_dir "$i")/kafka.pid"
       if [[ -f "$pidf" ]] && ! kill -0 "$(cat "$pidf")" 2>/dev/null; then
@@ -271,6 +272,7 @@ wait_ready() {
         die "broker $i exited during start-up (logs in $(node_dir "$i")/logs)"
       fi
     done
+    if metadata_ok "$KAFKA_PORT" "$brokers"; then return 0; fi
     sleep 0.3
   done
   die "broker did not answer a metadata request within 90 s"
@@ -304,6 +306,18 @@ cmd_start() {
     fi
   fi
   install_kafka
+  if [[ "$(running_nodes)" -eq 0 ]]; then
+    # Nothing of ours runs: a port in use is someone else's broker (or any server), and its
+    # answers would pass for ours.
+    for ((i = 1; i <= brokers; i++)); do
+      local port
+      for port in "$(client_port "$i")" "$(controller_port "$i")"; do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+          die "port $port is in use by a process this script did not start (KAFKA_PORT=$KAFKA_PORT): stop it or pick another KAFKA_PORT"
+        fi
+      done
+    done
+  fi
   if [[ $fresh == 1 && "$(running_nodes)" -eq 0 && -d "$KAFKA_DATA_DIR" ]]; then
     log "--fresh: removing the storage in $KAFKA_DATA_DIR"
     rm -rf "$KAFKA_DATA_DIR"
@@ -314,8 +328,11 @@ cmd_start() {
   mkdir -p "$KAFKA_DATA_DIR"
   echo "$shape" >"$KAFKA_DATA_DIR/brokers"
   local cluster_id_file="$KAFKA_DATA_DIR/cluster.id"
-  if [[ ! -f "$cluster_id_file" ]]; then
-    java_cmd 1 kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1 >"$cluster_id_file"
+  if [[ ! -s "$cluster_id_file" ]]; then
+    local id
+    id="$(java_cmd 1 kafka.tools.StorageTool random-uuid 2>"$KAFKA_DATA_DIR/random-uuid.log" | tail -1)" || id=""
+    [[ -n "$id" ]] || { cat "$KAFKA_DATA_DIR/random-uuid.log" >&2; die "could not make a cluster id"; }
+    echo "$id" >"$cluster_id_file"
   fi
   local scram=()
   if [[ $sasl == 1 ]]; then
@@ -347,12 +364,15 @@ cmd_stop() {
     if node_alive "$node"; then
       pids+=("$(cat "$d/kafka.pid")"); kill "${pids[-1]}"; any=1
     fi
-    rm -f "$d/kafka.pid"
   done
   local deadline=$((SECONDS + 30)) pid
   for pid in "${pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+  done
+  # Only once the processes are gone: a stop cut short leaves the pid files that name them.
+  for d in "$KAFKA_DATA_DIR"/node-*; do
+    [[ -d "$d" ]] && rm -f "$d/kafka.pid"
   done
   [[ $any == 1 ]] && log "stopped" || log "not running"
 }

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 packages=(libclang-dev clang libsasl2-dev libzstd-dev libssl-dev pkg-config cmake make g++ python3 python3-venv openssl curl)
 missing=()
 for p in "${packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  # Installed, not merely known (a removed package keeps its config files and a status).
+  [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *" ok installed" ]] || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}" >&2
@@ -20,5 +21,11 @@ fi
 command -v cargo >/dev/null || { echo "setup: Rust (cargo) is required: https://rustup.rs" >&2; exit 1; }
 command -v java >/dev/null || { echo "setup: Java 17+ is required for the Kafka broker" >&2; exit 1; }
 command -v mvn >/dev/null || { echo "setup: Maven is required to install Kafka from Maven Central" >&2; exit 1; }
-rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt >/dev/null 2>&1 || true
+for c in clippy fmt; do
+  if ! cargo "$c" --version >/dev/null 2>&1; then
+    component="$c"; [[ "$c" == fmt ]] && component=rustfmt
+    rustup component add "$component" >/dev/null \
+      || { echo "setup: cargo $c is missing and rustup could not add $component" >&2; exit 1; }
+  fi
+done
 scripts/kafka.sh install

@@ -9,23 +9,53 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/streaming-hub/target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
+# One run at a time on a machine: a second would share the first one's brokers, and the cluster
+# tests stop and restart brokers under the other's feet. The lock is held by flock itself, around
+# this script run again (`-o`: not by the brokers it starts, which outlive it).
+if [[ -z "${STREAMING_HUB_TEST_LOCKED:-}" ]]; then
+  mkdir -p "$HOME/.cache/streaming-hub"
+  rc=0
+  STREAMING_HUB_TEST_LOCKED=1 flock -n -o -E 75 "$HOME/.cache/streaming-hub/test.lock" \
+    bash "$PWD/scripts/test.sh" "$@" || rc=$?
+  if [[ $rc == 75 ]]; then
+    echo "test.sh: another scripts/test.sh is running on this machine (its brokers are in use)" >&2
+    exit 1
+  fi
+  exit "$rc"
+fi
+
 scripts/setup.sh
-scripts/kafka.sh start --fresh >/dev/null
-export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
-# A three-broker cluster (replication, leader failover) on its own ports, for tests/cluster.rs.
-export TEST_KAFKA_CLUSTER_PORT="${TEST_KAFKA_CLUSTER_PORT:-19192}"
-KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 --fresh >/dev/null
-# A SCRAM-SHA-256 broker (SASL_PLAINTEXT on +2, SASL_SSL on +3, CA made by kafka.sh) for
-# tests/security.rs.
-export TEST_KAFKA_SASL_BROKER_PORT="${TEST_KAFKA_SASL_BROKER_PORT:-29092}"
-KAFKA_PORT="$TEST_KAFKA_SASL_BROKER_PORT" KAFKA_HEAP=384m scripts/kafka.sh start --sasl --fresh >/dev/null
-export TEST_KAFKA_SASL_PORT="${TEST_KAFKA_SASL_PORT:-$((TEST_KAFKA_SASL_BROKER_PORT + 2))}"
-export TEST_KAFKA_SASL_CA="${TEST_KAFKA_SASL_CA:-$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem}"
 
 echo "== cargo fmt --check" >&2
 cargo fmt --check
 echo "== cargo clippy -- -D warnings" >&2
 cargo clippy --all-targets -- -D warnings
+# Built before the brokers start: their five JVMs would take CPU from a cold build.
+echo "== cargo test --no-run" >&2
+cargo test --no-run "$@"
+
+export TEST_KAFKA_CLUSTER_PORT="${TEST_KAFKA_CLUSTER_PORT:-19192}"
+export TEST_KAFKA_SASL_BROKER_PORT="${TEST_KAFKA_SASL_BROKER_PORT:-29092}"
+# In CI the brokers started here are stopped at the end (a developer's stay up for the next run).
+if [[ "${CI:-}" == "true" ]]; then
+  stop_brokers() {
+    local port
+    for port in "${KAFKA_PORT:-9092}" "$TEST_KAFKA_CLUSTER_PORT" "$TEST_KAFKA_SASL_BROKER_PORT"; do
+      KAFKA_PORT="$port" scripts/kafka.sh stop >/dev/null 2>&1 || true
+    done
+  }
+  trap stop_brokers EXIT
+fi
+scripts/kafka.sh start --fresh >/dev/null
+export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
+# A three-broker cluster (replication, leader failover) on its own ports, for tests/cluster.rs.
+KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 --fresh >/dev/null
+# A SCRAM-SHA-256 broker (SASL_PLAINTEXT on +2, SASL_SSL on +3, CA made by kafka.sh) for
+# tests/security.rs.
+KAFKA_PORT="$TEST_KAFKA_SASL_BROKER_PORT" KAFKA_HEAP=384m scripts/kafka.sh start --sasl --fresh >/dev/null
+export TEST_KAFKA_SASL_PORT="${TEST_KAFKA_SASL_PORT:-$((TEST_KAFKA_SASL_BROKER_PORT + 2))}"
+export TEST_KAFKA_SASL_CA="${TEST_KAFKA_SASL_CA:-$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem}"
+
 echo "== cargo test" >&2
 cargo test "$@"
 if [[ $# -eq 0 ]]; then
