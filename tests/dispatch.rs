@@ -1042,35 +1042,38 @@ fn assert_each_once(got: &[Received], events: &[Rec], what: &str) {
     assert_eq!(ids, want, "{what}");
 }
 
-/// A destination that answers only after 8 s (no failure, so no breaker) does not keep the
-/// workers from a tenant with nothing in flight. With 16 workers, tenant S's 16 events take 15
-/// of them (the last is kept for tenants under their share), and tenant F's event starts at once
-/// on it: delivered before any of S's requests is answered. Before, S took all 16 and F's event
-/// waited for one of S's attempts to end.
+/// A destination that holds its requests (no failure, so no breaker) does not keep the workers
+/// from another tenant: S's 16 requests are held at a gate that opens only after F's event is
+/// delivered, with 16 workers and a timeout far past the test's waits. F's delivery can then come
+/// only from a worker S does not hold: a hub that let S take them all would deliver F only once
+/// a held request timed out (120 s), and the 60 s wait fails. No timing bound is involved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_destination_does_not_keep_the_workers_from_another_tenant() {
-    let (s, slow_sink, fast_sink) = slow_and_fast(
+    let s = ApiHub::start(
         "slowneighbour",
-        "10s",
-        Duration::from_secs(8),
-        Duration::ZERO,
+        &[
+            ("STREAMING_HUB_HTTP_TIMEOUT", "120s"),
+            ("STREAMING_HUB_DISPATCH_WORKERS", "16"),
+        ],
     )
     .await;
+    let (slow_url, held, gate) = start_gated_sink(StatusCode::OK).await;
+    let (fast_url, fast_sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-s", &slow_url, None).await;
+    subscribe(&s, "tenant-f", &fast_url, None).await;
     let p = producer();
-    let slow_events = wave("tenant-s", 16);
-    produce(&p, &s.topic, &slow_events);
-    wait_for_deliveries(&slow_sink, 15, Duration::from_secs(60));
+    produce(&p, &s.topic, &wave("tenant-s", 16));
+    wait_until(Duration::from_secs(60), "S holding 15 workers", || {
+        (*held.lock().unwrap() >= 15).then_some(())
+    });
     let ev = event("tenant-f", "ledger", "transaction", "created");
     produce(&p, &s.topic, std::slice::from_ref(&ev));
     let got = wait_for_deliveries(&fast_sink, 1, Duration::from_secs(60));
     assert_eq!(got[0].headers["x-lerian-event-id"], ev.id());
-    assert_eq!(
-        slow_sink.answered.load(Ordering::SeqCst),
-        0,
-        "F's event did not wait for a worker of S's"
-    );
-    let got = wait_for_deliveries(&slow_sink, 16, Duration::from_secs(60));
-    assert_each_once(&got, &slow_events, "each of S's events once");
+    gate.send(true).unwrap();
+    wait_until(Duration::from_secs(60), "S's 16 requests", || {
+        (*held.lock().unwrap() == 16).then_some(())
+    });
 }
 
 /// A slow tenant left alone between another tenant's waves keeps room for that tenant's recent
