@@ -64,14 +64,17 @@ if [[ -d "$target_dir" ]]; then
   find "$target_dir" -path '*/release/deps/*' -type f \( "${name_args[@]}" \) -mmin +2880 -delete
 fi
 
-echo "== cargo fuzz build" >&2
-start=$(date +%s)
 # The C and C++ libraries under the crate (RocksDB, librdkafka, zstd, lz4) are linked into the
 # targets but never run by them: built without optimisation, which takes most of the first build's
 # time away (RocksDB's C++ at -O3 is the longest part). The Rust code is built as cargo-fuzz builds
-# it. (gcc takes the last -O it is given: these come after the build scripts' own.)
-CFLAGS="${CFLAGS:+$CFLAGS }-O0" CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-O0" \
-  cargo +nightly fuzz build -s none --target-dir "$target_dir"
+# it. (gcc takes the last -O it is given: these come after the build scripts' own.) Exported for
+# `cargo fuzz run` too: the build scripts watch these variables, and a run that saw others would
+# build the libraries again.
+export CFLAGS="${CFLAGS:+$CFLAGS }-O0" CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }-O0"
+
+echo "== cargo fuzz build" >&2
+start=$(date +%s)
+cargo +nightly fuzz build -s none --target-dir "$target_dir"
 echo "built in $(($(date +%s) - start)) s" >&2
 
 failed=()
