@@ -12,10 +12,10 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 # One run at a time on a machine: a second would share the first one's brokers, and the cluster
 # tests stop and restart brokers under the other's feet. The lock is held by flock itself, around
 # this script run again (`-o`: not by the brokers it starts, which outlive it).
-if [[ -z "${STREAMING_HUB_TEST_LOCKED:-}" ]]; then
+if [[ -z "${TEST_SH_LOCK_HELD:-}" ]]; then
   mkdir -p "$HOME/.cache/streaming-hub"
   rc=0
-  STREAMING_HUB_TEST_LOCKED=1 flock -n -o -E 75 "$HOME/.cache/streaming-hub/test.lock" \
+  TEST_SH_LOCK_HELD=1 flock -n -o -E 75 "$HOME/.cache/streaming-hub/test.lock" \
     bash "$PWD/scripts/test.sh" "$@" || rc=$?
   if [[ $rc == 75 ]]; then
     echo "test.sh: another scripts/test.sh is running on this machine (its brokers are in use)" >&2
