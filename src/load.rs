@@ -823,25 +823,18 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     // Wait for every expected delivery, counted once each (or until nothing arrives for 60 s).
     // The distinct pairs are counted as they come; only once there are enough are they checked
     // against what was expected, so an unexpected one never stands in for one still on its way.
-    let tenant_of_event: HashMap<&str, usize> = produced
-        .iter()
-        .filter(|(_, t, _)| *t >= spec.failing_tenants)
-        .map(|(id, t, _)| (id.as_str(), *t))
-        .collect();
-    let is_expected = |event: &str, sub: &str| {
-        tenant_of_event.get(event).is_some_and(|t| {
-            sub.strip_prefix(&format!("tenant-{t}/"))
-                .and_then(|n| n.parse::<usize>().ok())
-                .is_some_and(|n| n < spec.subs_per_tenant)
-        })
-    };
+    let wanted = expected_pairs(&produced, spec.failing_tenants, spec.subs_per_tenant);
     let mut last = 0usize;
     let mut quiet_since = Instant::now();
     loop {
         let arrived = {
             let unique = sink.unique.lock().unwrap();
             unique.len() as u64 >= expected
-                && unique.iter().filter(|(e, s)| is_expected(e, s)).count() as u64 >= expected
+                && unique
+                    .iter()
+                    .filter(|(e, s)| wanted.contains(&(e.as_str(), s.clone())))
+                    .count() as u64
+                    >= expected
         };
         if arrived {
             break;
@@ -917,7 +910,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         unexpected,
         missing: wanted,
         twice,
-    } = tally(&got, &produced, spec.failing_tenants, spec.subs_per_tenant);
+    } = tally(&got, wanted);
     for ((event, sub), n) in twice.iter().take(20) {
         // Which deliveries came more than once, so the hub logs can tell who sent them.
         eprintln!("load: delivered {n} times: event {event} subscription {sub}");
@@ -985,6 +978,10 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
                 / opts.duration.as_secs_f64()
         }
     };
+    let tenant_of_event: HashMap<&str, usize> = produced
+        .iter()
+        .map(|(id, t, _)| (id.as_str(), *t))
+        .collect();
     let longest_tenant_wait_ms = longest_tenant_wait(first.iter().filter_map(|g| {
         tenant_of_event
             .get(g.event.as_str())
@@ -1053,13 +1050,25 @@ struct Tally<'a> {
     twice: Vec<((&'a str, &'a str), usize)>,
 }
 
-/// Tallies `got` against `produced` (ce-id, tenant index, _): every event of a tenant at or past
-/// `failing` is expected once at each of its tenant's `subs` subscriptions (`tenant-<t>/<n>`).
-fn tally<'a>(
-    got: &'a [Got],
-    produced: &'a [(String, usize, i64)],
+/// The (ce-id, subscription) pairs a run expects from `produced` (ce-id, tenant index, _): every
+/// event of a tenant at or past `failing`, once at each of its tenant's `subs` subscriptions
+/// (`tenant-<t>/<n>`).
+fn expected_pairs(
+    produced: &[(String, usize, i64)],
     failing: usize,
     subs: usize,
+) -> std::collections::HashSet<(&str, String)> {
+    produced
+        .iter()
+        .filter(|(_, t, _)| *t >= failing)
+        .flat_map(|(id, t, _)| (0..subs).map(move |n| (id.as_str(), format!("tenant-{t}/{n}"))))
+        .collect()
+}
+
+/// Tallies `got` against the pairs `wanted` ([`expected_pairs`]).
+fn tally<'a>(
+    got: &'a [Got],
+    mut wanted: std::collections::HashSet<(&'a str, String)>,
 ) -> Tally<'a> {
     let mut arrivals: HashMap<(&str, &str), (usize, &Got)> = HashMap::new();
     for g in got {
@@ -1071,11 +1080,6 @@ fn tally<'a>(
             e.1 = g;
         }
     }
-    let mut wanted: std::collections::HashSet<(&str, String)> = produced
-        .iter()
-        .filter(|(_, t, _)| *t >= failing)
-        .flat_map(|(id, t, _)| (0..subs).map(move |n| (id.as_str(), format!("tenant-{t}/{n}"))))
-        .collect();
     let (mut first, mut unexpected) = (Vec::with_capacity(arrivals.len()), 0);
     for ((event, sub), (_, g)) in &arrivals {
         if wanted.remove(&(*event, sub.to_string())) {
@@ -1568,7 +1572,7 @@ mod tests {
             got("e1", "tenant-2/0", 20), // another tenant's subscription: not a delivery
             got("e2", "tenant-0/0", 40), // a failing tenant's: not expected
         ];
-        let t = tally(&got, &produced, 1, 2);
+        let t = tally(&got, super::expected_pairs(&produced, 1, 2));
         assert_eq!(t.first.len(), 1);
         assert_eq!(t.first[0].received_us, 10);
         assert_eq!(t.duplicates, 1);
