@@ -117,6 +117,16 @@ async fn post_json(s: &ApiHub, path: &str, token: &str, body: Value) -> (u16, Va
     post_json_to(&s.http, &s.hub.addr(), path, token, &body).await
 }
 
+/// The ids of a pull page's events, in order.
+fn page_ids(page: &Value) -> Vec<String> {
+    page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 fn now_rfc3339() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
@@ -165,16 +175,8 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let ids = |page: &Value| -> Vec<String> {
-        page["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| e["id"].as_str().unwrap().to_string())
-            .collect()
-    };
     let want: Vec<String> = evs.iter().map(Rec::id).collect();
-    assert_eq!(ids(&page1), want[..3], "first page in arrival order");
+    assert_eq!(page_ids(&page1), want[..3], "first page in arrival order");
     let first = &page1["events"][0];
     assert_eq!(first["type"], "studio.lerian.ledger.transaction.created");
     assert_eq!(first["tenant_id"], "tenant-p");
@@ -198,7 +200,11 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
         &token,
     )
     .await;
-    assert_eq!(ids(&page2), want[3..], "the cursor resumes after page 1");
+    assert_eq!(
+        page_ids(&page2),
+        want[3..],
+        "the cursor resumes after page 1"
+    );
 
     // Another tenant cannot read it; a webhook-only caller gets the field at fault.
     let (st, _, _) = get_json(
@@ -229,7 +235,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
         &token,
     )
     .await;
-    assert_eq!(ids(&again), want[3..], "cursor survives a restart");
+    assert_eq!(page_ids(&again), want[3..], "cursor survives a restart");
 
     let env2 = another_instance(&s.hub.env, "2");
     let other = Hub::start(&env2);
@@ -241,7 +247,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     )
     .await;
     assert_eq!(
-        ids(&there),
+        page_ids(&there),
         want[..3],
         "another instance serves the same stream"
     );
@@ -264,7 +270,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     .await;
     assert_eq!(st, 200, "{aged}");
     assert_eq!(
-        ids(&aged),
+        page_ids(&aged),
         want[4..],
         "from the oldest event retention kept"
     );
@@ -290,6 +296,116 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     // Reads reached the end of inbox partitions: normal, so not logged as an error.
     assert_no_eof_errors(&s.hub.log_text());
     assert_no_eof_errors(&other.log_text());
+}
+
+/// A subscription id deleted by one tenant and then applied for another keys both tenants'
+/// records in the same partition of `<prefix>.pull`; the new owner's reads, from its creation
+/// or from a cursor it made up, return only its own tenant's events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_subscription_id_does_not_read_the_previous_tenants_events() {
+    let s = ApiHub::start("pull-reuse", &[]).await;
+    let addr = s.hub.addr();
+    let v = s
+        .create_subscription(
+            "tenant-old",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "pull"}}),
+        )
+        .await;
+    let sub = v["id"].as_str().unwrap().to_string();
+    let old_event = event("tenant-old", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&old_event));
+    let old_token = s.token("tenant-old");
+    let path = format!("/v1/events?subscription_id={sub}");
+    let mut seen_by_old = false;
+    for _ in 0..300 {
+        let (st, body, _) = get_json(&s, &addr, &path, &old_token).await;
+        assert_eq!(st, 200, "{body}");
+        if body["events"][0]["id"] == old_event.id().as_str() {
+            seen_by_old = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(seen_by_old, "the first tenant read its event");
+    let r = s
+        .http
+        .delete(format!("http://{addr}/v1/subscriptions/{sub}"))
+        .bearer_auth(&old_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 204);
+
+    // An operator applies the freed id for another tenant, which then gets an event of its own.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("subscriptions.json");
+    let entry = json!([{"id": sub, "tenant_id": "tenant-new", "event_types": ["transaction.*"],
+                        "destination": {"type": "pull"}}]);
+    std::fs::write(&file, serde_json::to_vec(&entry).unwrap()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .args(["subscriptions", "apply", "-f", file.to_str().unwrap()])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(&s.hub.env)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let new_token = s.token("tenant-new");
+    let mut owned = false;
+    for _ in 0..300 {
+        let (st, _, _) = get_json(&s, &addr, &path, &new_token).await;
+        if st == 200 {
+            owned = true;
+            break;
+        }
+        assert_eq!(st, 404);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        owned,
+        "the hub serves the applied subscription to its new tenant"
+    );
+    let new_event = event("tenant-new", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&new_event));
+
+    // From its creation (a minute of margin before it: the old event is inside it), and from
+    // the partition's first offset: only the new tenant's event.
+    let mut from_creation = Value::Null;
+    for _ in 0..300 {
+        let (st, body, _) = get_json(&s, &addr, &path, &new_token).await;
+        assert_eq!(st, 200, "{body}");
+        if body["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["id"] == new_event.id().as_str())
+        {
+            from_creation = body;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        page_ids(&from_creation),
+        vec![new_event.id()],
+        "{from_creation}"
+    );
+    let cursor =
+        streaming_hub::ops::pull::Cursor::decode(from_creation["next_cursor"].as_str().unwrap())
+            .unwrap();
+    let made_up = streaming_hub::ops::pull::Cursor {
+        partition: cursor.partition,
+        offset: 0,
+    }
+    .encode();
+    let (st, from_zero, _) =
+        get_json(&s, &addr, &format!("{path}&cursor={made_up}"), &new_token).await;
+    assert_eq!(st, 200, "{from_zero}");
+    assert_eq!(page_ids(&from_zero), vec![new_event.id()], "{from_zero}");
 }
 
 /// The readers that stop at a partition's end (pull, redelivery) see it as a librdkafka "error";
@@ -337,22 +453,14 @@ async fn a_pull_page_of_large_events_ends_at_its_byte_bound_and_the_next_goes_on
             body
         }
     };
-    let ids = |p: &Value| -> Vec<String> {
-        p["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| e["id"].as_str().unwrap().to_string())
-            .collect()
-    };
     // The event that crosses the bound is the page's last.
     let first_page = streaming_hub::ops::pull::PAGE_BYTES.div_ceil(SIZE);
     let p1 = page(None).await;
     let want: Vec<String> = evs.iter().map(Rec::id).collect();
-    assert_eq!(ids(&p1), want[..first_page]);
+    assert_eq!(page_ids(&p1), want[..first_page]);
     let p2 = page(Some(p1["next_cursor"].as_str().unwrap().to_string())).await;
     assert_eq!(
-        ids(&p2),
+        page_ids(&p2),
         want[first_page..],
         "the next page goes on after it"
     );

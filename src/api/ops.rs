@@ -362,6 +362,7 @@ pub async fn pull_events(
     };
     let created = sub.created_at;
     let sub_id = sub.id.clone();
+    let sub_tenant = sub.tenant_id.clone();
     let Some(place) = ops.pull_reads.enter(&tenant, PULL_READ_WAIT).await else {
         ops.limiter.give_back(&tenant);
         return Ok(too_many(
@@ -376,7 +377,7 @@ pub async fn pull_events(
     let page = tokio::task::spawn_blocking(move || {
         let _place = place;
         ops.pull
-            .read(&sub_id, created, cursor, limit)
+            .read(&sub_id, &sub_tenant, created, cursor, limit)
             .map(|page| serde_json::to_vec(&page))
     })
     .await

@@ -123,11 +123,16 @@ impl PullReader {
         }
     }
 
-    /// Up to `limit` events of `subscription` from `cursor` (from the subscription's creation
-    /// when none). Blocking: call it off the async runtime.
+    /// Up to `limit` events of `subscription`, a subscription of `tenant`, from `cursor` (from
+    /// the subscription's creation when none). Blocking: call it off the async runtime.
+    ///
+    /// Only records of `tenant` are returned: a cursor is the client's (it can be made up), and
+    /// an id once another tenant's (deleted, then applied for this one) keys that tenant's
+    /// events in the same partition.
     pub fn read(
         &self,
         subscription: &str,
+        tenant: &str,
         created_at_ms: i64,
         cursor: Option<Cursor>,
         limit: usize,
@@ -212,7 +217,9 @@ impl PullReader {
                 Some(Ok(m)) => {
                     scanned += 1;
                     next = m.offset() + 1;
-                    if m.key() == Some(subscription.as_bytes()) {
+                    if m.key() == Some(subscription.as_bytes())
+                        && header_is(&m, "ce-tenantid", tenant)
+                    {
                         page_bytes += m.payload_len();
                         events.push(event_of(&m));
                     }
@@ -228,6 +235,20 @@ impl PullReader {
             .encode(),
         })
     }
+}
+
+/// Whether the record's header `name` (exactly that name, as ingest judged it) is `value`.
+fn header_is(
+    m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>,
+    name: &str,
+    value: &str,
+) -> bool {
+    m.headers().is_some_and(|h| {
+        crate::runtime::kafka::utf8_headers(h)
+            .find(|(key, _)| *key == name)
+            .and_then(|(_, v)| v)
+            == Some(value.as_bytes())
+    })
 }
 
 fn event_of(m: &impl Message<Headers = rdkafka::message::BorrowedHeaders>) -> PulledEvent {
