@@ -269,6 +269,13 @@ async fn sigkill_three_times_during_100k_events_keeps_state_exactly_once() {
             (hub_committed_total(&run.prefix) >= threshold).then_some(())
         });
         hub.kill();
+        // Its stores were restored from their own offsets: a SIGKILL loses nothing the
+        // changelog has, so none is ahead of it.
+        assert!(
+            !hub.log_text()
+                .contains("local state is ahead of its changelog"),
+            "a store discarded after a SIGKILL"
+        );
         let before = hub_committed_total(&run.prefix);
         let started = Instant::now();
         hub = Hub::start(&env);
@@ -279,6 +286,11 @@ async fn sigkill_three_times_during_100k_events_keeps_state_exactly_once() {
     }
     run.wait_caught_up(Duration::from_secs(300));
     hub.terminate();
+    assert!(
+        !hub.log_text()
+            .contains("local state is ahead of its changelog"),
+        "a store discarded after a SIGKILL"
+    );
     eprintln!("restart-to-processing gaps after SIGKILL: {gaps:?}");
     let changelog = run.check_committed_state();
     assert!(check_stores_match_changelog(&[state.path()], &run.prefix, &changelog) >= 6);
@@ -606,30 +618,72 @@ async fn source_partitions_given_up_between_rebalance_rounds_are_handed_out_agai
 /// would keep that entry for good.
 #[tokio::test]
 async fn a_store_unwritten_for_longer_than_tombstones_last_is_restored_from_the_start() {
-    let mut run = Run::new("stale").await;
+    let two_days_ago = now_ms() - 48 * 3_600_000;
+    a_planted_store_is_discarded("stale", 0, "local state older than tombstones", |store| {
+        let mut staged = Staged::default();
+        staged.put(DEDUP, b"tenant-x\0gone".to_vec(), b"stale".to_vec());
+        store.apply_at(staged, &[], two_days_ago).unwrap();
+    })
+    .await;
+}
+
+/// A store whose changelog offset is past its changelog partition's end (the log lost its tail,
+/// or the topic was deleted and made again) holds what the changelog does not: it is discarded
+/// and restored from the start, not read on from its offset (which would keep what it holds
+/// and read nothing). Here partition 1's store, written just now, holds a dedup entry the
+/// changelog never had, and an offset a million records past its end.
+#[tokio::test]
+async fn a_store_ahead_of_its_changelog_is_restored_from_the_start() {
+    a_planted_store_is_discarded(
+        "ahead",
+        1,
+        "local state is ahead of its changelog",
+        |store| {
+            let at = store.changelog_offset(JOBS).unwrap().unwrap();
+            let mut staged = Staged::default();
+            staged.put(DEDUP, b"tenant-x\0ghost".to_vec(), b"ghost".to_vec());
+            store
+                .apply_at(staged, &[(JOBS, at + 1_000_000)], now_ms())
+                .unwrap();
+        },
+    )
+    .await;
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Runs a hub over 300 events, has `plant` change the stopped hub's store of `partition`, runs
+/// it again over 300 more, and checks that the store was discarded (one line with `logged`,
+/// naming the partition) and that every store then matches the changelog.
+async fn a_planted_store_is_discarded(
+    tag: &str,
+    partition: i32,
+    logged: &str,
+    plant: impl FnOnce(&Store),
+) {
+    let mut run = Run::new(tag).await;
     let dir = tempfile::tempdir().unwrap();
     let env = run.env(1, dir.path());
     run.produce(300, 0);
     let mut hub = Hub::start(&env);
     run.wait_caught_up(Duration::from_secs(120));
     hub.terminate();
-
-    let stores = dir.path().join(&run.prefix);
-    let two_days_ago = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-        - 48 * 3_600_000;
     {
-        let store =
-            Store::open(&stores.join("hub-0"), &streaming_hub::hub::task::FAMILIES).unwrap();
+        let path = dir
+            .path()
+            .join(&run.prefix)
+            .join(format!("hub-{partition}"));
+        let store = Store::open(&path, &streaming_hub::hub::task::FAMILIES).unwrap();
         assert!(
             store.changelog_offset(JOBS).unwrap().is_some(),
-            "partition 0 has state"
+            "partition {partition} has state"
         );
-        let mut staged = Staged::default();
-        staged.put(DEDUP, b"tenant-x\0gone".to_vec(), b"stale".to_vec());
-        store.apply_at(staged, &[], two_days_ago).unwrap();
+        plant(&store);
     }
     run.produce(300, 0);
     let mut hub = Hub::start(&env);
@@ -639,10 +693,11 @@ async fn a_store_unwritten_for_longer_than_tombstones_last_is_restored_from_the_
     let checked = check_stores_match_changelog(&[dir.path()], &run.prefix, &changelog);
     assert_eq!(checked, 6, "every store checked against its changelog");
     let log = hub.log_text();
-    let discarded: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("local state older than tombstones"))
-        .collect();
+    let discarded: Vec<&str> = log.lines().filter(|l| l.contains(logged)).collect();
     assert_eq!(discarded.len(), 1, "one store discarded:\n{log}");
-    assert!(discarded[0].contains("partition=0"), "{}", discarded[0]);
+    assert!(
+        discarded[0].contains(&format!("partition={partition}")),
+        "{}",
+        discarded[0]
+    );
 }

@@ -305,6 +305,19 @@ struct Task {
     recount: Recount,
 }
 
+impl Task {
+    /// A task over a store just opened and restored: nothing committed or claimed by it yet.
+    fn fresh(store: Store) -> Task {
+        Task {
+            store,
+            ring: TenantRing::default(),
+            next_offset: None,
+            careful_until: i64::MAX,
+            recount: Recount::none(0),
+        }
+    }
+}
+
 /// The records a partition's previous owner may have been attempting without a committed claim:
 /// those of its last open batch, at most `STREAMING_HUB_HUB_BATCH_MAX` records (counted as
 /// read: transaction markers and aborted records take offsets too) from the committed offset,
@@ -1037,16 +1050,7 @@ fn open_and_restore(
                 },
             ));
         }
-        tasks.push((
-            partition,
-            Task {
-                store,
-                ring: TenantRing::default(),
-                next_offset: None,
-                careful_until: i64::MAX,
-                recount: Recount::none(0),
-            },
-        ));
+        tasks.push((partition, Task::fresh(store)));
     }
     let mut tenants: Vec<std::collections::BTreeSet<String>> =
         vec![Default::default(); tasks.len()];
@@ -1054,34 +1058,74 @@ fn open_and_restore(
     // its records are newer than theirs for the same key (an entry written again after it
     // expired, a purge's tombstone). Once a store holds their ends, they add nothing.
     let (mut records, mut took) = (0, Duration::ZERO);
-    for legacy in [true, false] {
-        let pass: Vec<usize> = (0..specs.len())
-            .filter(|&i| (specs[i].1 != JOBS) == legacy)
-            .collect();
-        let plain: Vec<changelog::RestoreSpec> = pass.iter().map(|&i| specs[i].2.clone()).collect();
-        let stats = changelog::restore(&env.config, &plain, cancel, |j, records| {
-            let (task_index, family, _) = &specs[pass[j]];
-            let store = &tasks[*task_index].1.store;
-            let mut staged = Staged::default();
-            for (key, value, _) in records {
-                if let Some(t) = restore_one(store, &env.codec, &mut staged, family, key, *value)? {
-                    tenants[*task_index].insert(t);
+    // Each round restores every store from its own offsets; a store found ahead of its changelog
+    // is discarded and the rounds start again (the others then read nothing new), so there are
+    // at most as many rounds as stores, plus one.
+    'rounds: loop {
+        for (task_index, family, spec) in &mut specs {
+            spec.after = tasks[*task_index].1.store.changelog_offset(family)?;
+        }
+        for legacy in [true, false] {
+            let pass: Vec<usize> = (0..specs.len())
+                .filter(|&i| (specs[i].1 != JOBS) == legacy)
+                .collect();
+            let plain: Vec<changelog::RestoreSpec> =
+                pass.iter().map(|&i| specs[i].2.clone()).collect();
+            let restored = changelog::restore(&env.config, &plain, cancel, |j, records| {
+                let (task_index, family, _) = &specs[pass[j]];
+                let store = &tasks[*task_index].1.store;
+                let mut staged = Staged::default();
+                for (key, value, _) in records {
+                    if let Some(t) =
+                        restore_one(store, &env.codec, &mut staged, family, key, *value)?
+                    {
+                        tenants[*task_index].insert(t);
+                    }
                 }
-            }
-            let last = records.last().map(|r| r.2).unwrap_or_default();
-            store
-                .apply_at(staged, &[(family, last)], stamps[*task_index])
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|e| match e {
-            KafkaError::Cancelled => HubError::Kafka(e),
-            e => HubError::Restore {
-                partition: partitions.first().copied().unwrap_or(-1),
-                why: e.to_string(),
-            },
-        })?;
-        records += stats.records;
-        took += stats.took;
+                let last = records.last().map(|r| r.2).unwrap_or_default();
+                store
+                    .apply_at(staged, &[(family, last)], stamps[*task_index])
+                    .map_err(|e| e.to_string())
+            });
+            let stats = match restored {
+                Ok(stats) => stats,
+                Err(KafkaError::AheadOfChangelog {
+                    spec,
+                    topic,
+                    partition,
+                    stored,
+                    end,
+                }) => {
+                    let task_index = specs[pass[spec]].0;
+                    tracing::warn!(
+                        partition,
+                        topic,
+                        stored_offset = stored,
+                        changelog_end = end,
+                        "local state is ahead of its changelog (the log lost its tail, or the \
+                         topic was made again): discarded, restoring from the start"
+                    );
+                    metrics::counter!(STORES_AHEAD_DISCARDED).increment(1);
+                    let (partition, task) = tasks.remove(task_index);
+                    drop(task);
+                    let store = discard_store(&store_path(&env.config, partition), partition)?;
+                    tasks.insert(task_index, (partition, Task::fresh(store)));
+                    stamps[task_index] = restore_started;
+                    tenants[task_index].clear();
+                    continue 'rounds;
+                }
+                Err(e @ KafkaError::Cancelled) => return Err(HubError::Kafka(e)),
+                Err(e) => {
+                    return Err(HubError::Restore {
+                        partition: partitions.first().copied().unwrap_or(-1),
+                        why: e.to_string(),
+                    });
+                }
+            };
+            records += stats.records;
+            took += stats.took;
+        }
+        break;
     }
     Restored {
         partitions: partitions.len(),
@@ -1171,10 +1215,25 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
         age_h = age_ms.map(|a| a / 3_600_000),
         "local state older than tombstones are sure to stay on the changelog: discarded, restoring from the start"
     );
+    Ok((discard_store(path, partition)?, None))
+}
+
+/// Stores found ahead of their changelog and discarded (see [`KafkaError::AheadOfChangelog`]).
+pub const STORES_AHEAD_DISCARDED: &str = "streaming_hub_stores_ahead_discarded_total";
+
+/// Deletes the (closed) store at `path` and opens an empty one there. The directory is renamed
+/// before it is deleted, so a crash in between leaves no half-deleted database where a store is
+/// looked for ([`open_current`] removes what is left aside).
+fn discard_store(path: &std::path::Path, partition: i32) -> Result<Store, HubError> {
+    let gone = |e: std::io::Error| HubError::Restore {
+        partition,
+        why: format!("discarding local state: {e}"),
+    };
+    let aside = path.with_extension("discarded");
     std::fs::rename(path, &aside).map_err(gone)?;
     std::fs::remove_dir_all(&aside).map_err(gone)?;
     std::fs::create_dir_all(path).map_err(gone)?;
-    Ok((Store::open(path, &FAMILIES)?, None))
+    Ok(Store::open(path, &FAMILIES)?)
 }
 
 /// Opens and restores the stores of `partitions`, then closes them; returns the records read.

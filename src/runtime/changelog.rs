@@ -8,7 +8,10 @@
 //! after the one its store holds (or from the beginning for an empty store) up to the partition's
 //! end, applying records in chunks (one `WriteBatch` each, with the offset). Aborted transactions —
 //! a zombie's, or our own before a crash — are never applied; a transaction still open at the end
-//! is waited for, since it may yet commit.
+//! is waited for, since it may yet commit. A store whose offset is at or past its partition's end
+//! (the log lost its tail, or the topic was made again) is not read on from: the restore stops
+//! with [`KafkaError::AheadOfChangelog`], and the hub discards that store and restores it from the
+//! start.
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -121,6 +124,20 @@ pub fn restore(
     let mut pending: Vec<(usize, i64)> = Vec::new();
     for (i, s) in specs.iter().enumerate() {
         let (low, high) = watermarks(&ends, &s.topic, s.partition, cancel)?;
+        // A record the store applied was committed and replicated, so the end is past it; an end
+        // at or before it means the log lost its tail (unclean leader election, a broker's
+        // disk) or is another log (the topic deleted and made again). The store then holds what
+        // the changelog does not, and reading on from its offset would keep it: the caller
+        // discards the store and restores it from the start.
+        if let Some(stored) = s.after.filter(|o| *o >= high) {
+            return Err(KafkaError::AheadOfChangelog {
+                spec: i,
+                topic: s.topic.clone(),
+                partition: s.partition,
+                stored,
+                end: high,
+            });
+        }
         let start = match s.after {
             Some(o) if o + 1 >= low => o + 1,
             _ => low,

@@ -27,12 +27,25 @@ pub enum KafkaError {
     /// The caller gave the work up (a restore of partitions given up meanwhile).
     #[error("cancelled")]
     Cancelled,
+    /// A store's changelog offset is at or past its changelog partition's end: the log it was
+    /// built from lost its tail or is not this one (the topic deleted and made again). `spec` is
+    /// the index of the restore spec.
+    #[error("a store holds changelog offset {stored} of {topic}[{partition}], whose end is {end}")]
+    AheadOfChangelog {
+        spec: usize,
+        topic: String,
+        partition: i32,
+        stored: i64,
+        end: i64,
+    },
 }
 
 impl KafkaError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            KafkaError::Setup(_) | KafkaError::Cancelled => false,
+            KafkaError::Setup(_) | KafkaError::Cancelled | KafkaError::AheadOfChangelog { .. } => {
+                false
+            }
             KafkaError::Call(e) => !matches!(
                 e.rdkafka_error_code(),
                 Some(rdkafka::types::RDKafkaErrorCode::Fenced)
