@@ -103,13 +103,13 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
             Target::Earliest => low,
             Target::Offset(o) => (*o).min(high).max(low), // `clamp` panics if low > high
             Target::Time(_) => {
-                let found = by_time.as_ref().and_then(|t| t.find_partition(&inbox, *p));
-                // The lookup failed for this partition: not "nothing after that time".
-                if let Some(Err(e)) = found.as_ref().map(|e| e.error()) {
-                    return Err(kafka_err(e));
-                }
-                match found.map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => o,
+                let found = by_time
+                    .as_ref()
+                    .map(|t| kafka::offset_for_time(t, &inbox, *p));
+                match found {
+                    // The lookup failed for this partition: not "nothing after that time".
+                    Some(Err(e)) => return Err(kafka_err(e)),
+                    Some(Ok(Some(o))) => o,
                     _ => high, // nothing at or after that time
                 }
             }

@@ -127,6 +127,17 @@ fn page_ids(page: &Value) -> Vec<String> {
         .collect()
 }
 
+/// `POST /admin/deliveries/dead/redrive` of `ids` with `token`.
+async fn redrive(s: &ApiHub, token: &str, ids: Value) -> (u16, Value) {
+    post_json(
+        s,
+        "/admin/deliveries/dead/redrive",
+        token,
+        json!({ "ids": ids }),
+    )
+    .await
+}
+
 fn now_rfc3339() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
@@ -558,8 +569,16 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
     assert_eq!(dead[0]["reason"], "exhausted");
     assert_eq!(dead[0]["redrivable"], true);
 
-    // Recover: only A gets e1 again, now successfully.
+    // Recover: only A gets e1 again, now successfully. Another tenant's dead letter on the
+    // same topic is neither requested nor counted in the tenant's answer.
     sink_a.status.store(200, Ordering::SeqCst);
+    let codec = Codec::new().unwrap();
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    produce(
+        &producer(),
+        &format!("{}.dlq", s.prefix),
+        &[dead_letter_rec(&codec, "tenant-x", "sub-x", now_ms, 10)],
+    );
     let (st, _) = post_json(
         &s,
         &format!("/v1/subscriptions/{a}/recover"),
@@ -577,8 +596,13 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
     .await;
     assert_eq!(st, 200, "{body}");
     assert_eq!(
-        (body["state"].as_str(), body["requested"].as_u64()),
-        (Some("done"), Some(1))
+        (
+            body["state"].as_str(),
+            body["requested"].as_u64(),
+            body["scanned"].as_u64()
+        ),
+        (Some("done"), Some(1), Some(1)),
+        "{body}"
     );
     sink_a.wait_count(&e1.id(), 3);
     s.wait_metric("streaming_hub_redeliveries_total{outcome=\"queued\"", 1)
@@ -609,29 +633,32 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
         .unwrap()
         .to_string();
     sink_a.status.store(200, Ordering::SeqCst);
-    let (st, body) = post_json(
-        &s,
-        "/admin/deliveries/dead/redrive",
-        &s.token("tenant-r"),
-        json!({"ids": [id2]}),
-    )
-    .await;
+    let (st, body) = redrive(&s, &s.token("tenant-r"), json!([id2])).await;
     assert_eq!(st, 403, "{body}");
-    let (st, body) = post_json(
-        &s,
-        "/admin/deliveries/dead/redrive",
-        &admin,
-        json!({"ids": ["9-999999"]}),
-    )
-    .await;
+    let (st, body) = redrive(&s, &admin, json!(["9-999999"])).await;
     assert_eq!((st, body["error"]["field"].as_str()), (400, Some("ids")));
-    let (st, body) = post_json(
-        &s,
-        "/admin/deliveries/dead/redrive",
-        &admin,
-        json!({"ids": [id2]}),
-    )
-    .await;
+    // While A is disabled the hub would drop the redelivery: refused, nothing queued.
+    let set_enabled = |on: bool| {
+        s.http
+            .patch(format!("http://{addr}/v1/subscriptions/{a}"))
+            .bearer_auth(s.token("tenant-r"))
+            .header("content-type", "application/json")
+            .body(json!({ "enabled": on }).to_string())
+            .send()
+    };
+    assert_eq!(set_enabled(false).await.unwrap().status(), 200);
+    let (st, body) = redrive(&s, &admin, json!([id2])).await;
+    assert_eq!(
+        (st, body["error"]["code"].as_str()),
+        (409, Some("subscription_inactive")),
+        "{body}"
+    );
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains(&id2),
+        "{body}"
+    );
+    assert_eq!(set_enabled(true).await.unwrap().status(), 200);
+    let (st, body) = redrive(&s, &admin, json!([id2])).await;
     assert_eq!((st, body["requested"].as_u64()), (200, Some(1)), "{body}");
     sink_a.wait_count(&e2.id(), 3);
 
@@ -689,6 +716,37 @@ async fn a_range_whose_start_retention_deleted_is_read_from_the_oldest_record_ke
     assert_eq!(read, (50..100).collect::<Vec<i64>>());
 }
 
+/// A record of `<prefix>.dlq`: the dead letter of a new event of `tenant` for its subscription
+/// `sub`, the event's value `value_len` bytes.
+fn dead_letter_rec(codec: &Codec, tenant: &str, sub: &str, dead_at: i64, value_len: usize) -> Rec {
+    let e = event(tenant, "ledger", "transaction", "created");
+    let dl = DeadLetterRecord {
+        event_id: e.id(),
+        subscription_id: sub.into(),
+        tenant_id: tenant.into(),
+        attempts: 1,
+        last_status: Some(500),
+        last_error: None,
+        reason: DeadLetterReason::Exhausted,
+        dead_at,
+        event_headers: Some(
+            e.headers
+                .iter()
+                .map(|(key, value)| HeaderRecord {
+                    key: key.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+        ),
+        event_value: Some(vec![b'x'; value_len]),
+    };
+    Rec {
+        key: Some(tenant.as_bytes().to_vec()),
+        value: Some(codec.encode(RecordKind::DeadLetter, &dl).unwrap()),
+        ..Rec::default()
+    }
+}
+
 /// One redrive whose redelivery request the broker refuses (its event is larger than the inbox
 /// takes) fails alone: a redrive beside it, or after it on the same instance, is `done`. Runs
 /// shared one producer: its first refusal went to whichever run looked first, and a run could
@@ -703,34 +761,7 @@ async fn a_run_whose_request_is_refused_fails_alone() {
     create_topic_configured(&admin(), &inbox, 1, &[("max.message.bytes", "65536")]).await;
     create_topic(&dlq, 1).await;
     let codec = Arc::new(Codec::new().unwrap());
-    let dead = |value_len: usize| {
-        let e = event("tenant-iso", "ledger", "transaction", "created");
-        let dl = DeadLetterRecord {
-            event_id: e.id(),
-            subscription_id: "sub-iso".into(),
-            tenant_id: "tenant-iso".into(),
-            attempts: 1,
-            last_status: Some(500),
-            last_error: None,
-            reason: DeadLetterReason::Exhausted,
-            dead_at: 1,
-            event_headers: Some(
-                e.headers
-                    .iter()
-                    .map(|(key, value)| HeaderRecord {
-                        key: key.clone(),
-                        value: value.clone(),
-                    })
-                    .collect(),
-            ),
-            event_value: Some(vec![b'x'; value_len]),
-        };
-        Rec {
-            key: Some(b"tenant-iso".to_vec()),
-            value: Some(codec.encode(RecordKind::DeadLetter, &dl).unwrap()),
-            ..Rec::default()
-        }
-    };
+    let dead = |value_len: usize| dead_letter_rec(&codec, "tenant-iso", "sub-iso", 1, value_len);
     // Offset 0 fits the inbox, offset 1 does not.
     produce(&producer(), &dlq, &[dead(100), dead(200_000)]);
     let r = Redeliverer::new(&config, codec.clone()).unwrap();
@@ -739,7 +770,7 @@ async fn a_run_whose_request_is_refused_fails_alone() {
             id: format!("run-{offset}"),
             ..Progress::default()
         });
-        r.redrive(&[(0, offset)], None, &p)
+        r.redrive(&[(0, offset)], None, &p, |_| Ok(()))
     };
     let refused = run(1).expect_err("the inbox refuses a 200 kB request");
     assert!(refused.to_string().contains("not written"), "{refused}");

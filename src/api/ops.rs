@@ -20,7 +20,10 @@ use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
 use crate::ops::ratelimit::RateLimiter;
 use crate::ops::redeliver::{Progress, RedeliverError, Redeliverer, check_redeliverable};
-use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
+use crate::runtime::records::{
+    DeadLetterRecord, DestinationType, SubscriptionRecord, VerificationState,
+};
+use crate::subscriptions::control::Subscriptions;
 
 /// What the operations endpoints share.
 pub struct Ops {
@@ -239,27 +242,54 @@ fn remember(ops: &Ops, kind: &str, subscription: Option<&str>) -> Arc<Mutex<Prog
     p
 }
 
-/// A recover or replay to a subscription that is disabled or not verified: `409`. The hub drops
-/// redeliveries to it (`streaming_hub_redeliveries_total{outcome="inactive"}`), so queueing them
-/// would answer success for nothing.
+/// A recover, replay or redrive to a subscription that is disabled or not verified: `409`. The
+/// hub drops redeliveries to it (`streaming_hub_redeliveries_total{outcome="inactive"}`), so
+/// queueing them would answer success for nothing.
 fn check_active(sub: &SubscriptionRecord) -> Result<(), ApiError> {
-    let why = if !sub.enabled {
-        "it is disabled"
-    } else {
-        match sub.verification_state {
-            VerificationState::Active => return Ok(()),
-            VerificationState::Pending => "its destination's verification is pending",
-            VerificationState::Failed => "its destination failed verification",
-        }
+    inactive_why(sub).map_err(|why| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            codes::SUBSCRIPTION_INACTIVE,
+            format!(
+                "nothing is redelivered to this subscription while {why}: verify it \
+                 (POST /v1/subscriptions/{{id}}/verify) or enable it first"
+            ),
+        )
+    })
+}
+
+/// Why the hub would drop a redelivery to `sub`, if it would.
+fn inactive_why(sub: &SubscriptionRecord) -> Result<(), &'static str> {
+    if !sub.enabled {
+        return Err("it is disabled");
+    }
+    match sub.verification_state {
+        VerificationState::Active => Ok(()),
+        VerificationState::Pending => Err("its destination's verification is pending"),
+        VerificationState::Failed => Err("its destination failed verification"),
+    }
+}
+
+/// Whether a dead letter can be redriven: its subscription still there (the hub drops a
+/// redelivery to a deleted one), a webhook one, and active.
+fn admit_dead_letter(subs: &Subscriptions, dl: &DeadLetterRecord) -> Result<(), RedeliverError> {
+    let Some(sub) = subs
+        .get(&dl.subscription_id)
+        .filter(|s| s.tenant_id == dl.tenant_id)
+    else {
+        return Err(RedeliverError::Invalid(format!(
+            "subscription {} was deleted: nothing would be redelivered",
+            dl.subscription_id
+        )));
     };
-    Err(ApiError::new(
-        StatusCode::CONFLICT,
-        codes::SUBSCRIPTION_INACTIVE,
-        format!(
-            "nothing is redelivered to this subscription while {why}: verify it \
-             (POST /v1/subscriptions/{{id}}/verify) or enable it first"
-        ),
-    ))
+    check_redeliverable(&sub)?;
+    inactive_why(&sub).map_err(|why| {
+        RedeliverError::Inactive(format!(
+            "nothing is redelivered to subscription {} while {why}: verify it \
+             (POST /v1/subscriptions/{{id}}/verify) or enable it first",
+            sub.id
+        ))
+    })
 }
 
 /// A recover or redrive that failed on Kafka: `503`, naming the run and what it queued when it
@@ -283,6 +313,9 @@ fn stopped(progress: &Mutex<Progress>, e: String) -> ApiError {
     )
 }
 
+/// Records how a run ended. Called where the run ran (its blocking task), not after the
+/// handler's await: a client gone before the answer drops the handler, and the run would show
+/// `running` for good.
 fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
     let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
     match result {
@@ -443,24 +476,25 @@ pub async fn recover(
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
-    check_active(&sub)?;
     let since = body.since_ms()?;
+    check_active(&sub)?;
     let ops = ops(&state)?.clone();
     let Some(slot) = ops.scans.enter(&tenant) else {
         return Ok(scans_busy());
     };
     let progress = remember(&ops, "recover", Some(&sub.id));
     let p = progress.clone();
-    let result = tokio::task::spawn_blocking(move || {
+    let (done, result) = tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        ops.redeliver.recover(&sub, since, &p)
+        let result = ops.redeliver.recover(&sub, since, &p);
+        (finish(&p, result.clone()), result)
     })
     .await
     .map_err(|e| ApiError::internal("recover panicked", &e))?;
     if let Err(RedeliverError::Kafka(e)) = result {
         return Err(stopped(&progress, e));
     }
-    Ok(Json(finish(&progress, result)).into_response())
+    Ok(Json(done).into_response())
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -514,8 +548,8 @@ pub async fn start_replay(
     check_redeliverable(&sub).map_err(|e| {
         ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
     })?;
-    check_active(&sub)?;
     let (from, to) = body.window()?;
+    check_active(&sub)?;
     let ops = ops(&state)?.clone();
     let Some(slot) = ops.scans.enter(&sub.tenant_id) else {
         return Ok(scans_busy());
@@ -729,6 +763,7 @@ impl RedriveRequest {
         (status = 200, description = "Queued again", body = Progress),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 403, description = "Not an admin token", body = ErrorBody),
+        (status = 409, description = "A dead letter's subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`); nothing was queued", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn redrive(
     State(state): State<ApiState>,
@@ -737,18 +772,30 @@ pub async fn redrive(
 ) -> Result<Json<Progress>, ApiError> {
     let ops = ops(&state)?.clone();
     let positions = body.positions()?;
+    caught_up(&state)?;
+    let subs = state.subs.clone();
     let progress = remember(&ops, "redrive", None);
     let p = progress.clone();
-    let result = tokio::task::spawn_blocking(move || ops.redeliver.redrive(&positions, None, &p))
-        .await
-        .map_err(|e| ApiError::internal("redrive panicked", &e))?;
+    let (done, result) = tokio::task::spawn_blocking(move || {
+        let result = ops
+            .redeliver
+            .redrive(&positions, None, &p, |dl| admit_dead_letter(&subs, dl));
+        (finish(&p, result.clone()), result)
+    })
+    .await
+    .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
         Err(RedeliverError::Kafka(e)) => Err(stopped(&progress, e)),
         Err(RedeliverError::Invalid(msg)) => {
-            finish(&progress, Err(RedeliverError::Invalid(msg.clone())));
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))
         }
-        Ok(()) => Ok(Json(finish(&progress, Ok(())))),
+        Err(RedeliverError::Inactive(msg)) => {
+            Err(
+                ApiError::new(StatusCode::CONFLICT, codes::SUBSCRIPTION_INACTIVE, msg)
+                    .with_field("ids"),
+            )
+        }
+        Ok(()) => Ok(Json(done)),
     }
 }
 

@@ -186,13 +186,9 @@ impl PullReader {
                     )
                     .map_err(k)?;
                     let found = consumer.offsets_for_times(tpl, TIMEOUT).map_err(k)?;
-                    match found
-                        .find_partition(&self.topic, partition)
-                        .map(|e| e.offset())
-                    {
-                        Some(Offset::Offset(o)) if o >= 0 => o,
-                        _ => high,
-                    }
+                    kafka::offset_for_time(&found, &self.topic, partition)
+                        .map_err(k)?
+                        .unwrap_or(high)
                 }
             }
         };

@@ -38,12 +38,15 @@ pub const H_REDELIVER: &str = "x-streaming-hub-redeliver";
 pub const H_REQUEST: &str = "x-streaming-hub-request";
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RedeliverError {
     #[error("kafka: {0}")]
     Kafka(String),
     #[error("{0}")]
     Invalid(String),
+    /// A redelivery the hub would drop (its subscription disabled or not verified).
+    #[error("{0}")]
+    Inactive(String),
 }
 
 fn k(e: RdKafkaError) -> RedeliverError {
@@ -58,7 +61,8 @@ pub struct Progress {
     pub subscription_id: Option<String>,
     /// `running`, `done` or `failed`.
     pub state: String,
-    /// Records read.
+    /// Records read (a recover: the tenant's dead letters read; a redrive: the dead letters
+    /// named).
     pub scanned: u64,
     /// Events selected for redelivery.
     pub matched: u64,
@@ -224,7 +228,7 @@ impl Redeliverer {
         let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms)?;
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
-        let mut seen: HashSet<Vec<u8>> = HashSet::new();
+        let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
         let scanned = scan(&consumer, &self.inbox, &ranges, |m| {
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
             p.scanned += 1;
@@ -259,7 +263,7 @@ impl Redeliverer {
                 event,
                 schema_major: major,
             };
-            if !sub_matches(sub, &e) || !seen.insert(id.as_bytes().to_vec()) {
+            if !sub_matches(sub, &e) || !seen.insert(id) {
                 return Ok(());
             }
             self.request(
@@ -293,7 +297,6 @@ impl Redeliverer {
         // the events (a long outage dead-letters many, each up to the payload limit).
         let mut seen: HashSet<String> = HashSet::new();
         let scanned = scan(&consumer, &self.dlq, &ranges, |m| {
-            progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let Some(dl) = m.payload().and_then(|v| {
                 self.codec
                     .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
@@ -301,6 +304,12 @@ impl Redeliverer {
             }) else {
                 return Ok(());
             };
+            // Only the tenant's own dead letters count as scanned: the answer goes to the
+            // tenant, and the others' would tell it how many deliveries died hub-wide.
+            if dl.tenant_id != sub.tenant_id {
+                return Ok(());
+            }
+            progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             if dl.subscription_id == sub.id
                 && dl.tenant_id == sub.tenant_id
                 && dl.dead_at >= since_ms
@@ -315,14 +324,16 @@ impl Redeliverer {
 
     /// Redrive: the dead letters at these `<partition>-<offset>` positions of `<prefix>.dlq`.
     ///
-    /// Every position is checked before any request is written (a missing one, or one of another
-    /// tenant, fails the run with nothing written); then each is read again and requested. Only
-    /// one dead letter (up to the payload limit) is held at a time, whatever the list's length.
+    /// Every position is checked before any request is written (a missing one, one of another
+    /// tenant, or one `admit` refuses fails the run with nothing written); then each is read
+    /// again and requested. Only one dead letter (up to the payload limit) is held at a time,
+    /// whatever the list's length.
     pub fn redrive(
         &self,
         positions: &[(i32, i64)],
         tenant: Option<&str>,
         progress: &Mutex<Progress>,
+        admit: impl Fn(&DeadLetterRecord) -> Result<(), RedeliverError>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
         let metadata = consumer
@@ -334,8 +345,17 @@ impl Redeliverer {
             .map(|t| t.partitions().iter().map(|p| p.id()).collect())
             .unwrap_or_default();
         for &(partition, offset) in positions {
-            self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
+            let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
+            admit(&dl).map_err(|e| match e {
+                RedeliverError::Inactive(m) => {
+                    RedeliverError::Inactive(format!("dead letter {partition}-{offset}: {m}"))
+                }
+                RedeliverError::Invalid(m) => {
+                    RedeliverError::Invalid(format!("dead letter {partition}-{offset}: {m}"))
+                }
+                e => e,
+            })?;
         }
         let request_id = request_id_of(progress);
         let producer = producer(&self.config)?;
@@ -433,6 +453,55 @@ impl Redeliverer {
     }
 }
 
+/// How many matched event ids a replay keeps to skip copies of an event (a producer's retries,
+/// at other offsets): the most recent ones, about 40 MiB. A copy further on than that from the
+/// first is requested again, which the delivery contract allows (at least once; receivers
+/// deduplicate on `webhook-id`); keeping every id of a long window of a busy tenant (tens of
+/// millions) would take gigabytes of the instance that also delivers.
+pub const REPLAY_IDS_KEPT: usize = 1_000_000;
+
+/// The last `cap` ids inserted, as 128-bit keys: a UUID's own bits, another id's SHA-256 prefix.
+struct RecentIds {
+    set: HashSet<u128>,
+    order: std::collections::VecDeque<u128>,
+    cap: usize,
+}
+
+impl RecentIds {
+    fn new(cap: usize) -> RecentIds {
+        RecentIds {
+            set: HashSet::new(),
+            order: std::collections::VecDeque::new(),
+            cap,
+        }
+    }
+
+    /// Whether `id` is new among the ids kept (it is kept from now on).
+    fn insert(&mut self, id: &str) -> bool {
+        use sha2::Digest;
+        let mut canonical = uuid::Uuid::encode_buffer();
+        let key = match uuid::Uuid::try_parse(id) {
+            // Only the canonical spelling: the hub tells ids apart by their text, so another
+            // spelling of the same UUID is another event.
+            Ok(u) if u.hyphenated().encode_lower(&mut canonical) == id => u.as_u128(),
+            _ => {
+                let d = sha2::Sha256::digest(id.as_bytes());
+                u128::from_be_bytes(d[..16].try_into().expect("16 bytes"))
+            }
+        };
+        if !self.set.insert(key) {
+            return false;
+        }
+        self.order.push_back(key);
+        if self.order.len() > self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        true
+    }
+}
+
 /// The id of the run `progress` follows, written into each of its redelivery requests.
 fn request_id_of(progress: &Mutex<Progress>) -> String {
     progress
@@ -473,11 +542,18 @@ fn ranges_for_times(
     to_ms: i64,
 ) -> Result<Vec<(i32, i64, i64)>, RedeliverError> {
     let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(k)?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .first()
-        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-        .unwrap_or_default();
+    let partitions: Vec<i32> = match metadata.topics().first() {
+        // A topic the broker could not describe (its leaders moving, not there): not "no
+        // records".
+        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
+            t.partitions().iter().map(|p| p.id()).collect()
+        }
+        _ => {
+            return Err(RedeliverError::Kafka(format!(
+                "topic {topic} could not be described"
+            )));
+        }
+    };
     let at = |ms: i64| -> Result<TopicPartitionList, RedeliverError> {
         let mut tpl = TopicPartitionList::new();
         for p in &partitions {
@@ -495,13 +571,16 @@ fn ranges_for_times(
     let mut out = Vec::new();
     for p in partitions {
         let (_, high) = consumer.fetch_watermarks(topic, p, TIMEOUT).map_err(k)?;
-        let off = |tpl: &TopicPartitionList| match tpl.find_partition(topic, p).map(|e| e.offset())
-        {
-            Some(Offset::Offset(o)) if o >= 0 => o,
-            _ => high,
+        let off = |tpl: &TopicPartitionList| -> Result<i64, RedeliverError> {
+            Ok(kafka::offset_for_time(tpl, topic, p)
+                .map_err(k)?
+                .unwrap_or(high))
         };
-        let start = off(&starts);
-        let end = ends.as_ref().map_or(high, off);
+        let start = off(&starts)?;
+        let end = match &ends {
+            Some(ends) => off(ends)?,
+            None => high,
+        };
         if start < end {
             out.push((p, start, end));
         }
@@ -544,4 +623,25 @@ fn scan(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replay_skips_copies_among_the_ids_it_keeps_and_forgets_the_oldest() {
+        let mut seen = RecentIds::new(2);
+        let a = "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1c";
+        assert!(seen.insert(a));
+        assert!(!seen.insert(a), "a copy is skipped");
+        // Another spelling of the same UUID is another event to the hub.
+        assert!(seen.insert(&a.to_uppercase()));
+        assert!(seen.insert("not-a-uuid"));
+        assert!(!seen.insert("not-a-uuid"));
+        // Three kept past a cap of two: the first is forgotten, so its copy is requested again.
+        assert!(seen.insert(a));
+        assert_eq!(seen.set.len(), 2);
+        assert_eq!(seen.order.len(), 2);
+    }
 }

@@ -982,6 +982,28 @@ pub fn utf8_headers(
     })
 }
 
+/// What `offsets_for_times` answered for one partition: the offset of its first record at or
+/// after the time asked, None when it has none (the caller reads to the end), or the lookup's
+/// error. librdkafka answers the call as a whole: a partition whose lookup failed (its leader
+/// moving) carries its own error and no offset, which is not "nothing after that time" (taken
+/// for that, a window's start skipped the partition and its end ran past the window).
+pub fn offset_for_time(
+    found: &TopicPartitionList,
+    topic: &str,
+    partition: i32,
+) -> Result<Option<i64>, rdkafka::error::KafkaError> {
+    let Some(e) = found.find_partition(topic, partition) else {
+        return Err(rdkafka::error::KafkaError::OffsetFetch(
+            RDKafkaErrorCode::UnknownPartition,
+        ));
+    };
+    e.error()?;
+    Ok(match e.offset() {
+        Offset::Offset(o) if o >= 0 => Some(o),
+        _ => None,
+    })
+}
+
 /// The header at `idx` of a consumed record, its name as raw bytes (None past the last one).
 ///
 /// rdkafka's `Headers::iter`, `get` and `try_get` on a consumed record unwrap the name's UTF-8
@@ -1016,6 +1038,25 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_whose_time_lookup_failed_is_an_error_not_the_end() {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset("t", 0, Offset::Offset(42))
+            .unwrap();
+        tpl.add_partition_offset("t", 1, Offset::End).unwrap();
+        tpl.add_partition_offset("t", 2, Offset::Offset(7)).unwrap();
+        // SAFETY: the list holds three elements; only the third's error code is written (its
+        // offset stays: an error wins over whatever offset came with it).
+        unsafe {
+            (*(*tpl.ptr()).elems.add(2)).err =
+                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION;
+        }
+        assert_eq!(offset_for_time(&tpl, "t", 0).unwrap(), Some(42));
+        assert_eq!(offset_for_time(&tpl, "t", 1).unwrap(), None);
+        assert!(offset_for_time(&tpl, "t", 2).is_err());
+        assert!(offset_for_time(&tpl, "t", 3).is_err(), "no answer for it");
+    }
 
     #[test]
     fn the_group_moving_on_is_told_from_other_failures() {
