@@ -454,7 +454,7 @@ impl Redeliverer {
 }
 
 /// How many matched event ids a replay keeps to skip copies of an event (a producer's retries,
-/// at other offsets): the most recent ones, about 40 MiB. A copy further on than that from the
+/// at other offsets): the most recent ones, about 50 MiB at most (a set and a queue of 16-byte keys). A copy further on than that from the
 /// first is requested again, which the delivery contract allows (at least once; receivers
 /// deduplicate on `webhook-id`); keeping every id of a long window of a busy tenant (tens of
 /// millions) would take gigabytes of the instance that also delivers.
