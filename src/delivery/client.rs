@@ -57,8 +57,11 @@ pub enum ClientError {
 /// Why a request got no HTTP response (or lost its body half-way).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransportError {
-    /// The SSRF guard left no address to connect to.
-    #[error("the destination resolves only to private, loopback or link-local addresses")]
+    /// No public address to connect to: the host resolves only to addresses the SSRF guard
+    /// refuses (private, loopback, link-local), or not at all. One answer for both, so a tenant
+    /// cannot tell an internal name that exists from one that does not by probing URLs; the
+    /// hub's log keeps which it was.
+    #[error("{NO_PUBLIC_ADDRESS}")]
     Forbidden,
     #[error("the destination did not answer within the timeout")]
     Timeout,
@@ -195,12 +198,19 @@ pub async fn read_capped(
     Ok((buf.freeze(), false))
 }
 
-/// Sorts a reqwest error into what the caller acts on. The SSRF refusal is found by type in the
-/// error's source chain, never by message text.
+/// What a tenant is told when a webhook host has no public address (see
+/// [`TransportError::Forbidden`]).
+pub const NO_PUBLIC_ADDRESS: &str = "the destination's host does not resolve to a public address (it does not resolve, or only \
+     to private, loopback or link-local addresses)";
+
+/// Sorts a reqwest error into what the caller acts on. The guarded resolver's answers (a refusal,
+/// a name that does not resolve) are found by type in the error's source chain, never by message
+/// text.
 pub fn classify(err: reqwest::Error) -> TransportError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
     while let Some(e) = source {
-        if let Some(ResolveError::Forbidden { .. }) = e.downcast_ref::<ResolveError>() {
+        if let Some(resolve) = e.downcast_ref::<ResolveError>() {
+            tracing::debug!(error = %resolve, "webhook host has no public address");
             return TransportError::Forbidden;
         }
         source = e.source();
@@ -307,6 +317,56 @@ mod tests {
 
     /// A public address (not routed in tests: nothing may depend on reaching it).
     const PUBLIC: &str = "100.128.0.1:0";
+
+    #[tokio::test]
+    async fn a_name_that_does_not_resolve_answers_as_one_resolving_to_private_addresses() {
+        // An internal name that exists (loopback here) and one that does not: a tenant probing
+        // URLs must not tell them apart.
+        fn internal(
+            host: String,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>,
+        > {
+            Box::pin(async move {
+                match host.as_str() {
+                    "vault.internal.test" => Ok(vec!["127.0.0.1:0".parse().unwrap()]),
+                    _ => Err(std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "failed to lookup address information: Name or service not known",
+                    )),
+                }
+            })
+        }
+        let client = with_resolver(
+            &config(false),
+            GuardedResolver::with_lookup(false, internal),
+        )
+        .unwrap();
+        let mut answers = Vec::new();
+        for host in ["vault.internal.test", "nothing.internal.test"] {
+            let url = format!("http://{host}:8200/hook");
+            let e = post(&client, &url, false, true)
+                .unwrap()
+                .send()
+                .await
+                .unwrap_err();
+            let t = classify(e);
+            let probed = crate::delivery::verify::probe(
+                &client,
+                &url,
+                &std::collections::BTreeMap::new(),
+                &[crate::runtime::secret::Secret::new("whsec_dGVzdA==")],
+                false,
+                true,
+            )
+            .await
+            .unwrap_err();
+            answers.push((t, probed.code(), probed.to_string()));
+        }
+        assert_eq!(answers[0].0, TransportError::Forbidden);
+        assert_eq!(answers[0], answers[1], "the same answer for both names");
+        assert!(!answers[0].2.contains("lookup"), "{}", answers[0].2);
+    }
 
     #[tokio::test]
     async fn dns_answer_that_turns_private_after_the_check_is_refused_at_connect_time() {

@@ -42,7 +42,8 @@ pub const RESPONSE_CAP: usize = 64 * 1024;
 pub enum VerifyError {
     #[error(transparent)]
     Url(#[from] UrlError),
-    #[error("the destination resolves only to private, loopback or link-local addresses")]
+    /// See [`TransportError::Forbidden`].
+    #[error("{}", super::client::NO_PUBLIC_ADDRESS)]
     Forbidden,
     #[error("could not reach the destination: {0}")]
     Connect(String),
@@ -82,12 +83,12 @@ impl VerifyError {
     }
 
     /// Whether a later attempt can pass without the subscription changing (the endpoint may come
-    /// up or be fixed); a refused URL, header or secret will fail the same way every time.
+    /// up or be fixed, a host name may come to resolve to a public address); a refused URL,
+    /// header or secret will fail the same way every time.
     pub fn is_retryable(&self) -> bool {
         !matches!(
             self,
             VerifyError::Url(_)
-                | VerifyError::Forbidden
                 | VerifyError::InvalidHeader(_)
                 | VerifyError::TooManyHeaders(_)
                 | VerifyError::Signing(_)
@@ -248,6 +249,9 @@ mod tests {
             "url_private_address"
         );
         assert!(VerifyError::Timeout.is_retryable());
-        assert!(!VerifyError::Forbidden.is_retryable());
+        assert!(
+            VerifyError::Forbidden.is_retryable(),
+            "a name may come to resolve"
+        );
     }
 }

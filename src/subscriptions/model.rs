@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::ToSchema;
 
-use crate::delivery::ssrf::{GuardedResolver, ResolveError, check_url};
+use crate::delivery::ssrf::check_url;
 use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
 use crate::runtime::secret::Secret;
 
@@ -26,7 +26,6 @@ const MAX_RETRY_STEP: Duration = Duration::from_secs(10 * 3600);
 pub const MAX_HEADERS: usize = 32;
 const MAX_HEADER_VALUE_BYTES: usize = 4096;
 const MAX_URL_BYTES: usize = 2048;
-const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Headers the hub sets itself or that belong to the connection, never a subscriber's.
 const RESERVED_HEADERS: &[&str] = &[
     "connection",
@@ -622,16 +621,11 @@ pub async fn check_webhook_url(url: &str, policy: SinkPolicy) -> Result<String, 
             "a URL is at most 2048 bytes, also as shown with its query values as ***",
         ));
     }
-    if let Some(host) = parsed.domain() {
-        let resolver = GuardedResolver::new(policy.allow_private);
-        match tokio::time::timeout(RESOLVE_TIMEOUT, resolver.lookup(host)).await {
-            Ok(Err(e @ ResolveError::Forbidden { .. })) => {
-                return Err(FieldError::new(field, "url_private_address", e.to_string()));
-            }
-            // A name that does not resolve now may later; the verification probe reports it.
-            Ok(Err(ResolveError::Lookup { .. })) | Err(_) | Ok(Ok(_)) => {}
-        }
-    }
+    // A host name is not resolved here: every connection (the verification probe, each
+    // delivery) resolves it through the SSRF guard, which answers a name that resolves only to
+    // private addresses as it answers one that does not resolve (`forbidden_address`). Refusing
+    // the first here, and taking the second for a name whose DNS is not set up yet, told a
+    // tenant which internal names exist.
     Ok(parsed.to_string())
 }
 
