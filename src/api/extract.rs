@@ -145,6 +145,8 @@ fn body_error(path: &str, inner: &serde_json::Error) -> ApiError {
         ("unknown_field", Some(join(name)))
     } else if let Some(name) = named("missing field ") {
         ("required", Some(join(name)))
+    } else if let Some(name) = named("null field ") {
+        ("invalid", Some(join(name)))
     } else if inner.is_syntax() || inner.is_eof() {
         (codes::INVALID_BODY, None)
     } else {

@@ -1142,7 +1142,7 @@ mod tests {
         let pull = json!({"type": "pull"});
         let file = json!([
             {"id": A, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
-            {"id": B, "tenant_id": "t1", "event_types": ["A.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["a*.b"], "destination": pull},
             {"id": "not-a-uuid", "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
             {"id": B.to_uppercase(), "tenant_id": "t1", "event_types": ["a.b"], "destination": pull, "colour": 1},
             {"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1e", "event_types": ["a.b"], "destination": pull},

@@ -247,15 +247,47 @@ fn not_null<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Opti
 #[derive(Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DestinationPatch {
+    /// Each field may be left out (kept as it is) but not `null`: `"sensitive_headers": null`
+    /// answered 200 and kept sending the credential its caller meant to drop (`{}` drops them).
     Webhook {
-        #[serde(default)]
+        #[serde(default, deserialize_with = "url_not_null")]
         url: Option<String>,
-        #[serde(default)]
+        #[serde(default, deserialize_with = "headers_not_null")]
         headers: Option<BTreeMap<String, String>>,
-        #[serde(default)]
+        #[serde(default, deserialize_with = "sensitive_headers_not_null")]
         sensitive_headers: Option<BTreeMap<String, String>>,
     },
     Pull {},
+}
+
+/// [`not_null`] for a field of a tagged enum's variant, whose path the error would lose: the
+/// message names the field (`null field `url``), and the API names it by path from that.
+fn not_null_named<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    name: &str,
+) -> Result<Option<T>, D::Error> {
+    match Option::<T>::deserialize(d)? {
+        Some(v) => Ok(Some(v)),
+        None => Err(serde::de::Error::custom(format!(
+            "null field `{name}`: leave it out to keep it as it is"
+        ))),
+    }
+}
+
+fn url_not_null<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    not_null_named(d, "url")
+}
+
+fn headers_not_null<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    not_null_named(d, "headers")
+}
+
+fn sensitive_headers_not_null<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    not_null_named(d, "sensitive_headers")
 }
 
 impl std::fmt::Debug for DestinationPatch {
@@ -389,6 +421,14 @@ impl SubscriptionView {
     }
 }
 
+/// A resource or event name a subscription can name: exactly what ingest accepts in
+/// `ce-resourcetype` and `ce-eventtype` ([`crate::ingest::classify::is_type_name`]). A stricter
+/// rule (lower case, digits, `_`, `-`) left events ingest took, such as
+/// `LoanApplication.Approved`, matched by `*` alone.
+fn is_type_segment(s: &str) -> bool {
+    crate::ingest::classify::is_type_name(s)
+}
+
 fn is_segment(s: &str) -> bool {
     !s.is_empty()
         && s.bytes()
@@ -436,12 +476,13 @@ pub fn validate_event_types(keys: &[String]) -> Result<Vec<String>, FieldError> 
             && (key == "*"
                 || key
                     .split_once('.')
-                    .is_some_and(|(r, e)| is_segment(r) && (e == "*" || is_segment(e))));
+                    .is_some_and(|(r, e)| is_type_segment(r) && (e == "*" || is_type_segment(e))));
         if !ok {
             return Err(FieldError::new(
                 format!("event_types[{i}]"),
                 "invalid",
-                "expected <resource>.<event>, <resource>.* or * (segments of a-z, 0-9, _ and -)",
+                "expected <resource>.<event>, <resource>.* or * (segments without dots, `*` or \
+                 control characters)",
             ));
         }
         if !out.contains(key) {
@@ -738,15 +779,24 @@ mod tests {
             "*",
             "a-b.c_d",
             "*",
+            "LoanApplication.Approved",
         ]))
         .unwrap();
         assert_eq!(
             ok,
-            strings(&["loan_application.approved", "account.*", "*", "a-b.c_d"]),
+            strings(&[
+                "loan_application.approved",
+                "account.*",
+                "*",
+                "a-b.c_d",
+                "LoanApplication.Approved"
+            ]),
             "repeats dropped"
         );
         for (bad, i) in [
-            ("Account.created", 1),
+            ("a*.created", 1),
+            ("a.cre*ted", 1),
+            ("a\u{1}.b", 1),
             ("a.b.c", 1),
             ("*.created", 1),
             ("a.", 1),

@@ -39,7 +39,7 @@ async fn each_create_validation_error_names_its_field() {
             "too_many",
         ),
         (
-            with("event_types", json!(["a.b", "Transaction.Created"])),
+            with("event_types", json!(["a.b", "Transaction.Cre ated"])),
             "event_types[1]",
             "invalid",
         ),
@@ -219,6 +219,21 @@ async fn each_patch_validation_error_names_its_field() {
         (json!({"event_types": null}), "event_types", "invalid"),
         (json!({"enabled": null}), "enabled", "invalid"),
         (json!({"destination": null}), "destination", "invalid"),
+        (
+            json!({"destination": {"type": "webhook", "sensitive_headers": null}}),
+            "destination.sensitive_headers",
+            "invalid",
+        ),
+        (
+            json!({"destination": {"type": "webhook", "headers": null}}),
+            "destination.headers",
+            "invalid",
+        ),
+        (
+            json!({"destination": {"type": "webhook", "url": null}}),
+            "destination.url",
+            "invalid",
+        ),
         (
             json!({"event_types": ["*", "x.*.y"]}),
             "event_types[1]",
