@@ -620,6 +620,30 @@ async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
     assert_eq!(s.get_subscription(tenant, &id).await["enabled"], true);
 }
 
+/// A subscription whose record cannot make a request (more headers than a subscription may
+/// have, written past the API) sends nothing: its failures never open the breaker of its origin,
+/// which its tenant's other subscriptions there share, but they do count towards its own
+/// auto-disable, since it would fail that way for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_cannot_make_a_request_never_opens_the_breaker_but_auto_disables() {
+    let s = clock_hub("unbuilt", &[]).await;
+    let (url, sink) = start_sink(200).await;
+    let tenant = "tenant-n";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1s"]})).await;
+    let mut rec = control_records(&s.prefix)[&id].clone();
+    for i in 0..=streaming_hub::subscriptions::model::MAX_HEADERS {
+        rec.destination
+            .headers
+            .insert(format!("x-extra-{i}"), "1".into());
+    }
+    rec.version += 1;
+    write_control_record(&s, &rec).await;
+    fail_every_11h(&s, tenant, 11).await; // 121h of failed attempts, 12 events
+    assert!(sink.got.lock().unwrap().is_empty(), "no request went out");
+    assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
+    s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
+}
+
 /// A subscription whose latest control record cannot be read (a newer version's schema, a bad
 /// write past the API): its pending retry is held, no attempt spent, neither sent on the version
 /// before it (which may be stale) nor dropped as a deleted subscription's would be, and goes out

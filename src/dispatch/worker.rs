@@ -124,6 +124,19 @@ impl Outcome {
         )
     }
 
+    /// No request went out because the subscription's own record cannot make one (no URL, a URL
+    /// the policy refuses, headers HTTP cannot carry or too many: a record written past the
+    /// API, or a policy changed since). Not the destination's doing, so its origin's breaker,
+    /// which the tenant's other subscriptions share, does not hear of it; the subscription's own
+    /// auto-disable span does (it would fail this way for good).
+    pub fn sent_nothing(&self) -> bool {
+        self.hub_side()
+            || matches!(
+                self.error_kind.as_deref(),
+                Some(k) if k == "no_url" || k == "invalid_request" || k.starts_with("url_")
+            )
+    }
+
     /// The attempt was never made: it waited for a worker until too little of its lease was left
     /// to finish within it. Its job goes back to due, with no attempt counted.
     pub fn not_attempted(&self) -> bool {

@@ -2620,16 +2620,19 @@ fn record_outcomes(
         // A failure of the hub's own (no key to open the secret, ...) sent no request: it is not
         // the destination's, so neither its breaker nor its auto-disable span hears of it.
         let hub_side = o.hub_side();
+        // No request went out (the hub's failure, or one of the subscription's record): the
+        // origin's breaker, shared by the tenant's other subscriptions there, does not hear of it.
+        let sent_nothing = o.sent_nothing();
         // Its job's lease still current: a stale one's probe slot may be another job's by now.
         let current = job.as_ref().is_some_and(|j| {
             j.state == JobState::Leased && j.attempt == o.attempt && j.due_at == o.lease_until
         });
-        if let (Some(sub), true, true) = (&sub, hub_side, current) {
+        if let (Some(sub), true, true) = (&sub, sent_nothing, current) {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
             d.breakers
                 .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
         }
-        if let (Some(sub), false) = (&sub, hub_side) {
+        if let (Some(sub), false) = (&sub, sent_nothing) {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
             if let Some(t) = d.breakers.record(&sub.tenant_id, &origin, o.success(), now) {
                 telemetry::BreakerChanged {

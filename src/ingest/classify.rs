@@ -1645,7 +1645,8 @@ mod tests {
             assert!(is_type_name(name), "{name}");
             let key = format!("{name}.{name}");
             assert!(
-                crate::subscriptions::model::validate_event_types(std::slice::from_ref(&key)).is_ok(),
+                crate::subscriptions::model::validate_event_types(std::slice::from_ref(&key))
+                    .is_ok(),
                 "{key}"
             );
         }
