@@ -285,9 +285,9 @@ fn admit_dead_letter(subs: &Subscriptions, dl: &DeadLetterRecord) -> Result<(), 
     check_redeliverable(&sub)?;
     inactive_why(&sub).map_err(|why| {
         RedeliverError::Inactive(format!(
-            "nothing is redelivered to subscription {} while {why}: verify it \
-             (POST /v1/subscriptions/{{id}}/verify) or enable it first",
-            sub.id
+            "nothing is redelivered to subscription {id} while {why}: verify it \
+             (POST /v1/subscriptions/{id}/verify) or enable it first",
+            id = sub.id
         ))
     })
 }
@@ -764,7 +764,7 @@ impl RedriveRequest {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 403, description = "Not an admin token", body = ErrorBody),
         (status = 409, description = "A dead letter's subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`); nothing was queued", body = ErrorBody),
-        (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
+        (status = 503, description = "Kafka unavailable, or the subscription table is still loading", body = ErrorBody)))]
 pub async fn redrive(
     State(state): State<ApiState>,
     _admin: Admin,

@@ -13,8 +13,9 @@
 //!   (tests substitute a name service whose answers change, [`GuardedResolver::with_lookup`])
 //!   and drops every forbidden address, failing when none is left. The connector dials only the
 //!   addresses it returns, so the address checked is the address connected to: a name that
-//!   resolves to a public address at validation time and to 127.0.0.1 at delivery time (DNS
-//!   rebinding) is refused at connect time.
+//!   resolves to a public address for one request and to 127.0.0.1 for the next (DNS rebinding)
+//!   is refused at connect time. Host names are resolved only here, never when a subscription is
+//!   written.
 //!
 //! Errors name what is wrong and the host; they never echo the whole URL (its path or query may
 //! hold a token).

@@ -1519,7 +1519,8 @@ impl Dispatch {
 
     /// An attempt of this loop ended: its slot is free, its outcome waits to be recorded.
     fn ended(&mut self, o: Outcome) {
-        if !o.not_attempted() && !o.hub_side() {
+        // Only requests that went out tell how long the tenant's destinations take.
+        if !o.not_attempted() && !o.sent_nothing() {
             self.pace.timed(&o.tenant, o.latency_ms);
         }
         self.in_flight = self.in_flight.saturating_sub(1);

@@ -538,6 +538,13 @@ async fn openapi_document_is_served_without_a_token() {
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(a.headers["content-type"], "application/json");
     assert!(a.body["paths"]["/v1/subscriptions/{id}/rotate-secret"]["post"].is_object());
+    // A PATCH destination's fields may be left out, never null (a 400): the document says so,
+    // or clients generated from it send null.
+    let patch = a.body["components"]["schemas"]["DestinationPatch"].to_string();
+    for field in ["url", "headers", "sensitive_headers"] {
+        assert!(patch.contains(&format!("\"{field}\"")), "{field}: {patch}");
+    }
+    assert!(!patch.contains("null"), "{patch}");
 }
 
 #[tokio::test]

@@ -39,7 +39,7 @@ async fn each_create_validation_error_names_its_field() {
             "too_many",
         ),
         (
-            with("event_types", json!(["a.b", "Transaction.Cre ated"])),
+            with("event_types", json!(["a.b", "Transaction.Cre*ated"])),
             "event_types[1]",
             "invalid",
         ),
