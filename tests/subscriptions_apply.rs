@@ -303,7 +303,7 @@ async fn invalid_file_exits_2_naming_entry_and_field_and_writes_nothing() {
          "event_types": ["transaction.created"],
          "destination": {"type": "webhook", "url": "ftp://hooks.example/x"}},
         {"id": uuid::Uuid::now_v7().to_string(), "tenant_id": "tenant-a",
-         "event_types": ["Transaction.Created"], "destination": {"type": "pull"}},
+         "event_types": ["Transaction.Cre*ated"], "destination": {"type": "pull"}},
     ]);
     let run = apply(&env, &file).await;
     assert_eq!(
