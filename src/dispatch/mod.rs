@@ -324,7 +324,12 @@ impl EventView {
                 ce_headers.push((k, v));
             }
         }
+        // Percent-encoded as the `ce-*` values are: a name ingest took with a non-ASCII letter
+        // (`transação`) went out as raw UTF-8 bytes, which HTTP stacks read as Latin-1, and
+        // differently from the same name in `ce-type`.
         let event_type = format!("{}.{}", resource.unwrap_or(""), event.unwrap_or(""));
+        let event_type: std::borrow::Cow<str> =
+            percent_encoding::utf8_percent_encode(&event_type, CE_HEADER_ESCAPED).into();
         EventView {
             event_type: reqwest::header::HeaderValue::from_str(&event_type)
                 .unwrap_or_else(|_| reqwest::header::HeaderValue::from_static(".")),
@@ -433,5 +438,17 @@ mod tests {
         assert_eq!(bare.event_type, ".");
         assert_eq!(bare.content_type, "application/json");
         assert_eq!(bare.ingest_ms, None);
+    }
+
+    #[test]
+    fn an_event_type_with_spaces_or_non_ascii_letters_is_sent_percent_encoded() {
+        let v = EventView::new(
+            [
+                ("ce-resourcetype", Some("transação".as_bytes())),
+                ("ce-eventtype", Some("paga mento".as_bytes())),
+            ],
+            bytes::Bytes::new(),
+        );
+        assert_eq!(v.event_type, "transa%C3%A7%C3%A3o.paga%20mento");
     }
 }
