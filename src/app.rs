@@ -47,6 +47,17 @@ pub enum AppError {
     Stage(String),
 }
 
+impl AppError {
+    /// The process's exit code: 2 for a configuration or topic the hub refuses (README), 1 for
+    /// anything else that stopped it.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            AppError::Topology(e) if e.is_refusal() => 2,
+            _ => 1,
+        }
+    }
+}
+
 pub fn init_tracing(config: &Config) {
     let mut filter = tracing_subscriber::EnvFilter::try_new(&config.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -148,6 +159,25 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     crate::runtime::kafka::preflight(&config, crate::runtime::kafka::ADMIN_TIMEOUT)
         .map_err(crate::runtime::topology::TopologyError::from)?;
     for finding in topology.apply(&config, false).await? {
+        // A compacted topic (the control topic, the changelogs) under `delete` loses the
+        // subscriptions and state retention takes: refused. Other differences are reported.
+        if let crate::runtime::topology::Finding::Differs {
+            topic,
+            setting,
+            want,
+            have,
+        } = &finding
+        {
+            if setting == "cleanup.policy" && want.contains("compact") && !have.contains("compact")
+            {
+                return Err(crate::runtime::topology::TopologyError::CleanupPolicy {
+                    topic: topic.clone(),
+                    want: want.clone(),
+                    have: have.clone(),
+                }
+                .into());
+            }
+        }
         if finding.needs_attention() {
             tracing::warn!(%finding, "topic differs from the topology or was not compared");
         } else {

@@ -238,7 +238,7 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "hub stopped with an error");
-                    ExitCode::FAILURE
+                    ExitCode::from(e.exit_code())
                 }
             },
             Command::Topology { action: TopologyAction::Apply { dry_run } } => {

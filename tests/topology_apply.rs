@@ -118,6 +118,95 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     );
     // It reports; it does not silently rewrite the operator's topic.
     assert_eq!(config_of(&name, "cleanup.policy").await, "delete");
+
+    // The hub does not start on it (retention would delete the subscriptions): exit 2, naming
+    // the topic.
+    let mut hub = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(hub_env(&prefix, r"^lerian\.streaming\.unused$"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let code = wait_until(Duration::from_secs(60), "the hub exits", || {
+        hub.try_wait().unwrap()
+    })
+    .code();
+    let out = hub.wait_with_output().unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!("topic {name} has cleanup.policy delete")),
+        "{log}"
+    );
+}
+
+/// A topic made by hand with fewer replicas than the hub asks for is reported (losing a broker
+/// would stop its writes or lose them), on the 3-broker cluster.
+#[tokio::test]
+async fn a_topic_with_fewer_replicas_than_asked_is_reported() {
+    let bootstrap = cluster_bootstrap();
+    let prefix = unique("topo-rf");
+    let cluster: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .create()
+            .unwrap();
+    let inbox = format!("{prefix}.inbox");
+    for r in cluster
+        .create_topics(
+            &[NewTopic::new(&inbox, 6, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let apply = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+            .args(["topology", "apply"])
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("STREAMING_HUB_KAFKA_BROKERS", &bootstrap)
+            .env("STREAMING_HUB_TOPIC_PREFIX", &prefix)
+            .env("STREAMING_HUB_REPLICATION_FACTOR", "3")
+            .env(
+                "STREAMING_HUB_TOPOLOGY_FILE",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
+            )
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+    for round in 1..=2 {
+        let (code, text) = apply();
+        assert_eq!(code, Some(1), "round {round}: {text}");
+        assert!(
+            text.contains(&format!(
+                "DIFFERS  {inbox}: replication factor is 1, the topology says 3"
+            )),
+            "round {round}: {text}"
+        );
+        if round == 2 {
+            // The topics it created have the three replicas asked.
+            assert!(
+                text.contains(&format!("ok       {prefix}.subscriptions")),
+                "{text}"
+            );
+        }
+    }
 }
 
 /// Someone gave the inbox more partitions by hand, not the changelogs: the hub task of inbox

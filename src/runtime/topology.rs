@@ -21,7 +21,7 @@ const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
-    #[error("topology file {path}: {why}")]
+    #[error("topology file {path} (STREAMING_HUB_TOPOLOGY_FILE): {why}")]
     File { path: String, why: String },
     #[error(transparent)]
     Kafka(#[from] KafkaError),
@@ -54,6 +54,24 @@ pub enum TopologyError {
          the hub writes; narrow it to producers' topics (lerian.streaming.<source>)"
     )]
     FollowsOwnTopic { topic: String },
+    #[error(
+        "topic {topic} has cleanup.policy {have}, the topology says {want}: the hub keeps its \
+         subscriptions and state there, and retention would delete them; set it \
+         (kafka-configs.sh --alter --add-config cleanup.policy={want}) and start again"
+    )]
+    CleanupPolicy {
+        topic: String,
+        want: String,
+        have: String,
+    },
+}
+
+impl TopologyError {
+    /// A setting or topic the hub refuses to run with (exit 2, as every configuration it
+    /// refuses), as against Kafka being unreachable (exit 1: starting again may pass).
+    pub fn is_refusal(&self) -> bool {
+        !matches!(self, TopologyError::Kafka(_) | TopologyError::Create { .. })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -279,6 +297,15 @@ impl Topology {
             .iter()
             .map(|t| (t.name().to_string(), t.partitions().len()))
             .collect();
+        // The fewest replicas any partition of a topic has.
+        let replicas: BTreeMap<String, usize> = metadata
+            .topics()
+            .iter()
+            .filter_map(|t| {
+                let least = t.partitions().iter().map(|p| p.replicas().len()).min()?;
+                Some((t.name().to_string(), least))
+            })
+            .collect();
         // The inbox as it is, or will be once created.
         let inbox = existing
             .get(&self.full_name("inbox"))
@@ -365,6 +392,19 @@ impl Topology {
                         want: t.partitions.to_string(),
                         have: partitions.to_string(),
                     });
+                }
+                // Fewer replicas than asked: losing a broker may stop writes (or lose data)
+                // that the replication factor was chosen to survive. More is no harm.
+                if let Some(&have) = replicas.get(&name) {
+                    if have < self.replication_factor.max(1) as usize {
+                        differs = true;
+                        findings.push(Finding::Differs {
+                            topic: name.clone(),
+                            setting: "replication factor".into(),
+                            want: self.replication_factor.to_string(),
+                            have: have.to_string(),
+                        });
+                    }
                 }
                 for (key, want) in self.desired_configs(t) {
                     let have = resource
