@@ -604,6 +604,10 @@ pub struct ForensicQuery {
     /// Only records at or after this time (RFC 3339).
     #[param(format = DateTime)]
     pub since: Option<String>,
+    /// Only records at or before this time (RFC 3339): for the next page, the `time` of the
+    /// last record of this one (records of that instant come again; drop those already seen).
+    #[param(format = DateTime)]
+    pub until: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
 }
@@ -619,6 +623,11 @@ impl ForensicQuery {
                 .as_deref()
                 .map(|s| parse_time(s, "since"))
                 .transpose()?,
+            until_ms: self
+                .until
+                .as_deref()
+                .map(|s| parse_time(s, "until"))
+                .transpose()?,
             limit: parse_limit(self.limit.as_deref(), 100, 1000)?,
             ..Filter::default()
         })
@@ -627,7 +636,8 @@ impl ForensicQuery {
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ForensicPage {
-    /// Newest first.
+    /// Newest first; ends early (fewer than `limit`) after the record that brings the answer
+    /// past 8 MiB of JSON.
     pub records: Vec<ForensicRecord>,
 }
 
@@ -680,6 +690,11 @@ pub struct DeadQuery {
     /// Only dead letters at or after this time (RFC 3339).
     #[param(format = DateTime)]
     pub since: Option<String>,
+    /// Only dead letters at or before this time (RFC 3339): for the next page, the `dead_at` of
+    /// the last one of this page (dead letters of that instant come again; drop those seen by
+    /// `id`).
+    #[param(format = DateTime)]
+    pub until: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
 }
@@ -709,6 +724,11 @@ pub async fn dead_deliveries(
             .since
             .as_deref()
             .map(|s| parse_time(s, "since"))
+            .transpose()?,
+        until_ms: q
+            .until
+            .as_deref()
+            .map(|s| parse_time(s, "until"))
             .transpose()?,
         limit: parse_limit(q.limit.as_deref(), 100, 1000)?,
         ..Filter::default()

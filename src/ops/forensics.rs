@@ -114,8 +114,15 @@ pub struct Filter {
     pub subscription_id: Option<String>,
     pub reason: Option<String>,
     pub since_ms: Option<i64>,
+    /// At or before this time: the next page of a listing, older than the last one's records.
+    pub until_ms: Option<i64>,
     pub limit: usize,
 }
+
+/// JSON bytes past which an answer ends (the record that crosses it is its last): 1,000 records
+/// of 64 KiB headers and payloads, written as JSON (a control byte takes six, base64 a third
+/// more), would be hundreds of megabytes on an instance that also delivers.
+pub const ANSWER_BYTES: usize = 8 * 1024 * 1024;
 
 #[derive(Default)]
 struct Inner {
@@ -305,6 +312,7 @@ impl Forensics {
                         .is_none_or(|s| *s == d.subscription_id)
                     && f.reason.as_ref().is_none_or(|r| *r == d.reason)
                     && f.since_ms.is_none_or(|s| d.dead_at_ms >= s)
+                    && f.until_ms.is_none_or(|u| d.dead_at_ms <= u)
             })
             .take(f.limit)
             .cloned()
@@ -451,10 +459,19 @@ fn query(q: &Queue, f: &Filter) -> Vec<ForensicRecord> {
                         .as_ref()
                         .is_none_or(|s| r.cause.as_ref() == Some(s) || r.reason.as_ref() == Some(s))
                     && f.since_ms.is_none_or(|s| *t >= s)
+                    && f.until_ms.is_none_or(|u| *t <= u)
             },
         )
         .take(f.limit)
         .map(Kept::answer)
+        .scan(0usize, |bytes, answer| {
+            // The first record always; the one that crosses the bound is the last.
+            if *bytes >= ANSWER_BYTES {
+                return None;
+            }
+            *bytes += serde_json::to_vec(&answer).map_or(0, |v| v.len());
+            Some(answer)
+        })
         .collect()
 }
 
@@ -739,6 +756,51 @@ mod tests {
         };
         let times: Vec<i64> = query(&q, &f).iter().map(|r| r.offset).collect();
         assert_eq!(times, [1_000_009, 1_000_008, 1_000_007]);
+        // The next page: at or before the last one's time (that record comes again).
+        let f = Filter {
+            limit: 3,
+            until_ms: Some(1_000_007),
+            ..Filter::default()
+        };
+        let times: Vec<i64> = query(&q, &f).iter().map(|r| r.offset).collect();
+        assert_eq!(times, [1_000_007, 1_000_006, 1_000_005]);
+    }
+
+    #[test]
+    fn an_answer_ends_after_the_record_that_crosses_its_byte_bound() {
+        let mut q = Queue::default();
+        // Records of 60 KiB of control bytes: 60 KiB kept, 360 KiB as JSON (`\u0001`).
+        let mut k = |t: i64| {
+            let mut r = kept(t, b"{}");
+            r.rec.headers.push(HeaderText {
+                key: "x-junk".into(),
+                value: Some("\u{1}".repeat(60 * 1024)),
+            });
+            q.push(r);
+        };
+        for t in 0..100 {
+            k(t);
+        }
+        let f = Filter {
+            limit: 1000,
+            ..Filter::default()
+        };
+        let page = query(&q, &f);
+        let bytes: usize = page
+            .iter()
+            .map(|r| serde_json::to_vec(r).unwrap().len())
+            .sum();
+        let one = serde_json::to_vec(&page[0]).unwrap().len();
+        assert!(
+            page.len() < q.items.len(),
+            "{} of {}",
+            page.len(),
+            q.items.len()
+        );
+        assert!(
+            bytes >= ANSWER_BYTES && bytes < ANSWER_BYTES + one,
+            "{bytes}"
+        );
     }
 
     #[test]
