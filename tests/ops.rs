@@ -117,16 +117,6 @@ async fn post_json(s: &ApiHub, path: &str, token: &str, body: Value) -> (u16, Va
     post_json_to(&s.http, &s.hub.addr(), path, token, &body).await
 }
 
-/// The ids of a pull page's events, in order.
-fn page_ids(page: &Value) -> Vec<String> {
-    page["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["id"].as_str().unwrap().to_string())
-        .collect()
-}
-
 /// `POST /admin/deliveries/dead/redrive` of `ids` with `token`.
 async fn redrive(s: &ApiHub, token: &str, ids: Value) -> (u16, Value) {
     post_json(

@@ -1188,12 +1188,7 @@ async fn pulled(api: &ApiHub, tenant: &str, sub: &str) -> Vec<String> {
         return Vec::new(); // over the pull rate: the caller asks again
     }
     assert_eq!(status, 200, "{page}");
-    page["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["id"].as_str().unwrap().to_string())
-        .collect()
+    page_ids(&page)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

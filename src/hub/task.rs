@@ -1046,7 +1046,7 @@ fn open_and_restore(
                 changelog::RestoreSpec {
                     topic: env.changelog_of(family).to_string(),
                     partition,
-                    after: store.changelog_offset(family)?,
+                    after: None, // read from the store at each round below
                 },
             ));
         }

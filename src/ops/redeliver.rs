@@ -347,13 +347,10 @@ impl Redeliverer {
         for &(partition, offset) in positions {
             let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
+            let named = |m: String| format!("dead letter {partition}-{offset}: {m}");
             admit(&dl).map_err(|e| match e {
-                RedeliverError::Inactive(m) => {
-                    RedeliverError::Inactive(format!("dead letter {partition}-{offset}: {m}"))
-                }
-                RedeliverError::Invalid(m) => {
-                    RedeliverError::Invalid(format!("dead letter {partition}-{offset}: {m}"))
-                }
+                RedeliverError::Inactive(m) => RedeliverError::Inactive(named(m)),
+                RedeliverError::Invalid(m) => RedeliverError::Invalid(named(m)),
                 e => e,
             })?;
         }
@@ -454,10 +451,11 @@ impl Redeliverer {
 }
 
 /// How many matched event ids a replay keeps to skip copies of an event (a producer's retries,
-/// at other offsets): the most recent ones, about 50 MiB at most (a set and a queue of 16-byte keys). A copy further on than that from the
-/// first is requested again, which the delivery contract allows (at least once; receivers
-/// deduplicate on `webhook-id`); keeping every id of a long window of a busy tenant (tens of
-/// millions) would take gigabytes of the instance that also delivers.
+/// at other offsets): the most recent ones, about 50 MiB at most (a set and a queue of 16-byte
+/// keys). A copy further on than that from the first is requested again, which the delivery
+/// contract allows (at least once; receivers deduplicate on `webhook-id`); keeping every id of a
+/// long window of a busy tenant (tens of millions) would take gigabytes of the instance that
+/// also delivers.
 pub const REPLAY_IDS_KEPT: usize = 1_000_000;
 
 /// The last `cap` ids inserted, as 128-bit keys: a UUID's own bits, another id's SHA-256 prefix.

@@ -1074,3 +1074,14 @@ pub fn topology_apply(prefix: &str, extra: &[&str]) -> (i32, String) {
     );
     (out.status.code().unwrap_or(-1), text)
 }
+
+/// The ids of a pull page's events (`GET /v1/events`), in order.
+#[allow(dead_code)] // not every test crate reads pull pages
+pub fn page_ids(page: &serde_json::Value) -> Vec<String> {
+    page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_string())
+        .collect()
+}
