@@ -129,7 +129,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum TopologyAction {
-    /// Create missing topics; report (exit 1) existing topics whose settings differ.
+    /// Create missing topics; report (exit 1) existing topics whose settings differ. With
+    /// `--dry-run`, a missing topic exits 1 too.
     Apply {
         /// Only report; create nothing.
         #[arg(long)]
@@ -255,7 +256,7 @@ fn main() -> ExitCode {
                             println!("{f}");
                         }
                         if findings.iter().any(|f| f.needs_attention()) {
-                            eprintln!("streaming-hub: some topics differ from the topology or could not be compared (see DIFFERS and UNCHECKED lines)");
+                            eprintln!("streaming-hub: some topics are missing, differ from the topology or could not be compared (see missing, DIFFERS and UNCHECKED lines)");
                             ExitCode::from(1)
                         } else {
                             ExitCode::SUCCESS

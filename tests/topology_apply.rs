@@ -42,7 +42,10 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
     let prefix = unique("topo");
 
     let (code, text) = topology_apply(&prefix, &["--dry-run"]);
-    assert_eq!(code, 0, "{text}");
+    assert_eq!(
+        code, 1,
+        "a dry run with missing topics reports them: {text}"
+    );
     assert!(
         text.contains(&format!("missing  {prefix}.inbox (would create)")),
         "{text}"
@@ -102,6 +105,10 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
         "second apply changed something: {text}"
     );
     assert!(text.contains(&format!("ok       {prefix}.inbox")), "{text}");
+
+    // Once the cluster matches, the dry run is clean.
+    let (code, text) = topology_apply(&prefix, &["--dry-run"]);
+    assert_eq!(code, 0, "{text}");
 }
 
 #[tokio::test]

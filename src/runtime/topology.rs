@@ -3,7 +3,7 @@
 //! `apply` creates missing topics and reports every existing topic whose partitions or settings
 //! differ from the file; it never alters an existing topic (changing partitions of a keyed topic
 //! moves tenants between tasks — an operator decides that, not a start-up). `--dry-run` only
-//! reports. Names are `<prefix>.<name>`.
+//! reports, and exits 1 when a topic is missing (the cluster does not match the file). Names are `<prefix>.<name>`.
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
@@ -154,8 +154,13 @@ pub enum Finding {
 
 impl Finding {
     /// Worth an operator's attention: a difference, or settings that could not be compared.
+    /// The cluster does not match the topology after this run: a difference, a topic not
+    /// compared, or (in a dry run) a topic that is missing.
     pub fn needs_attention(&self) -> bool {
-        matches!(self, Finding::Differs { .. } | Finding::Unchecked { .. })
+        matches!(
+            self,
+            Finding::Differs { .. } | Finding::Unchecked { .. } | Finding::WouldCreate { .. }
+        )
     }
 }
 
