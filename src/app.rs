@@ -198,7 +198,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
     let mut ingest_thread = None;
     if matches!(config.role, Role::All | Role::Ingest) {
-        let ingest = Ingest::new(&config, clock.clone())?;
+        let ingest = Ingest::new(&config, clock.clone())?
+            .with_joining(crate::runtime::orphans::Joining::new());
         let (stop, down) = (stop.clone(), stage_down.clone());
         ingest_thread = Some(
             std::thread::Builder::new()
@@ -279,7 +280,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             .for_stage(stage, stages);
             let mut hub = HubStage::new(&config, codec.clone(), clock.clone(), Box::new(handler))
                 .with_dispatch(dispatch)
-                .with_stage(stage, router.clone());
+                .with_stage(stage, router.clone())
+                .with_joining(crate::runtime::orphans::Joining::new());
             let (stop, down) = (stop.clone(), stage_down.clone());
             hub_threads.push(
                 std::thread::Builder::new()
@@ -512,14 +514,18 @@ impl Drop for StageEnd {
     }
 }
 
-/// 200 once started, with the subscription table caught up, no store being restored and the
-/// broker answering; 503 with the first reason otherwise (and while shutting down).
+/// 200 once started, with the subscription table caught up, every loop in its consumer group
+/// (its share of the partitions handed out: see `runtime::orphans::Joining`), no store being
+/// restored and the broker answering; 503 with the first reason otherwise (and while shutting
+/// down).
 async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
     let restoring = crate::hub::task::RESTORING.load(Ordering::SeqCst) > 0;
     let why = if !h.ready.load(Ordering::SeqCst) {
         "not ready: starting or stopping"
     } else if !h.table.is_caught_up() {
         "not ready: subscription table catching up"
+    } else if crate::runtime::orphans::joining() > 0 {
+        "not ready: joining the consumer group"
     } else if restoring {
         "not ready: restoring stores"
     } else if !h.broker.load(Ordering::SeqCst) {

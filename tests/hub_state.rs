@@ -233,6 +233,71 @@ async fn two_instances_scale_out_and_back_with_exactly_once_state() {
     );
 }
 
+/// A second instance answers ready only once it has its share of the partitions: a rolling
+/// update that stops the old instance when the new one is ready must not take the partitions
+/// of both out of service at once. At the first 200, each of its groups is stable, every
+/// partition has an owner, and its hub loop holds some of the inbox.
+#[tokio::test]
+async fn a_new_instance_is_ready_only_once_its_groups_have_handed_it_its_share() {
+    let run = Run::new("joinready").await;
+    let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut a = Hub::start(&run.env(1, a_dir.path()));
+    let mut b = Hub::spawn(&run.env(2, b_dir.path()));
+    wait_until(Duration::from_secs(90), "B's /readyz", || {
+        if b.status_of("/readyz")? == 200 {
+            return Some(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        None
+    });
+    let inbox = run.inbox();
+    for (group, topic, partitions, loop_name) in [
+        (
+            format!("{}-group.hub", run.prefix),
+            inbox.as_str(),
+            6,
+            "hub",
+        ),
+        (
+            format!("{}-group", run.prefix),
+            run.topic.as_str(),
+            3,
+            "ingest",
+        ),
+    ] {
+        // Member ids start with the group instance id, `<loop>-<instance>`.
+        let b_member = format!("{loop_name}-{}-2-", run.prefix);
+        let view = describe_group(&group).unwrap_or_else(|| {
+            panic!("{group} could not be described when B was ready (a rebalance under way?)")
+        });
+        let expected: BTreeSet<(String, i32)> =
+            (0..partitions).map(|p| (topic.to_string(), p)).collect();
+        assert_eq!(view.state, "Stable", "{group} when B was ready: {view:?}");
+        assert!(
+            view.orphans(&expected).is_empty(),
+            "{group} had partitions held by nobody when B was ready: {view:?}"
+        );
+        let held: Vec<&(String, i32)> = view
+            .members
+            .iter()
+            .filter(|(id, _)| id.starts_with(&b_member))
+            .flat_map(|(_, p)| p)
+            .collect();
+        assert!(
+            view.members.iter().any(|(id, _)| id.starts_with(&b_member)),
+            "B is not a member of {group} when ready: {view:?}"
+        );
+        if loop_name == "hub" {
+            assert!(
+                !held.is_empty(),
+                "B held no inbox partition when ready: {view:?}"
+            );
+        }
+    }
+    b.terminate();
+    a.terminate();
+}
+
 fn hub_committed_total(prefix: &str) -> i64 {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())

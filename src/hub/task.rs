@@ -36,7 +36,7 @@ use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
-use crate::runtime::orphans::{Covers, GroupWatch, Rejoin};
+use crate::runtime::orphans::{Covers, GroupWatch, Joining, Rejoin};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
 use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord, VerificationState};
 use crate::runtime::store::{FastMap, Staged, Store};
@@ -1381,6 +1381,8 @@ pub struct HubStage {
     handed: Option<std::sync::mpsc::Receiver<Outcome>>,
     /// How long the next batch stays open (follows this loop's transaction times).
     window: kafka::BatchWindow,
+    /// Counted in `/readyz` until the loop is in its group (see [`Joining`]).
+    joining: Option<Joining>,
 }
 
 /// The delivery side of the hub loop: claims due jobs, hands them to the workers after the claim
@@ -1719,11 +1721,18 @@ impl HubStage {
             router: Arc::new(OutcomeRouter::default()),
             handed: None,
             window: kafka::BatchWindow::new(),
+            joining: None,
         }
     }
 
     /// Makes this loop stage `stage` of its instance: its own consumer group member and
     /// transactional id (stage 0 keeps the names of an instance with a single loop).
+    /// Counts the loop as not yet in its group (`/readyz`) until it is.
+    pub fn with_joining(mut self, joining: Joining) -> HubStage {
+        self.joining = Some(joining);
+        self
+    }
+
     pub fn with_stage(mut self, stage: usize, router: Arc<OutcomeRouter>) -> HubStage {
         self.stage = stage.min(crate::config::MAX_HUB_STAGES - 1);
         self.handed = Some(router.join(self.stage));
@@ -1810,6 +1819,7 @@ impl HubStage {
             Covers::Topic(self.env.inbox.clone()),
         );
         let mut rejoin = Rejoin::default();
+        let mut joining = self.joining.take();
 
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
@@ -1825,6 +1835,16 @@ impl HubStage {
                     "hub",
                 )
                 .map_err(KafkaError::from)?;
+            if joining.as_mut().is_some_and(|j| {
+                j.check(
+                    Some(&watch),
+                    &kafka::member_id(&consumer),
+                    kafka::membership_confirmed(&consumer, &consumer.context().membership),
+                )
+            }) {
+                joining = None;
+                tracing::info!(stage = self.stage, "hub loop is in its consumer group");
+            }
             advance_restores(&self.env, &consumer, &self.router, self.stage)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();

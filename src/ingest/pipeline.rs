@@ -34,7 +34,7 @@ use crate::ingest::classify::{
 };
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
-use crate::runtime::orphans::{Covers, GroupWatch, PosixRegex, Rejoin};
+use crate::runtime::orphans::{Covers, GroupWatch, Joining, PosixRegex, Rejoin};
 use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestTally, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
@@ -196,6 +196,8 @@ pub struct Ingest {
     inbox: String,
     quarantine: String,
     clock: SharedClock,
+    /// Counted in `/readyz` until the loop is in its group (see [`Joining`]).
+    joining: std::sync::Mutex<Option<Joining>>,
 }
 
 impl Ingest {
@@ -218,7 +220,14 @@ impl Ingest {
             quarantine: format!("{}.quarantine", config.topic_prefix),
             config: config.clone(),
             clock,
+            joining: Default::default(),
         })
+    }
+
+    /// Counts the loop as not yet in its group (`/readyz`) until it is.
+    pub fn with_joining(self, joining: Joining) -> Ingest {
+        *self.joining.lock().unwrap_or_else(|p| p.into_inner()) = Some(joining);
+        self
     }
 
     /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
@@ -255,6 +264,11 @@ impl Ingest {
             tracing::warn!(pattern = %self.config.follow_pattern, "the follow pattern is not a POSIX extended regular expression: partitions held by no member will not be looked for");
         }
         let mut rejoin = Rejoin::default();
+        let mut joining = self
+            .joining
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         let mut window = kafka::BatchWindow::new();
 
         // Not all of a huge setting up front (it would fail to allocate): the batch grows to it.
@@ -273,6 +287,16 @@ impl Ingest {
                         "ingest",
                     )
                     .map_err(KafkaError::from)?;
+            }
+            if joining.as_mut().is_some_and(|j| {
+                j.check(
+                    watch.as_deref(),
+                    &kafka::member_id(&consumer),
+                    kafka::membership_confirmed(&consumer, &consumer.context().membership),
+                )
+            }) {
+                joining = None;
+                tracing::info!("ingest loop is in its consumer group");
             }
             self.fill_batch(
                 &consumer,

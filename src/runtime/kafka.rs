@@ -876,6 +876,13 @@ pub fn wait_next_generation<C: ConsumerContext>(
 
 /// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
 /// moved since the application was last told).
+/// The consumer's member id in its group (empty before it has joined).
+pub fn member_id<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> String {
+    membership(consumer)
+        .map(|m| m.member_id)
+        .unwrap_or_default()
+}
+
 pub fn membership_confirmed<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,

@@ -26,7 +26,7 @@
 //! more rebalance round, nothing else.
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,8 @@ pub const FIRST_AFTER: u32 = 2;
 pub const PERSIST: Duration = Duration::from_secs(30);
 /// How long a set acted on is left alone if it comes back.
 pub const RETRY_AFTER: Duration = Duration::from_secs(600);
+/// How often the group is read while a loop of this process waits to be in it.
+const JOINING_READ_EVERY: Duration = Duration::from_secs(1);
 /// A finding read longer ago than this is not acted on.
 const STALE_FINDING: Duration = Duration::from_secs(60);
 /// How long a loop waits for its leave to go out before it subscribes again anyway.
@@ -255,6 +257,136 @@ impl Tracker {
     }
 }
 
+/// What a reading of the group showed, for the loops of this process waiting to be in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Seen {
+    /// The group or the partitions it should cover could not be read (no describe permission,
+    /// the coordinator moving).
+    Unreadable,
+    Read {
+        stable: bool,
+        members: BTreeSet<String>,
+        /// Some partition it should cover is held by no member.
+        orphans: bool,
+    },
+}
+
+impl Seen {
+    fn of(reading: Option<(&GroupView, &BTreeSet<Partition>)>) -> Seen {
+        match reading {
+            None => Seen::Unreadable,
+            Some((view, expected)) => Seen::Read {
+                stable: view.state == "Stable",
+                members: view.members.iter().map(|(id, _)| id.clone()).collect(),
+                orphans: !view.orphans(expected).is_empty(),
+            },
+        }
+    }
+}
+
+/// Loops of this process not yet in their group (see [`Joining`]); `/readyz` answers 503 while
+/// one is not.
+static JOINING: AtomicUsize = AtomicUsize::new(0);
+
+/// How many loops of this process are not yet in their group.
+pub fn joining() -> usize {
+    JOINING.load(Ordering::SeqCst)
+}
+
+/// A loop's wait to be in its consumer group, counted in [`joining`] from its creation (before
+/// its thread starts, so that `/readyz` cannot answer between the two) until the loop is in: a
+/// reading of the group, stable, lists the loop's member id and has every partition held by a
+/// member. Under the cooperative protocol a member that joins gets nothing in the first round
+/// and its share in the second (the owners give it up in between), so neither the member id nor
+/// the first assignment tells that the rebalance is over; a stable group with no partition held
+/// by nobody does, once the loop has served the rebalance of its current membership (so that
+/// the restores of its share are counted). A group stable with the member in it but partitions
+/// held by nobody for [`PERSIST`] counts too: that is the watch's finding to mend, not a reason
+/// to stay out of service. When the group cannot be read, a rebalance served under the loop's
+/// current membership counts.
+#[derive(Debug)]
+pub struct Joining {
+    open: bool,
+    /// When a reading first showed the member in a stable group with partitions held by nobody.
+    present_since: Option<Instant>,
+}
+
+impl Joining {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Joining {
+        JOINING.fetch_add(1, Ordering::SeqCst);
+        Joining {
+            open: true,
+            present_since: None,
+        }
+    }
+
+    /// Whether the loop is in its group now (`me`: its member id, empty if none; `confirmed`: a
+    /// rebalance was served under its current membership). Once in, it stays in: `/readyz`
+    /// tells a starting instance from a ready one, and a later rebalance is not a start.
+    pub fn check(&mut self, watch: Option<&GroupWatch>, me: &str, confirmed: bool) -> bool {
+        if !self.open {
+            return true;
+        }
+        let seen = match watch {
+            Some(w) => w.seen(),
+            None => Some((Instant::now(), Seen::Unreadable)),
+        };
+        if joined(seen.as_ref(), me, confirmed, &mut self.present_since) {
+            self.open = false;
+            JOINING.fetch_sub(1, Ordering::SeqCst);
+        }
+        !self.open
+    }
+}
+
+impl Drop for Joining {
+    fn drop(&mut self) {
+        if self.open {
+            JOINING.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The rule of [`Joining::check`] on one reading (`seen`: when it was read and what it showed).
+pub fn joined(
+    seen: Option<&(Instant, Seen)>,
+    me: &str,
+    confirmed: bool,
+    present_since: &mut Option<Instant>,
+) -> bool {
+    if me.is_empty() {
+        *present_since = None;
+        return false;
+    }
+    let Some((at, seen)) = seen else {
+        return false;
+    };
+    match seen {
+        Seen::Unreadable => confirmed,
+        Seen::Read {
+            stable,
+            members,
+            orphans,
+        } => {
+            if !*stable || !members.contains(me) {
+                *present_since = None;
+                return false;
+            }
+            // The coordinator may have handed out the loop's share before the loop served the
+            // callback that takes it (and starts its restores): in only once it has.
+            if !confirmed {
+                return false;
+            }
+            if !*orphans {
+                return true;
+            }
+            let since = *present_since.get_or_insert(*at);
+            at.duration_since(since) >= PERSIST
+        }
+    }
+}
+
 /// A POSIX extended regular expression, as librdkafka matches a subscription pattern
 /// (`regcomp(REG_EXTENDED | REG_NOSUB)` in its `rdregex.c`), so the watch expects the topics
 /// the group's members subscribe to, not those another dialect would match.
@@ -306,6 +438,8 @@ pub enum Covers {
 /// ends when the last of them drops it.
 pub struct GroupWatch {
     latest: Arc<Mutex<Option<Finding>>>,
+    /// The latest reading, and when it was read.
+    seen: Arc<Mutex<Option<(Instant, Seen)>>>,
     done: Arc<AtomicBool>,
 }
 
@@ -326,8 +460,14 @@ impl GroupWatch {
 
     fn spawn(config: &Config, group: &str, covers: Covers) -> GroupWatch {
         let latest = Arc::new(Mutex::new(None));
+        let seen = Arc::new(Mutex::new(None));
         let done = Arc::new(AtomicBool::new(false));
-        let (l, d, group) = (latest.clone(), done.clone(), group.to_string());
+        let (l, sn, d, group) = (
+            latest.clone(),
+            seen.clone(),
+            done.clone(),
+            group.to_string(),
+        );
         let client = crate::runtime::kafka::base(config).create::<BaseConsumer>();
         let every = config.session_timeout.max(Duration::from_secs(5));
         let spawned = std::thread::Builder::new()
@@ -342,19 +482,30 @@ impl GroupWatch {
                 };
                 let mut tracker = Tracker::default();
                 let mut next = Instant::now() + every;
+                let mut next_quick = Instant::now();
                 while !d.load(Ordering::Relaxed) {
                     // Serves the client's own events (errors), which nothing else reads.
                     let _ = client.poll(Duration::ZERO);
-                    if Instant::now() < next {
+                    // Every second while a loop of this process waits to be in a group (it is
+                    // out of service until a reading shows it in), every session timeout else.
+                    let now = Instant::now();
+                    let quick = joining() > 0 && now >= next_quick;
+                    if now < next && !quick {
                         std::thread::sleep(Duration::from_millis(100));
                         continue;
                     }
-                    next = Instant::now() + every;
+                    next_quick = now + JOINING_READ_EVERY;
                     let reading = read(&client, &group, &covers);
-                    let finding = tracker.observe(
-                        reading.as_ref().map(|(v, e)| (v, e)),
-                        Instant::now(),
-                    );
+                    let reading = reading.as_ref().map(|(v, e)| (v, e));
+                    *sn.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some((Instant::now(), Seen::of(reading)));
+                    if now < next {
+                        // The findings keep their cadence: members' turns are counted in
+                        // readings.
+                        continue;
+                    }
+                    next = Instant::now() + every;
+                    let finding = tracker.observe(reading, Instant::now());
                     if let Some(f) = &finding {
                         tracing::info!(group = %group, partitions = %names(&f.orphans), readings = f.times, "partitions of the group held by no member");
                     }
@@ -364,7 +515,12 @@ impl GroupWatch {
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "group watch not started");
         }
-        GroupWatch { latest, done }
+        GroupWatch { latest, seen, done }
+    }
+
+    /// The latest reading, and when it was read.
+    pub fn seen(&self) -> Option<(Instant, Seen)> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn latest(&self) -> Option<Finding> {
@@ -696,6 +852,72 @@ mod tests {
         let f = t.observe(Some((&stuck, &expected)), t0 + PERSIST).unwrap();
         assert_eq!(f.times, 2);
         assert!(f.calls_on("a"));
+    }
+
+    #[test]
+    fn a_member_is_in_its_group_once_a_stable_reading_has_every_partition_held() {
+        let expected = inbox(6);
+        let t0 = Instant::now();
+        let seen = |v: &GroupView, secs: u64| {
+            (
+                t0 + Duration::from_secs(secs),
+                Seen::of(Some((v, &expected))),
+            )
+        };
+        let mut since = None;
+        // Not joined yet; joining; the first cooperative round (b has nothing yet, what it is to
+        // get is held by nobody while a gives it up).
+        let old = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5])]);
+        assert!(!joined(Some(&seen(&old, 0)), "", false, &mut since));
+        assert!(!joined(Some(&seen(&old, 1)), "b", true, &mut since));
+        let rebalancing = view("PreparingRebalance", &[("a", &[]), ("b", &[])]);
+        assert!(!joined(Some(&seen(&rebalancing, 2)), "b", true, &mut since));
+        let between = view("Stable", &[("a", &[0, 1, 2]), ("b", &[])]);
+        assert!(!joined(Some(&seen(&between, 3)), "b", true, &mut since));
+        // The second round handed b its share: in, once b has served that rebalance.
+        let settled = view("Stable", &[("a", &[0, 1, 2]), ("b", &[3, 4, 5])]);
+        assert!(!joined(Some(&seen(&settled, 4)), "b", false, &mut since));
+        assert!(joined(Some(&seen(&settled, 4)), "b", true, &mut since));
+        // More members than partitions: a member with nothing is in when nothing is orphaned.
+        let idle = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5]), ("c", &[])]);
+        assert!(joined(Some(&seen(&idle, 5)), "c", true, &mut None));
+        // No reading yet: not in.
+        assert!(!joined(None, "b", true, &mut None));
+    }
+
+    #[test]
+    fn partitions_held_by_nobody_for_long_do_not_keep_a_member_out_or_an_unreadable_group_in() {
+        let expected = inbox(6);
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        // A stuck member holds back its partitions (the watch's finding): in after PERSIST.
+        let stuck = view("Stable", &[("squatter", &[]), ("b", &[0, 1, 2])]);
+        let mut since = None;
+        let seen = |secs| (at(secs), Seen::of(Some((&stuck, &expected))));
+        assert!(!joined(Some(&seen(10)), "b", true, &mut since));
+        assert!(!joined(Some(&seen(20)), "b", true, &mut since));
+        assert!(joined(
+            Some(&seen(10 + PERSIST.as_secs())),
+            "b",
+            true,
+            &mut since
+        ));
+        // A rebalance in between starts the span over.
+        let mut since = None;
+        assert!(!joined(Some(&seen(10)), "b", true, &mut since));
+        let moving = view("CompletingRebalance", &[("b", &[])]);
+        let r = (at(15), Seen::of(Some((&moving, &expected))));
+        assert!(!joined(Some(&r), "b", true, &mut since));
+        assert!(!joined(
+            Some(&seen(10 + PERSIST.as_secs())),
+            "b",
+            true,
+            &mut since
+        ));
+        // A group that cannot be read: in once a rebalance was served under the membership.
+        let unreadable = (at(0), Seen::Unreadable);
+        assert!(!joined(Some(&unreadable), "b", false, &mut None));
+        assert!(joined(Some(&unreadable), "b", true, &mut None));
     }
 
     #[test]
