@@ -1621,14 +1621,16 @@ async fn a_transaction_open_when_another_instance_joins_commits_and_its_events_g
         (*got.lock().unwrap() == before + events.len()).then_some(())
     });
 
-    // Another instance joins while the transaction waits for its first attempts.
-    let b = Hub::start(&another_instance(&s.hub.env, "2"));
+    // Another instance joins while the transaction waits for its first attempts. It is ready
+    // only once it has its share, which waits for this revocation, so not waited for yet.
+    let b = Hub::spawn(&another_instance(&s.hub.env, "2"));
     s.hub.wait_logged(
         Duration::from_secs(120),
         "partitions given up: waiting for their attempts in flight",
         &[&b],
     );
     gate.send(true).unwrap();
+    b.wait_ready();
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
     // Not asserted: no abort at all. A later transaction's offsets can still meet the broker's
     // refusal in the moment the next round moves the generation (seen in CI); its events were
@@ -1699,7 +1701,9 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     // The second instance without the hook: its own first transaction is not held.
     let mut env2 = another_instance(&s.hub.env, "2");
     env2.remove("STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS");
-    let b = Hub::start(&env2);
+    // Ready only once it has its share, which waits for the revocation of the attempts the
+    // sink holds: not waited for until the sink lets them end.
+    let b = Hub::spawn(&env2);
     s.hub.wait_logged(
         Duration::from_secs(120),
         "hub batch runs again at once under the group's next generation",
@@ -1711,5 +1715,6 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     );
     assert_eq!(again, 1, "one batch run again");
     gate.send(true).unwrap();
+    b.wait_ready();
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
 }

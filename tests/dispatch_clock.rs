@@ -546,6 +546,40 @@ async fn pending_jobs_of_a_disabled_subscription_are_dead_lettered_when_due() {
     );
 }
 
+/// A subscription id deleted by one tenant and written again for another (`subscriptions
+/// apply`, or any producer of the control topic): the first tenant's pending retry is dropped,
+/// never sent to the new owner's destination under the new owner's secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_retry_never_goes_to_another_tenants_subscription_under_its_id() {
+    let s = clock_hub("reuse", &[]).await;
+    let (url, sink) = start_sink(500).await;
+    let id = subscribe_with(&s, "tenant-a", &url, json!({"retry_schedule": ["1h"]})).await;
+    let ev = event("tenant-a", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&ev));
+    wait_for(&sink, 1).await; // attempt 1 of 2 failed; the retry is due within the hour
+    sink.status.store(200, Ordering::SeqCst);
+    // The id now names tenant-b's subscription, to the same destination (its sealed parts are
+    // bound to the id and the URL, so they open for tenant-b's record too).
+    let mut other = control_records(&s.prefix)[&id].clone();
+    other.tenant_id = "tenant-b".into();
+    other.version += 1;
+    write_control_record(&s, &other).await;
+    s.advance("2h").await;
+    s.wait_metric("streaming_hub_deliveries_dropped_deleted_total", 1)
+        .await;
+    // tenant-b's own events go there.
+    let mine = event("tenant-b", "ledger", "transaction", "posted");
+    produce(&producer(), &s.topic, std::slice::from_ref(&mine));
+    wait_for(&sink, 2).await;
+    let got = sink.got.lock().unwrap().clone();
+    assert_eq!(
+        got,
+        [(ev.id(), 500), (mine.id(), 200)],
+        "tenant-a's retry reached tenant-b's destination"
+    );
+    assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verified() {
     let s = clock_hub("vhold", &[]).await;

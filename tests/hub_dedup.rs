@@ -230,6 +230,59 @@ async fn duplicates_drop_replays_reprocess_and_expired_duplicates_are_new() {
     assert_eq!((last.1.as_str(), last.2, last.4), (id_a.as_str(), 2, false));
 }
 
+/// Expired entries are purged at least as fast as new ones are written: a batch purges as many
+/// as it writes and 500 more. Before, 500 per batch: a partition whose batches wrote thousands of
+/// new ids each (a hot tenant, a catch-up) kept entries past their time for good.
+#[tokio::test]
+async fn batches_purge_as_many_expired_entries_as_they_write() {
+    const N: usize = 3000;
+    let (cfg, state, inbox) = topics("dedup-purge").await;
+    let clock = clock_at("2026-09-26T12:00:00Z");
+    let p = producer();
+    let mut total = 0;
+    for (round, at) in [
+        (0, "2026-09-26T12:00:00.000Z"),
+        (1, "2026-09-27T13:00:00.000Z"),
+    ] {
+        if round == 1 {
+            clock.advance(Duration::from_secs(25 * 3600)); // every first-round entry expired
+        }
+        // One tenant: one partition, its records all in the inbox before the hub reads them,
+        // so they come in a few large batches.
+        let recs: Vec<Rec> = (0..N)
+            .map(|_| inbox_record("t1", &uuid::Uuid::now_v7().to_string(), at))
+            .collect();
+        produce(&p, &inbox, &recs);
+        total += N;
+        let rec = Recorder::default();
+        let hub = start(&cfg, &clock, &rec);
+        wait_until(Duration::from_secs(120), "the round's events", || {
+            (rec.len() >= N).then_some(())
+        });
+        wait_until(Duration::from_secs(30), "hub caught up", || {
+            group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+        });
+        hub.stop();
+    }
+    // What the stores hold: the second round's entries only.
+    let mut held = 0;
+    for e in std::fs::read_dir(state.path().join(&cfg.topic_prefix)).unwrap() {
+        let store = streaming_hub::runtime::store::Store::open(
+            &e.unwrap().path(),
+            &streaming_hub::hub::task::FAMILIES,
+        )
+        .unwrap();
+        held += store
+            .scan_from(streaming_hub::hub::dedup::DEDUP, &[], usize::MAX)
+            .unwrap()
+            .len();
+    }
+    assert_eq!(
+        held, N,
+        "dedup entries kept of {total} written, {N} of them expired"
+    );
+}
+
 /// A hub that reads its inbox more than the TTL after ingest (down for a day, a lagging
 /// `STREAMING_HUB_ROLE` split) still drops the copies: the TTL runs from when the hub first saw
 /// the id, not from the ingest time the records carry.

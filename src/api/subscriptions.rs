@@ -347,6 +347,20 @@ fn apply(
             }
             let sensitive = match &sensitive_headers {
                 Some(s) => validate_header_map("sensitive_headers", s)?,
+                // Bound to a URL that does not open here: a `422 sealed_url` asking for the URL
+                // would answer a caller who just sent it; the headers are what is missing.
+                None if rec.destination.sensitive_headers.is_some()
+                    && request_url(state, &rec).is_err() =>
+                {
+                    return Err(ApiError::new(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "sealed_headers",
+                        "the stored sensitive headers are bound to the stored URL, whose sealed \
+                         path and query do not open on this instance; send destination.url and \
+                         sensitive_headers again",
+                    )
+                    .with_field("destination.sensitive_headers"));
+                }
                 None => open_sensitive(state, &rec)?.0,
             };
             validate_header_sets(&rec.destination.headers, &sensitive)?;

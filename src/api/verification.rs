@@ -77,8 +77,11 @@ pub async fn probe_and_record(
         tracing::info!(subscription_id = %rec.id, code = e.code(), error = %e, "verification probe failed");
     }
     let _guard = state.writes.lock().await;
+    // Not written onto a record whose latest version turned unreadable here meanwhile: what
+    // this instance has of it may be stale.
+    let unreadable = state.subs.table().read().is_unreadable(&rec.id);
     let latest = match state.subs.get(&rec.id) {
-        Some(latest) if latest.destination == rec.destination => latest,
+        Some(latest) if latest.destination == rec.destination && !unreadable => latest,
         other => {
             let now = other.map(|s| (*s).clone()).unwrap_or(rec);
             return Ok((now.clone(), outcome(now.verification_state, &result)));

@@ -104,7 +104,9 @@ const QUIET_GAP: Duration = Duration::from_millis(5);
 const BACKLOG_EVERY: Duration = Duration::from_secs(10);
 const BACKLOG_TOP: usize = 10;
 const BACKLOG_CAP: usize = 100_000;
-/// Expired dedup entries purged per task per batch (bounded work, never a full scan).
+/// Expired dedup entries purged per task per batch beyond those the batch writes (bounded work,
+/// never a full scan; at least as many purged as written, so the store does not grow for good
+/// under batches that write more than this each).
 const EXPIRY_PER_BATCH: usize = 500;
 /// How long a due job waits, unattempted, while its destination's verification is pending.
 const VERIFY_HOLD_MS: i64 = 60_000;
@@ -2620,23 +2622,21 @@ fn record_outcomes(
             codec: &env.codec,
         };
         if o.not_attempted() {
-            let sub = js
-                .get_job(&o.job_key)?
-                .and_then(|j| d.table.read().get(&j.subscription_id));
-            if let Some(sub) = sub {
+            if js.get_job(&o.job_key)?.is_some() {
                 let origin = cached_origin(&mut d.origins, o.url.as_deref());
                 // Claimed (and admitted) a lease before its end.
                 d.breakers
-                    .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
+                    .unsent(&o.tenant, &origin, o.lease_until - d.lease_ms);
             }
             jobs::release_unattempted(&mut js, o, now)?;
             continue;
         }
-        // Read once: the checks below and the outcome itself use it.
+        // Read once: the checks below and the outcome itself use it. The job's tenant's
+        // subscription only: another tenant's under the same id is not this job's.
         let job = js.get_job(&o.job_key)?;
         let sub = job
             .as_ref()
-            .and_then(|j| d.table.read().get(&j.subscription_id));
+            .and_then(|j| d.table.read().get_of(&j.tenant_id, &j.subscription_id));
         let schedule = sub.as_ref().and_then(|s| s.retry_schedule.clone());
         // A failure of the hub's own (no key to open the secret, ...) sent no request: it is not
         // the destination's, so neither its breaker nor its auto-disable span hears of it.
@@ -2648,16 +2648,19 @@ fn record_outcomes(
         let current = job.as_ref().is_some_and(|j| {
             j.state == JobState::Leased && j.attempt == o.attempt && j.due_at == o.lease_until
         });
-        if let (Some(sub), true, true) = (&sub, sent_nothing, current) {
+        // The breaker is the origin's (the tenant's and the URL the attempt went to): it hears
+        // of an attempt whose subscription was deleted meanwhile too, or a probe's slot would
+        // stay taken until it is given up as lost.
+        if sent_nothing && current {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
             d.breakers
-                .unsent(&sub.tenant_id, &origin, o.lease_until - d.lease_ms);
+                .unsent(&o.tenant, &origin, o.lease_until - d.lease_ms);
         }
-        if let (Some(sub), false) = (&sub, sent_nothing) {
+        if !sent_nothing && job.is_some() {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
-            if let Some(t) = d.breakers.record(&sub.tenant_id, &origin, o.success(), now) {
+            if let Some(t) = d.breakers.record(&o.tenant, &origin, o.success(), now) {
                 telemetry::BreakerChanged {
-                    tenant: &sub.tenant_id,
+                    tenant: &o.tenant,
                     origin: &origin,
                     opened: t == breaker::Transition::Opened,
                 }
@@ -2673,7 +2676,10 @@ fn record_outcomes(
             if let health::Verdict::Disable { reason } =
                 health::record(&mut js, &sub.id, o.success(), now, sub.updated_at, &gates)?
             {
-                if sub.enabled {
+                // Not written from a record this instance cannot read the latest version of:
+                // the copy here may be stale, and the write would undo the newer one. (Its jobs
+                // are held meanwhile; the next failure once it reads is judged again.)
+                if sub.enabled && !d.table.read().is_unreadable(&sub.id) {
                     let mut disabled = (**sub).clone();
                     disabled.enabled = false;
                     disabled.disabled_reason = Some(reason.clone());
@@ -2977,11 +2983,13 @@ fn claim(
     let (sub, unreadable) = {
         let table = d.table.read();
         let id = &job.subscription_id;
-        (table.get(id), table.is_unreadable(id))
+        (table.get_of(&job.tenant_id, id), table.is_unreadable(id))
     };
     if sub.is_none() && !unreadable {
-        // The subscription was deleted: its pending deliveries go with it.
+        // The subscription was deleted (or its id is another tenant's now): its pending
+        // deliveries go with it.
         js.finish_job_quietly(&key, &job)?;
+        telemetry::dropped_deleted(&job.subscription_id, &job.tenant_id);
         return Ok(false);
     }
     if sub.as_ref().is_some_and(|s| !s.enabled) && !unreadable {
@@ -3346,12 +3354,15 @@ fn purge_expired(
     now: i64,
 ) -> Result<(), HubError> {
     // Only the expired keys at the front are read (copying 500 live keys per task per
-    // transaction was half of the hub's CPU under load).
+    // transaction was half of the hub's CPU under load). As many as the batch writes, and 500
+    // more: a hot tenant's partition (batches of thousands of new ids) or a catch-up would
+    // otherwise write entries faster than they are purged.
+    let budget = EXPIRY_PER_BATCH + st.puts_in(DEDUP_EXPIRY).count();
     let mut candidates: Vec<Vec<u8>> = Vec::new();
     store.visit_from(
         DEDUP_EXPIRY,
         &[],
-        EXPIRY_PER_BATCH,
+        budget,
         |ikey| match dedup::split_expiry_key(ikey) {
             Some((expires_at, _)) if expires_at > now => false,
             _ => {

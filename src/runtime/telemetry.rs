@@ -655,6 +655,19 @@ impl Held<'_> {
     }
 }
 
+pub const DROPPED_DELETED: &str = "streaming_hub_deliveries_dropped_deleted_total";
+
+/// A due delivery whose subscription was deleted (or whose id another tenant's subscription
+/// holds now) was finished with no attempt.
+pub fn dropped_deleted(subscription_id: &str, tenant: &str) {
+    counter!(DROPPED_DELETED).increment(1);
+    tracing::debug!(
+        subscription_id,
+        tenant,
+        "due delivery dropped: its subscription was deleted"
+    );
+}
+
 pub const AUTO_DISABLED: &str = "streaming_hub_auto_disabled_total";
 
 /// A subscription was auto-disabled.

@@ -265,17 +265,21 @@ impl PendingRetrier {
     pub async fn run_pass(&mut self) -> PassReport {
         self.pass += 1;
         let pass = self.pass;
-        let pending: Vec<Sub> = self
-            .subs
-            .table()
-            .read()
-            .iter()
-            .filter(|s| {
-                s.destination.kind == DestinationType::Webhook
-                    && s.verification_state == VerificationState::Pending
-            })
-            .cloned()
-            .collect();
+        // Not one whose latest record this instance cannot read: what it has may be stale (a
+        // newer version made it active), and a verdict written onto it would undo the newer one.
+        let pending: Vec<Sub> = {
+            let table = self.subs.table();
+            let table = table.read();
+            table
+                .iter()
+                .filter(|s| {
+                    s.destination.kind == DestinationType::Webhook
+                        && s.verification_state == VerificationState::Pending
+                        && !table.is_unreadable(&s.id)
+                })
+                .cloned()
+                .collect()
+        };
         self.attempts
             .retain(|(id, v), _| pending.iter().any(|s| s.id == *id && s.version == *v));
         let mut due = Vec::new();
@@ -359,6 +363,9 @@ impl PendingRetrier {
         let Some(latest) = self.subs.get(&probed.id) else {
             return Ok(false);
         };
+        if self.subs.table().read().is_unreadable(&probed.id) {
+            return Ok(false); // its latest record became unreadable while the probe ran
+        }
         if latest.version != probed.version
             || latest.verification_state != VerificationState::Pending
             || latest.destination != probed.destination
@@ -533,6 +540,29 @@ mod tests {
         subs.table()
             .apply(|t| t.read_record(&probed.id, Some(probed.clone()), 0, 2));
         assert!(r.record(&probed, VerificationState::Active).await.unwrap());
+    }
+
+    /// A subscription whose latest control record this instance cannot read (a newer version
+    /// of the hub wrote it, maybe active by now) is neither probed nor written over.
+    #[tokio::test]
+    async fn a_pending_webhook_whose_latest_record_is_unreadable_is_left_alone() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(usize::MAX).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.put(sub.clone()).await.unwrap();
+        subs.table()
+            .apply(|t| t.read_unreadable(&sub.id, 0, 1_000_000));
+        for _ in 0..40 {
+            r.run_pass().await;
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), 0, "probed");
+        assert_eq!(subs.get(&sub.id).unwrap().version, sub.version, "written");
+        // A verdict of a probe that was under way when the record turned unreadable.
+        assert!(!r.record(&sub, VerificationState::Failed).await.unwrap());
+        assert_eq!(
+            subs.get(&sub.id).unwrap().verification_state,
+            VerificationState::Pending
+        );
     }
 
     #[tokio::test]

@@ -181,6 +181,15 @@ impl Table {
         self.by_id.get(id).cloned()
     }
 
+    /// `tenant`'s subscription `id`: a record of another tenant under that id (one deleted and
+    /// applied again for another tenant) is, for `tenant`'s jobs, a deleted subscription.
+    pub fn get_of(&self, tenant: &str, id: &str) -> Option<Sub> {
+        self.by_id
+            .get(id)
+            .filter(|s| s.tenant_id == tenant)
+            .cloned()
+    }
+
     /// Every subscription, in no particular order (background scans, such as the pending retrier).
     pub fn iter(&self) -> impl Iterator<Item = &Sub> {
         self.by_id.values()

@@ -502,7 +502,7 @@ impl Hub {
         );
     }
 
-    fn wait_ready(&self) {
+    pub fn wait_ready(&self) {
         wait_until(Duration::from_secs(60), "hub /readyz", || {
             (self.status_of("/readyz")? == 200).then_some(())
         });

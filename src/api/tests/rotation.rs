@@ -563,3 +563,77 @@ async fn a_url_query_is_sealed_shown_redacted_and_a_url_sent_back_as_shown_keeps
     );
     assert!(!p.text.contains("rotated_key"), "{}", p.text);
 }
+
+/// A webhook whose sealed URL no longer opens here (sealed for another record, or under a key
+/// removed before reseal) and which has sensitive headers: a PATCH with a new URL alone is
+/// `422 sealed_headers` naming the headers (bound to the URL that does not open), not the
+/// `sealed_url` that asks for the URL just sent; with both, it is mended.
+#[tokio::test]
+async fn mending_a_sealed_url_that_does_not_open_asks_for_the_sensitive_headers_it_binds() {
+    let h = Harness::new();
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let mut body = webhook_body(&format!("{}?code=fn_key_topsecret", hook.url));
+    body["destination"]["sensitive_headers"] = json!({"Authorization": "Bearer sk_live_mine"});
+    let a = h.post("/v1/subscriptions", &token, body).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let id = a.body["id"].as_str().unwrap().to_string();
+    let uri = format!("/v1/subscriptions/{id}");
+    // Its sealed target replaced by one sealed for another subscription: it does not open.
+    let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
+    let other = crate::subscriptions::sealed_url::seal(
+        &h.state.kek,
+        &uuid::Uuid::now_v7().to_string(),
+        &format!("{}?code=elsewhere", hook.url),
+    );
+    rec.destination.sealed_target = other.sealed_target;
+    rec.version += 1;
+    h.state.subs.table().apply(|t| t.upsert(rec));
+    let v = h
+        .call(
+            Method::POST,
+            &format!("{uri}/verify"),
+            Some(&token),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(v.body["error"]["code"], "sealed_url", "{}", v.text);
+
+    let mended = format!("{}?code=new_key", hook.url);
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"destination": {"type": "webhook", "url": mended}})),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (
+            p.status,
+            &p.body["error"]["code"],
+            &p.body["error"]["field"]
+        ),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &json!("sealed_headers"),
+            &json!("destination.sensitive_headers")
+        ),
+        "{}",
+        p.text
+    );
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(json!({"destination": {"type": "webhook", "url": mended,
+                "sensitive_headers": {"Authorization": "Bearer sk_live_mine"}}})),
+            &[],
+        )
+        .await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.text);
+    assert_eq!(p.body["verification_state"], "active", "{}", p.text);
+}
