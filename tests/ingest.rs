@@ -789,9 +789,10 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
 
     produce(&p, &topic, &batch(20));
     // The first instance in the group is assigned both partitions and waits for the
-    // transaction; the second joins, which takes one partition away while it waits.
-    let mut a = Hub::start(&env);
-    let mut b = Hub::start(&another_instance(&env, "2"));
+    // transaction; the second joins, which takes one partition away while it waits. Neither is
+    // ready before the transaction ends (their assignments wait for it): not waited for.
+    let mut a = Hub::spawn(&env);
+    let mut b = Hub::spawn(&another_instance(&env, "2"));
     let members = || -> Option<usize> {
         let probe: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", brokers())
@@ -830,6 +831,8 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
     wait_until(Duration::from_secs(120), "all 40 ingested", || {
         group_caught_up(&group, &topic).then_some(())
     });
+    a.wait_ready();
+    b.wait_ready();
     a.terminate();
     b.terminate();
     let got = read_all(&[&inbox], Duration::from_secs(60));

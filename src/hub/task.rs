@@ -1727,14 +1727,14 @@ impl HubStage {
         }
     }
 
-    /// Makes this loop stage `stage` of its instance: its own consumer group member and
-    /// transactional id (stage 0 keeps the names of an instance with a single loop).
     /// Counts the loop as not yet in its group (`/readyz`) until it is.
     pub fn with_joining(mut self, joining: Joining) -> HubStage {
         self.joining = Some(joining);
         self
     }
 
+    /// Makes this loop stage `stage` of its instance: its own consumer group member and
+    /// transactional id (stage 0 keeps the names of an instance with a single loop).
     pub fn with_stage(mut self, stage: usize, router: Arc<OutcomeRouter>) -> HubStage {
         self.stage = stage.min(crate::config::MAX_HUB_STAGES - 1);
         self.handed = Some(router.join(self.stage));
@@ -2667,7 +2667,13 @@ fn record_outcomes(
                 .emit();
             }
         }
-        if let (Some(sub), false) = (&sub, hub_side) {
+        // Not for a subscription whose latest record this instance cannot read: a verdict to
+        // disable it could not be written (the copy here may be stale, and the write would undo
+        // the newer one), and the span is spent once judged. Its jobs are held meanwhile.
+        let unreadable = sub
+            .as_ref()
+            .is_some_and(|s| d.table.read().is_unreadable(&s.id));
+        if let (Some(sub), false, false) = (&sub, hub_side, unreadable) {
             let gates = health::Gates {
                 enabled: env.config.autodisable_enabled,
                 window_ms: env.config.autodisable_failure_window.as_millis() as i64,
@@ -2676,10 +2682,7 @@ fn record_outcomes(
             if let health::Verdict::Disable { reason } =
                 health::record(&mut js, &sub.id, o.success(), now, sub.updated_at, &gates)?
             {
-                // Not written from a record this instance cannot read the latest version of:
-                // the copy here may be stale, and the write would undo the newer one. (Its jobs
-                // are held meanwhile; the next failure once it reads is judged again.)
-                if sub.enabled && !d.table.read().is_unreadable(&sub.id) {
+                if sub.enabled {
                     let mut disabled = (**sub).clone();
                     disabled.enabled = false;
                     disabled.disabled_reason = Some(reason.clone());

@@ -874,8 +874,6 @@ pub fn wait_next_generation<C: ConsumerContext>(
     }
 }
 
-/// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
-/// moved since the application was last told).
 /// The consumer's member id in its group (empty before it has joined).
 pub fn member_id<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> String {
     membership(consumer)
@@ -883,6 +881,8 @@ pub fn member_id<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> String {
         .unwrap_or_default()
 }
 
+/// Whether the consumer's membership is the one its last rebalance callback ran under (nothing
+/// moved since the application was last told).
 pub fn membership_confirmed<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     confirmed: &ConfirmedMembership,

@@ -170,6 +170,14 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// The set held back now (left alone after the rejoins it called for), if any.
+    pub fn held(&self) -> Option<&BTreeSet<Partition>> {
+        self.current
+            .as_ref()
+            .filter(|_| self.holding)
+            .map(|f| &f.orphans)
+    }
+
     /// One reading: the group and the partitions it should cover (`None` when either could not
     /// be read: the count stays, nothing is published). Returns the finding to publish.
     pub fn observe(
@@ -261,25 +269,36 @@ impl Tracker {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Seen {
     /// The group or the partitions it should cover could not be read (no describe permission,
-    /// the coordinator moving).
+    /// a broker or the coordinator moving), or the watch could not start.
     Unreadable,
+    /// No topic the group should cover exists (a follow pattern that matches nothing yet): a
+    /// member joins no group then (librdkafka sends no JoinGroup), and there is nothing to hand
+    /// out.
+    NothingToCover,
     Read {
         stable: bool,
         members: BTreeSet<String>,
         /// Some partition it should cover is held by no member.
         orphans: bool,
+        /// Those partitions are a set the watch has given up on for now (every member had its
+        /// turn, or it came back after the rejoins: see [`Tracker`]).
+        held_back: bool,
     },
 }
 
 impl Seen {
-    fn of(reading: Option<(&GroupView, &BTreeSet<Partition>)>) -> Seen {
-        match reading {
-            None => Seen::Unreadable,
-            Some((view, expected)) => Seen::Read {
-                stable: view.state == "Stable",
-                members: view.members.iter().map(|(id, _)| id.clone()).collect(),
-                orphans: !view.orphans(expected).is_empty(),
-            },
+    /// `held`: the set the watch holds back now, if any.
+    fn of(
+        view: &GroupView,
+        expected: &BTreeSet<Partition>,
+        held: Option<&BTreeSet<Partition>>,
+    ) -> Seen {
+        let orphans = view.orphans(expected);
+        Seen::Read {
+            stable: view.state == "Stable",
+            members: view.members.iter().map(|(id, _)| id.clone()).collect(),
+            held_back: !orphans.is_empty() && held == Some(&orphans),
+            orphans: !orphans.is_empty(),
         }
     }
 }
@@ -294,21 +313,14 @@ pub fn joining() -> usize {
 }
 
 /// A loop's wait to be in its consumer group, counted in [`joining`] from its creation (before
-/// its thread starts, so that `/readyz` cannot answer between the two) until the loop is in: a
-/// reading of the group, stable, lists the loop's member id and has every partition held by a
-/// member. Under the cooperative protocol a member that joins gets nothing in the first round
-/// and its share in the second (the owners give it up in between), so neither the member id nor
-/// the first assignment tells that the rebalance is over; a stable group with no partition held
-/// by nobody does, once the loop has served the rebalance of its current membership (so that
-/// the restores of its share are counted). A group stable with the member in it but partitions
-/// held by nobody for [`PERSIST`] counts too: that is the watch's finding to mend, not a reason
-/// to stay out of service. When the group cannot be read, a rebalance served under the loop's
-/// current membership counts.
+/// its thread starts, so that `/readyz` cannot answer between the two) until the loop is in (see
+/// [`joined`]). Once in, it stays in: `/readyz` tells a starting instance from a ready one, and
+/// a later rebalance is not a start.
 #[derive(Debug)]
 pub struct Joining {
     open: bool,
-    /// When a reading first showed the member in a stable group with partitions held by nobody.
-    present_since: Option<Instant>,
+    /// Since when the readings have been unreadable without a break.
+    unreadable_since: Option<Instant>,
 }
 
 impl Joining {
@@ -317,22 +329,29 @@ impl Joining {
         JOINING.fetch_add(1, Ordering::SeqCst);
         Joining {
             open: true,
-            present_since: None,
+            unreadable_since: None,
         }
     }
 
-    /// Whether the loop is in its group now (`me`: its member id, empty if none; `confirmed`: a
-    /// rebalance was served under its current membership). Once in, it stays in: `/readyz`
-    /// tells a starting instance from a ready one, and a later rebalance is not a start.
+    /// Whether the loop is in its group now (`watch`: its group's, `None` for a loop running
+    /// unwatched; `me`: its member id, empty if none; `confirmed`: a rebalance was served under
+    /// its current membership).
     pub fn check(&mut self, watch: Option<&GroupWatch>, me: &str, confirmed: bool) -> bool {
         if !self.open {
             return true;
         }
+        let now = Instant::now();
         let seen = match watch {
-            Some(w) => w.seen(),
-            None => Some((Instant::now(), Seen::Unreadable)),
+            Some(w) => w.seen().map(|(_, s)| s),
+            None => Some(Seen::Unreadable),
         };
-        if joined(seen.as_ref(), me, confirmed, &mut self.present_since) {
+        if joined(
+            seen.as_ref(),
+            me,
+            confirmed,
+            &mut self.unreadable_since,
+            now,
+        ) {
             self.open = false;
             JOINING.fetch_sub(1, Ordering::SeqCst);
         }
@@ -348,41 +367,43 @@ impl Drop for Joining {
     }
 }
 
-/// The rule of [`Joining::check`] on one reading (`seen`: when it was read and what it showed).
+/// Whether a loop is in its group, from the latest reading (`seen`), its member id (`me`) and
+/// whether it served the rebalance of its current membership (`confirmed`).
+///
+/// In: the group is stable, lists `me`, has every partition held by a member, and the loop has
+/// served that rebalance (so the restores of its share are counted). Under the cooperative
+/// protocol a member that joins gets nothing in the first round and its share in the second (the
+/// owners give it up in between: their partitions show as held by nobody), so neither the member
+/// id nor the first assignment tells that the rebalance is over. Partitions held by nobody that
+/// the watch has given up on do not keep a member out. With nothing to cover, a loop is in at
+/// once. A group that cannot be read for [`PERSIST`] without a break (no describe permission)
+/// falls back to `confirmed`: one failed reading (a broker restarting) is not enough.
 pub fn joined(
-    seen: Option<&(Instant, Seen)>,
+    seen: Option<&Seen>,
     me: &str,
     confirmed: bool,
-    present_since: &mut Option<Instant>,
+    unreadable_since: &mut Option<Instant>,
+    now: Instant,
 ) -> bool {
-    if me.is_empty() {
-        *present_since = None;
-        return false;
-    }
-    let Some((at, seen)) = seen else {
-        return false;
-    };
     match seen {
-        Seen::Unreadable => confirmed,
-        Seen::Read {
+        None => false,
+        Some(Seen::NothingToCover) => true,
+        Some(Seen::Unreadable) => {
+            let since = *unreadable_since.get_or_insert(now);
+            !me.is_empty() && confirmed && now.duration_since(since) >= PERSIST
+        }
+        Some(Seen::Read {
             stable,
             members,
             orphans,
-        } => {
-            if !*stable || !members.contains(me) {
-                *present_since = None;
-                return false;
-            }
-            // The coordinator may have handed out the loop's share before the loop served the
-            // callback that takes it (and starts its restores): in only once it has.
-            if !confirmed {
-                return false;
-            }
-            if !*orphans {
-                return true;
-            }
-            let since = *present_since.get_or_insert(*at);
-            at.duration_since(since) >= PERSIST
+            held_back,
+        }) => {
+            *unreadable_since = None;
+            !me.is_empty()
+                && *stable
+                && members.contains(me)
+                && confirmed
+                && (!*orphans || *held_back)
         }
     }
 }
@@ -477,6 +498,8 @@ impl GroupWatch {
                     Ok(c) => c,
                     Err(e) => {
                         tracing::warn!(error = %e, group = %group, "group watch not started");
+                        *sn.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some((Instant::now(), Seen::Unreadable));
                         return;
                     }
                 };
@@ -495,10 +518,9 @@ impl GroupWatch {
                         continue;
                     }
                     next_quick = now + JOINING_READ_EVERY;
-                    let reading = read(&client, &group, &covers);
+                    let (reading, seen) = read(&client, &group, &covers, tracker.held());
                     let reading = reading.as_ref().map(|(v, e)| (v, e));
-                    *sn.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some((Instant::now(), Seen::of(reading)));
+                    *sn.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), seen));
                     if now < next {
                         // The findings keep their cadence: members' turns are counted in
                         // readings.
@@ -514,6 +536,8 @@ impl GroupWatch {
             });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "group watch not started");
+            *seen.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((Instant::now(), Seen::Unreadable));
         }
         GroupWatch { latest, seen, done }
     }
@@ -540,13 +564,28 @@ impl Drop for GroupWatch {
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The group's description and the partitions it should cover, or `None` if either could not
-/// be read (or the group is not a consumer group whose assignments parse).
+/// be read (or the group is not a consumer group whose assignments parse); and what that tells
+/// a loop waiting to be in the group (`held`: the set the tracker holds back now, if any).
 fn read(
     client: &BaseConsumer,
     group: &str,
     covers: &Covers,
-) -> Option<(GroupView, BTreeSet<Partition>)> {
-    let view = describe(client, group)?;
+    held: Option<&BTreeSet<Partition>>,
+) -> (Option<(GroupView, BTreeSet<Partition>)>, Seen) {
+    let Some(expected) = covered(client, covers) else {
+        return (None, Seen::Unreadable);
+    };
+    let view = describe(client, group);
+    let seen = match &view {
+        _ if expected.is_empty() => Seen::NothingToCover,
+        None => Seen::Unreadable,
+        Some(v) => Seen::of(v, &expected, held),
+    };
+    (view.map(|v| (v, expected)), seen)
+}
+
+/// The partitions the group should cover, or `None` if the metadata could not be read.
+fn covered(client: &BaseConsumer, covers: &Covers) -> Option<BTreeSet<Partition>> {
     let metadata = match covers {
         Covers::Topic(t) => client.fetch_metadata(Some(t), READ_TIMEOUT).ok()?,
         Covers::Pattern(_) => client.fetch_metadata(None, READ_TIMEOUT).ok()?,
@@ -565,7 +604,7 @@ fn read(
             );
         }
     }
-    Some((view, expected))
+    Some(expected)
 }
 
 /// A consumer group as its coordinator describes it (`None` if it cannot be read, or it is not
@@ -857,67 +896,93 @@ mod tests {
     #[test]
     fn a_member_is_in_its_group_once_a_stable_reading_has_every_partition_held() {
         let expected = inbox(6);
-        let t0 = Instant::now();
-        let seen = |v: &GroupView, secs: u64| {
-            (
-                t0 + Duration::from_secs(secs),
-                Seen::of(Some((v, &expected))),
-            )
-        };
-        let mut since = None;
+        let now = Instant::now();
+        let seen = |v: &GroupView| Seen::of(v, &expected, None);
+        let is_in =
+            |s: &Seen, me: &str, confirmed: bool| joined(Some(s), me, confirmed, &mut None, now);
         // Not joined yet; joining; the first cooperative round (b has nothing yet, what it is to
         // get is held by nobody while a gives it up).
         let old = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5])]);
-        assert!(!joined(Some(&seen(&old, 0)), "", false, &mut since));
-        assert!(!joined(Some(&seen(&old, 1)), "b", true, &mut since));
+        assert!(!is_in(&seen(&old), "", false));
+        assert!(!is_in(&seen(&old), "b", true));
         let rebalancing = view("PreparingRebalance", &[("a", &[]), ("b", &[])]);
-        assert!(!joined(Some(&seen(&rebalancing, 2)), "b", true, &mut since));
+        assert!(!is_in(&seen(&rebalancing), "b", true));
         let between = view("Stable", &[("a", &[0, 1, 2]), ("b", &[])]);
-        assert!(!joined(Some(&seen(&between, 3)), "b", true, &mut since));
+        assert!(!is_in(&seen(&between), "b", true));
+        // However long the owner takes to give them up (its revocation waiting for attempts).
+        assert!(!joined(
+            Some(&seen(&between)),
+            "b",
+            true,
+            &mut None,
+            now + PERSIST * 10
+        ));
         // The second round handed b its share: in, once b has served that rebalance.
         let settled = view("Stable", &[("a", &[0, 1, 2]), ("b", &[3, 4, 5])]);
-        assert!(!joined(Some(&seen(&settled, 4)), "b", false, &mut since));
-        assert!(joined(Some(&seen(&settled, 4)), "b", true, &mut since));
+        assert!(!is_in(&seen(&settled), "b", false));
+        assert!(is_in(&seen(&settled), "b", true));
         // More members than partitions: a member with nothing is in when nothing is orphaned.
         let idle = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5]), ("c", &[])]);
-        assert!(joined(Some(&seen(&idle, 5)), "c", true, &mut None));
+        assert!(is_in(&seen(&idle), "c", true));
         // No reading yet: not in.
-        assert!(!joined(None, "b", true, &mut None));
+        assert!(!joined(None, "b", true, &mut None, now));
+        // Nothing to cover (a follow pattern that matches no topic yet): in, with no member id.
+        assert!(is_in(&Seen::NothingToCover, "", false));
     }
 
     #[test]
-    fn partitions_held_by_nobody_for_long_do_not_keep_a_member_out_or_an_unreadable_group_in() {
+    fn a_set_the_watch_gave_up_on_does_not_keep_a_member_out_nor_does_a_brief_unreadable_spell_let_it_in()
+     {
         let expected = inbox(6);
-        let t0 = Instant::now();
-        let at = |secs: u64| t0 + Duration::from_secs(secs);
-        // A stuck member holds back its partitions (the watch's finding): in after PERSIST.
+        let now = Instant::now();
+        // Partitions held by nobody that the watch has given up on for now.
         let stuck = view("Stable", &[("squatter", &[]), ("b", &[0, 1, 2])]);
+        let held = stuck.orphans(&expected);
         let mut since = None;
-        let seen = |secs| (at(secs), Seen::of(Some((&stuck, &expected))));
-        assert!(!joined(Some(&seen(10)), "b", true, &mut since));
-        assert!(!joined(Some(&seen(20)), "b", true, &mut since));
-        assert!(joined(
-            Some(&seen(10 + PERSIST.as_secs())),
-            "b",
-            true,
-            &mut since
-        ));
-        // A rebalance in between starts the span over.
-        let mut since = None;
-        assert!(!joined(Some(&seen(10)), "b", true, &mut since));
-        let moving = view("CompletingRebalance", &[("b", &[])]);
-        let r = (at(15), Seen::of(Some((&moving, &expected))));
-        assert!(!joined(Some(&r), "b", true, &mut since));
         assert!(!joined(
-            Some(&seen(10 + PERSIST.as_secs())),
+            Some(&Seen::of(&stuck, &expected, None)),
             "b",
             true,
-            &mut since
+            &mut since,
+            now
         ));
-        // A group that cannot be read: in once a rebalance was served under the membership.
-        let unreadable = (at(0), Seen::Unreadable);
-        assert!(!joined(Some(&unreadable), "b", false, &mut None));
-        assert!(joined(Some(&unreadable), "b", true, &mut None));
+        assert!(joined(
+            Some(&Seen::of(&stuck, &expected, Some(&held))),
+            "b",
+            true,
+            &mut since,
+            now
+        ));
+        // Another set held back (an older one) does not let a member in.
+        let between = view("Stable", &[("a", &[0, 1]), ("b", &[])]);
+        assert!(!joined(
+            Some(&Seen::of(&between, &expected, Some(&held))),
+            "b",
+            true,
+            &mut since,
+            now
+        ));
+        // A group that cannot be read: in once a rebalance was served under the membership and
+        // the readings stayed unreadable for PERSIST.
+        let mut since = None;
+        let u = Some(&Seen::Unreadable);
+        assert!(!joined(u, "b", true, &mut since, now));
+        assert!(!joined(u, "b", true, &mut since, now + PERSIST / 2));
+        assert!(!joined(u, "b", false, &mut since, now + PERSIST));
+        assert!(!joined(u, "", true, &mut since, now + PERSIST));
+        assert!(joined(u, "b", true, &mut since, now + PERSIST));
+        // A readable reading in between starts the spell over.
+        let mut since = None;
+        assert!(!joined(u, "b", true, &mut since, now));
+        assert!(!joined(
+            Some(&Seen::of(&between, &expected, None)),
+            "b",
+            true,
+            &mut since,
+            now + PERSIST / 2
+        ));
+        assert!(!joined(u, "b", true, &mut since, now + PERSIST));
+        assert!(joined(u, "b", true, &mut since, now + PERSIST * 2));
     }
 
     #[test]

@@ -153,8 +153,7 @@ pub enum Finding {
 }
 
 impl Finding {
-    /// Worth an operator's attention: a difference, or settings that could not be compared.
-    /// The cluster does not match the topology after this run: a difference, a topic not
+    /// Worth an operator's attention (exit 1): the cluster does not match the topology after this run: a difference, a topic not
     /// compared, or (in a dry run) a topic that is missing.
     pub fn needs_attention(&self) -> bool {
         matches!(

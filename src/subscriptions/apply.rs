@@ -266,6 +266,8 @@ pub enum Step {
     Update {
         rec: SubscriptionRecord,
         url_changed: bool,
+        /// The record it was planned from: written only if the table still holds it.
+        base: Box<SubscriptionRecord>,
     },
     Unchanged {
         id: String,
@@ -282,6 +284,7 @@ impl Step {
             Step::Update {
                 rec,
                 url_changed: true,
+                ..
             } => Some(rec),
             _ => None,
         }
@@ -437,6 +440,22 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
             DestinationType::Webhook,
         ) => {
             next.destination.headers = headers;
+            // A sealed URL that does not open, with no signing secret of the record opening
+            // either: the key is wrong (a stale STREAMING_HUB_KEK), not the record. Sealing the
+            // file's URL again under it would leave a URL no running instance opens.
+            let key_opens = || {
+                current
+                    .signing_secrets
+                    .iter()
+                    .any(|s| kek.open_secret(s, &current.id).is_ok())
+            };
+            if current.destination.sealed_target.is_some()
+                && let Err(e) =
+                    sealed_url::request_url(Some(kek), &current.id, &current.destination)
+                && !key_opens()
+            {
+                return Err(Planned::Sealed(current.id.clone(), e));
+            }
             // The file names the URL as given (or as the API shows it): compared with the one
             // requests go to, so a sealed URL is no change.
             url_changed =
@@ -466,12 +485,7 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
                 // Only when the same record's signing secrets open, which shows the key is right:
                 // under a wrong STREAMING_HUB_KEK every entry would be sealed again under it, and
                 // the running instances could not open any.
-                Err(e)
-                    if current
-                        .signing_secrets
-                        .iter()
-                        .any(|s| kek.open_secret(s, &current.id).is_ok()) =>
-                {
+                Err(e) if key_opens() => {
                     tracing::warn!(subscription_id = %current.id, error = %e, "stored sensitive headers do not open; sealed again from the file");
                     true
                 }
@@ -510,6 +524,7 @@ fn update(d: Desired, current: &SubscriptionRecord, kek: &Kek, now: i64) -> Resu
     Ok(Step::Update {
         rec: next,
         url_changed,
+        base: Box::new(current.clone()),
     })
 }
 
@@ -591,7 +606,7 @@ pub async fn execute(
         .await;
     let mut summary = Summary::default();
     for (step, probe) in steps.into_iter().zip(probes) {
-        let (mut rec, secret, verb) = match step {
+        let (mut rec, secret, verb, base) = match step {
             Step::Unchanged { id } => {
                 emit(out, &format!("unchanged {id}"))?;
                 summary.unchanged += 1;
@@ -601,8 +616,8 @@ pub async fn execute(
                 rec,
                 secret,
                 generated,
-            } => (rec, secret.filter(|_| generated), "created"),
-            Step::Update { rec, .. } => (rec, None, "updated"),
+            } => (rec, secret.filter(|_| generated), "created", None),
+            Step::Update { rec, base, .. } => (rec, None, "updated", Some(base)),
         };
         let mut why = String::new();
         match &probe {
@@ -618,11 +633,25 @@ pub async fn execute(
         }
         let (id, version, state) = (rec.id.clone(), rec.version, rec.verification_state);
         // Planned from the table as it was before the probes (up to 15 s each): written only if
-        // no other writer changed it since. Written over such a change, its lower or equal
-        // version lost that writer's update without a word.
-        let now = subs.get(&id).map(|s| s.version);
-        if now != version.checked_sub(1).filter(|v| *v > 0) {
-            let now = now.map_or("deleted".to_string(), |v| format!("now v{v}"));
+        // no other writer changed it since (the same record, not only the same version: another
+        // writer may have sent a version number back) and its latest record is still readable
+        // here. Written over such a change, it lost that writer's update without a word.
+        let (now, unreadable) = {
+            let table = subs.table();
+            let table = table.read();
+            (table.get(&id), table.is_unreadable(&id))
+        };
+        let same = match (&now, &base) {
+            (None, None) => true,
+            (Some(now), Some(base)) => **now == **base,
+            _ => false,
+        };
+        if !same || unreadable {
+            let now = match now {
+                _ if unreadable => "its latest record unreadable here".to_string(),
+                None => "deleted".to_string(),
+                Some(s) => format!("now v{}", s.version),
+            };
             emit(
                 out,
                 &format!(
@@ -892,9 +921,9 @@ fn resealed(
 /// `--bind-unbound`, a one-off step of an upgrade run while the control topic is trusted, it
 /// binds sensitive headers sealed before headers were bound to their URL (until then not sent
 /// unless `STREAMING_HUB_SEND_UNBOUND_HEADERS` is on). Prints `resealed <id> v<version>` per
-/// subscription; returns the exit code: 0 all done, 2 some did not open or changed while being
-/// sealed (run it again) or the KEK is missing, 3 the control topic could not be read or
-/// written.
+/// subscription; returns the exit code: 0 all done, 2 some did not open, changed while being
+/// sealed (run it again) or have a latest record this version cannot read (left alone: run the
+/// newer version's), or the KEK is missing, 3 the control topic could not be read or written.
 pub async fn reseal_command(config: &Config, bind_unbound: bool) -> u8 {
     let who = "streaming-hub subscriptions reseal";
     let mut out = std::io::stdout();
@@ -908,18 +937,31 @@ pub async fn reseal_command(config: &Config, bind_unbound: bool) -> u8 {
     for id in &report.moved {
         eprintln!("{who}: {id}: written by someone else meanwhile; run again");
     }
+    for id in &report.unreadable {
+        eprintln!(
+            "{who}: {id}: its latest record cannot be read by this version (written by a newer \
+             one): not resealed; run the newer version's reseal"
+        );
+    }
     eprintln!(
-        "{who}: {} resealed, {} not opened, {} changed meanwhile",
+        "{who}: {} resealed, {} not opened, {} changed meanwhile, {} unreadable",
         report.resealed,
         report.failed.len(),
-        report.moved.len()
+        report.moved.len(),
+        report.unreadable.len()
     );
     match result {
         Err(e) => {
             eprintln!("{who}: {e}");
             e.exit_code()
         }
-        Ok(()) if report.failed.is_empty() && report.moved.is_empty() => exit::APPLIED,
+        Ok(())
+            if report.failed.is_empty()
+                && report.moved.is_empty()
+                && report.unreadable.is_empty() =>
+        {
+            exit::APPLIED
+        }
         Ok(()) => exit::INVALID,
     }
 }
@@ -931,6 +973,9 @@ pub struct Reseal {
     pub failed: Vec<(String, SecretError)>,
     /// Written by someone else between the plan and this write, or after it (not bound here).
     pub moved: Vec<String>,
+    /// Their latest record cannot be read by this binary (a newer version of the hub wrote it):
+    /// left alone, since resealing the version before it would write over it.
+    pub unreadable: Vec<String>,
 }
 
 async fn reseal(
@@ -967,6 +1012,10 @@ pub async fn reseal_all(
         let Some(current) = subs.get(&id) else {
             continue; // deleted meanwhile
         };
+        if subs.table().read().is_unreadable(&id) {
+            report.unreadable.push(id);
+            continue;
+        }
         let rec = match resealed(&current, kek, SystemClock.now_ms(), bind_unbound) {
             Ok(Some(rec)) => rec,
             Ok(None) => continue,
@@ -1360,6 +1409,63 @@ mod tests {
         assert_eq!(out, format!("updated {B} v3 active\n"));
     }
 
+    /// The check before each write compares the record, not its version alone: a change of the
+    /// same version (a writer that planned from a stale table sends a number back), or a latest
+    /// record that turned unreadable here during the probes, is a conflict. A record stored at
+    /// version 0 (written past the API) is updated, not reported as a conflict forever.
+    #[tokio::test]
+    async fn same_version_changes_and_unreadable_records_are_conflicts_and_version_0_updates() {
+        let t = target();
+        let (url, _) = echo().await;
+        let entry = |types: Value| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": types,
+                    "destination": {"type": "webhook", "url": url}}])
+        };
+        run(&t, &entry(json!(["a.b"]))).await.0.unwrap();
+        let planned = |types: Value| {
+            let t = &t;
+            let e = entry(types);
+            async move {
+                let desired = read_entries(&e.to_string(), t.sinks).await.unwrap();
+                let table = t.subs.table().read();
+                plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
+            }
+        };
+        let conflicted = |steps| {
+            let t = &t;
+            async move {
+                let mut out = Vec::new();
+                let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
+                (summary.conflicts == [B], String::from_utf8(out).unwrap())
+            }
+        };
+        // Another writer's change under the same version number.
+        let steps = planned(json!(["c.d"])).await;
+        let mut same_version = (*t.subs.get(B).unwrap()).clone();
+        same_version.event_types = vec!["x.y".into()];
+        t.subs.table().apply(|tb| tb.upsert(same_version.clone()));
+        let (conflict, out) = conflicted(steps).await;
+        assert!(conflict, "{out}");
+        assert_eq!(*t.subs.get(B).unwrap(), same_version);
+        // A latest record that turned unreadable here meanwhile.
+        let steps = planned(json!(["c.d"])).await;
+        t.subs
+            .table()
+            .apply(|tb| tb.read_unreadable(B, 0, 1_000_000));
+        let (conflict, out) = conflicted(steps).await;
+        assert!(conflict && out.contains("unreadable"), "{out}");
+        assert_eq!(*t.subs.get(B).unwrap(), same_version);
+        // Version 0, readable again.
+        let mut zero = same_version.clone();
+        zero.version = 0;
+        t.subs
+            .table()
+            .apply(|tb| tb.read_record(B, Some(zero), 0, 2_000_000));
+        let (r, out) = run(&t, &entry(json!(["c.d"]))).await;
+        assert_eq!(r.unwrap().exit_code(), exit::APPLIED, "{out}");
+        assert_eq!(out, format!("updated {B} v1 active\n"));
+    }
+
     /// A stored record whose sealed headers do not open here (sealed for another record, a key
     /// removed) while its signing secrets do (the key is right) is sealed again from the file,
     /// which holds the whole desired set: it does not stop the file (it did, exit 3, as if the
@@ -1409,6 +1515,36 @@ mod tests {
         let (r, _) = run(&t, &entry).await;
         let e = r.unwrap_err();
         assert!(matches!(e, ApplyError::Sealed { .. }), "{e}");
+        assert_eq!(e.exit_code(), exit::INVALID);
+        assert_eq!(t.subs.get(B).unwrap().version, version, "nothing written");
+    }
+
+    /// A sealed URL that does not open and no signing secret that does, with no sensitive
+    /// headers to tell: the key is wrong (a stale STREAMING_HUB_KEK), so nothing is written.
+    /// Before, the file's URL was sealed again under that key, as a changed URL, and no running
+    /// instance could open it.
+    #[tokio::test]
+    async fn a_sealed_url_under_another_key_stops_the_apply_when_no_secret_opens_either() {
+        let t = target();
+        let (url, _) = echo().await;
+        let given = format!("{url}?code=fn_key_1");
+        let entry = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+            "destination": {"type": "webhook", "url": given}}]);
+        run(&t, &entry).await.0.unwrap();
+        let mut foreign = (*t.subs.get(B).unwrap()).clone();
+        foreign.signing_secrets = vec![t.kek.seal_secret(
+            &crate::subscriptions::secrets::generate_signing_secret(),
+            "another-id",
+            None,
+        )];
+        foreign.destination.sealed_target =
+            sealed_url::seal(&t.kek, "another-id", &given).sealed_target;
+        foreign.version += 1;
+        let version = foreign.version;
+        t.subs.put(foreign).await.unwrap();
+        let (r, out) = run(&t, &entry).await;
+        let e = r.unwrap_err();
+        assert!(matches!(e, ApplyError::Sealed { .. }), "{e} {out}");
         assert_eq!(e.exit_code(), exit::INVALID);
         assert_eq!(t.subs.get(B).unwrap().version, version, "nothing written");
     }
@@ -1505,6 +1641,33 @@ mod tests {
         assert!(out.is_empty());
         assert_eq!(report.failed, [(B.to_string(), SecretError::Open)]);
         assert_eq!(*t.subs.get(B).unwrap(), broken);
+    }
+
+    /// A subscription whose latest record this binary cannot read (a newer version of the hub
+    /// wrote it) is named and left alone: resealing the version before it would write over it.
+    #[tokio::test]
+    async fn reseal_leaves_a_subscription_whose_latest_record_is_unreadable_alone() {
+        let t = target();
+        let (url, _) = echo().await;
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"],
+             "destination": {"type": "webhook", "url": url, "sensitive_headers": {"x-k": "1"}}},
+        ]);
+        run(&t, &file).await.0.unwrap();
+        let mut legacy = (*t.subs.get(A).unwrap()).clone();
+        legacy.destination.sensitive_headers = Some(t.kek.seal(br#"{"x-k":"1"}"#, A));
+        legacy.version += 1;
+        t.subs.put(legacy.clone()).await.unwrap();
+        t.subs
+            .table()
+            .apply(|tb| tb.read_unreadable(A, 0, 1_000_000));
+        let (out, report) = reseal_report(&t).await;
+        assert!(out.is_empty(), "{out}");
+        assert_eq!(
+            (report.resealed, report.unreadable.as_slice()),
+            (0, [A.to_string()].as_slice())
+        );
+        assert_eq!(*t.subs.get(A).unwrap(), legacy);
     }
 
     #[tokio::test]
