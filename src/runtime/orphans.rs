@@ -45,6 +45,8 @@ pub const PERSIST: Duration = Duration::from_secs(30);
 pub const RETRY_AFTER: Duration = Duration::from_secs(600);
 /// How often the group is read while a loop of this process waits to be in it.
 const JOINING_READ_EVERY: Duration = Duration::from_secs(1);
+/// How long the readings must show nothing to cover before a loop that has not joined is in.
+pub const NOTHING_FOR: Duration = Duration::from_secs(3);
 /// A finding read longer ago than this is not acted on.
 const STALE_FINDING: Duration = Duration::from_secs(60);
 /// How long a loop waits for its leave to go out before it subscribes again anyway.
@@ -167,15 +169,18 @@ pub struct Tracker {
     next_id: u64,
     /// Sets that called on a member, and when.
     acted: Vec<(BTreeSet<Partition>, Instant)>,
+    /// The set still there after every member's rejoin (given up on for now), while it lasts.
+    gave_up: Option<BTreeSet<Partition>>,
 }
 
 impl Tracker {
-    /// The set held back now (left alone after the rejoins it called for), if any.
+    /// The set held by nobody now that the watch has given up on: still there after every
+    /// member had its turn to rejoin. Not a set merely held back because it came back soon
+    /// after being mended (a normal handover may show the same partitions for a moment).
     pub fn held(&self) -> Option<&BTreeSet<Partition>> {
-        self.current
+        self.gave_up
             .as_ref()
-            .filter(|_| self.holding)
-            .map(|f| &f.orphans)
+            .filter(|g| self.current.as_ref().is_some_and(|c| &c.orphans == *g))
     }
 
     /// One reading: the group and the partitions it should cover (`None` when either could not
@@ -191,7 +196,11 @@ impl Tracker {
             .retain(|(_, at)| now.duration_since(*at) < RETRY_AFTER);
         if orphans.is_empty() {
             self.current = None;
+            self.gave_up = None;
             return None;
+        }
+        if self.gave_up.as_ref().is_some_and(|g| *g != orphans) {
+            self.gave_up = None;
         }
         let ranked = view.ranked();
         let finding = match self.current.take() {
@@ -256,6 +265,7 @@ impl Tracker {
             self.acted.retain(|(set, _)| *set != finding.orphans);
             self.acted.push((finding.orphans.clone(), now));
             self.holding = true;
+            self.gave_up = Some(finding.orphans.clone());
         }
         self.current = Some(finding.clone());
         if self.holding {
@@ -273,15 +283,15 @@ pub enum Seen {
     Unreadable,
     /// No topic the group should cover exists (a follow pattern that matches nothing yet): a
     /// member joins no group then (librdkafka sends no JoinGroup), and there is nothing to hand
-    /// out.
+    /// out. (A group of one named topic never reads so: that topic missing is unreadable.)
     NothingToCover,
     Read {
         stable: bool,
         members: BTreeSet<String>,
         /// Some partition it should cover is held by no member.
         orphans: bool,
-        /// Those partitions are a set the watch has given up on for now (every member had its
-        /// turn, or it came back after the rejoins: see [`Tracker`]).
+        /// Those partitions are a set the watch has given up on for now (still there after every
+        /// member had its turn: see [`Tracker::held`]).
         held_back: bool,
     },
 }
@@ -319,8 +329,14 @@ pub fn joining() -> usize {
 #[derive(Debug)]
 pub struct Joining {
     open: bool,
-    /// Since when the readings have been unreadable without a break.
-    unreadable_since: Option<Instant>,
+    spells: Spells,
+}
+
+/// Since when the readings have shown the same thing without a break.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Spells {
+    unreadable: Option<Instant>,
+    nothing: Option<Instant>,
 }
 
 impl Joining {
@@ -329,7 +345,7 @@ impl Joining {
         JOINING.fetch_add(1, Ordering::SeqCst);
         Joining {
             open: true,
-            unreadable_since: None,
+            spells: Spells::default(),
         }
     }
 
@@ -345,13 +361,7 @@ impl Joining {
             Some(w) => w.seen().map(|(_, s)| s),
             None => Some(Seen::Unreadable),
         };
-        if joined(
-            seen.as_ref(),
-            me,
-            confirmed,
-            &mut self.unreadable_since,
-            now,
-        ) {
+        if joined(seen.as_ref(), me, confirmed, &mut self.spells, now) {
             self.open = false;
             JOINING.fetch_sub(1, Ordering::SeqCst);
         }
@@ -375,21 +385,32 @@ impl Drop for Joining {
 /// protocol a member that joins gets nothing in the first round and its share in the second (the
 /// owners give it up in between: their partitions show as held by nobody), so neither the member
 /// id nor the first assignment tells that the rebalance is over. Partitions held by nobody that
-/// the watch has given up on do not keep a member out. With nothing to cover, a loop is in at
-/// once. A group that cannot be read for [`PERSIST`] without a break (no describe permission)
-/// falls back to `confirmed`: one failed reading (a broker restarting) is not enough.
+/// the watch has given up on do not keep a member out. With nothing to cover for
+/// [`NOTHING_FOR`] without a break, a loop that has not joined is in (a broker answering with an
+/// empty cache once is not enough). A group that cannot be read for [`PERSIST`] without a break
+/// (no describe permission) falls back to `confirmed`: one failed reading (a broker restarting)
+/// is not enough.
 pub fn joined(
     seen: Option<&Seen>,
     me: &str,
     confirmed: bool,
-    unreadable_since: &mut Option<Instant>,
+    spells: &mut Spells,
     now: Instant,
 ) -> bool {
+    if !matches!(seen, Some(Seen::Unreadable)) {
+        spells.unreadable = None;
+    }
+    if !matches!(seen, Some(Seen::NothingToCover)) {
+        spells.nothing = None;
+    }
     match seen {
         None => false,
-        Some(Seen::NothingToCover) => true,
+        Some(Seen::NothingToCover) => {
+            let since = *spells.nothing.get_or_insert(now);
+            me.is_empty() && now.duration_since(since) >= NOTHING_FOR
+        }
         Some(Seen::Unreadable) => {
-            let since = *unreadable_since.get_or_insert(now);
+            let since = *spells.unreadable.get_or_insert(now);
             !me.is_empty() && confirmed && now.duration_since(since) >= PERSIST
         }
         Some(Seen::Read {
@@ -398,7 +419,6 @@ pub fn joined(
             orphans,
             held_back,
         }) => {
-            *unreadable_since = None;
             !me.is_empty()
                 && *stable
                 && members.contains(me)
@@ -572,39 +592,76 @@ fn read(
     covers: &Covers,
     held: Option<&BTreeSet<Partition>>,
 ) -> (Option<(GroupView, BTreeSet<Partition>)>, Seen) {
-    let Some(expected) = covered(client, covers) else {
+    let Some(metadata) = (match covers {
+        Covers::Topic(t) => client.fetch_metadata(Some(t), READ_TIMEOUT).ok(),
+        Covers::Pattern(_) => client.fetch_metadata(None, READ_TIMEOUT).ok(),
+    }) else {
         return (None, Seen::Unreadable);
     };
+    let topics: Vec<TopicSeen<'_>> = metadata
+        .topics()
+        .iter()
+        .map(|t| TopicSeen {
+            name: t.name(),
+            errored: t.error().is_some(),
+            partitions: t.partitions().iter().map(|p| p.id()).collect(),
+        })
+        .collect();
+    let covering = covered(&topics, covers);
     let view = describe(client, group);
-    let seen = match &view {
-        _ if expected.is_empty() => Seen::NothingToCover,
-        None => Seen::Unreadable,
-        Some(v) => Seen::of(v, &expected, held),
-    };
+    let seen = seen_of(covering.as_ref(), view.as_ref(), held);
+    // The findings look at the partitions of the topics that could be read.
+    let expected = covering.unwrap_or_else(|| covered_readable(&topics, covers));
     (view.map(|v| (v, expected)), seen)
 }
 
-/// The partitions the group should cover, or `None` if the metadata could not be read.
-fn covered(client: &BaseConsumer, covers: &Covers) -> Option<BTreeSet<Partition>> {
-    let metadata = match covers {
-        Covers::Topic(t) => client.fetch_metadata(Some(t), READ_TIMEOUT).ok()?,
-        Covers::Pattern(_) => client.fetch_metadata(None, READ_TIMEOUT).ok()?,
-    };
-    let mut expected = BTreeSet::new();
-    for t in metadata.topics() {
-        let wanted = match covers {
-            Covers::Topic(name) => t.name() == name,
-            Covers::Pattern(re) => re.is_match(t.name()),
-        };
-        if wanted && t.error().is_none() {
-            expected.extend(
-                t.partitions()
-                    .iter()
-                    .map(|p| (t.name().to_string(), p.id())),
-            );
-        }
+/// One topic of a metadata answer.
+struct TopicSeen<'a> {
+    name: &'a str,
+    errored: bool,
+    partitions: Vec<i32>,
+}
+
+/// What a reading tells a loop waiting to be in the group: the partitions to cover (`None`:
+/// some could not be read) and the group's description.
+fn seen_of(
+    covering: Option<&BTreeSet<Partition>>,
+    view: Option<&GroupView>,
+    held: Option<&BTreeSet<Partition>>,
+) -> Seen {
+    match (covering, view) {
+        (None, _) => Seen::Unreadable,
+        (Some(e), _) if e.is_empty() => Seen::NothingToCover,
+        (Some(_), None) => Seen::Unreadable,
+        (Some(e), Some(v)) => Seen::of(v, e, held),
     }
-    Some(expected)
+}
+
+fn wanted(covers: &Covers, name: &str) -> bool {
+    match covers {
+        Covers::Topic(t) => name == t,
+        Covers::Pattern(re) => re.is_match(name),
+    }
+}
+
+/// The partitions the group should cover; `None` if one it covers could not be read: the
+/// named topic missing or in error, or a topic the pattern matches in error.
+fn covered(topics: &[TopicSeen<'_>], covers: &Covers) -> Option<BTreeSet<Partition>> {
+    let mine = || topics.iter().filter(|t| wanted(covers, t.name));
+    if mine().any(|t| t.errored) || (matches!(covers, Covers::Topic(_)) && mine().next().is_none())
+    {
+        return None;
+    }
+    Some(covered_readable(topics, covers))
+}
+
+/// The partitions of the topics the group covers that have no error.
+fn covered_readable(topics: &[TopicSeen<'_>], covers: &Covers) -> BTreeSet<Partition> {
+    topics
+        .iter()
+        .filter(|t| !t.errored && wanted(covers, t.name))
+        .flat_map(|t| t.partitions.iter().map(|&p| (t.name.to_string(), p)))
+        .collect()
 }
 
 /// A consumer group as its coordinator describes it (`None` if it cannot be read, or it is not
@@ -898,8 +955,9 @@ mod tests {
         let expected = inbox(6);
         let now = Instant::now();
         let seen = |v: &GroupView| Seen::of(v, &expected, None);
-        let is_in =
-            |s: &Seen, me: &str, confirmed: bool| joined(Some(s), me, confirmed, &mut None, now);
+        let is_in = |s: &Seen, me: &str, confirmed: bool| {
+            joined(Some(s), me, confirmed, &mut Spells::default(), now)
+        };
         // Not joined yet; joining; the first cooperative round (b has nothing yet, what it is to
         // get is held by nobody while a gives it up).
         let old = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5])]);
@@ -914,7 +972,7 @@ mod tests {
             Some(&seen(&between)),
             "b",
             true,
-            &mut None,
+            &mut Spells::default(),
             now + PERSIST * 10
         ));
         // The second round handed b its share: in, once b has served that rebalance.
@@ -925,9 +983,26 @@ mod tests {
         let idle = view("Stable", &[("a", &[0, 1, 2, 3, 4, 5]), ("c", &[])]);
         assert!(is_in(&seen(&idle), "c", true));
         // No reading yet: not in.
-        assert!(!joined(None, "b", true, &mut None, now));
-        // Nothing to cover (a follow pattern that matches no topic yet): in, with no member id.
-        assert!(is_in(&Seen::NothingToCover, "", false));
+        assert!(!joined(None, "b", true, &mut Spells::default(), now));
+        // Nothing to cover (a follow pattern that matches no topic yet, so no group joined):
+        // in once it lasted, not on one reading (a broker answering from an empty cache).
+        let mut spells = Spells::default();
+        let nothing = Some(&Seen::NothingToCover);
+        assert!(!joined(nothing, "", false, &mut spells, now));
+        assert!(!joined(
+            nothing,
+            "",
+            false,
+            &mut spells,
+            now + NOTHING_FOR / 2
+        ));
+        assert!(!joined(nothing, "b", true, &mut spells, now + NOTHING_FOR));
+        assert!(joined(nothing, "", false, &mut spells, now + NOTHING_FOR));
+        // A reading of something to cover in between starts it over.
+        let mut spells = Spells::default();
+        assert!(!joined(nothing, "", false, &mut spells, now));
+        assert!(!joined(Some(&seen(&old)), "", false, &mut spells, now));
+        assert!(!joined(nothing, "", false, &mut spells, now + NOTHING_FOR));
     }
 
     #[test]
@@ -938,7 +1013,7 @@ mod tests {
         // Partitions held by nobody that the watch has given up on for now.
         let stuck = view("Stable", &[("squatter", &[]), ("b", &[0, 1, 2])]);
         let held = stuck.orphans(&expected);
-        let mut since = None;
+        let mut since = Spells::default();
         assert!(!joined(
             Some(&Seen::of(&stuck, &expected, None)),
             "b",
@@ -964,7 +1039,7 @@ mod tests {
         ));
         // A group that cannot be read: in once a rebalance was served under the membership and
         // the readings stayed unreadable for PERSIST.
-        let mut since = None;
+        let mut since = Spells::default();
         let u = Some(&Seen::Unreadable);
         assert!(!joined(u, "b", true, &mut since, now));
         assert!(!joined(u, "b", true, &mut since, now + PERSIST / 2));
@@ -972,7 +1047,7 @@ mod tests {
         assert!(!joined(u, "", true, &mut since, now + PERSIST));
         assert!(joined(u, "b", true, &mut since, now + PERSIST));
         // A readable reading in between starts the spell over.
-        let mut since = None;
+        let mut since = Spells::default();
         assert!(!joined(u, "b", true, &mut since, now));
         assert!(!joined(
             Some(&Seen::of(&between, &expected, None)),
@@ -983,6 +1058,79 @@ mod tests {
         ));
         assert!(!joined(u, "b", true, &mut since, now + PERSIST));
         assert!(joined(u, "b", true, &mut since, now + PERSIST * 2));
+    }
+
+    /// `held` names a set only once every member had its turn and it is still there; not a set
+    /// merely held back because it came back soon after being mended.
+    #[test]
+    fn the_held_set_is_one_still_there_after_every_members_turn() {
+        let expected = inbox(6);
+        let t0 = Instant::now();
+        let stuck = view("Stable", &[("a", &[0, 1, 2]), ("b", &[])]);
+        let mut t = Tracker::default();
+        let mut at = t0;
+        // Read every 10 s: due once it lasted PERSIST, then each member's turn (2 readings).
+        let mut readings = 0;
+        while t.held().is_none() {
+            assert!(readings < 20, "never given up");
+            t.observe(Some((&stuck, &expected)), at);
+            readings += 1;
+            at += Duration::from_secs(10);
+        }
+        assert_eq!(t.held(), Some(&stuck.orphans(&expected)));
+        assert!(readings >= 4 + 2, "given up after {readings} readings");
+        // Mended: nothing held. The same set back at once is held back, not given up on.
+        let whole = view("Stable", &[("a", &[0, 1, 2]), ("b", &[3, 4, 5])]);
+        t.observe(Some((&whole, &expected)), at);
+        assert_eq!(t.held(), None);
+        let mut t2 = Tracker::default();
+        let mut at = t0;
+        while t2.held().is_none() {
+            t2.observe(Some((&stuck, &expected)), at);
+            at += Duration::from_secs(10);
+        }
+        t2.observe(Some((&whole, &expected)), at);
+        t2.observe(Some((&stuck, &expected)), at + Duration::from_secs(10));
+        assert_eq!(
+            t2.held(),
+            None,
+            "a set that came back is not given up on at once"
+        );
+    }
+
+    #[test]
+    fn a_topic_in_error_or_missing_is_unreadable_and_nothing_to_cover_needs_a_pattern() {
+        let topic = |name: &'static str, errored: bool| TopicSeen {
+            name,
+            errored,
+            partitions: vec![0, 1],
+        };
+        let inbox_only = Covers::Topic("inbox".into());
+        let pattern = Covers::Pattern(PosixRegex::new(r"^lerian\.streaming\.").unwrap());
+        // The named topic: missing or in error is unreadable, never nothing to cover.
+        assert_eq!(covered(&[], &inbox_only), None);
+        assert_eq!(covered(&[topic("inbox", true)], &inbox_only), None);
+        assert_eq!(
+            covered(&[topic("inbox", false)], &inbox_only).map(|e| e.len()),
+            Some(2)
+        );
+        // A pattern: nothing matched is nothing to cover; a matched topic in error unreadable.
+        let other = [topic("other", true)];
+        assert_eq!(covered(&other, &pattern), Some(BTreeSet::new()));
+        assert_eq!(
+            seen_of(covered(&other, &pattern).as_ref(), None, None),
+            Seen::NothingToCover
+        );
+        let errored = [
+            topic("lerian.streaming.a", false),
+            topic("lerian.streaming.b", true),
+        ];
+        assert_eq!(covered(&errored, &pattern), None);
+        assert_eq!(covered_readable(&errored, &pattern).len(), 2);
+        assert_eq!(seen_of(None, None, None), Seen::Unreadable);
+        // Something to cover and no description: unreadable.
+        let two = inbox(2);
+        assert_eq!(seen_of(Some(&two), None, None), Seen::Unreadable);
     }
 
     #[test]

@@ -1006,16 +1006,27 @@ pub async fn reseal_all(
     out: &mut (dyn Write + Send),
     report: &mut Reseal,
 ) -> Result<(), ApplyError> {
-    let mut ids: Vec<String> = subs.table().read().iter().map(|s| s.id.clone()).collect();
+    // With the ids whose only records are unreadable here: named, since their values may be
+    // sealed under the key about to be removed.
+    let mut ids: Vec<String> = {
+        let table = subs.table();
+        let table = table.read();
+        table
+            .iter()
+            .map(|s| s.id.clone())
+            .chain(table.unreadable_ids().cloned())
+            .collect()
+    };
     ids.sort();
+    ids.dedup();
     for id in ids {
-        let Some(current) = subs.get(&id) else {
-            continue; // deleted meanwhile
-        };
         if subs.table().read().is_unreadable(&id) {
             report.unreadable.push(id);
             continue;
         }
+        let Some(current) = subs.get(&id) else {
+            continue; // deleted meanwhile
+        };
         let rec = match resealed(&current, kek, SystemClock.now_ms(), bind_unbound) {
             Ok(Some(rec)) => rec,
             Ok(None) => continue,
@@ -1661,11 +1672,15 @@ mod tests {
         t.subs
             .table()
             .apply(|tb| tb.read_unreadable(A, 0, 1_000_000));
+        // And one whose only record is unreadable here (no earlier version).
+        t.subs
+            .table()
+            .apply(|tb| tb.read_unreadable(B, 0, 1_000_001));
         let (out, report) = reseal_report(&t).await;
         assert!(out.is_empty(), "{out}");
         assert_eq!(
             (report.resealed, report.unreadable.as_slice()),
-            (0, [A.to_string()].as_slice())
+            (0, [A.to_string(), B.to_string()].as_slice())
         );
         assert_eq!(*t.subs.get(A).unwrap(), legacy);
     }

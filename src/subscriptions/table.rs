@@ -103,6 +103,12 @@ impl Table {
         }
     }
 
+    /// Ids whose latest control record could not be read, with or without an earlier version
+    /// in the table.
+    pub fn unreadable_ids(&self) -> impl Iterator<Item = &String> {
+        self.unreadable.iter()
+    }
+
     /// Whether `id`'s latest control record could not be read (see [`Table::read_unreadable`]).
     pub fn is_unreadable(&self, id: &str) -> bool {
         self.unreadable.contains(id)
