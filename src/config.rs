@@ -499,7 +499,8 @@ settings! {
     /// instead of 58-60 / 132-133 ms at 1,000/s, the same deliveries/s at full load, for 30-40%
     /// more hub CPU per delivery at 5,000/s and 55% more at 1,000/s (BENCHMARKS.md, session 30);
     /// the broker spends about 0.2 cores more on the shorter transactions at 1,000 and 5,000/s
-    /// (session 31).
+    /// (session 31). At most 10 s and a quarter of `STREAMING_HUB_STALL_TIMEOUT` (a batch fills
+    /// without its loop beating).
     commit_interval: std::time::Duration = "100ms";
     /// Shortest a batch stays open (unless a 5 ms quiet gap closes it): the floor of the window
     /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to
@@ -815,6 +816,17 @@ impl Config {
                 return Err(invalid(var, &format!("must be at least {least:?}")));
             }
         }
+        // A batch fills for up to this long without its loop beating: a longer one under a
+        // steady stream is a stall to the watchdog (exit 70), and it holds its transaction's
+        // records back as long.
+        if self.commit_interval > Duration::from_secs(10)
+            || self.commit_interval > self.stall_timeout / 4
+        {
+            return Err(invalid(
+                "STREAMING_HUB_COMMIT_INTERVAL",
+                "must be at most 10s and at most a quarter of STREAMING_HUB_STALL_TIMEOUT",
+            ));
+        }
         for (var, value, most) in [
             // Kafka's `group.max.session.timeout.ms` (30 min by default).
             (
@@ -1101,6 +1113,24 @@ mod tests {
                     .contains("at most STREAMING_HUB_COMMIT_INTERVAL"),
             "{e}"
         );
+        // A window the watchdog would take for a stall.
+        for (interval, stall) in [("11s", "120s"), ("3s", "10s")] {
+            let e = Config::from_vars(vars(&[
+                ("STREAMING_HUB_COMMIT_INTERVAL", interval),
+                ("STREAMING_HUB_STALL_TIMEOUT", stall),
+            ]))
+            .unwrap_err();
+            assert!(
+                e.to_string().contains("STREAMING_HUB_COMMIT_INTERVAL")
+                    && e.to_string().contains("STREAMING_HUB_STALL_TIMEOUT"),
+                "{e}"
+            );
+        }
+        Config::from_vars(vars(&[
+            ("STREAMING_HUB_COMMIT_INTERVAL", "10s"),
+            ("STREAMING_HUB_STALL_TIMEOUT", "40s"),
+        ]))
+        .unwrap();
         let fixed = Config::from_vars(vars(&[
             ("STREAMING_HUB_COMMIT_INTERVAL", "50ms"),
             ("STREAMING_HUB_COMMIT_INTERVAL_MIN", "50ms"),
