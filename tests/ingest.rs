@@ -71,6 +71,10 @@ fn table() -> Vec<(&'static str, Rec)> {
         ),
         ("drop", system_event()),
         (
+            "system_event_with_tenant",
+            system_event().set("ce-tenantid", Some(b"tenant-a")),
+        ),
+        (
             "accept_spoofed",
             ok().add("x-streaming-hub-ingest-time", b"1999-01-01T00:00:00Z")
                 .add("X-Streaming-Hub-Redeliver", b"some-subscription"),

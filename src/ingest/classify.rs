@@ -151,10 +151,11 @@ pub enum Reason {
     SignatureUnknownKey,
     SignatureExpired,
     SourceMismatch,
+    SystemEventWithTenant,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 20] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -174,6 +175,7 @@ impl Reason {
         Reason::SignatureUnknownKey,
         Reason::SignatureExpired,
         Reason::SourceMismatch,
+        Reason::SystemEventWithTenant,
     ];
 
     /// The stable snake_case code written to `x-streaming-hub-reason` and used as a metric label.
@@ -198,6 +200,7 @@ impl Reason {
             Reason::SignatureUnknownKey => "signature_unknown_key",
             Reason::SignatureExpired => "signature_expired",
             Reason::SourceMismatch => "source_mismatch",
+            Reason::SystemEventWithTenant => "system_event_with_tenant",
         }
     }
 
@@ -406,6 +409,15 @@ pub fn classify(
         return Verdict::Quarantine(quarantine(Reason::PayloadTooLarge, m));
     }
     if slots[SYSTEMEVENT] == Some("true") {
+        // System events never carry a tenant: one that does is a tenant's event flagged by
+        // mistake, or a record that means both; dropped, it would be lost without a trace.
+        if slots[TENANTID].is_some() {
+            let m = at(
+                "ce-tenantid",
+                format_args!("present on a system event (ce-systemevent: true)"),
+            );
+            return Verdict::Quarantine(quarantine(Reason::SystemEventWithTenant, m));
+        }
         return Verdict::Drop;
     }
     match judge(&slots, value, cfg, arrival) {
@@ -1058,6 +1070,12 @@ mod tests {
                 aging,
                 Q(SignatureExpired, "ce-sigts"),
             ),
+            (
+                "system event with a tenant",
+                Rec::system().set("ce-tenantid", "t1"),
+                plain,
+                Q(SystemEventWithTenant, "ce-tenantid"),
+            ),
         ];
         let mut seen = std::collections::HashSet::new();
         for (name, rec, cfg, expect) in table {
@@ -1305,6 +1323,24 @@ mod tests {
         assert_eq!(Rec::system().classify(&signing_cfg()), Verdict::Drop);
         let sloppy = Rec::system().remove("ce-time").set("ce-type", "x");
         assert_eq!(sloppy.classify(&ClassifyConfig::default()), Verdict::Drop);
+    }
+
+    /// A system event never carries a tenant: one with `ce-tenantid` (a tenant's event flagged
+    /// as a system event by mistake) is quarantined, not dropped without a trace.
+    #[test]
+    fn a_system_event_carrying_a_tenant_is_quarantined() {
+        let flagged = Rec::system().set("ce-tenantid", "tenant-a");
+        assert_quarantined(
+            flagged.classify(&ClassifyConfig::default()),
+            Reason::SystemEventWithTenant,
+            "ce-tenantid",
+        );
+        let empty = Rec::system().set("ce-tenantid", "");
+        assert_quarantined(
+            empty.classify(&ClassifyConfig::default()),
+            Reason::SystemEventWithTenant,
+            "ce-tenantid",
+        );
     }
 
     #[test]
