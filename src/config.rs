@@ -131,6 +131,10 @@ const MAX_PAYLOAD_BYTES: usize = 1_572_864;
 /// past the clock's range (e.g. `18446744073709551615s`).
 const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The least `STREAMING_HUB_STALL_TIMEOUT` before `STREAMING_HUB_EARLY_ATTEMPT_WAIT`: a Kafka
+/// transaction call's 30 s bound and a margin.
+const STALL_MARGIN: Duration = Duration::from_secs(35);
+
 impl FromVar for Duration {
     fn from_var(text: &str) -> Result<Self, String> {
         let d = humantime::parse_duration(text.trim()).map_err(|e| {
@@ -600,7 +604,8 @@ settings! {
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
     /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down.
     /// The consumers' own poll limit (`max.poll.interval.ms`) is set above it: this exit comes
-    /// first (at least 10s).
+    /// first. At least 35s plus `STREAMING_HUB_EARLY_ATTEMPT_WAIT` (a Kafka transaction call may
+    /// take 30s without the loop turning).
     stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
@@ -815,6 +820,19 @@ impl Config {
             if value < least {
                 return Err(invalid(var, &format!("must be at least {least:?}")));
             }
+        }
+        // One Kafka transaction call (init, offsets, commit) may take up to 30 s and an early
+        // attempt's wait holds the transaction as long again, without the loop turning: a
+        // shorter limit made the watchdog end a healthy process (exit 70) in a leader failover.
+        let least = STALL_MARGIN + self.early_attempt_wait;
+        if self.stall_timeout < least {
+            return Err(invalid(
+                "STREAMING_HUB_STALL_TIMEOUT",
+                &format!(
+                    "must be at least 35s plus STREAMING_HUB_EARLY_ATTEMPT_WAIT ({least:?}): a \
+                     Kafka transaction call may take 30s without the loop turning"
+                ),
+            ));
         }
         // A batch fills for up to this long without its loop beating: a longer one under a
         // steady stream is a stall to the watchdog (exit 70), and it holds its transaction's
@@ -1114,7 +1132,7 @@ mod tests {
             "{e}"
         );
         // A window the watchdog would take for a stall.
-        for (interval, stall) in [("11s", "120s"), ("3s", "10s")] {
+        for (interval, stall) in [("11s", "120s"), ("10s", "39s")] {
             let e = Config::from_vars(vars(&[
                 ("STREAMING_HUB_COMMIT_INTERVAL", interval),
                 ("STREAMING_HUB_STALL_TIMEOUT", stall),
@@ -1239,9 +1257,22 @@ mod tests {
                 "{var}={value}: {e}"
             );
         }
+        // Shorter than a Kafka transaction call may take with an early attempt's wait on top.
+        for (stall, early) in [("34s", "0s"), ("36s", "2s")] {
+            let e = Config::from_vars(vars(&[
+                ("STREAMING_HUB_STALL_TIMEOUT", stall),
+                ("STREAMING_HUB_EARLY_ATTEMPT_WAIT", early),
+            ]))
+            .unwrap_err();
+            assert!(
+                e.to_string().starts_with("STREAMING_HUB_STALL_TIMEOUT")
+                    && e.to_string().contains("STREAMING_HUB_EARLY_ATTEMPT_WAIT"),
+                "{stall} {early}: {e}"
+            );
+        }
         let c = Config::from_vars(vars(&[
             ("STREAMING_HUB_HTTP_TIMEOUT", "100ms"),
-            ("STREAMING_HUB_STALL_TIMEOUT", "10s"),
+            ("STREAMING_HUB_STALL_TIMEOUT", "36s"),
             ("STREAMING_HUB_IDEMPOTENCY_TTL", "1s"),
             ("STREAMING_HUB_SESSION_TIMEOUT", "6s"),
             ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "1s"),
@@ -1249,7 +1280,7 @@ mod tests {
             ("STREAMING_HUB_AUTODISABLE_FAILURE_SPREAD", "0s"),
         ]))
         .unwrap();
-        assert_eq!(c.stall_timeout, Duration::from_secs(10));
+        assert_eq!(c.stall_timeout, Duration::from_secs(36));
         assert_eq!(c.session_timeout, Duration::from_secs(6));
     }
 

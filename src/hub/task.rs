@@ -1777,6 +1777,9 @@ impl HubStage {
             }
             waiting.decrement(1.0);
             if stop.load(Ordering::Relaxed) {
+                // Stopped before it began: no beat left behind for the watchdog to call a stall
+                // while the rest of the process shuts down.
+                crate::runtime::liveness::rest(self.liveness());
                 return Ok(());
             }
         }
@@ -2072,7 +2075,21 @@ impl HubStage {
                         // The group moved and this loop has not served the rebalance: a poll
                         // serves it (a record it returns is left for the partition's next
                         // reader), then the outcomes are committed under the new membership.
+                        // The dispatch is parked where the callbacks reach it, as in the loop:
+                        // a revocation commits the outcomes of the partitions it gives up
+                        // (`commit_given_up`), which found none here and left them to be
+                        // parked with no owner when the process exits.
+                        shared.lock().unwrap_or_else(|p| p.into_inner()).dispatch =
+                            self.dispatch.take();
                         let _ = consumer.poll(Duration::from_millis(50));
+                        let mut guard = shared.lock().unwrap_or_else(|p| p.into_inner());
+                        self.dispatch = guard.dispatch.take();
+                        if let Some(e) = guard.fatal.take() {
+                            return Err(e);
+                        }
+                        if self.dispatch.is_none() {
+                            return Ok(());
+                        }
                         continue;
                     }
                     tracing::warn!(error = %e, "committing outcomes at shutdown failed");
