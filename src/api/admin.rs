@@ -28,7 +28,12 @@ pub async fn advance_clock(
     };
     let by = humantime::parse_duration(&body.by)
         .map_err(|e| ApiError::bad_request("invalid", e.to_string()).with_field("by"))?;
-    clock.advance(by);
-    use crate::runtime::clock::Clock;
-    Ok(Json(serde_json::json!({ "now_ms": clock.now_ms() })))
+    let now_ms = clock.try_advance(by).ok_or_else(|| {
+        ApiError::bad_request(
+            "invalid",
+            "the clock would pass year 10,000 (the hub's times are milliseconds since 1970)",
+        )
+        .with_field("by")
+    })?;
+    Ok(Json(serde_json::json!({ "now_ms": now_ms })))
 }

@@ -28,7 +28,22 @@ impl ManualClock {
     }
 
     pub fn advance(&self, by: std::time::Duration) {
-        self.0.fetch_add(by.as_millis() as i64, Ordering::SeqCst);
+        self.try_advance(by)
+            .expect("a test clock advanced past year 292 million");
+    }
+
+    /// Moves the clock by `by` and answers the new time, or refuses (`None`, leaving it as it
+    /// was) when the time would pass year 10,000: the hub's own sums on top of it (due times,
+    /// leases) must still fit in milliseconds since the epoch.
+    pub fn try_advance(&self, by: std::time::Duration) -> Option<i64> {
+        const ROOM_MS: i64 = 10_000 * 365 * 24 * 3600 * 1000;
+        let by = i64::try_from(by.as_millis()).ok()?;
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                now.checked_add(by).filter(|t| *t <= ROOM_MS)
+            })
+            .map(|before| before + by)
+            .ok()
     }
 }
 
@@ -53,5 +68,17 @@ mod tests {
         let shared: SharedClock = Arc::new(c.clone());
         c.advance(std::time::Duration::from_millis(1));
         assert_eq!(shared.now_ms(), 1_000 + 5 * 3600 * 1000 + 1);
+    }
+
+    #[test]
+    fn a_test_clock_refuses_an_advance_that_would_not_fit() {
+        let c = ManualClock::new(1_750_000_000_000);
+        assert_eq!(
+            c.try_advance(std::time::Duration::from_secs(3600)),
+            Some(1_750_003_600_000)
+        );
+        let huge = std::time::Duration::from_secs(300_000_000 * 365 * 24 * 3600);
+        assert_eq!(c.try_advance(huge), None);
+        assert_eq!(c.now_ms(), 1_750_003_600_000, "unchanged");
     }
 }
