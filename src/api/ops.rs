@@ -691,10 +691,14 @@ pub struct DeadQuery {
     #[param(format = DateTime)]
     pub since: Option<String>,
     /// Only dead letters at or before this time (RFC 3339): for the next page, the `dead_at` of
-    /// the last one of this page (dead letters of that instant come again; drop those seen by
-    /// `id`).
+    /// the last one of this page, with `before` (without it, dead letters of that instant come
+    /// again; drop those seen by `id`).
     #[param(format = DateTime)]
     pub until: Option<String>,
+    /// With `until`: the `id` of the last dead letter of the page before; the next page starts
+    /// after it (one transaction's dead letters share their `dead_at`, more than a page of them
+    /// when a backlog comes due).
+    pub before: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
 }
@@ -730,6 +734,7 @@ pub async fn dead_deliveries(
             .as_deref()
             .map(|s| parse_time(s, "until"))
             .transpose()?,
+        before_id: q.before,
         limit: parse_limit(q.limit.as_deref(), 100, 1000)?,
         ..Filter::default()
     };

@@ -116,6 +116,11 @@ pub struct Filter {
     pub since_ms: Option<i64>,
     /// At or before this time: the next page of a listing, older than the last one's records.
     pub until_ms: Option<i64>,
+    /// Dead deliveries only, with `until_ms`: those of the `until` instant after the one with
+    /// this id in the listing's order (the last one of the page before), so that a page ends
+    /// where the last one stopped even when more than a page's worth share that instant (one
+    /// transaction's dead letters do).
+    pub before_id: Option<String>,
     pub limit: usize,
 }
 
@@ -298,14 +303,26 @@ impl Forensics {
         query(&self.lock().quarantine, f)
     }
 
-    /// Dead deliveries, newest first.
+    /// Dead deliveries, newest first (of one instant, the last read first).
     pub fn dead(&self, f: &Filter) -> Vec<DeadDelivery> {
         self.prune();
+        // The `until` instant's records up to `before_id` were on the page before.
+        let mut passed = f.before_id.is_none() || f.until_ms.is_none();
         self.lock()
             .dead
             .iter()
             .rev()
             .filter(|d| {
+                if !passed {
+                    match (f.until_ms, f.before_id.as_deref()) {
+                        (Some(u), Some(id)) if d.dead_at_ms == u => {
+                            passed = d.id == id;
+                            return false;
+                        }
+                        (Some(u), _) if d.dead_at_ms < u => passed = true,
+                        _ => {}
+                    }
+                }
                 f.tenant.as_ref().is_none_or(|t| *t == d.tenant_id)
                     && f.subscription_id
                         .as_ref()
@@ -645,6 +662,40 @@ mod tests {
         assert_eq!(full.len(), MAX_PER_KIND);
         assert_eq!(full.front().unwrap().dead_at_ms, 1_001, "the oldest went");
         assert!(full.iter().any(|d| d.dead_at_ms == 1_500));
+    }
+
+    /// More dead letters of one instant than a page holds (one transaction's): `before` = the
+    /// last id of a page continues after it, with no repeat and none skipped.
+    #[test]
+    fn pages_of_one_instant_continue_after_the_last_id() {
+        let clock = Arc::new(crate::runtime::clock::ManualClock::new(10_000));
+        let f = Forensics::new(Duration::from_secs(3600), clock);
+        {
+            let mut inner = f.lock();
+            keep_dead(&mut inner.dead, dead_at(8_000));
+            for i in 0..250 {
+                let mut d = dead_at(9_000);
+                d.id = format!("0-{}", 100 + i);
+                keep_dead(&mut inner.dead, d);
+            }
+            keep_dead(&mut inner.dead, dead_at(7_000));
+        }
+        let mut seen = Vec::new();
+        let mut filter = Filter {
+            limit: 100,
+            ..Filter::default()
+        };
+        loop {
+            let page = f.dead(&filter);
+            let Some(last) = page.last() else { break };
+            filter.until_ms = Some(last.dead_at_ms);
+            filter.before_id = Some(last.id.clone());
+            seen.extend(page.iter().map(|d| d.id.clone()));
+            assert!(seen.len() <= 252, "pages repeat: {}", seen.len());
+        }
+        let unique: std::collections::BTreeSet<&String> = seen.iter().collect();
+        assert_eq!((seen.len(), unique.len()), (252, 252));
+        assert_eq!(seen.last().map(String::as_str), Some("0-7000"));
     }
 
     fn kept(time: i64, payload: &[u8]) -> Kept {
