@@ -604,10 +604,13 @@ pub struct ForensicQuery {
     /// Only records at or after this time (RFC 3339).
     #[param(format = DateTime)]
     pub since: Option<String>,
-    /// Only records at or before this time (RFC 3339): for the next page, the `time` of the
-    /// last record of this one (records of that instant come again; drop those already seen).
+    /// Only records filed at or before this time (RFC 3339): for the next page, the `filed_at`
+    /// of the last record of this one, with `before`.
     #[param(format = DateTime)]
     pub until: Option<String>,
+    /// With `until`: `<topic>:<partition>:<offset>` of the last record of the page before; the
+    /// next page starts right after it (without it, records of that instant come again).
+    pub before: Option<String>,
     /// 1-1000 (default 100).
     pub limit: Option<String>,
 }
@@ -628,6 +631,7 @@ impl ForensicQuery {
                 .as_deref()
                 .map(|s| parse_time(s, "until"))
                 .transpose()?,
+            before_id: self.before.clone(),
             limit: parse_limit(self.limit.as_deref(), 100, 1000)?,
             ..Filter::default()
         })

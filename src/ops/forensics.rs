@@ -50,6 +50,10 @@ pub struct ForensicRecord {
     pub offset: i64,
     /// The record's time (RFC 3339).
     pub time: String,
+    /// Where the listing files it (RFC 3339): its time, or a little past the hub's clock for a
+    /// record stamped further ahead. `since` and `until` compare with it; the next page passes
+    /// the last record's `filed_at` as `until`.
+    pub filed_at: String,
     /// The producer's source: a dead letter's from its topic (`lerian.streaming.<source>.dlq`); a
     /// quarantined record's `ce-source`, else (and for `source_mismatch`) the source of the topic
     /// it was read from (`x-lerian-dlq-source-topic`).
@@ -116,10 +120,11 @@ pub struct Filter {
     pub since_ms: Option<i64>,
     /// At or before this time: the next page of a listing, older than the last one's records.
     pub until_ms: Option<i64>,
-    /// Dead deliveries only, with `until_ms`: those of the `until` instant after the one with
-    /// this id in the listing's order (the last one of the page before), so that a page ends
-    /// where the last one stopped even when more than a page's worth share that instant (one
-    /// transaction's dead letters do).
+    /// With `until_ms`: only the records of the `until` instant after the one with this id in
+    /// the listing's order (the last one of the page before), so that a page starts where the
+    /// last one stopped even when more than a page's worth share that instant (one
+    /// transaction's dead letters do). A dead delivery's `id`; a record's
+    /// `<topic>:<partition>:<offset>`.
     pub before_id: Option<String>,
     pub limit: usize,
 }
@@ -182,6 +187,7 @@ impl Kept {
     /// The record as answered, its payload as JSON when it parses, else base64.
     fn answer(&self) -> ForensicRecord {
         let mut rec = self.rec.clone();
+        rec.filed_at = rfc3339_ms(self.time);
         if let Some(p) = &self.raw {
             // Parsed as a tree first and the tree dropped (one at a time): the raw form alone
             // passes what a client's parser refuses (nesting past 128, `1e400`, a lone
@@ -313,17 +319,9 @@ impl Forensics {
             .iter()
             .rev()
             .filter(|d| {
-                if !passed {
-                    match (f.until_ms, f.before_id.as_deref()) {
-                        (Some(u), Some(id)) if d.dead_at_ms == u => {
-                            passed = d.id == id;
-                            return false;
-                        }
-                        (Some(u), _) if d.dead_at_ms < u => passed = true,
-                        _ => {}
-                    }
-                }
-                f.tenant.as_ref().is_none_or(|t| *t == d.tenant_id)
+                after_cursor(f, &mut passed, d.dead_at_ms, || {
+                    f.before_id.as_deref() == Some(d.id.as_str())
+                }) && f.tenant.as_ref().is_none_or(|t| *t == d.tenant_id)
                     && f.subscription_id
                         .as_ref()
                         .is_none_or(|s| *s == d.subscription_id)
@@ -458,7 +456,28 @@ pub fn reason_code(r: DeadLetterReason) -> &'static str {
     }
 }
 
+/// Whether a record listed at `time` with `id` comes after the page `f` continues (see
+/// [`Filter::before_id`]); `passed` carries the answer along the listing's order.
+fn after_cursor(f: &Filter, passed: &mut bool, time: i64, id: impl FnOnce() -> bool) -> bool {
+    if *passed {
+        return true;
+    }
+    match (f.until_ms, f.before_id.is_some()) {
+        (Some(u), true) if time == u => {
+            *passed = id();
+            false
+        }
+        (Some(u), _) if time < u => {
+            *passed = true;
+            true
+        }
+        _ => true,
+    }
+}
+
 fn query(q: &Queue, f: &Filter) -> Vec<ForensicRecord> {
+    let mut passed = f.before_id.is_none() || f.until_ms.is_none();
+    let cursor = f.before_id.as_deref().unwrap_or_default();
     q.items
         .iter()
         .rev()
@@ -466,7 +485,10 @@ fn query(q: &Queue, f: &Filter) -> Vec<ForensicRecord> {
             |Kept {
                  time: t, rec: r, ..
              }| {
-                f.source
+                after_cursor(f, &mut passed, *t, || {
+                    cursor == format!("{}:{}:{}", r.topic, r.partition, r.offset)
+                }) && f
+                    .source
                     .as_ref()
                     .is_none_or(|s| r.source.as_ref() == Some(s))
                     && f.tenant
@@ -543,6 +565,7 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
         partition: m.partition(),
         offset: m.offset(),
         time: rfc3339_ms(time),
+        filed_at: String::new(),
         source,
         tenant_id,
         cause: dlq.get("cause-kind").cloned(),
@@ -698,12 +721,19 @@ mod tests {
         assert_eq!(seen.last().map(String::as_str), Some("0-7000"));
     }
 
+    fn parse_rfc3339_ms(t: &str) -> i64 {
+        chrono::DateTime::parse_from_rfc3339(t)
+            .unwrap()
+            .timestamp_millis()
+    }
+
     fn kept(time: i64, payload: &[u8]) -> Kept {
         let rec = ForensicRecord {
             topic: "lerian.streaming.x.dlq".into(),
             partition: 0,
             offset: time,
             time: rfc3339_ms(time),
+            filed_at: String::new(),
             source: Some("x".into()),
             tenant_id: None,
             cause: None,
@@ -815,6 +845,43 @@ mod tests {
         };
         let times: Vec<i64> = query(&q, &f).iter().map(|r| r.offset).collect();
         assert_eq!(times, [1_000_007, 1_000_006, 1_000_005]);
+    }
+
+    /// Pages follow `filed_at` and the `<topic>:<partition>:<offset>` cursor: a record stamped a
+    /// day ahead (filed a little past now) and more records of one instant than a page holds
+    /// are each listed once, none skipped.
+    #[test]
+    fn pages_follow_filed_at_and_the_record_cursor() {
+        let now = 1_000_000;
+        let mut q = Queue::default();
+        let mut ahead = kept(now + 86_400_000, b"{}");
+        ahead.time = filed_at(now + 86_400_000, now);
+        q.push(ahead);
+        for i in 0..7 {
+            let mut k = kept(900_000, b"{}");
+            k.rec.offset = i;
+            q.push(k);
+        }
+        q.push(kept(800_000, b"{}"));
+        let mut f = Filter {
+            limit: 3,
+            ..Filter::default()
+        };
+        let mut seen = Vec::new();
+        loop {
+            let page = query(&q, &f);
+            let Some(last) = page.last() else { break };
+            f.until_ms = Some(parse_rfc3339_ms(&last.filed_at));
+            f.before_id = Some(format!("{}:{}:{}", last.topic, last.partition, last.offset));
+            seen.extend(page.iter().map(|r| (r.time.clone(), r.offset)));
+            assert!(seen.len() <= 9, "pages repeat: {seen:?}");
+        }
+        assert_eq!(seen.len(), 9, "{seen:?}");
+        assert_eq!(
+            seen[0].0,
+            rfc3339_ms(now + 86_400_000),
+            "shown with its own time"
+        );
     }
 
     #[test]
