@@ -36,7 +36,7 @@ use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::changelog::{self, TrackingContext};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
-use crate::runtime::orphans::{Covers, GroupWatch, Joining, Rejoin};
+use crate::runtime::orphans::{self, Covers, GroupWatch, Joining, Rejoin};
 use crate::runtime::records::{DeadLetterReason, DeadLetterRecord, JobState};
 use crate::runtime::records::{DedupEntry, JobRecord, SequenceRecord, VerificationState};
 use crate::runtime::store::{FastMap, Staged, Store};
@@ -1840,16 +1840,13 @@ impl HubStage {
                     "hub",
                 )
                 .map_err(KafkaError::from)?;
-            if joining.as_mut().is_some_and(|j| {
-                j.check(
-                    Some(&watch),
-                    &kafka::member_id(&consumer),
-                    kafka::membership_confirmed(&consumer, &consumer.context().membership),
-                )
-            }) {
-                joining = None;
-                tracing::info!(stage = self.stage, "hub loop is in its consumer group");
-            }
+            orphans::settle(
+                &mut joining,
+                Some(&watch),
+                &consumer,
+                &consumer.context().membership,
+                "hub",
+            );
             advance_restores(&self.env, &consumer, &self.router, self.stage)?;
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
@@ -2651,9 +2648,13 @@ fn record_outcomes(
         // Read once: the checks below and the outcome itself use it. The job's tenant's
         // subscription only: another tenant's under the same id is not this job's.
         let job = js.get_job(&o.job_key)?;
-        let sub = job
-            .as_ref()
-            .and_then(|j| d.table.read().get_of(&j.tenant_id, &j.subscription_id));
+        let (sub, unreadable) = job.as_ref().map_or((None, false), |j| {
+            let table = d.table.read();
+            (
+                table.get_of(&j.tenant_id, &j.subscription_id),
+                table.is_unreadable(&j.subscription_id),
+            )
+        });
         let schedule = sub.as_ref().and_then(|s| s.retry_schedule.clone());
         // A failure of the hub's own (no key to open the secret, ...) sent no request: it is not
         // the destination's, so neither its breaker nor its auto-disable span hears of it.
@@ -2684,12 +2685,10 @@ fn record_outcomes(
                 .emit();
             }
         }
-        // Not for a subscription whose latest record this instance cannot read: a verdict to
-        // disable it could not be written (the copy here may be stale, and the write would undo
-        // the newer one), and the span is spent once judged. Its jobs are held meanwhile.
-        let unreadable = sub
-            .as_ref()
-            .is_some_and(|s| d.table.read().is_unreadable(&s.id));
+        // Not for a subscription whose latest record this instance cannot read (`unreadable`,
+        // read with it): a verdict to disable it could not be written (the copy here may be
+        // stale, and the write would undo the newer one), and the span is spent once judged. Its
+        // jobs are held meanwhile.
         if let (Some(sub), false, false) = (&sub, hub_side, unreadable) {
             let gates = health::Gates {
                 enabled: env.config.autodisable_enabled,

@@ -34,7 +34,7 @@ use crate::ingest::classify::{
 };
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
-use crate::runtime::orphans::{Covers, GroupWatch, Joining, PosixRegex, Rejoin};
+use crate::runtime::orphans::{self, Covers, GroupWatch, Joining, PosixRegex, Rejoin};
 use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestTally, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
@@ -288,16 +288,13 @@ impl Ingest {
                     )
                     .map_err(KafkaError::from)?;
             }
-            if joining.as_mut().is_some_and(|j| {
-                j.check(
-                    watch.as_deref(),
-                    &kafka::member_id(&consumer),
-                    kafka::membership_confirmed(&consumer, &consumer.context().membership),
-                )
-            }) {
-                joining = None;
-                tracing::info!("ingest loop is in its consumer group");
-            }
+            orphans::settle(
+                &mut joining,
+                watch.as_deref(),
+                &consumer,
+                &consumer.context().membership,
+                "ingest",
+            );
             self.fill_batch(
                 &consumer,
                 &mut batch,

@@ -369,6 +369,26 @@ impl Joining {
     }
 }
 
+/// A loop's turn of its wait to be in its group: checks `joining` (its member id and whether it
+/// served the rebalance of its membership read from `consumer`) and drops it once the loop is in.
+pub fn settle<C: ConsumerContext>(
+    joining: &mut Option<Joining>,
+    watch: Option<&GroupWatch>,
+    consumer: &BaseConsumer<C>,
+    confirmed: &crate::runtime::kafka::ConfirmedMembership,
+    stage: &'static str,
+) {
+    let Some(j) = joining else {
+        return;
+    };
+    let me = crate::runtime::kafka::member_id(consumer);
+    let served = crate::runtime::kafka::membership_confirmed(consumer, confirmed);
+    if j.check(watch, &me, served) {
+        *joining = None;
+        tracing::info!(stage, "the loop is in its consumer group");
+    }
+}
+
 impl Drop for Joining {
     fn drop(&mut self) {
         if self.open {
