@@ -373,7 +373,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 .map_err(|e| AppError::Http(e.to_string()))?;
         }
         let redeliver = crate::ops::redeliver::Redeliverer::new(&config, codec.clone())
-            .map_err(|e| AppError::Http(e.to_string()))?;
+            .map_err(|e| AppError::Http(e.to_string()))?
+            .stopping_with(stop.clone());
         state.ops = Some(Arc::new(crate::api::ops::Ops {
             pull: crate::ops::pull::PullReader::new(&config),
             limiter: crate::ops::ratelimit::RateLimiter::new(config.pull_rate, config.pull_burst),
@@ -478,7 +479,19 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     http_down.notify_one();
     let served = match server_ended_early {
         Some(ended) => ended,
-        None => server.await,
+        // Requests still in progress get a bounded time: a client that keeps its connection
+        // busy (a slow upload, a read that is never finished) would hold the exit for good.
+        None => match tokio::time::timeout(HTTP_DRAIN, &mut server).await {
+            Ok(ended) => ended,
+            Err(_) => {
+                tracing::warn!(
+                    waited = ?HTTP_DRAIN,
+                    "HTTP requests still in progress at exit were cut off"
+                );
+                server.abort();
+                Ok(Ok(()))
+            }
+        },
     };
     let served = match served {
         Ok(served) => served.map_err(|e| AppError::Http(e.to_string())),
@@ -495,6 +508,10 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     }
     served
 }
+
+/// How long the HTTP server waits at exit for requests still in progress, once the stages have
+/// stopped (the requests had the whole drain as well).
+const HTTP_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Dropped when a stage's thread ends, by returning or by panicking: a stage that ends while the
 /// process is not stopping shuts the process down, so it is restarted instead of running on

@@ -233,7 +233,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         match cli.command.unwrap_or(Command::Run) {
             Command::Run => match app::run(config).await {
                 Ok(()) => ExitCode::SUCCESS,
@@ -367,5 +367,9 @@ fn main() -> ExitCode {
             }
             Command::Config | Command::Token { .. } => unreachable!("handled before the runtime starts"),
         }
-    })
+    });
+    // Dropping the runtime would wait for every blocking task still running (an operation's
+    // scan or read, a DNS lookup) however long it takes; the process has finished its work.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    code
 }

@@ -721,9 +721,9 @@ async fn sigkill_mid_run_neither_loses_nor_duplicates_records() {
 /// This test did not hit that race on the old code in three runs: it guards the new path.)
 #[tokio::test]
 async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
+    use rdkafka::ClientConfig;
     use rdkafka::consumer::{BaseConsumer, Consumer};
-    use rdkafka::producer::{BaseProducer, Producer};
-    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+    use rdkafka::producer::Producer;
 
     require_broker();
     let prefix = unique("unstable");
@@ -751,45 +751,7 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
 
     // A zombie of the ingest group: it joins, sends offsets of both partitions into a
     // transaction, leaves the group and never ends the transaction until told to.
-    let zombie_consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", &group)
-        .set("partition.assignment.strategy", "cooperative-sticky")
-        .set("enable.auto.commit", "false")
-        .set("session.timeout.ms", "6000")
-        .create()
-        .expect("zombie consumer");
-    zombie_consumer.subscribe(&[&topic]).unwrap();
-    wait_until(
-        Duration::from_secs(60),
-        "the zombie owns both partitions",
-        || {
-            zombie_consumer.poll(Duration::from_millis(100));
-            (zombie_consumer.assignment().ok()?.count() == 2).then_some(())
-        },
-    );
-    let zombie: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("transactional.id", format!("{prefix}.zombie"))
-        .create()
-        .expect("zombie producer");
-    zombie.init_transactions(Duration::from_secs(30)).unwrap();
-    zombie.begin_transaction().unwrap();
-    let mut offsets = TopicPartitionList::new();
-    for part in 0..2 {
-        offsets
-            .add_partition_offset(&topic, part, Offset::Offset(5))
-            .unwrap();
-    }
-    zombie
-        .send_offsets_to_transaction(
-            &offsets,
-            &zombie_consumer.group_metadata().unwrap(),
-            Duration::from_secs(30),
-        )
-        .unwrap();
-    zombie_consumer.unsubscribe();
-    drop(zombie_consumer); // leaves the group; the transaction stays open
+    let zombie = open_zombie_transaction(&topic, &group, 2, 5, &format!("{prefix}.zombie"));
 
     produce(&p, &topic, &batch(20));
     // The first instance in the group is assigned both partitions and waits for the
@@ -857,6 +819,102 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
     let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "ingested more than once: {twice:?}");
     assert_eq!(seen.len(), 40, "every input record once");
+}
+
+/// An instance told to stop while its new partitions wait for another producer's open
+/// transaction stops at once, cleanly, without starting them: the wait (up to 120 s) outlasted
+/// `STREAMING_HUB_SHUTDOWN_TIMEOUT` before, and ended in a fatal error at its patience.
+#[tokio::test]
+async fn a_stop_while_offsets_wait_for_an_open_transaction_ends_the_wait() {
+    use rdkafka::producer::Producer;
+
+    require_broker();
+    let prefix = unique("stopwait");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let env = hub_env(&prefix, &follow_exactly(&topic));
+    let group = format!("{prefix}-group");
+    // A zombie of the ingest group: offsets of the partition in a transaction it never ends
+    // (its timeout is far past the hub's patience of 120 s).
+    let zombie = open_zombie_transaction(&topic, &group, 1, 0, &format!("{prefix}.zombie"));
+
+    let mut hub = Hub::spawn(&env);
+    wait_until(
+        Duration::from_secs(60),
+        "the hub waits for stable offsets",
+        || {
+            hub.log_text()
+                .lines()
+                .any(|l| l.contains("committed offsets not stable yet") && l.contains(&topic))
+                .then_some(())
+        },
+    );
+    let status = hub.terminate();
+    let log = hub.log_text();
+    assert!(status.success(), "{status}:\n{log}");
+    assert!(
+        log.contains("shutting down: newly assigned partitions are not started"),
+        "{log}"
+    );
+    // The transaction was open all along: the hub did not wait for it to end.
+    zombie.commit_transaction(Duration::from_secs(30)).unwrap();
+}
+
+/// A zombie of the ingest group `group`: it joins, sends offset `offset` of each of the
+/// topic's `partitions` into a transaction (timing out after 10 minutes), leaves the group, and
+/// never ends the transaction until the caller does with the producer returned.
+fn open_zombie_transaction(
+    topic: &str,
+    group: &str,
+    partitions: i32,
+    offset: i64,
+    transactional_id: &str,
+) -> rdkafka::producer::BaseProducer {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::producer::{BaseProducer, Producer};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .expect("zombie consumer");
+    consumer.subscribe(&[topic]).unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the zombie owns every partition",
+        || {
+            consumer.poll(Duration::from_millis(100));
+            (consumer.assignment().ok()?.count() == partitions as usize).then_some(())
+        },
+    );
+    let zombie: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", transactional_id)
+        .set("transaction.timeout.ms", "600000")
+        .create()
+        .expect("zombie producer");
+    zombie.init_transactions(Duration::from_secs(30)).unwrap();
+    zombie.begin_transaction().unwrap();
+    let mut offsets = TopicPartitionList::new();
+    for part in 0..partitions {
+        offsets
+            .add_partition_offset(topic, part, Offset::Offset(offset))
+            .unwrap();
+    }
+    zombie
+        .send_offsets_to_transaction(
+            &offsets,
+            &consumer.group_metadata().unwrap(),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    consumer.unsubscribe();
+    drop(consumer); // leaves the group; the transaction stays open
+    zombie
 }
 
 /// Sets one topic config (the others go back to the broker's defaults: a test topic's do not

@@ -224,6 +224,7 @@ impl rdkafka::consumer::ConsumerContext for LoopContext {
             err,
             tpl,
             &|| {},
+            &|| false,
             &self.0,
             |e| panic!("assignment failed: {e}"),
         );
@@ -413,6 +414,7 @@ impl rdkafka::consumer::ConsumerContext for RevokeProbe {
             err,
             tpl,
             &|| {},
+            &|| false,
             &self.confirmed,
             |e| panic!("assignment failed: {e}"),
         );

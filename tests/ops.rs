@@ -19,7 +19,7 @@ use axum::routing::post;
 use common::*;
 use serde_json::{Value, json};
 use streaming_hub::config::Config;
-use streaming_hub::ops::redeliver::{Progress, Redeliverer};
+use streaming_hub::ops::redeliver::{Progress, RedeliverError, Redeliverer};
 use streaming_hub::runtime::avro::{Codec, RecordKind};
 use streaming_hub::runtime::records::{
     AttemptRecord, DeadLetterReason, DeadLetterRecord, HeaderRecord,
@@ -704,6 +704,42 @@ async fn a_range_whose_start_retention_deleted_is_read_from_the_oldest_record_ke
     })
     .unwrap();
     assert_eq!(read, (50..100).collect::<Vec<i64>>());
+}
+
+/// A scan stops at the record where the process's stop flag turned: a shutdown does not wait for
+/// a long replay or recover (its blocking task kept the process alive after every stage had
+/// stopped, past `STREAMING_HUB_SHUTDOWN_TIMEOUT`).
+#[tokio::test]
+async fn a_scan_stops_where_the_instance_begins_to_shut_down() {
+    require_broker();
+    let topic = unique("ops-stop");
+    create_topic(&topic, 1).await;
+    let recs: Vec<Rec> = (0..100)
+        .map(|i| event(&format!("tenant-{i}"), "ledger", "transaction", "created"))
+        .collect();
+    produce(&producer(), &topic, &recs);
+    let config = Config::from_vars(hub_env(&unique("ops-stop"), "^unused$")).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = Redeliverer::new(&config, Arc::new(Codec::new().unwrap()))
+        .unwrap()
+        .stopping_with(stop.clone());
+    let mut read = Vec::new();
+    let scanned = r.read_ranges(&topic, &[(0, 0, 100)], |m| {
+        read.push(rdkafka::Message::offset(m));
+        if read.len() == 10 {
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(())
+    });
+    assert!(
+        matches!(scanned, Err(RedeliverError::Stopped)),
+        "{scanned:?}"
+    );
+    assert_eq!(
+        read,
+        (0..10).collect::<Vec<i64>>(),
+        "nothing read past the stop"
+    );
 }
 
 /// A record of `<prefix>.dlq`: the dead letter of a new event of `tenant` for its subscription

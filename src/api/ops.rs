@@ -296,8 +296,8 @@ fn admit_dead_letter(subs: &Subscriptions, dl: &DeadLetterRecord) -> Result<(), 
 /// stopped partway (a retry queues those again). The broker's words (topics, partitions,
 /// addresses) stay in the log and the run's progress, which only operators read: a recover's
 /// answer goes to a tenant.
-fn stopped(progress: &Mutex<Progress>, e: String) -> ApiError {
-    let p = finish(progress, Err(RedeliverError::Kafka(e.clone())));
+fn stopped(progress: &Mutex<Progress>, e: RedeliverError) -> ApiError {
+    let p = finish(progress, Err(e.clone()));
     if p.requested == 0 {
         return unavailable(&e);
     }
@@ -491,7 +491,7 @@ pub async fn recover(
     })
     .await
     .map_err(|e| ApiError::internal("recover panicked", &e))?;
-    if let Err(RedeliverError::Kafka(e)) = result {
+    if let Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) = result {
         return Err(stopped(&progress, e));
     }
     Ok(Json(done).into_response())
@@ -814,7 +814,7 @@ pub async fn redrive(
     .await
     .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
-        Err(RedeliverError::Kafka(e)) => Err(stopped(&progress, e)),
+        Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) => Err(stopped(&progress, e)),
         Err(RedeliverError::Invalid(msg)) => {
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))
         }
@@ -867,7 +867,7 @@ mod tests {
             ..Progress::default()
         });
         let broker = "no record from hub.dlq/3 within 10s (broker 10.0.4.2:9092)";
-        let e = stopped(&progress, broker.to_string());
+        let e = stopped(&progress, RedeliverError::Kafka(broker.to_string()));
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(e.message.contains("run-1") && e.message.contains("3 redeliveries"));
         assert!(!e.message.contains("hub.dlq") && !e.message.contains("10.0.4.2"));

@@ -512,6 +512,8 @@ struct HubContext {
     /// The group generation of the last offsets the loop sent (a refused batch runs again only
     /// under a later one).
     offsets_generation: std::sync::atomic::AtomicI32,
+    /// The process's stop flag: an assignment that waits for stable offsets gives up once set.
+    stop: Arc<AtomicBool>,
 }
 
 impl ClientContext for HubContext {
@@ -721,10 +723,21 @@ impl ConsumerContext for HubContext {
         tpl: &mut TopicPartitionList,
     ) {
         let beat = crate::runtime::liveness::beat_current;
-        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, &self.membership, |e| {
-            tracing::error!(error = %e, "assigned partitions could not be started");
-            self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal = Some(fatal_or_kafka(e));
-        });
+        let stopping = || self.stop.load(Ordering::Relaxed);
+        kafka::rebalance_at_committed(
+            self,
+            consumer,
+            err,
+            tpl,
+            &beat,
+            &stopping,
+            &self.membership,
+            |e| {
+                tracing::error!(error = %e, "assigned partitions could not be started");
+                self.shared.lock().unwrap_or_else(|p| p.into_inner()).fatal =
+                    Some(fatal_or_kafka(e));
+            },
+        );
     }
 
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -1811,6 +1824,7 @@ impl HubStage {
             stage: self.stage,
             membership: Default::default(),
             offsets_generation: Default::default(),
+            stop: stop.clone(),
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         consumer

@@ -103,6 +103,8 @@ struct IngestContext {
     /// With `STREAMING_HUB_REQUIRE_SOURCE_TOPIC`: followed topics the check cannot apply to (not
     /// named `lerian.streaming.<source>`), each warned about once.
     unchecked: Option<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// The process's stop flag: an assignment that waits for stable offsets gives up once set.
+    stop: Arc<AtomicBool>,
 }
 
 impl IngestContext {
@@ -145,10 +147,20 @@ impl ConsumerContext for IngestContext {
         tpl: &mut TopicPartitionList,
     ) {
         let beat = || crate::runtime::liveness::beat(&crate::runtime::liveness::INGEST);
-        kafka::rebalance_at_committed(self, consumer, err, tpl, &beat, &self.membership, |e| {
-            tracing::error!(error = %e, "assigned partitions could not be started");
-            *self.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-        });
+        let stopping = || self.stop.load(Ordering::Relaxed);
+        kafka::rebalance_at_committed(
+            self,
+            consumer,
+            err,
+            tpl,
+            &beat,
+            &stopping,
+            &self.membership,
+            |e| {
+                tracing::error!(error = %e, "assigned partitions could not be started");
+                *self.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            },
+        );
     }
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
@@ -240,6 +252,7 @@ impl Ingest {
         )
         .create_with_context(IngestContext {
             unchecked: self.config.require_source_topic.then(Default::default),
+            stop: stop.clone(),
             ..IngestContext::default()
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;

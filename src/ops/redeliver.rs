@@ -14,6 +14,7 @@
 //! - Recover and redrive read `<prefix>.dlq`, whose records carry the dead event's headers and
 //!   value (records without them, written before they did, are counted as `unrecoverable`).
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,6 +38,8 @@ pub const H_REDELIVER: &str = "x-streaming-hub-redeliver";
 /// Header of a redelivery request: the replay, recover or redrive that asked for it.
 pub const H_REQUEST: &str = "x-streaming-hub-request";
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a scan waits for a record before it looks at the stop flag again.
+const POLL_SLICE: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RedeliverError {
@@ -47,6 +50,10 @@ pub enum RedeliverError {
     /// A redelivery the hub would drop (its subscription disabled or not verified).
     #[error("{0}")]
     Inactive(String),
+    /// The instance began shutting down: the run stopped where it was (the requests it queued
+    /// so far are written); running it again on a running instance does the rest.
+    #[error("stopped: this instance is shutting down (run it again on a running instance)")]
+    Stopped,
 }
 
 fn k(e: RdKafkaError) -> RedeliverError {
@@ -84,6 +91,9 @@ pub struct Redeliverer {
     codec: Arc<Codec>,
     inbox: String,
     dlq: String,
+    /// The process's stop flag: a run looks at it between records, so a shutdown does not wait
+    /// for a long scan (its blocking task kept the process alive after every stage had stopped).
+    stop: Arc<AtomicBool>,
 }
 
 /// The producer of one run.
@@ -98,7 +108,27 @@ impl Redeliverer {
             codec,
             inbox: format!("{}.inbox", config.topic_prefix),
             dlq: format!("{}.dlq", config.topic_prefix),
+            stop: Arc::default(),
         })
+    }
+
+    /// Runs stop (with [`RedeliverError::Stopped`]) once `stop` is set.
+    pub fn stopping_with(mut self, stop: Arc<AtomicBool>) -> Redeliverer {
+        self.stop = stop;
+        self
+    }
+
+    fn go_on(&self) -> Result<(), RedeliverError> {
+        go_on(&self.stop)
+    }
+}
+
+/// `Err(Stopped)` once `stop` is set.
+fn go_on(stop: &AtomicBool) -> Result<(), RedeliverError> {
+    if stop.load(Ordering::Relaxed) {
+        Err(RedeliverError::Stopped)
+    } else {
+        Ok(())
     }
 }
 
@@ -146,7 +176,7 @@ impl Redeliverer {
         ranges: &[(i32, i64, i64)],
         f: impl FnMut(&rdkafka::message::BorrowedMessage<'_>) -> Result<(), RedeliverError>,
     ) -> Result<(), RedeliverError> {
-        scan(&self.consumer()?, topic, ranges, f)
+        scan(&self.consumer()?, topic, ranges, &self.stop, f)
     }
 
     /// Queues one redelivery request.
@@ -225,11 +255,11 @@ impl Redeliverer {
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms)?;
+        let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms, &self.stop)?;
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
-        let scanned = scan(&consumer, &self.inbox, &ranges, |m| {
+        let scanned = scan(&consumer, &self.inbox, &ranges, &self.stop, |m| {
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
             p.scanned += 1;
             drop(p);
@@ -290,13 +320,13 @@ impl Redeliverer {
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX)?;
+        let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX, &self.stop)?;
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
         // the events (a long outage dead-letters many, each up to the payload limit).
         let mut seen: HashSet<String> = HashSet::new();
-        let scanned = scan(&consumer, &self.dlq, &ranges, |m| {
+        let scanned = scan(&consumer, &self.dlq, &ranges, &self.stop, |m| {
             let Some(dl) = m.payload().and_then(|v| {
                 self.codec
                     .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
@@ -345,6 +375,7 @@ impl Redeliverer {
             .map(|t| t.partitions().iter().map(|p| p.id()).collect())
             .unwrap_or_default();
         for &(partition, offset) in positions {
+            self.go_on()?;
             let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let named = |m: String| format!("dead letter {partition}-{offset}: {m}");
@@ -357,6 +388,7 @@ impl Redeliverer {
         let request_id = request_id_of(progress);
         let producer = producer(&self.config)?;
         let requested = positions.iter().try_for_each(|&(partition, offset)| {
+            self.go_on()?;
             // Checked above: one gone since (retention) or unreadable now fails the run, with
             // the requests before it queued.
             let dl = self
@@ -538,6 +570,7 @@ fn ranges_for_times(
     topic: &str,
     from_ms: i64,
     to_ms: i64,
+    stop: &AtomicBool,
 ) -> Result<Vec<(i32, i64, i64)>, RedeliverError> {
     let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(k)?;
     let partitions: Vec<i32> = match metadata.topics().first() {
@@ -568,6 +601,7 @@ fn ranges_for_times(
     };
     let mut out = Vec::new();
     for p in partitions {
+        go_on(stop)?;
         let (_, high) = consumer.fetch_watermarks(topic, p, TIMEOUT).map_err(k)?;
         let off = |tpl: &TopicPartitionList| -> Result<i64, RedeliverError> {
             Ok(kafka::offset_for_time(tpl, topic, p)
@@ -586,11 +620,13 @@ fn ranges_for_times(
     Ok(out)
 }
 
-/// Reads each `(partition, start, end)` range of `topic`, calling `f` for each record.
+/// Reads each `(partition, start, end)` range of `topic`, calling `f` for each record, until
+/// `stop` is set (then `Err(Stopped)`).
 fn scan(
     consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
     ranges: &[(i32, i64, i64)],
+    stop: &AtomicBool,
     mut f: impl FnMut(&rdkafka::message::BorrowedMessage<'_>) -> Result<(), RedeliverError>,
 ) -> Result<(), RedeliverError> {
     for &(partition, start, end) in ranges {
@@ -598,9 +634,13 @@ fn scan(
         tpl.add_partition_offset(topic, partition, Offset::Offset(start))
             .map_err(k)?;
         consumer.assign(&tpl).map_err(k)?;
+        // Polled a second at a time, so a stop is seen while the brokers are slow to answer.
+        let mut idle = Duration::ZERO;
         loop {
-            match consumer.poll(TIMEOUT) {
+            go_on(stop)?;
+            match consumer.poll(POLL_SLICE) {
                 Some(Ok(m)) => {
+                    idle = Duration::ZERO;
                     if m.offset() >= end {
                         break;
                     }
@@ -612,6 +652,7 @@ fn scan(
                 // read_committed: the range may end in an aborted transaction's records.
                 Some(Err(RdKafkaError::PartitionEOF(_))) => break,
                 Some(Err(e)) => return Err(k(e)),
+                None if idle + POLL_SLICE < TIMEOUT => idle += POLL_SLICE,
                 None => {
                     return Err(RedeliverError::Kafka(format!(
                         "no record from {topic}/{partition} within {TIMEOUT:?}"

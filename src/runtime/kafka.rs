@@ -510,15 +510,20 @@ const RETRY_PAUSE: Duration = Duration::from_millis(250);
 ///
 /// The wait blocks the caller's poll (as a restore does): the group's rebalance waits with it.
 /// If the offsets stay unreadable past the patience, nothing is assigned and `on_fatal` gets the
-/// error: the stage must stop so its process restarts. `beat` keeps the stage's liveness while
-/// it waits. Revocations and errors go as rdkafka's default rebalance sends them. Each callback
+/// error: the stage must stop so its process restarts. Once `stopping` says so (the process is
+/// shutting down), the wait ends and nothing is started: the loop leaves the group as it stops,
+/// and the partitions go to another member (a SIGTERM while a previous owner's transaction was
+/// open waited for it up to 120 s, past `STREAMING_HUB_SHUTDOWN_TIMEOUT`). `beat` keeps the
+/// stage's liveness while it waits. Revocations and errors go as rdkafka's default rebalance sends them. Each callback
 /// records the membership it runs under in `confirmed` (see [`member_metadata`]).
+#[allow(clippy::too_many_arguments)] // librdkafka's callback arguments and the stage's hooks
 pub fn rebalance_at_committed<C: ConsumerContext>(
     context: &C,
     consumer: &BaseConsumer<C>,
     err: RDKafkaRespErr,
     tpl: &TopicPartitionList,
     beat: &dyn Fn(),
+    stopping: &dyn Fn() -> bool,
     confirmed: &ConfirmedMembership,
     on_fatal: impl FnOnce(rdkafka::error::KafkaError),
 ) {
@@ -530,8 +535,25 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
     match err {
         RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
             // `tpl` belongs to librdkafka: it is read, never replaced.
-            let at = match stable_committed(consumer, tpl, beat) {
-                Ok(at) => at,
+            let at = match stable_committed(consumer, tpl, beat, stopping) {
+                Ok(Some(at)) => at,
+                Ok(None) => {
+                    tracing::info!(
+                        partitions = tpl.count(),
+                        "shutting down: newly assigned partitions are not started"
+                    );
+                    // The callback's assign is still owed to librdkafka: an empty one.
+                    let none = TopicPartitionList::new();
+                    let assigned = if cooperative {
+                        consumer.incremental_assign(&none)
+                    } else {
+                        consumer.assign(&none)
+                    };
+                    if let Err(e) = assigned {
+                        tracing::warn!(error = %e, "empty assignment refused");
+                    }
+                    return;
+                }
                 Err(e) => return on_fatal(e),
             };
             let rebalance = Rebalance::Assign(&at);
@@ -570,14 +592,16 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
 
 /// `partitions` with their committed offsets as start offsets (the beginning where the group
 /// never committed one), read with `require_stable` (a `read_committed` consumer asks so): the
-/// answer waits for open transactions that carry offsets of these partitions.
+/// answer waits for open transactions that carry offsets of these partitions. `None` once
+/// `stopping` says so while it waits.
 pub fn stable_committed<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     partitions: &TopicPartitionList,
     beat: &dyn Fn(),
-) -> Result<TopicPartitionList, rdkafka::error::KafkaError> {
+    stopping: &dyn Fn() -> bool,
+) -> Result<Option<TopicPartitionList>, rdkafka::error::KafkaError> {
     if partitions.count() == 0 {
-        return Ok(partitions.clone());
+        return Ok(Some(partitions.clone()));
     }
     let started = std::time::Instant::now();
     let mut waiting_said = false;
@@ -593,6 +617,7 @@ pub fn stable_committed<C: ConsumerContext>(
             });
         match answer {
             Ok(c) => break c,
+            Err(_) if stopping() => return Ok(None),
             Err(e) if started.elapsed() < STABLE_OFFSETS_PATIENCE => {
                 if !waiting_said {
                     let names: Vec<String> = partitions
@@ -624,7 +649,7 @@ pub fn stable_committed<C: ConsumerContext>(
         };
         at.add_partition_offset(e.topic(), e.partition(), start)?;
     }
-    Ok(at)
+    Ok(Some(at))
 }
 
 /// A consumer's place in its group as the group coordinator sees it in a transaction's offsets.

@@ -21,7 +21,8 @@
 //!    - an unknown id is created at version 1; a webhook gets the entry's `signing_secret`, or
 //!      a new one, sealed under the KEK; a new one (never the entry's: the file has it, and
 //!      stdout often goes to CI logs) is printed once on stdout as
-//!      `{"id":…,"signing_secret":"whsec_…"}`;
+//!      `{"id":…,"signing_secret":"whsec_…"}`, also when the write fails (it may have landed: the
+//!      last secret printed for an id is the one in force);
 //!    - a known id gets the entry's fields, keeps its secrets (an entry's `signing_secret` is
 //!      for its creation only, so the file can keep it; rotate to change it) and goes to
 //!      version + 1, unless
@@ -662,8 +663,13 @@ pub async fn execute(
             continue;
         }
         let written = subs.put(rec).await;
-        // NotSeen: the broker has the record, so its secret must be shown anyway.
-        if let (Some(secret), Ok(()) | Err(RepoError::NotSeen(_))) = (&secret, &written) {
+        // Shown whenever the record may be on the broker: written, not seen back, and a failed
+        // send too (a timeout after the send may have landed; a new secret nobody has would
+        // leave only `rotate-secret`). Not written, the next run creates it with a new secret,
+        // printed then: the last secret printed for an id is the one in force.
+        if let (Some(secret), Ok(()) | Err(RepoError::NotSeen(_) | RepoError::Write(_))) =
+            (&secret, &written)
+        {
             let line = serde_json::json!({"id": id, "signing_secret": secret.expose()});
             emit(out, &line.to_string())?;
         }
@@ -1241,6 +1247,29 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "entry 1, field event_types[0]: bad (invalid)"
+        );
+    }
+
+    /// A send whose outcome is unknown may have landed: the generated secret is printed before
+    /// the error, or a record nobody has the secret of could be in force.
+    #[tokio::test]
+    async fn a_generated_secret_is_printed_when_the_write_may_have_landed() {
+        let mut t = target();
+        t.subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()));
+        let (url, _) = echo().await;
+        let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                           "destination": {"type": "webhook", "url": url}}]);
+        let (r, out) = run(&t, &file).await;
+        let e = r.expect_err("the write failed");
+        assert!(matches!(&e, ApplyError::Write { id, .. } if id == B), "{e}");
+        assert_eq!(e.exit_code(), exit::UNAVAILABLE);
+        let line: Value = serde_json::from_str(out.lines().next().expect("a line")).unwrap();
+        assert_eq!(line["id"], B);
+        assert!(
+            line["signing_secret"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("whsec_")),
+            "{out}"
         );
     }
 

@@ -275,6 +275,9 @@ enum Writer {
     /// lands where it returns; the writer looks once, without waiting.
     #[cfg(test)]
     Scripted(Arc<Script>),
+    /// Every write fails as a send whose outcome is unknown does (a timeout after the send).
+    #[cfg(test)]
+    Failing,
     Kafka {
         producer: FutureProducer,
         topic: String,
@@ -326,6 +329,15 @@ impl Subscriptions {
     pub fn lagging(codec: Arc<Codec>) -> Subscriptions {
         Subscriptions {
             writer: Writer::Lagging,
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
+    /// [`Subscriptions::in_memory`] whose writes fail as a send that timed out does.
+    #[cfg(test)]
+    pub fn failing(codec: Arc<Codec>) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::Failing,
             ..Subscriptions::in_memory(codec)
         }
     }
@@ -391,6 +403,8 @@ impl Subscriptions {
             Writer::Lagging => None,
             #[cfg(test)]
             Writer::Scripted(script) => script(&self.table, &rec.id, Some(&rec)),
+            #[cfg(test)]
+            Writer::Failing => return Err(RepoError::Write("Message timed out".into())),
             Writer::Kafka { producer, topic } => {
                 let d = producer
                     .send(
@@ -440,6 +454,8 @@ impl Subscriptions {
             Writer::Lagging => return Err(RepoError::NotSeen(READ_YOUR_WRITES)),
             #[cfg(test)]
             Writer::Scripted(script) => script(&self.table, id, None),
+            #[cfg(test)]
+            Writer::Failing => return Err(RepoError::Write("Message timed out".into())),
             Writer::Kafka { producer, topic } => {
                 let d = producer
                     .send(

@@ -533,7 +533,7 @@ impl Hub {
     /// stall timeout (120 s) plus a margin is a hang: it fails the test (the hub is killed when
     /// this `Hub` drops) instead of hanging the suite; so does an exit by the stall watchdog
     /// (code 70), which only a loop stuck during the stop triggers.
-    pub fn terminate(&mut self) {
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
         unsafe_sigterm(self.child.id());
         let child = &mut self.child;
         let status = wait_until(
@@ -547,6 +547,7 @@ impl Hub {
             "the stall watchdog ended the hub during its stop:\n{}",
             self.log_text()
         );
+        status
     }
 
     pub fn log_text(&self) -> String {
