@@ -551,7 +551,7 @@ settings! {
     /// and between the tenants with due deliveries): large events claim fewer attempts ahead. A
     /// claim is made while under it (so one event may pass it) and one attempt always is.
     dispatch_claims_ahead_bytes: usize = "268435456";
-    /// Reclaims of a job whose lease expired without an outcome before it is dead-lettered as poison.
+    /// Reclaims in a row of a job whose lease expired without an outcome (or whose worker panicked) before it is dead-lettered as poison; an attempt that comes back with an answer starts the count again.
     poison_threshold: u32 = "5";
     /// How long a hub transaction waits for the first attempts of the new events it took in,
     /// started before it commits: an attempt that ends within it is recorded in the same

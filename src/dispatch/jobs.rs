@@ -694,6 +694,11 @@ pub fn apply_outcome(
     match curve::next_delay(retry_schedule, o.attempt + 1, o.retry_after_ms, rng) {
         Some(delay) => {
             job.attempt += 1;
+            // An attempt that came back with an answer did not kill its process: poison counts
+            // reclaims in a row only. Counted over the job's whole life, five unrelated lost
+            // leases over its 28 hours (deploys, rebalances with a backlog leased) dead-lettered
+            // a healthy job as poison.
+            job.reclaims = 0;
             job.state = JobState::Pending;
             job.lease_until = None;
             job.due_at = now + delay as i64;
@@ -792,6 +797,7 @@ pub fn event_id_of(job_key: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
 
     fn job(tenant: &str, id: &str, due_at: i64) -> JobRecord {
         JobRecord {
@@ -1125,6 +1131,69 @@ mod tests {
             .unwrap();
             assert_eq!(stored(&staged).map(|p| p.refcount), left);
         }
+    }
+
+    /// Reclaims count towards poison only in a row: an attempt that came back with an answer
+    /// (a failure rescheduled on the curve) starts the count again; a panic adds to it.
+    #[test]
+    fn an_answered_attempt_starts_the_poison_count_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let key = job_key("t", "e", "s");
+        let leased = |attempt: u32, reclaims: u32| JobRecord {
+            attempt,
+            reclaims,
+            state: JobState::Leased,
+            lease_until: Some(100),
+            ..job("t", "e", 100)
+        };
+        let outcome = |attempt: u32, error: &str| Outcome {
+            partition: 0,
+            job_key: key.clone(),
+            attempt,
+            lease_until: 100,
+            delivery_id: "d".into(),
+            started_at: 50,
+            latency_ms: 1,
+            status: (error == "http_status").then_some(500),
+            error_kind: Some(error.into()),
+            retry_after_ms: None,
+            response_body: None,
+            ingest_ms: None,
+            tenant: "t".into(),
+            sole_payload: None,
+            body_bytes: 0,
+            url: None,
+            target_nonce: None,
+        };
+        let apply = |job: JobRecord, o: &Outcome| {
+            let mut staged = Staged::default();
+            let mut js = JobStore {
+                store: &store,
+                staged: &mut staged,
+                codec: &codec,
+            };
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let records = apply_outcome(&mut js, o, Some(job), None, 60, 5, &mut rng)
+                .unwrap()
+                .expect("not stale");
+            (records, js.get_job(&key).unwrap())
+        };
+        // Four reclaims so far, then an answered failure: rescheduled with the count at zero.
+        let (records, after) = apply(leased(2, 4), &outcome(2, "http_status"));
+        assert!(records.dead_letter.is_none());
+        let after = after.expect("rescheduled");
+        assert_eq!((after.attempt, after.reclaims), (3, 0));
+        // A panic adds to the count, and the fifth in a row is poison.
+        let (records, after) = apply(leased(3, 0), &outcome(3, "panic"));
+        assert!(records.dead_letter.is_none());
+        assert_eq!(after.expect("due again").reclaims, 1);
+        let (records, _) = apply(leased(3, 4), &outcome(3, "panic"));
+        assert!(matches!(
+            records.dead_letter.map(|d| d.reason),
+            Some(DeadLetterReason::Poison)
+        ));
     }
 
     #[test]
