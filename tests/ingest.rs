@@ -117,6 +117,13 @@ fn table() -> Vec<(&'static str, Rec)> {
             "invalid_header_encoding",
             ok().set("ce-subject", Some(&[0xff, 0xfe, 0x41])),
         ),
+        (
+            "invalid_header_encoding",
+            ok().set(
+                "ce-datacontenttype",
+                Some("text/plain; charset=\u{201c}utf-8\u{201d}".as_bytes()),
+            ),
+        ),
         ("headers_too_many", {
             let mut r = ok();
             for i in 0..2000 {

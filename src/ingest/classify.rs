@@ -286,6 +286,17 @@ fn is_http_token_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
+/// `type/subtype`, each an HTTP token, then any parameters, all in ASCII (RFC 2046 as the
+/// CloudEvents `datacontenttype` attribute requires it; control characters are refused before).
+fn is_media_type(s: &str) -> bool {
+    let essence = s.split(';').next().unwrap_or_default().trim();
+    let token = |t: &str| !t.is_empty() && t.bytes().all(is_http_token_byte);
+    s.is_ascii()
+        && essence
+            .split_once('/')
+            .is_some_and(|(ty, sub)| token(ty) && token(sub))
+}
+
 fn has_control(s: &str) -> bool {
     if s.is_ascii() {
         s.bytes().any(|b| b < 0x20 || b == 0x7f)
@@ -339,6 +350,15 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
         };
         if has_control(value) {
             return encoding(format_args!("control character in the value"));
+        }
+        // Sent as the `Content-Type` as it is: a value HTTP cannot carry (non-ASCII) was replaced
+        // by `application/json` at delivery, and a JSON receiver then refused the event for 28
+        // hours before it was dead-lettered.
+        if name == "ce-datacontenttype" && !is_media_type(value) {
+            return encoding(format_args!(
+                "not a media type (type/subtype[; parameters], in ASCII), so it cannot be sent \
+                 as the Content-Type"
+            ));
         }
         // Deliveries percent-encode `ce-*` values (space, `"`, `%`, non-ASCII: three bytes each
         // on the wire), all but the content type, which goes as the `Content-Type` as it is.
@@ -1036,6 +1056,27 @@ mod tests {
                 ledger().set_raw("ce-subject", Some(b"acc-\xff")),
                 plain,
                 Q(InvalidHeaderEncoding, "ce-subject"),
+            ),
+            (
+                "content type not in ASCII",
+                ledger().set(
+                    "ce-datacontenttype",
+                    "text/plain; charset=\u{201c}utf-8\u{201d}",
+                ),
+                plain,
+                Q(InvalidHeaderEncoding, "ce-datacontenttype"),
+            ),
+            (
+                "content type not a media type",
+                ledger().set("ce-datacontenttype", "json"),
+                plain,
+                Q(InvalidHeaderEncoding, "ce-datacontenttype"),
+            ),
+            (
+                "content type with parameters",
+                ledger().set("ce-datacontenttype", "text/plain; charset=utf-8"),
+                plain,
+                Pass,
             ),
             (
                 "huge ce value",
