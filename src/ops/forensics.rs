@@ -514,6 +514,16 @@ fn query(q: &Queue, f: &Filter) -> Vec<ForensicRecord> {
         .collect()
 }
 
+/// A `ce-*` attribute's value as ingest reads it: the header of exactly that (lower-case) name.
+/// Read regardless of case, a `CE-SOURCE` on a record quarantined for its missing `ce-source`
+/// filed it under that producer instead of its topic's.
+fn attribute(headers: &[HeaderText], name: &str) -> Option<String> {
+    headers
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value.clone())
+}
+
 fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
     let mut headers = Vec::new();
     let mut dlq = BTreeMap::new();
@@ -530,12 +540,7 @@ fn forensic_record(m: &BorrowedMessage<'_>, time: i64, kind: Kind) -> Kept {
             headers.push(HeaderText { key, value });
         }
     }
-    let header = |name: &str| {
-        headers
-            .iter()
-            .find(|h| h.key.eq_ignore_ascii_case(name))
-            .and_then(|h| h.value.clone())
-    };
+    let header = |name: &str| attribute(&headers, name);
     // The hub writes its reason after the record's own headers: the last one is the hub's.
     let reason = headers
         .iter()
@@ -663,6 +668,17 @@ mod tests {
 
     /// Two DLQ partitions read one after the other: the newest first by `dead_at` whatever the
     /// read order, and when full the oldest by `dead_at` goes, not the first read.
+    #[test]
+    fn attributes_are_read_by_their_exact_names_as_ingest_reads_them() {
+        let h = |key: &str, value: &str| HeaderText {
+            key: key.into(),
+            value: Some(value.into()),
+        };
+        let headers = [h("CE-SOURCE", "ledger"), h("ce-tenantid", "t1")];
+        assert_eq!(attribute(&headers, "ce-source"), None);
+        assert_eq!(attribute(&headers, "ce-tenantid").as_deref(), Some("t1"));
+    }
+
     #[test]
     fn dead_deliveries_are_kept_in_dead_at_order() {
         let mut dead = VecDeque::new();
