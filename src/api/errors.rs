@@ -23,6 +23,7 @@ pub mod codes {
     pub const INVALID_BODY: &str = "invalid_body";
     pub const UNSUPPORTED_MEDIA_TYPE: &str = "unsupported_media_type";
     pub const VERSION_MISMATCH: &str = "version_mismatch";
+    pub const WRITTEN_AGAIN: &str = "written_again";
     pub const NOT_A_WEBHOOK: &str = "not_a_webhook";
     pub const SUBSCRIPTION_INACTIVE: &str = "subscription_inactive";
     pub const SUBSCRIPTION_LIMIT: &str = "subscription_limit";
@@ -114,6 +115,14 @@ impl From<FieldError> for ApiError {
 
 impl From<RepoError> for ApiError {
     fn from(e: RepoError) -> ApiError {
+        if matches!(e, RepoError::WrittenAgain) {
+            return ApiError::new(
+                StatusCode::CONFLICT,
+                codes::WRITTEN_AGAIN,
+                "the subscription was written again after this deletion (by the hub or another \
+                 client); read it and delete it again",
+            );
+        }
         if e.is_retryable() {
             tracing::warn!(error = %e, "subscription write failed");
             ApiError::new(

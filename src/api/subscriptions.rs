@@ -533,6 +533,7 @@ fn check_version(expected: Option<u64>, current: &SubscriptionRecord) -> Result<
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 409, description = "Written again after the deletion, by the hub (an auto-disable) or another client: not deleted (`written_again`)", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn delete(

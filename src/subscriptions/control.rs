@@ -32,13 +32,17 @@ pub enum RepoError {
     Write(String),
     #[error("the write was not seen back within {0:?}")]
     NotSeen(Duration),
+    /// A deletion the reader went past while a record written after it (another writer's)
+    /// brought the subscription back: it is not deleted.
+    #[error("the subscription was written again after its deletion, by another writer")]
+    WrittenAgain,
     #[error("encoding: {0}")]
     Codec(String),
 }
 
 impl RepoError {
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, RepoError::Codec(_))
+        !matches!(self, RepoError::Codec(_) | RepoError::WrittenAgain)
     }
 }
 
@@ -472,8 +476,22 @@ impl Subscriptions {
             Writer::Scripted(_) => Duration::ZERO,
             _ => READ_YOUR_WRITES,
         };
-        if self.table.wait_for(wait, |t| t.get(id).is_none()).await {
-            return Ok(());
+        // Seen: gone, or the reader went past the tombstone; then a record after it (another
+        // writer's: an auto-disable, a verify, a PATCH planned before the deletion) has brought
+        // it back. Waited for its absence alone, that case waited the whole 15 s and answered
+        // "deleted" for a subscription every instance has again.
+        let passed = |t: &Table| at.is_some_and(|(p, o)| t.has_read(p, o));
+        if self
+            .table
+            .wait_for(wait, |t| t.get(id).is_none() || passed(t))
+            .await
+        {
+            let back = self.table.read();
+            return if back.get(id).is_some() && passed(&back) {
+                Err(RepoError::WrittenAgain)
+            } else {
+                Ok(())
+            };
         }
         // The broker has the tombstone: gone from this instance's table now, and kept gone over
         // the records before it the reader has still to apply (`Table::write_local`). Left in
@@ -540,6 +558,15 @@ mod tests {
         assert_eq!(subs.get("sub-1").map(|s| s.version), Some(2));
     }
 
+    /// A write landing at control offset 3 and read there at once.
+    fn read_at_3(table: &SharedTable, rec: &SubscriptionRecord) -> Option<(i32, i64)> {
+        table.apply(|t| {
+            t.read_record(&rec.id, Some(rec.clone()), 0, 3);
+            t.note_read(0, 3);
+        });
+        Some((0, 3))
+    }
+
     /// A deletion the reader has not reached is gone from this instance's table at once: a GET
     /// does not find it, so no PATCH, verify or retrier writes a version after the tombstone
     /// (which brought it back everywhere); and the records before the tombstone the reader has
@@ -547,14 +574,7 @@ mod tests {
     #[tokio::test]
     async fn a_deletion_the_reader_has_not_reached_is_gone_at_once_and_stays_gone() {
         let subs = scripted(|table, _, rec| match rec {
-            Some(rec) => {
-                let rec = rec.clone();
-                table.apply(|t| {
-                    t.read_record(&rec.id, Some(rec.clone()), 0, 3);
-                    t.note_read(0, 3);
-                });
-                Some((0, 3))
-            }
+            Some(rec) => read_at_3(table, rec),
             None => Some((0, 9)),
         });
         subs.put(v2()).await.unwrap();
@@ -571,5 +591,32 @@ mod tests {
         assert!(subs.get("sub-1").is_none(), "not brought back");
         subs.table().apply(|t| t.read_record("sub-1", None, 0, 9));
         assert!(subs.get("sub-1").is_none());
+    }
+
+    /// A deletion the reader goes past while another writer's record after it brings the
+    /// subscription back is not answered as done (it waited the whole 15 s for an absence that
+    /// never came, then said deleted).
+    #[tokio::test]
+    async fn a_deletion_written_over_by_a_later_record_is_not_reported_deleted() {
+        let subs = scripted(|table, _, rec| match rec {
+            Some(rec) => read_at_3(table, rec),
+            None => {
+                // The tombstone at 9, then an auto-disable's version at 10, both read.
+                let mut v3 = v2();
+                v3.version = 3;
+                table.apply(|t| {
+                    t.read_record("sub-1", None, 0, 9);
+                    t.read_record("sub-1", Some(v3), 0, 10);
+                    t.note_read(0, 10);
+                });
+                Some((0, 9))
+            }
+        });
+        subs.put(v2()).await.unwrap();
+        assert!(matches!(
+            subs.delete("sub-1").await,
+            Err(RepoError::WrittenAgain)
+        ));
+        assert_eq!(subs.get("sub-1").map(|s| s.version), Some(3));
     }
 }
