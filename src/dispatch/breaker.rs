@@ -17,7 +17,8 @@ pub const COOL_DOWN_MS: i64 = 30_000;
 /// The longest an open breaker sheds between probes, its cool-down doubled by each failed probe
 /// (ms).
 pub const MAX_COOL_DOWN_MS: i64 = 300_000;
-/// How long a job shed while a probe is in flight waits before it is looked at again (ms).
+/// How long a job shed while a probe is in flight waits at least before it is looked at again
+/// (ms): as long as the probe has been out, beyond that (see [`Breakers::admit`]).
 const PROBE_WAIT_MS: i64 = 1_000;
 /// A probe with no outcome after this long is taken as lost (its outcome went with a partition
 /// that moved, or its process died): the next due job may probe (ms).
@@ -140,9 +141,16 @@ impl Breakers {
         match s.open_until {
             None => Admit::Go,
             Some(t) if now < t => Admit::Shed { until: t },
-            Some(_) if s.probing.is_some_and(|since| now < since + PROBE_LOST_MS) => Admit::Shed {
-                until: now + PROBE_WAIT_MS,
-            },
+            Some(_) if s.probing.is_some_and(|since| now < since + PROBE_LOST_MS) => {
+                // As long again as the probe has been out (1 s at least), until it counts as
+                // lost: a probe that waits for its timeout (15 s) or is lost (2 min) had the
+                // whole backlog of its destination rewritten every second meanwhile; now a
+                // handful of times. A quick probe's answer comes within the first second.
+                let since = s.probing.unwrap_or(now);
+                Admit::Shed {
+                    until: (now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS),
+                }
+            }
             Some(_) => {
                 s.probing = Some(now);
                 Admit::Go
@@ -330,6 +338,33 @@ mod tests {
         assert_eq!(
             origin_of("https://h:99999/cb?token=SECRET"),
             INVALID_URL_ORIGIN
+        );
+    }
+
+    #[test]
+    fn jobs_shed_behind_a_probe_wait_as_long_again_as_it_has_been_out() {
+        let mut b = Breakers::default();
+        for _ in 0..OPEN_AFTER {
+            b.record("t", "https://a", false, 0);
+        }
+        let probe_at = COOL_DOWN_MS;
+        assert_eq!(b.admit("t", "https://a", probe_at), Admit::Go, "the probe");
+        let shed = |b: &mut Breakers, after: i64| match b.admit("t", "https://a", probe_at + after)
+        {
+            Admit::Shed { until } => until - probe_at,
+            Admit::Go => panic!("a second probe {after} ms after the first"),
+        };
+        assert_eq!(shed(&mut b, 200), 1_200, "a second at least");
+        assert_eq!(shed(&mut b, 10_000), 20_000, "as long again");
+        assert_eq!(
+            shed(&mut b, 100_000),
+            PROBE_LOST_MS,
+            "no later than it counts as lost"
+        );
+        // Lost: the next due job probes.
+        assert_eq!(
+            b.admit("t", "https://a", probe_at + PROBE_LOST_MS),
+            Admit::Go
         );
     }
 
