@@ -463,7 +463,7 @@ settings! {
     require_uuidv7: bool = "true";
     /// Largest record value accepted; larger ones are quarantined as `payload_too_large`. At most 1572864 (1.5 MiB): the hub's topics take records up to 2 MiB and its copies of an event add headers.
     max_payload_bytes: usize = "1048576";
-    /// Quarantine records without a valid producer envelope signature (`ce-sig`).
+    /// Quarantine records without a valid producer envelope signature (`ce-sig`), and signed records that carry a `ce-*` attribute the signature does not cover (an extension: it would reach subscribers unsigned).
     require_signatures: bool = "false";
     /// Producer signing keys, `<kid>@<source>:<base64 secret>`, comma separated (secret).
     signature_keys: Secret = "";

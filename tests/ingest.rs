@@ -513,6 +513,11 @@ async fn signed_vector_is_accepted_with_its_key_and_quarantined_otherwise() {
             vector_record().set("ce-sigkid", Some(b"k2")),
         ),
         ("signature_missing", vector_record().set("ce-sig", None)),
+        // An attribute added to a signed record: it would reach subscribers unsigned.
+        (
+            "signature_invalid",
+            vector_record().set("ce-priority", Some(b"override")),
+        ),
     ];
     let (got, want, hub, b64) = signed_outcomes("sig", &[], &cases).await;
     assert_eq!(got, want);

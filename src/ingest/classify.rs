@@ -34,7 +34,9 @@
 //!    wrong HMAC → `signature_invalid` ("a record signed by a key of another source is invalid");
 //!    then, with `signature_max_age_ms` (`STREAMING_HUB_SIGNATURE_MAX_AGE`), a `ce-sigts` older
 //!    than that at `now_ms`, more than 5 minutes ahead, absent or not RFC 3339 →
-//!    `signature_expired`.
+//!    `signature_expired`; a valid signature on a record that also carries a `ce-*` attribute
+//!    outside the signed fifteen (an extension, which would reach subscribers unsigned) →
+//!    `signature_invalid` naming it.
 //!    Without `require_signatures` a present `ce-sig` is not verified: the hub has no duty to judge
 //!    it, and verifying with an incomplete key set would quarantine good records.
 //!
@@ -317,7 +319,10 @@ pub const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
 /// Longest `ce-*` value: each becomes an HTTP request header of every delivery, and receivers
 /// commonly refuse header lines over 8 KiB.
 pub const MAX_CE_VALUE_BYTES: usize = 8 * 1024;
-fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quarantined> {
+/// Returns the known attributes' slots and the first other `ce-*` header (an extension), if any.
+fn scan<'h>(
+    headers: &[(&'h str, Option<&'h [u8]>)],
+) -> Result<(Slots<'h>, Option<&'h str>), Quarantined> {
     let mut slots: Slots<'h> = [None; SLOTS];
     let mut extensions: Vec<&str> = Vec::new();
     for &(name, value) in headers {
@@ -392,6 +397,7 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
             None => extensions.push(name),
         }
     }
+    let first_extension = extensions.first().copied();
     if extensions.len() > 1 {
         let folded = |s: &str| {
             s.bytes()
@@ -407,7 +413,7 @@ fn scan<'h>(headers: &[(&'h str, Option<&'h [u8]>)]) -> Result<Slots<'h>, Quaran
             return Err(quarantine(Reason::DuplicateHeader, m));
         }
     }
-    Ok(slots)
+    Ok((slots, first_extension))
 }
 
 /// The verdict on one record. `headers` are the Kafka headers as given (name, raw value or null);
@@ -418,8 +424,8 @@ pub fn classify(
     cfg: &ClassifyConfig,
     arrival: Arrival<'_>,
 ) -> Verdict {
-    let slots = match scan(headers) {
-        Ok(slots) => slots,
+    let (slots, extension) = match scan(headers) {
+        Ok(scanned) => scanned,
         Err(q) => return Verdict::Quarantine(q),
     };
     let value = value.unwrap_or_default();
@@ -441,6 +447,20 @@ pub fn classify(
         return Verdict::Drop;
     }
     match judge(&slots, value, cfg, arrival) {
+        // Every `ce-*` header reaches subscribers as an attribute, and the signature covers its
+        // fifteen only: with signatures required, an extension would reach them unsigned (added
+        // by anyone who can write the topic, to a copy of a signed record).
+        Ok(_) if cfg.require_signatures && extension.is_some() => {
+            let name = extension.unwrap_or_default();
+            let m = at(
+                name,
+                format_args!(
+                    "an attribute the signature does not cover (with signatures required, \
+                     only signed attributes reach subscribers)"
+                ),
+            );
+            Verdict::Quarantine(quarantine(Reason::SignatureInvalid, m))
+        }
         Ok(accepted) => Verdict::Accept(accepted),
         Err(q) => Verdict::Quarantine(q),
     }
@@ -1097,6 +1117,26 @@ mod tests {
                 ledger().signed("k9", &vector_secret()),
                 signing,
                 Q(SignatureUnknownKey, "ce-sigkid"),
+            ),
+            (
+                "unsigned extension",
+                ledger()
+                    .signed("k1", &vector_secret())
+                    .set("ce-priority", "high"),
+                signing,
+                Q(SignatureInvalid, "ce-priority"),
+            ),
+            (
+                "signed",
+                ledger().signed("k1", &vector_secret()),
+                signing,
+                Pass,
+            ),
+            (
+                "extension without required signatures",
+                ledger().set("ce-priority", "high"),
+                plain,
+                Pass,
             ),
             (
                 "other topic's source",
