@@ -159,8 +159,9 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     crate::runtime::kafka::preflight(&config, crate::runtime::kafka::ADMIN_TIMEOUT)
         .map_err(crate::runtime::topology::TopologyError::from)?;
     for finding in topology.apply(&config, false).await? {
-        // A compacted topic (the control topic, the changelogs) under `delete` loses the
-        // subscriptions and state retention takes: refused. Other differences are reported.
+        // A compacted topic (the control topic, the changelogs) under `delete`, or
+        // `compact,delete`, loses the subscriptions and state retention takes: refused. Other
+        // differences are reported.
         if let crate::runtime::topology::Finding::Differs {
             topic,
             setting,
@@ -168,7 +169,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             have,
         } = &finding
         {
-            if setting == "cleanup.policy" && want.contains("compact") && !have.contains("compact")
+            if setting == "cleanup.policy"
+                && crate::runtime::topology::retention_deletes_kept_records(want, have)
             {
                 return Err(crate::runtime::topology::TopologyError::CleanupPolicy {
                     topic: topic.clone(),

@@ -454,7 +454,8 @@ settings! {
     state_dir: PathBuf = ".streaming-hub-state";
     /// Regex of the producer topics ingest follows. A pattern that matches producers'
     /// dead-letter topics (`lerian.streaming.<source>.dlq`) or one of the hub's own topics stops
-    /// the start, naming it.
+    /// the start, naming it (checked on sample names; records of a `.dlq` or `.commands` topic
+    /// a pattern still matches are dropped, never ingested).
     follow_pattern: String = r"^lerian\.streaming\.[a-z0-9_-]+$";
     /// How often the follow set is re-evaluated (a new producer topic is followed within this);
     /// 1s to 1h.
@@ -503,8 +504,8 @@ settings! {
     /// instead of 58-60 / 132-133 ms at 1,000/s, the same deliveries/s at full load, for 30-40%
     /// more hub CPU per delivery at 5,000/s and 55% more at 1,000/s (BENCHMARKS.md, session 30);
     /// the broker spends about 0.2 cores more on the shorter transactions at 1,000 and 5,000/s
-    /// (session 31). At most 10 s and a quarter of `STREAMING_HUB_STALL_TIMEOUT` (a batch fills
-    /// without its loop beating).
+    /// (session 31). At least 1ms; at most 10 s and a quarter of `STREAMING_HUB_STALL_TIMEOUT` (a
+    /// batch fills without its loop beating).
     commit_interval: std::time::Duration = "100ms";
     /// Shortest a batch stays open (unless a 5 ms quiet gap closes it): the floor of the window
     /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to
@@ -605,7 +606,7 @@ settings! {
     /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down.
     /// The consumers' own poll limit (`max.poll.interval.ms`) is set above it: this exit comes
     /// first. At least 35s plus `STREAMING_HUB_EARLY_ATTEMPT_WAIT` (a Kafka transaction call may
-    /// take 30s without the loop turning).
+    /// take 30s without the loop turning), at most 24h minus `STREAMING_HUB_SESSION_TIMEOUT`.
     stall_timeout: std::time::Duration = "120s";
     /// Log filter (`tracing` env-filter syntax), e.g. `info` or `streaming_hub=debug`.
     log: String = "info";
@@ -771,6 +772,13 @@ impl Config {
                 "must be at most 30s",
             ));
         }
+        // Zero closed every batch after its first record: a transaction per record.
+        if self.commit_interval < Duration::from_millis(1) {
+            return Err(invalid(
+                "STREAMING_HUB_COMMIT_INTERVAL",
+                "must be at least 1ms (each batch would hold one record)",
+            ));
+        }
         if self.commit_interval_min > self.commit_interval {
             return Err(invalid(
                 "STREAMING_HUB_COMMIT_INTERVAL_MIN",
@@ -832,6 +840,16 @@ impl Config {
                     "must be at least 35s plus STREAMING_HUB_EARLY_ATTEMPT_WAIT ({least:?}): a \
                      Kafka transaction call may take 30s without the loop turning"
                 ),
+            ));
+        }
+        // The consumers' poll limit is the two together (`max.poll.interval.ms`), which
+        // librdkafka takes up to 24 h: above, every consumer failed to start with a setting
+        // this check had let through.
+        if self.stall_timeout + self.session_timeout > Duration::from_secs(24 * 3600) {
+            return Err(invalid(
+                "STREAMING_HUB_STALL_TIMEOUT",
+                "must be at most 24h minus STREAMING_HUB_SESSION_TIMEOUT (with it, the \
+                 consumers' max.poll.interval.ms, which Kafka takes up to 24h)",
             ));
         }
         // A batch fills for up to this long without its loop beating: a longer one under a
@@ -1239,6 +1257,7 @@ mod tests {
             ("STREAMING_HUB_SESSION_TIMEOUT", "1s"),
             ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "0s"),
             ("STREAMING_HUB_AUTODISABLE_FAILURE_WINDOW", "0s"),
+            ("STREAMING_HUB_COMMIT_INTERVAL", "0s"),
         ] {
             let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
             assert!(
@@ -1250,6 +1269,8 @@ mod tests {
             ("STREAMING_HUB_SESSION_TIMEOUT", "31m"),
             ("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL", "2h"),
             ("STREAMING_HUB_REBALANCE_WAIT", "61s"),
+            // With the session timeout, librdkafka's max.poll.interval.ms: at most 24h.
+            ("STREAMING_HUB_STALL_TIMEOUT", "24h"),
         ] {
             let e = Config::from_vars(vars(&[(var, value)])).unwrap_err();
             assert!(

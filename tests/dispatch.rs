@@ -252,6 +252,18 @@ async fn an_inbox_record_with_a_header_name_that_is_not_utf8_is_delivered_not_a_
     );
 }
 
+/// An inbox record written past ingest whose tenant holds a control character (a NUL, which
+/// ends the tenant in the hub's store keys) is refused as `invalid`: its jobs' timers would be
+/// filed under another tenant's name and never come due. Ingest quarantines such a tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_record_whose_tenant_holds_a_control_character_is_invalid() {
+    let s = setup("nulinbox").await;
+    let odd = event("tenant-a\0b", "ledger", "transaction", "created");
+    produce(&producer(), &format!("{}.inbox", s.prefix), &[odd]);
+    s.wait_metric("streaming_hub_hub_events_total{outcome=\"invalid\"", 1)
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sink_failing_twice_gets_the_event_on_the_third_attempt() {
     let s = setup("retry").await;

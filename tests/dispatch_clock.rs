@@ -73,6 +73,25 @@ async fn start_sink(status: u16) -> (String, Sink) {
     (format!("http://{addr}/hook"), sink)
 }
 
+/// Two sinks on one origin (one host serving many webhooks): `<origin>/a` and `<origin>/b`.
+async fn start_sinks_on_one_origin(status: u16) -> ((String, Sink), (String, Sink)) {
+    let sink = || Sink {
+        got: Arc::default(),
+        status: Arc::new(AtomicU16::new(status)),
+        verifies: Arc::new(AtomicBool::new(true)),
+        attempts: Arc::default(),
+    };
+    let (a, b) = (sink(), sink());
+    let app = Router::new()
+        .route("/a", post(handler).with_state(a.clone()))
+        .route("/b", post(handler).with_state(b.clone()));
+    let addr = serve(app).await;
+    (
+        (format!("http://{addr}/a"), a),
+        (format!("http://{addr}/b"), b),
+    )
+}
+
 /// A hub on the dangerous test clock.
 async fn clock_hub(tag: &str, extra: &[(&str, &str)]) -> ApiHub {
     let mut settings = vec![("STREAMING_HUB_DANGEROUS_TEST_CLOCK", "true")];
@@ -266,6 +285,37 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
         2,
         "opened, then closed"
     );
+}
+
+/// One URL that answers `410 Gone` (a revoked webhook) does not trip the breaker its origin's
+/// other URLs share: the origin answers, so the tenant's healthy subscription there is not shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_that_answers_gone_does_not_shed_its_origins_other_subscriptions() {
+    let s = clock_hub("gone", &[]).await;
+    let ((url_a, gone), (url_b, healthy)) = start_sinks_on_one_origin(200).await;
+    subscribe(&s, "tenant-g", &url_a).await;
+    let settled = json!({"event_types": ["transaction.settled"]});
+    subscribe_with(&s, "tenant-g", &url_b, settled).await;
+    gone.status.store(410, Ordering::SeqCst);
+    // Six 410s in a row from one URL (one event at a time: attempts admitted together all
+    // pass a breaker that opens after them)...
+    let p = producer();
+    for n in 1..=6 {
+        let e = event("tenant-g", "ledger", "transaction", "posted");
+        produce(&p, &s.topic, &[e]);
+        wait_for(&gone, n).await;
+    }
+    // ...and the origin's other subscription still gets its event at once, not shed.
+    produce(
+        &p,
+        &s.topic,
+        &[event("tenant-g", "ledger", "transaction", "settled")],
+    );
+    wait_for(&healthy, 1).await;
+    assert_eq!(s.metric("streaming_hub_breaker_transitions_total").await, 0);
+    assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
+    let answered: BTreeSet<u16> = gone.got.lock().unwrap().iter().map(|(_, st)| *st).collect();
+    assert_eq!(answered, BTreeSet::from([410]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -113,18 +113,31 @@ async fn apply_creates_topics_with_their_settings_and_is_idempotent() {
 
 #[tokio::test]
 async fn topic_with_a_wrong_cleanup_policy_is_reported() {
+    // Someone created the control topic by hand, with the default delete policy.
+    a_control_topic_with_this_policy_stops_the_hub("delete").await;
+}
+
+/// `compact,delete` compacts, and deletes by retention too: the subscriptions older than the
+/// retention would go (the start-up check tested for the word `compact` alone).
+#[tokio::test]
+async fn a_compacted_topic_that_also_deletes_stops_the_hub() {
+    a_control_topic_with_this_policy_stops_the_hub("compact,delete").await;
+}
+
+/// `topology apply` reports the control topic made by hand with `policy`, and the hub refuses
+/// to start on it (exit 2, naming the topic).
+async fn a_control_topic_with_this_policy_stops_the_hub(policy: &str) {
     require_broker();
     let prefix = unique("topo");
-    // Someone created the control topic by hand, with the default delete policy.
     let name = format!("{prefix}.subscriptions");
-    by_hand(NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", "delete"))
+    by_hand(NewTopic::new(&name, 1, TopicReplication::Fixed(1)).set("cleanup.policy", policy))
         .await;
     refused_saying(
         &prefix,
-        &format!("DIFFERS  {name}: cleanup.policy is delete, the topology says compact"),
+        &format!("DIFFERS  {name}: cleanup.policy is {policy}, the topology says compact"),
     );
     // It reports; it does not silently rewrite the operator's topic.
-    assert_eq!(config_of(&name, "cleanup.policy").await, "delete");
+    assert_eq!(config_of(&name, "cleanup.policy").await, policy);
 
     // The hub does not start on it (retention would delete the subscriptions): exit 2, naming
     // the topic.
@@ -149,7 +162,7 @@ async fn topic_with_a_wrong_cleanup_policy_is_reported() {
     );
     assert_eq!(code, Some(2), "{log}");
     assert!(
-        log.contains(&format!("topic {name} has cleanup.policy delete")),
+        log.contains(&format!("topic {name} has cleanup.policy {policy}")),
         "{log}"
     );
 }

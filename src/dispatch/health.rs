@@ -100,7 +100,12 @@ pub fn record(
         });
     h.first_failure_at = Some(first);
     h.last_failure_at = Some(now);
-    h.consecutive_failures += 1;
+    // The schema's `int`: a destination failing for months with auto-disable off would pass
+    // it, and a record that cannot be encoded aborted every transaction of its partition.
+    h.consecutive_failures = h
+        .consecutive_failures
+        .saturating_add(1)
+        .min(i32::MAX as u32);
     if should_disable(gates, first, now, now) {
         js.delete_record(key);
         let hours = |ms: i64| ms / 3_600_000;
@@ -168,10 +173,7 @@ mod tests {
         // Quiet for exactly the window: still the same span.
         assert_eq!(span_start(Some((0, Some(14 * H))), -H, 134 * H, w), 0);
         // Through the store, as the hub records outcomes.
-        use crate::dispatch::jobs::{DUE, JOBS};
-        let dir = tempfile::tempdir().unwrap();
-        let store = crate::runtime::store::Store::open(dir.path(), &[JOBS, DUE]).unwrap();
-        let codec = crate::runtime::avro::Codec::new().unwrap();
+        let (_dir, store, codec) = job_store();
         let mut staged = crate::runtime::store::Staged::default();
         let mut js = JobStore {
             store: &store,
@@ -190,6 +192,55 @@ mod tests {
         // Failing on from there, it is disabled once the new span is a window old.
         assert_eq!(fail(&mut js, 270 * H), Verdict::Keep);
         assert!(matches!(fail(&mut js, 278 * H), Verdict::Disable { .. }));
+    }
+
+    /// A job store in a temporary directory (kept while the first value lives).
+    fn job_store() -> (
+        tempfile::TempDir,
+        crate::runtime::store::Store,
+        crate::runtime::avro::Codec,
+    ) {
+        use crate::dispatch::jobs::{DUE, JOBS};
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::runtime::store::Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        (dir, store, crate::runtime::avro::Codec::new().unwrap())
+    }
+
+    #[test]
+    fn the_failure_count_stops_at_what_its_schema_holds() {
+        use crate::runtime::avro::RecordKind;
+        let (_dir, store, codec) = job_store();
+        let mut staged = crate::runtime::store::Staged::default();
+        let mut js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        let off = Gates {
+            enabled: false,
+            ..GATES
+        };
+        let near = HealthRecord {
+            subscription_id: "s".into(),
+            first_failure_at: Some(0),
+            last_failure_at: Some(H),
+            consecutive_failures: i32::MAX as u32 - 1,
+            breaker_state: BreakerState::Closed,
+            breaker_opened_at: None,
+        };
+        js.put_record(health_key("s"), RecordKind::Health, &near)
+            .unwrap();
+        for at in [2 * H, 3 * H] {
+            assert_eq!(
+                record(&mut js, "s", false, at, -H, &off).unwrap(),
+                Verdict::Keep
+            );
+        }
+        let h: HealthRecord = js
+            .get_record(&health_key("s"), RecordKind::Health)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.consecutive_failures, i32::MAX as u32);
     }
 
     #[test]

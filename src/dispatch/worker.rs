@@ -107,6 +107,14 @@ impl Outcome {
         self.error_kind.is_none()
     }
 
+    /// A failure of the destination's origin, which its breaker counts: no answer (a timeout, a
+    /// refused connection), a 5xx, 408 or 429. Any other answer (a 2xx, a redirect, another 4xx
+    /// such as 404 or 410) shows the origin up: it is the URL's own, and a tenant's other
+    /// subscriptions on that origin (one host serving many webhooks) must not be shed for it.
+    pub fn origin_down(&self) -> bool {
+        !self.success() && self.status.is_none_or(|s| s >= 500 || s == 408 || s == 429)
+    }
+
     /// The attempt failed on the hub's side before any request went out: no key to open the
     /// subscription's secret, no secret, signing failed, the worker panicked. Counted on the
     /// retry curve like any failure, but never against the destination (breaker, auto-disable).

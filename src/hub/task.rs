@@ -2680,7 +2680,8 @@ fn record_outcomes(
         let current = job.as_ref().is_some_and(|j| {
             j.state == JobState::Leased && j.attempt == o.attempt && j.due_at == o.lease_until
         });
-        // The breaker is the origin's (the tenant's and the URL the attempt went to): it hears
+        // The breaker is the origin's (the tenant's and the URL the attempt went to), and counts
+        // what shows the origin down (`Outcome::origin_down`; a 410 of one URL does not): it hears
         // of an attempt whose subscription was deleted meanwhile too, or a probe's slot would
         // stay taken until it is given up as lost.
         if sent_nothing && current {
@@ -2690,7 +2691,7 @@ fn record_outcomes(
         }
         if !sent_nothing && job.is_some() {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
-            if let Some(t) = d.breakers.record(&o.tenant, &origin, o.success(), now) {
+            if let Some(t) = d.breakers.record(&o.tenant, &origin, !o.origin_down(), now) {
                 telemetry::BreakerChanged {
                     tenant: &o.tenant,
                     origin: &origin,
@@ -3437,9 +3438,10 @@ fn purge_expired(
 /// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
 /// not an ingest output (someone else wrote to the inbox).
 fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<i64>)> {
-    let tenant = std::str::from_utf8(m.key()?)
-        .ok()
-        .filter(|t| !t.is_empty())?;
+    // No control character (ingest quarantines them): a NUL ends the tenant in the store's
+    // keys, and the jobs of `a\0b` were timed under `a`, never coming due.
+    let usable = |s: &&str| !s.is_empty() && !crate::ingest::classify::has_control(s);
+    let tenant = std::str::from_utf8(m.key()?).ok().filter(usable)?;
     let headers = m.headers()?;
     let mut ce_id = None;
     let mut ingest = None;
@@ -3455,7 +3457,7 @@ fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<
             _ => {}
         }
     }
-    Some((tenant, ce_id.filter(|c| !c.is_empty())?, ingest))
+    Some((tenant, ce_id.filter(usable)?, ingest))
 }
 
 /// The subscription id of a redelivery request (`x-streaming-hub-redeliver`), if the record is one.

@@ -6,6 +6,10 @@
 //! unknown `ce-*` extensions, one small list to find duplicates among them).
 //!
 //! Checks run in this order; the first failure is the verdict:
+//! 0. **Topic** — a record of a producer's own dead-letter or command topic
+//!    (`lerian.streaming.<source>.dlq`, `….commands`) → [`Verdict::Drop`], whatever it carries:
+//!    those are never ingested (DESIGN.md §2.1; forensics reads the dead letters), and the
+//!    configuration's check of `STREAMING_HUB_FOLLOW_PATTERN` can only try sample names.
 //! 1. **Header structure** — over every header named `ce-*` (names are case-sensitive: `CE-Id` is not
 //!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8,
 //!    a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1), or a name
@@ -81,6 +85,14 @@ pub struct Arrival<'a> {
 
 /// The prefix of producer topics: `lerian.streaming.<source>` (DESIGN.md §5).
 pub const PRODUCER_TOPIC_PREFIX: &str = "lerian.streaming.";
+
+/// A producer's dead-letter or command topic (`lerian.streaming.<source>.dlq`, `.commands`):
+/// never events to ingest, even when a follow pattern matches it.
+pub fn is_producers_own_topic(topic: &str) -> bool {
+    topic
+        .strip_prefix(PRODUCER_TOPIC_PREFIX)
+        .is_some_and(|rest| rest.ends_with(".dlq") || rest.ends_with(".commands"))
+}
 
 impl Default for ClassifyConfig {
     fn default() -> Self {
@@ -299,7 +311,7 @@ fn is_media_type(s: &str) -> bool {
             .is_some_and(|(ty, sub)| token(ty) && token(sub))
 }
 
-fn has_control(s: &str) -> bool {
+pub(crate) fn has_control(s: &str) -> bool {
     if s.is_ascii() {
         s.bytes().any(|b| b < 0x20 || b == 0x7f)
     } else {
@@ -424,6 +436,9 @@ pub fn classify(
     cfg: &ClassifyConfig,
     arrival: Arrival<'_>,
 ) -> Verdict {
+    if is_producers_own_topic(arrival.topic) {
+        return Verdict::Drop;
+    }
     let (slots, extension) = match scan(headers) {
         Ok(scanned) => scanned,
         Err(q) => return Verdict::Quarantine(q),
@@ -893,6 +908,24 @@ mod tests {
             let arrival = Arrival { topic, now_ms };
             classify(&self.borrowed(), self.value.as_deref(), cfg, arrival)
         }
+    }
+
+    #[test]
+    fn records_of_producers_dead_letter_and_command_topics_are_never_ingested() {
+        let cfg = ClassifyConfig::default();
+        for topic in [
+            "lerian.streaming.ledger.dlq",
+            "lerian.streaming.payments.commands",
+        ] {
+            assert!(
+                matches!(Rec::ledger().classify_from(topic, &cfg, 0), Verdict::Drop),
+                "{topic}"
+            );
+        }
+        // A source whose name merely contains the word is a producer topic like any other.
+        let v = Rec::ledger().classify_from("lerian.streaming.ledger", &cfg, 0);
+        assert!(matches!(v, Verdict::Accept(_)), "{v:?}");
+        assert!(!is_producers_own_topic("lerian.streaming.dlq_reader"));
     }
 
     /// A minute after the signed vector's `ce-sigts` (2026-09-26T12:00:05.123456789Z).

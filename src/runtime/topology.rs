@@ -525,11 +525,40 @@ fn retention_ms(text: &str) -> Result<i64, String> {
         .map_err(|e| e.to_string())
 }
 
+/// Whether a topic the topology compacts (`want`) would lose records under the policy it has
+/// (`have`; both as Kafka lists them, comma separated): not compacted, or deleting by retention
+/// besides (`compact,delete`) where the topology does not. A test for the word `compact` alone
+/// let `compact,delete` through, under which retention deletes subscriptions and state.
+pub fn retention_deletes_kept_records(want: &str, have: &str) -> bool {
+    let set = |s: &str| -> std::collections::BTreeSet<String> {
+        s.split(',')
+            .map(|p| p.trim().to_ascii_lowercase())
+            .filter(|p| !p.is_empty())
+            .collect()
+    };
+    let (want, have) = (set(want), set(have));
+    want.contains("compact")
+        && (!have.contains("compact") || (have.contains("delete") && !want.contains("delete")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const FILE: &str = include_str!("../../topology/topics.toml");
+
+    #[test]
+    fn a_compacted_topic_that_also_deletes_by_retention_is_refused() {
+        assert!(!retention_deletes_kept_records("compact", "compact"));
+        assert!(retention_deletes_kept_records("compact", "delete"));
+        assert!(retention_deletes_kept_records("compact", "compact,delete"));
+        assert!(retention_deletes_kept_records("compact", "delete, compact"));
+        assert!(!retention_deletes_kept_records(
+            "compact,delete",
+            "delete,compact"
+        ));
+        assert!(!retention_deletes_kept_records("delete", "compact,delete"));
+    }
 
     #[test]
     fn a_follow_pattern_matching_the_hubs_own_topics_is_named() {
