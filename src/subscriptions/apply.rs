@@ -1255,7 +1255,8 @@ mod tests {
     #[tokio::test]
     async fn a_generated_secret_is_printed_when_the_write_may_have_landed() {
         let mut t = target();
-        t.subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()));
+        let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        t.subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing);
         let (url, _) = echo().await;
         let file = json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
                            "destination": {"type": "webhook", "url": url}}]);

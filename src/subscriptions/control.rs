@@ -279,9 +279,10 @@ enum Writer {
     /// lands where it returns; the writer looks once, without waiting.
     #[cfg(test)]
     Scripted(Arc<Script>),
-    /// Every write fails as a send whose outcome is unknown does (a timeout after the send).
+    /// While the flag is set, every write fails as a send whose outcome is unknown does (a
+    /// timeout after the send); otherwise writes go as [`Writer::Memory`]'s.
     #[cfg(test)]
-    Failing,
+    Failing(Arc<std::sync::atomic::AtomicBool>),
     Kafka {
         producer: FutureProducer,
         topic: String,
@@ -337,11 +338,15 @@ impl Subscriptions {
         }
     }
 
-    /// [`Subscriptions::in_memory`] whose writes fail as a send that timed out does.
+    /// [`Subscriptions::in_memory`] whose writes fail as a send that timed out does, while
+    /// `failing` is set.
     #[cfg(test)]
-    pub fn failing(codec: Arc<Codec>) -> Subscriptions {
+    pub fn failing(
+        codec: Arc<Codec>,
+        failing: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Subscriptions {
         Subscriptions {
-            writer: Writer::Failing,
+            writer: Writer::Failing(failing),
             ..Subscriptions::in_memory(codec)
         }
     }
@@ -408,7 +413,13 @@ impl Subscriptions {
             #[cfg(test)]
             Writer::Scripted(script) => script(&self.table, &rec.id, Some(&rec)),
             #[cfg(test)]
-            Writer::Failing => return Err(RepoError::Write("Message timed out".into())),
+            Writer::Failing(failing) => {
+                if failing.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(RepoError::Write("Message timed out".into()));
+                }
+                self.table.apply(|t| t.upsert(rec.clone()));
+                None
+            }
             Writer::Kafka { producer, topic } => {
                 let d = producer
                     .send(
@@ -459,7 +470,15 @@ impl Subscriptions {
             #[cfg(test)]
             Writer::Scripted(script) => script(&self.table, id, None),
             #[cfg(test)]
-            Writer::Failing => return Err(RepoError::Write("Message timed out".into())),
+            Writer::Failing(failing) => {
+                if failing.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(RepoError::Write("Message timed out".into()));
+                }
+                self.table.apply(|t| {
+                    t.remove(id);
+                });
+                None
+            }
             Writer::Kafka { producer, topic } => {
                 let d = producer
                     .send(

@@ -13,7 +13,9 @@
 //!   noticed;
 //! - a passing probe writes `active`; the [`MAX_ATTEMPTS`]-th failure, or a failure that waiting
 //!   cannot change ([`ProbeError::is_retryable`]: a refused URL, a secret that does not open),
-//!   writes `failed`. `failed` stays until `POST /v1/subscriptions/{id}/verify` or a new URL.
+//!   writes `failed`. `failed` stays until `POST /v1/subscriptions/{id}/verify` or a new URL;
+//! - a verdict whose write fails (the control topic unavailable) is written again on later passes,
+//!   spaced as probes are, without probing the endpoint again.
 //!
 //! A verdict is written only onto the version that was probed (as version + 1), and only while that
 //! version is still the latest and still `pending`; anything else means someone changed the
@@ -186,6 +188,10 @@ pub fn spacing(tries: u32) -> u64 {
 struct Attempts {
     tries: u32,
     next_pass: u64,
+    /// A verdict reached whose write failed: written again on the next due pass, without a
+    /// new probe (each failed write doubles the wait, as failed probes do).
+    unwritten: Option<VerificationState>,
+    write_failures: u32,
 }
 
 /// What one pass did.
@@ -290,10 +296,31 @@ impl PendingRetrier {
                 .or_insert(Attempts {
                     tries: 0,
                     next_pass: pass + 1,
+                    unwritten: None,
+                    write_failures: 0,
                 });
             if a.next_pass <= pass {
                 due.push(s.clone());
             }
+        }
+        let mut report = PassReport {
+            pending: pending.len(),
+            ..PassReport::default()
+        };
+        // Verdicts reached before whose write failed: written now, the endpoint not probed
+        // again (it was probed every pass while the control topic refused writes, and a later
+        // probe could turn a `failed` into `active` past the attempts' limit).
+        let (unwritten, due): (Vec<Sub>, Vec<Sub>) = due.into_iter().partition(|s| {
+            self.attempts
+                .get(&(s.id.clone(), s.version))
+                .is_some_and(|a| a.unwritten.is_some())
+        });
+        for sub in unwritten {
+            let key = (sub.id.clone(), sub.version);
+            let Some(state) = self.attempts.get(&key).and_then(|a| a.unwritten) else {
+                continue;
+            };
+            self.write_verdict(&sub, state, pass, &mut report).await;
         }
         let prober = &self.prober;
         let results: Vec<(Sub, Result<(), ProbeError>)> = futures::stream::iter(due)
@@ -304,11 +331,7 @@ impl PendingRetrier {
             .buffer_unordered(PROBES_AT_ONCE)
             .collect()
             .await;
-        let mut report = PassReport {
-            pending: pending.len(),
-            probed: results.len(),
-            ..PassReport::default()
-        };
+        report.probed = results.len();
         for (sub, result) in results {
             let key = (sub.id.clone(), sub.version);
             let Some(a) = self.attempts.get_mut(&key) else {
@@ -334,20 +357,33 @@ impl PendingRetrier {
             }
             .emit();
             let Some(state) = verdict else { continue };
-            match self.record(&sub, state).await {
-                Ok(true) if state == VerificationState::Active => report.activated += 1,
-                Ok(true) => report.failed += 1,
-                Ok(false) => {}
-                Err(e) => {
-                    // Not recorded: judge it again next pass.
-                    tracing::warn!(subscription_id = %sub.id, error = %e, "verification verdict not written");
-                    if let Some(a) = self.attempts.get_mut(&key) {
-                        a.next_pass = pass + 1;
-                    }
+            self.write_verdict(&sub, state, pass, &mut report).await;
+        }
+        report
+    }
+
+    /// Writes a verdict reached on `sub`; one not written is kept to be written again later.
+    async fn write_verdict(
+        &mut self,
+        sub: &SubscriptionRecord,
+        state: VerificationState,
+        pass: u64,
+        report: &mut PassReport,
+    ) {
+        let key = (sub.id.clone(), sub.version);
+        match self.record(sub, state).await {
+            Ok(true) if state == VerificationState::Active => report.activated += 1,
+            Ok(true) => report.failed += 1,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(subscription_id = %sub.id, error = %e, "verification verdict not written; writing it again later");
+                if let Some(a) = self.attempts.get_mut(&key) {
+                    a.unwritten = Some(state);
+                    a.write_failures += 1;
+                    a.next_pass = pass + spacing(a.write_failures);
                 }
             }
         }
-        report
     }
 
     /// Writes `state` onto `probed` if that version is still the latest, still pending, and
@@ -376,8 +412,11 @@ impl PendingRetrier {
         next.verification_state = state;
         next.version += 1;
         next.updated_at = self.clock.now_ms();
-        self.subs.put(next).await?;
-        Ok(true)
+        match self.subs.put(next).await {
+            // The broker has it (this instance's table too): written.
+            Ok(()) | Err(RepoError::NotSeen(_)) => Ok(true),
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -582,6 +621,44 @@ mod tests {
             r.run_pass().await;
         }
         assert_eq!(hits.load(Ordering::SeqCst), before, "failed is not retried");
+    }
+
+    /// While the control topic refuses writes, a verdict reached is written again on later
+    /// passes; the endpoint is not probed again (it was, every pass).
+    #[tokio::test]
+    async fn a_verdict_not_written_is_written_again_without_another_probe() {
+        let (r, _, kek) = retrier(true);
+        let failing = Arc::new(AtomicBool::new(true));
+        let subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing.clone());
+        let mut r = PendingRetrier::new(subs.clone(), r.prober, r.clock);
+        let (url, hits) = endpoint(0).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.table().apply(|t| t.upsert(sub.clone()));
+        for _ in 0..8 {
+            r.run_pass().await;
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "probed once");
+        assert_eq!(
+            subs.get(&sub.id).unwrap().verification_state,
+            VerificationState::Pending,
+            "not written yet"
+        );
+        failing.store(false, Ordering::SeqCst);
+        let mut activated = 0;
+        for _ in 0..16 {
+            activated += r.run_pass().await.activated;
+        }
+        assert_eq!(activated, 1);
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "written without another probe"
+        );
+        let now = subs.get(&sub.id).unwrap();
+        assert_eq!(
+            (now.verification_state, now.version),
+            (VerificationState::Active, 2)
+        );
     }
 
     #[tokio::test]
