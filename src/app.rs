@@ -209,6 +209,10 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 .spawn(move || {
                     let _end = StageEnd("ingest", stop.clone(), down);
                     let result = ingest.run(stop);
+                    // Its consumer closed, whatever the outcome: no call of it can stall now. A
+                    // failed loop's last beat, left set, ran on while the others drained, and
+                    // the watchdog could end a healthy shutdown (exit 70).
+                    crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
                     if let Err(e) = &result {
                         tracing::error!(error = %e, "ingest stage failed");
                     }
@@ -295,6 +299,8 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                     .spawn(move || {
                         let _end = StageEnd("hub", stop.clone(), down);
                         let result = hub.run(stop);
+                        // As ingest's: its consumer and restores are gone.
+                        crate::runtime::liveness::rest(&crate::runtime::liveness::HUB[stage]);
                         if let Err(e) = &result {
                             tracing::error!(error = %e, stage, "hub stage failed");
                         }

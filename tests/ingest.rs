@@ -763,7 +763,7 @@ async fn an_open_transaction_never_sends_the_next_owner_back_to_the_start() {
 
     // A zombie of the ingest group: it joins, sends offsets of both partitions into a
     // transaction, leaves the group and never ends the transaction until told to.
-    let zombie = open_zombie_transaction(&topic, &group, 2, 5, &format!("{prefix}.zombie"));
+    let zombie = open_zombie_transaction(&topic, &group, &[0, 1], 5, &format!("{prefix}.zombie"));
 
     produce(&p, &topic, &batch(20));
     // The first instance in the group is assigned both partitions and waits for the
@@ -848,7 +848,7 @@ async fn a_stop_while_offsets_wait_for_an_open_transaction_ends_the_wait() {
     let group = format!("{prefix}-group");
     // A zombie of the ingest group: offsets of the partition in a transaction it never ends
     // (its timeout is far past the hub's patience of 120 s).
-    let zombie = open_zombie_transaction(&topic, &group, 1, 0, &format!("{prefix}.zombie"));
+    let zombie = open_zombie_transaction(&topic, &group, &[0], 0, &format!("{prefix}.zombie"));
 
     let mut hub = Hub::spawn(&env);
     wait_until(
@@ -872,13 +872,59 @@ async fn a_stop_while_offsets_wait_for_an_open_transaction_ends_the_wait() {
     zombie.commit_transaction(Duration::from_secs(30)).unwrap();
 }
 
-/// A zombie of the ingest group `group`: it joins, sends offset `offset` of each of the
-/// topic's `partitions` into a transaction (timing out after 10 minutes), leaves the group, and
-/// never ends the transaction until the caller does with the producer returned.
+/// The same while the instance already holds another partition: the group then revokes the
+/// one never started along with the one held as the instance leaves. librdkafka refused that
+/// unassign (a partition it does not hold) and waited for another for good: the stop hung
+/// until the watchdog ended the process (exit 70).
+#[tokio::test]
+async fn a_stop_while_a_new_partition_waits_leaves_the_partitions_held_cleanly() {
+    use rdkafka::admin::{AdminOptions, NewPartitions};
+    use rdkafka::producer::Producer;
+
+    require_broker();
+    let prefix = unique("stopheld");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let mut env = hub_env(&prefix, &follow_exactly(&topic));
+    env.insert("STREAMING_HUB_FOLLOW_REFRESH_INTERVAL".into(), "1s".into());
+    let group = format!("{prefix}-group");
+    let mut hub = Hub::start(&env);
+    // A second partition: a zombie of the group takes it, leaves an open transaction with its
+    // offset, and leaves the group; the instance is given it and waits.
+    admin()
+        .create_partitions(&[NewPartitions::new(&topic, 2)], &AdminOptions::new())
+        .await
+        .unwrap()
+        .into_iter()
+        .for_each(|r| {
+            r.unwrap();
+        });
+    let zombie = open_zombie_transaction(&topic, &group, &[1], 0, &format!("{prefix}.zombie"));
+    wait_until(
+        Duration::from_secs(60),
+        "the hub waits for stable offsets",
+        || {
+            hub.log_text()
+                .lines()
+                .any(|l| l.contains("committed offsets not stable yet") && l.contains(&topic))
+                .then_some(())
+        },
+    );
+    let status = hub.terminate();
+    let log = hub.log_text();
+    assert!(status.success(), "{status}:\n{log}");
+    assert!(!log.contains("unassign failed"), "{log}");
+    zombie.commit_transaction(Duration::from_secs(30)).unwrap();
+}
+
+/// A zombie of the ingest group `group`: it joins, waits until it holds the topic's
+/// `partitions`, sends offset `offset` of each into a transaction (timing out after 10
+/// minutes), leaves the group, and never ends the transaction until the caller does with the
+/// producer returned.
 fn open_zombie_transaction(
     topic: &str,
     group: &str,
-    partitions: i32,
+    partitions: &[i32],
     offset: i64,
     transactional_id: &str,
 ) -> rdkafka::producer::BaseProducer {
@@ -897,10 +943,14 @@ fn open_zombie_transaction(
     consumer.subscribe(&[topic]).unwrap();
     wait_until(
         Duration::from_secs(60),
-        "the zombie owns every partition",
+        "the zombie owns its partitions",
         || {
             consumer.poll(Duration::from_millis(100));
-            (consumer.assignment().ok()?.count() == partitions as usize).then_some(())
+            let held = consumer.assignment().ok()?;
+            partitions
+                .iter()
+                .all(|p| held.find_partition(topic, *p).is_some())
+                .then_some(())
         },
     );
     let zombie: BaseProducer = ClientConfig::new()
@@ -912,7 +962,7 @@ fn open_zombie_transaction(
     zombie.init_transactions(Duration::from_secs(30)).unwrap();
     zombie.begin_transaction().unwrap();
     let mut offsets = TopicPartitionList::new();
-    for part in 0..partitions {
+    for &part in partitions {
         offsets
             .add_partition_offset(topic, part, Offset::Offset(offset))
             .unwrap();

@@ -827,6 +827,9 @@ impl ConsumerContext for HubContext {
                 .elements()
                 .iter()
                 .map(|e| {
+                    // Up to two 5 s reads per partition: a slow broker with many partitions
+                    // assigned would otherwise outlast the stall timeout without a beat.
+                    crate::runtime::liveness::beat_current();
                     let fence = match e.offset() {
                         Offset::Offset(o) => o,
                         // If the watermark cannot be read, 0: committed below the log start it

@@ -578,7 +578,7 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
             };
             context.pre_rebalance(consumer, &rebalance);
             let unassigned = if cooperative {
-                consumer.incremental_unassign(tpl)
+                consumer.incremental_unassign(&held_of(consumer, tpl))
             } else {
                 consumer.unassign()
             };
@@ -588,6 +588,27 @@ pub fn rebalance_at_committed<C: ConsumerContext>(
             context.post_rebalance(consumer, &rebalance);
         }
     }
+}
+
+/// The partitions of `tpl` this consumer holds. The group may revoke more: partitions it gave
+/// that were never started (an assignment left empty while stopping, or one whose offsets stayed
+/// unreadable). librdkafka refuses an incremental unassign naming any partition it does not hold
+/// (`rd_kafka_assignment_subtract`), and then waits for an unassign call for good: the loop's
+/// leave and close hung until the watchdog ended the process (exit 70).
+fn held_of<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    tpl: &TopicPartitionList,
+) -> TopicPartitionList {
+    let Ok(held) = consumer.assignment() else {
+        return tpl.clone();
+    };
+    let mut mine = TopicPartitionList::new();
+    for e in tpl.elements() {
+        if held.find_partition(e.topic(), e.partition()).is_some() {
+            mine.add_partition(e.topic(), e.partition());
+        }
+    }
+    mine
 }
 
 /// `partitions` with their committed offsets as start offsets (the beginning where the group
