@@ -851,19 +851,7 @@ async fn a_stop_while_offsets_wait_for_an_open_transaction_ends_the_wait() {
     let zombie = open_zombie_transaction(&topic, &group, &[0], 0, &format!("{prefix}.zombie"));
 
     let mut hub = Hub::spawn(&env);
-    wait_until(
-        Duration::from_secs(60),
-        "the hub waits for stable offsets",
-        || {
-            hub.log_text()
-                .lines()
-                .any(|l| l.contains("committed offsets not stable yet") && l.contains(&topic))
-                .then_some(())
-        },
-    );
-    let status = hub.terminate();
-    let log = hub.log_text();
-    assert!(status.success(), "{status}:\n{log}");
+    let log = stopped_while_waiting(&mut hub, &topic);
     assert!(
         log.contains("shutting down: newly assigned partitions are not started"),
         "{log}"
@@ -900,21 +888,28 @@ async fn a_stop_while_a_new_partition_waits_leaves_the_partitions_held_cleanly()
             r.unwrap();
         });
     let zombie = open_zombie_transaction(&topic, &group, &[1], 0, &format!("{prefix}.zombie"));
+    let log = stopped_while_waiting(&mut hub, &topic);
+    assert!(!log.contains("unassign failed"), "{log}");
+    zombie.commit_transaction(Duration::from_secs(30)).unwrap();
+}
+
+/// Waits until `hub` waits for stable offsets of `topic`, stops it, asserts it exited cleanly
+/// (0, not the watchdog's 70) and returns its log.
+fn stopped_while_waiting(hub: &mut Hub, topic: &str) -> String {
     wait_until(
         Duration::from_secs(60),
         "the hub waits for stable offsets",
         || {
             hub.log_text()
                 .lines()
-                .any(|l| l.contains("committed offsets not stable yet") && l.contains(&topic))
+                .any(|l| l.contains("committed offsets not stable yet") && l.contains(topic))
                 .then_some(())
         },
     );
     let status = hub.terminate();
     let log = hub.log_text();
     assert!(status.success(), "{status}:\n{log}");
-    assert!(!log.contains("unassign failed"), "{log}");
-    zombie.commit_transaction(Duration::from_secs(30)).unwrap();
+    log
 }
 
 /// A zombie of the ingest group `group`: it joins, waits until it holds the topic's
