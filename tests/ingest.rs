@@ -648,6 +648,43 @@ async fn new_producer_topic_is_followed_without_restart_and_dlq_topics_never_are
     assert_eq!(all.len(), 2, "the .dlq topic must not be followed");
 }
 
+/// A follow pattern wider than the default that matches a producer's own dead-letter and
+/// command topics (the configuration check only tries sample names): their records are dropped,
+/// counted under their own reason, never ingested.
+#[tokio::test]
+async fn records_of_producers_own_topics_a_wide_pattern_matches_are_dropped() {
+    require_broker();
+    let prefix = unique("wide");
+    let main = format!("lerian.streaming.{prefix}");
+    let (dlq, commands) = (format!("{main}.dlq"), format!("{main}.commands"));
+    for t in [&main, &dlq, &commands] {
+        create_topic(t, 1).await;
+    }
+    let hub = Hub::start(&hub_env(
+        &prefix,
+        &format!(r"^lerian\.streaming\.{prefix}.*"),
+    ));
+    let p = producer();
+    for t in [&main, &dlq, &commands] {
+        produce(&p, t, &[event("t1", "ledger", "transaction", "created")]);
+    }
+    let http = reqwest::Client::new();
+    let dropped = |t: &str| {
+        format!(
+            "streaming_hub_ingest_records_total{{topic=\"{t}\",verdict=\"drop\",reason=\"producer_own_topic\""
+        )
+    };
+    hub.metrics_when(&http, &dropped(&dlq), 1).await;
+    hub.metrics_when(&http, &dropped(&commands), 1).await;
+    let accepted =
+        format!("streaming_hub_ingest_records_total{{topic=\"{main}\",verdict=\"accept\"");
+    let text = hub.metrics_when(&http, &accepted, 1).await;
+    assert_eq!(metric_sum(&text, &accepted), 1, "{text}");
+    let inbox = format!("{prefix}.inbox");
+    let all = read_all(&[&inbox], Duration::from_secs(30));
+    assert_eq!(all.len(), 1, "only the producer topic's event is ingested");
+}
+
 #[tokio::test]
 async fn sigkill_mid_run_neither_loses_nor_duplicates_records() {
     require_broker();

@@ -583,7 +583,14 @@ impl Ingest {
                 send(producer, record)
             }
             Verdict::Drop => {
-                note(tally, msg, ce_id, "drop", "system_event", "");
+                // A producer's dead-letter or command topic a wide follow pattern matched: told
+                // apart, it is the one sign of that misconfiguration.
+                let why = if crate::ingest::classify::is_producers_own_topic(msg.topic()) {
+                    "producer_own_topic"
+                } else {
+                    "system_event"
+                };
+                note(tally, msg, ce_id, "drop", why, "");
                 Ok(())
             }
             Verdict::Quarantine(q) => {

@@ -14,8 +14,8 @@
 //! - a passing probe writes `active`; the [`MAX_ATTEMPTS`]-th failure, or a failure that waiting
 //!   cannot change ([`ProbeError::is_retryable`]: a refused URL, a secret that does not open),
 //!   writes `failed`. `failed` stays until `POST /v1/subscriptions/{id}/verify` or a new URL;
-//! - a verdict whose write fails (the control topic unavailable) is written again on later passes,
-//!   spaced as probes are, without probing the endpoint again.
+//! - a verdict whose write fails (the control topic unavailable) is written again on the next
+//!   passes, without probing the endpoint again, onto the record probed (its destination).
 //!
 //! A verdict is written only onto the version that was probed (as version + 1), and only while that
 //! version is still the latest and still `pending`; anything else means someone changed the
@@ -184,14 +184,13 @@ pub fn spacing(tries: u32) -> u64 {
     1u64 << tries.min(16)
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Attempts {
     tries: u32,
     next_pass: u64,
-    /// A verdict reached whose write failed: written again on the next due pass, without a
-    /// new probe (each failed write doubles the wait, as failed probes do).
-    unwritten: Option<VerificationState>,
-    write_failures: u32,
+    /// A verdict reached whose write failed, with the record probed (the verdict is about its
+    /// destination): written again on the next pass, without a new probe.
+    unwritten: Option<(VerificationState, Sub)>,
 }
 
 /// What one pass did.
@@ -297,7 +296,6 @@ impl PendingRetrier {
                     tries: 0,
                     next_pass: pass + 1,
                     unwritten: None,
-                    write_failures: 0,
                 });
             if a.next_pass <= pass {
                 due.push(s.clone());
@@ -317,10 +315,13 @@ impl PendingRetrier {
         });
         for sub in unwritten {
             let key = (sub.id.clone(), sub.version);
-            let Some(state) = self.attempts.get(&key).and_then(|a| a.unwritten) else {
+            let Some((state, probed)) = self.attempts.get(&key).and_then(|a| a.unwritten.clone())
+            else {
                 continue;
             };
-            self.write_verdict(&sub, state, pass, &mut report).await;
+            // Onto the record probed, not the one in the table now: `record` writes only while
+            // they send to the same place.
+            self.write_verdict(&probed, state, pass, &mut report).await;
         }
         let prober = &self.prober;
         let results: Vec<(Sub, Result<(), ProbeError>)> = futures::stream::iter(due)
@@ -362,25 +363,35 @@ impl PendingRetrier {
         report
     }
 
-    /// Writes a verdict reached on `sub`; one not written is kept to be written again later.
+    /// Writes a verdict reached on `sub` (the record probed); one not written is kept to be
+    /// written again later.
     async fn write_verdict(
         &mut self,
-        sub: &SubscriptionRecord,
+        sub: &Sub,
         state: VerificationState,
         pass: u64,
         report: &mut PassReport,
     ) {
         let key = (sub.id.clone(), sub.version);
-        match self.record(sub, state).await {
+        let written = self.record(sub, state).await;
+        if written.is_ok() {
+            // Written, or no longer the record to write it onto (the version was judged anew):
+            // probes resume for whatever is pending now.
+            if let Some(a) = self.attempts.get_mut(&key) {
+                a.unwritten = None;
+            }
+        }
+        match written {
             Ok(true) if state == VerificationState::Active => report.activated += 1,
             Ok(true) => report.failed += 1,
             Ok(false) => {}
             Err(e) => {
                 tracing::warn!(subscription_id = %sub.id, error = %e, "verification verdict not written; writing it again later");
+                // Next pass: a write costs the endpoint nothing, and the subscription's
+                // deliveries are held while it stays pending.
                 if let Some(a) = self.attempts.get_mut(&key) {
-                    a.unwritten = Some(state);
-                    a.write_failures += 1;
-                    a.next_pass = pass + spacing(a.write_failures);
+                    a.unwritten = Some((state, sub.clone()));
+                    a.next_pass = pass + 1;
                 }
             }
         }
@@ -659,6 +670,38 @@ mod tests {
             (now.verification_state, now.version),
             (VerificationState::Active, 2)
         );
+    }
+
+    /// A verdict kept unwritten is about the destination probed: once another writer has put
+    /// another URL under the same version, it is not written onto that one.
+    #[tokio::test]
+    async fn a_verdict_kept_unwritten_is_not_written_onto_another_url() {
+        let (r, _, kek) = retrier(true);
+        let failing = Arc::new(AtomicBool::new(true));
+        let subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing.clone());
+        let mut r = PendingRetrier::new(subs.clone(), r.prober, r.clock);
+        let (url, hits) = endpoint(0).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.table().apply(|t| t.upsert(sub.clone()));
+        r.run_pass().await;
+        r.run_pass().await;
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "probed, verdict not written"
+        );
+        // Another writer's record of the same version, at a URL nobody answers.
+        let mut moved = sub.clone();
+        moved.destination.url = Some("http://127.0.0.1:9/elsewhere".into());
+        subs.table().apply(|t| t.upsert(moved.clone()));
+        failing.store(false, Ordering::SeqCst);
+        for _ in 0..4 {
+            r.run_pass().await;
+        }
+        // Judged on its own probe (which fails) if at all, never activated by A's.
+        let now = subs.get(&sub.id).unwrap();
+        assert_eq!(now.destination.url, moved.destination.url);
+        assert_ne!(now.verification_state, VerificationState::Active);
     }
 
     #[tokio::test]
