@@ -634,17 +634,30 @@ mod tests {
         assert_eq!(hits.load(Ordering::SeqCst), before, "failed is not retried");
     }
 
+    /// A retrier whose writes fail while the returned flag is set (set now), and a pending
+    /// webhook in its table whose endpoint passes (its probes counted).
+    async fn unwritable_with_a_passing_endpoint() -> (
+        PendingRetrier,
+        Subscriptions,
+        Arc<AtomicBool>,
+        SubscriptionRecord,
+        Arc<AtomicUsize>,
+    ) {
+        let (r, _, kek) = retrier(true);
+        let failing = Arc::new(AtomicBool::new(true));
+        let subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing.clone());
+        let r = PendingRetrier::new(subs.clone(), r.prober, r.clock);
+        let (url, hits) = endpoint(0).await;
+        let sub = pending_webhook(&kek, &url);
+        subs.table().apply(|t| t.upsert(sub.clone()));
+        (r, subs, failing, sub, hits)
+    }
+
     /// While the control topic refuses writes, a verdict reached is written again on later
     /// passes; the endpoint is not probed again (it was, every pass).
     #[tokio::test]
     async fn a_verdict_not_written_is_written_again_without_another_probe() {
-        let (r, _, kek) = retrier(true);
-        let failing = Arc::new(AtomicBool::new(true));
-        let subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing.clone());
-        let mut r = PendingRetrier::new(subs.clone(), r.prober, r.clock);
-        let (url, hits) = endpoint(0).await;
-        let sub = pending_webhook(&kek, &url);
-        subs.table().apply(|t| t.upsert(sub.clone()));
+        let (mut r, subs, failing, sub, hits) = unwritable_with_a_passing_endpoint().await;
         for _ in 0..8 {
             r.run_pass().await;
         }
@@ -676,13 +689,7 @@ mod tests {
     /// another URL under the same version, it is not written onto that one.
     #[tokio::test]
     async fn a_verdict_kept_unwritten_is_not_written_onto_another_url() {
-        let (r, _, kek) = retrier(true);
-        let failing = Arc::new(AtomicBool::new(true));
-        let subs = Subscriptions::failing(Arc::new(Codec::new().unwrap()), failing.clone());
-        let mut r = PendingRetrier::new(subs.clone(), r.prober, r.clock);
-        let (url, hits) = endpoint(0).await;
-        let sub = pending_webhook(&kek, &url);
-        subs.table().apply(|t| t.upsert(sub.clone()));
+        let (mut r, subs, failing, sub, hits) = unwritable_with_a_passing_endpoint().await;
         r.run_pass().await;
         r.run_pass().await;
         assert_eq!(
