@@ -138,20 +138,19 @@ impl Breakers {
             return Admit::Go;
         };
         s.seen_at = now;
-        match s.open_until {
-            None => Admit::Go,
-            Some(t) if now < t => Admit::Shed { until: t },
-            Some(_) if s.probing.is_some_and(|since| now < since + PROBE_LOST_MS) => {
+        match (s.open_until, s.probing) {
+            (None, _) => Admit::Go,
+            (Some(t), _) if now < t => Admit::Shed { until: t },
+            (Some(_), Some(since)) if now < since + PROBE_LOST_MS => {
                 // As long again as the probe has been out (1 s at least), until it counts as
                 // lost: a probe that waits for its timeout (15 s) or is lost (2 min) had the
                 // whole backlog of its destination rewritten every second meanwhile; now a
                 // handful of times. A quick probe's answer comes within the first second.
-                let since = s.probing.unwrap_or(now);
                 Admit::Shed {
                     until: (now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS),
                 }
             }
-            Some(_) => {
+            (Some(_), _) => {
                 s.probing = Some(now);
                 Admit::Go
             }

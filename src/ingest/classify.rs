@@ -461,12 +461,11 @@ pub fn classify(
         }
         return Verdict::Drop;
     }
-    match judge(&slots, value, cfg, arrival) {
+    match (judge(&slots, value, cfg, arrival), extension) {
         // Every `ce-*` header reaches subscribers as an attribute, and the signature covers its
         // fifteen only: with signatures required, an extension would reach them unsigned (added
         // by anyone who can write the topic, to a copy of a signed record).
-        Ok(_) if cfg.require_signatures && extension.is_some() => {
-            let name = extension.unwrap_or_default();
+        (Ok(_), Some(name)) if cfg.require_signatures => {
             let m = at(
                 name,
                 format_args!(
@@ -476,8 +475,8 @@ pub fn classify(
             );
             Verdict::Quarantine(quarantine(Reason::SignatureInvalid, m))
         }
-        Ok(accepted) => Verdict::Accept(accepted),
-        Err(q) => Verdict::Quarantine(q),
+        (Ok(accepted), _) => Verdict::Accept(accepted),
+        (Err(q), _) => Verdict::Quarantine(q),
     }
 }
 

@@ -117,10 +117,6 @@ impl Redeliverer {
         self.stop = stop;
         self
     }
-
-    fn go_on(&self) -> Result<(), RedeliverError> {
-        go_on(&self.stop)
-    }
 }
 
 /// `Err(Stopped)` once `stop` is set.
@@ -375,7 +371,7 @@ impl Redeliverer {
             .map(|t| t.partitions().iter().map(|p| p.id()).collect())
             .unwrap_or_default();
         for &(partition, offset) in positions {
-            self.go_on()?;
+            go_on(&self.stop)?;
             let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let named = |m: String| format!("dead letter {partition}-{offset}: {m}");
@@ -388,7 +384,7 @@ impl Redeliverer {
         let request_id = request_id_of(progress);
         let producer = producer(&self.config)?;
         let requested = positions.iter().try_for_each(|&(partition, offset)| {
-            self.go_on()?;
+            go_on(&self.stop)?;
             // Checked above: one gone since (retention) or unreadable now fails the run, with
             // the requests before it queued.
             let dl = self
