@@ -221,7 +221,31 @@ fn payload(size: usize, produced_us: i64) -> Vec<u8> {
     v
 }
 
-fn free_port() -> u16 {
+/// A free port on 127.0.0.1 for a server started later by another process (a hub, a sink).
+///
+/// Ports come in turn from the 2,500 just below the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`). A port from `bind(0)` was released when this
+/// returned it, and the kernel could hand it again before the server bound it: to another
+/// `bind(0)` listener or as an outgoing connection's local port (every Kafka connection takes
+/// one). Then the server failed to bind while whatever held the port answered in its place.
+/// The kernel gives out neither below that range, and this process's turns never repeat a
+/// port until it wraps. A port in use now is skipped; one process's pid picks where it starts.
+pub fn free_port() -> u16 {
+    static TURN: AtomicU64 = AtomicU64::new(0);
+    const SPAN: u64 = 2_500;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .filter(|low| *low > SPAN + 1024 && *low <= u64::from(u16::MAX));
+    if let Some(low) = ephemeral_low {
+        let start = u64::from(std::process::id()) % SPAN;
+        for _ in 0..SPAN {
+            let port = (low - SPAN + (start + TURN.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

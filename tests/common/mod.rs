@@ -433,12 +433,10 @@ pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
     addr
 }
 
+/// A port a server started later (a hub, a restartable sink) can bind: see
+/// [`streaming_hub::load::free_port`] for why not the kernel's `bind(0)` port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    streaming_hub::load::free_port()
 }
 
 impl Hub {
@@ -502,16 +500,35 @@ impl Hub {
         );
     }
 
+    /// Waits for `/readyz` to answer 200; fails at once, with the log, if the hub has exited
+    /// (what answers on its port would then be another process).
     pub fn wait_ready(&self) {
         wait_until(Duration::from_secs(60), "hub /readyz", || {
+            assert!(
+                !self.exited(),
+                "the hub exited before it was ready:\n{}",
+                log_tail(&self.log_text(), 40)
+            );
             (self.status_of("/readyz")? == 200).then_some(())
         });
     }
 
-    /// The status a plain `GET path` gets now; None when the connection is refused.
+    /// Whether the process has ended (it stays a zombie until reaped, so its pid is not reused).
+    pub fn exited(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
+            .map(|stat| {
+                stat.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+            })
+            .unwrap_or(true)
+    }
+
+    /// The status a plain `GET path` gets now; None when the connection is refused or no answer
+    /// comes within 5 s.
     pub fn status_of(&self, path: &str) -> Option<u16> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(self.addr()).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
             .ok()?;
         let mut buf = String::new();
