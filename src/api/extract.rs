@@ -147,6 +147,8 @@ fn body_error(path: &str, inner: &serde_json::Error) -> ApiError {
         ("required", Some(join(name)))
     } else if let Some(name) = named("null field ") {
         ("invalid", Some(join(name)))
+    } else if let Some(name) = named("duplicate field ") {
+        ("duplicate", Some(join(name)))
     } else if inner.is_syntax() || inner.is_eof() {
         (codes::INVALID_BODY, None)
     } else {
@@ -298,6 +300,19 @@ mod tests {
         assert_eq!(
             (e.code.as_str(), e.field.as_deref()),
             ("invalid", Some("schema_major"))
+        );
+        let e =
+            err(r#"{"event_types":["a.b"],"destination":{"type":"pull"},"event_types":["c.d"]}"#);
+        assert_eq!(
+            (e.code.as_str(), e.field.as_deref()),
+            ("duplicate", Some("event_types"))
+        );
+        let e = err(
+            r#"{"event_types":["a.b"],"destination":{"type":"webhook","url":"https://x","url":"https://y"}}"#,
+        );
+        assert_eq!(
+            (e.code.as_str(), e.field.as_deref()),
+            ("duplicate", Some("destination.url"))
         );
         assert_eq!(err("{nope").code, "invalid_body");
         assert_eq!(

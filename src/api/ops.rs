@@ -356,6 +356,7 @@ impl RecoverRequest {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
         (status = 429, description = "Over the tenant's pull rate (`rate_limited`), or as many pull reads as the instance (4) or the tenant (2) runs at once are running (`pull_busy`); see Retry-After", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn pull_events(
@@ -461,7 +462,7 @@ pub struct TenantQuery {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
-        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`)", body = ErrorBody),
+        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`); or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
 pub async fn recover(
     State(state): State<ApiState>,
@@ -533,7 +534,8 @@ impl ReplayRequest {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 403, description = "Not an admin token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
-        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`)", body = ErrorBody)))]
+        (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`); or `record_unreadable`: its latest control record cannot be read by this instance, which would replay to a version the hub holds", body = ErrorBody),
+        (status = 503, description = "The subscription table is still loading (a start), or Kafka is unavailable", body = ErrorBody)))]
 pub async fn start_replay(
     State(state): State<ApiState>,
     _admin: Admin,
@@ -545,6 +547,7 @@ pub async fn start_replay(
         .subs
         .get(&body.subscription_id)
         .ok_or_else(ApiError::not_found)?;
+    let sub = load(&state, &sub.tenant_id, &sub.id)?;
     check_redeliverable(&sub).map_err(|e| {
         ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("subscription_id")
     })?;

@@ -153,7 +153,7 @@ fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Durati
         (status = 400, description = "Bad `grace`", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "A pull destination has no signing secret, or `too_many_secrets`: five are live, wait for the oldest grace to end", body = ErrorBody),
+        (status = 409, description = "A pull destination has no signing secret, or `too_many_secrets`: five are live, wait for the oldest grace to end; or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn rotate(
     State(state): State<ApiState>,

@@ -257,6 +257,7 @@ pub async fn list(
         (status = 200, description = "The subscription; `ETag` is its version", body = SubscriptionView),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
         (status = 503, description = "The subscription table is still loading (a start)", body = ErrorBody)))]
 pub async fn get_one(
     State(state): State<ApiState>,
@@ -392,11 +393,13 @@ fn apply(
             // then). A PATCH of anything else leaves them as they are: binding old headers to
             // whatever URL the record names now would bind them to one someone else wrote.
             // Write-only credentials never follow the URL to another receiver: a token that may
-            // PATCH would otherwise read them from its own host's verification probe. Moved to
-            // another origin, they are sent again (`{}` drops them).
+            // PATCH would otherwise read them from its own receiver's verification probe. Moved
+            // to another origin or path, they are sent again (`{}` drops them): one host serves
+            // many unrelated receivers, told apart by their path (`webhook.site/<uuid>`,
+            // Zapier's and Make's hooks). A change of the query alone keeps them.
             if url_changed && sensitive_headers.is_none() && !sensitive.is_empty() {
-                let before = origin(&request_url(state, current)?);
-                let moved = match (before, origin(&request_url(state, &rec)?)) {
+                let before = receiver(&request_url(state, current)?);
+                let moved = match (before, receiver(&request_url(state, &rec)?)) {
                     (Some(before), Some(after)) => before != after,
                     _ => true,
                 };
@@ -404,9 +407,9 @@ fn apply(
                     let e = FieldError::new(
                         "destination.sensitive_headers",
                         "required",
-                        "the URL moves to another host: send the sensitive headers again for \
-                         it (`{}` drops them); they never follow the URL to a host they were \
-                         not given for",
+                        "the URL moves to another host or path: send the sensitive headers \
+                         again for it (`{}` drops them); they never follow the URL to a \
+                         receiver they were not given for",
                     );
                     return Err(e.into());
                 }
@@ -429,10 +432,13 @@ fn apply(
     Ok((rec, url_changed))
 }
 
-/// A URL's scheme, host and port: who receives what is sent to it.
-fn origin(url: &str) -> Option<String> {
-    let origin = reqwest::Url::parse(url).ok()?.origin();
-    origin.is_tuple().then(|| origin.ascii_serialization())
+/// A URL's scheme, host, port and path: who receives what is sent to it.
+fn receiver(url: &str) -> Option<String> {
+    let url = reqwest::Url::parse(url).ok()?;
+    let origin = url.origin();
+    origin
+        .is_tuple()
+        .then(|| format!("{}{}", origin.ascii_serialization(), url.path()))
 }
 
 #[utoipa::path(patch, path = "/v1/subscriptions/{id}", tag = "subscriptions", request_body = PatchSubscription,
@@ -445,6 +451,7 @@ fn origin(url: &str) -> Option<String> {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
@@ -533,7 +540,7 @@ fn check_version(expected: Option<u64>, current: &SubscriptionRecord) -> Result<
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "Written again after the deletion, by the hub (an auto-disable) or another client: not deleted (`written_again`)", body = ErrorBody),
+        (status = 409, description = "Written again after the deletion, by the hub (an auto-disable) or another client: not deleted (`written_again`); or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn delete(

@@ -564,14 +564,18 @@ pub fn validate_header_map(
     let mut out = BTreeMap::new();
     for (name, value) in map {
         let lower = name.to_ascii_lowercase();
-        let field = format!("destination.{which}.{name}");
         if !is_token(name) {
+            // Not echoed, in the field or the message: a name that is not a token is most
+            // likely a whole header line pasted in (`Authorization: Bearer …`), its credential
+            // with it, and errors end up in clients' and CI logs.
             return Err(FieldError::new(
-                field,
+                format!("destination.{which}"),
                 "invalid",
-                "a header name is an HTTP token of at most 128 bytes",
+                "a header name is an HTTP token of at most 128 bytes (no spaces or colons); \
+                 one here is not (it is not repeated here, in case it holds a credential)",
             ));
         }
+        let field = format!("destination.{which}.{name}");
         if is_reserved_header(&lower) {
             return Err(FieldError::new(
                 field,

@@ -222,6 +222,22 @@ async fn recover_and_replay_of_an_inactive_subscription_are_refused() {
     (rec.enabled, rec.verification_state, rec.version) =
         (true, VerificationState::Active, rec.version + 1);
     h.state.subs.put(rec).await.unwrap();
+    // Unless its latest record cannot be read here: the version this instance has may be stale,
+    // and the hub holds that subscription's deliveries.
+    (h.state.subs.table()).apply(|t| t.read_unreadable(&id, 0, 99));
+    for a in [
+        h.post(&recover, &token, since.clone()).await,
+        h.post("/admin/replay", &admin, replay.clone()).await,
+    ] {
+        assert_eq!(
+            (a.status, a.body["error"]["code"].as_str()),
+            (StatusCode::CONFLICT, Some("record_unreadable")),
+            "{}",
+            a.text
+        );
+    }
+    let rec = (*h.state.subs.get(&id).unwrap()).clone();
+    (h.state.subs.table()).apply(|t| t.read_record(&id, Some(rec), 0, 100)); // readable again
     let a = h.post(&recover, &token, since).await;
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
     let a = h.post("/admin/replay", &admin, replay).await;

@@ -330,10 +330,11 @@ async fn sensitive_headers_are_sealed_shown_by_name_and_sent_with_the_probe() {
     );
 }
 
-/// Write-only credentials never follow a URL to another host: a PATCH that moves the URL to
-/// another origin without sending `sensitive_headers` again is refused (whoever may PATCH would
-/// otherwise read them off their own host's probe); on the same origin they follow, and sent
-/// again (or `{}`) they go to the new host.
+/// Write-only credentials never follow a URL to another receiver: a PATCH that moves the URL to
+/// another origin or path without sending `sensitive_headers` again is refused (whoever may
+/// PATCH would otherwise read them off their own receiver's probe; one host serves many, told
+/// apart by path); with only the query changed they follow, and sent again (or `{}`) they go to
+/// the new receiver.
 #[tokio::test]
 async fn sensitive_headers_never_follow_the_url_to_another_host() {
     let h = Harness::new();
@@ -381,7 +382,28 @@ async fn sensitive_headers_never_follow_the_url_to_another_host() {
         "no probe went to the other host"
     );
     assert_eq!(h.state.subs.get(&id).unwrap().version, 2, "nothing written");
-    // The same origin, another path: they follow.
+    // The same host, another path (another receiver on a shared host): refused too.
+    let beside = format!("{}/beside", hook.url.trim_end_matches('/'));
+    let p = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(patch(&beside, None)),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (p.status, p.body["error"]["field"].as_str()),
+        (
+            StatusCode::BAD_REQUEST,
+            Some("destination.sensitive_headers")
+        ),
+        "{}",
+        p.text
+    );
+    assert_eq!(h.state.subs.get(&id).unwrap().version, 2, "nothing written");
+    // The same receiver, another query: they follow.
     let same = format!("{}?v=2", hook.url);
     let p = h
         .call(

@@ -167,7 +167,16 @@ async fn each_create_validation_error_names_its_field() {
         ),
         (
             webhook(PUBLIC_URL, json!({"headers": {"bad header": "v"}})),
-            "destination.headers.bad header",
+            "destination.headers",
+            "invalid",
+        ),
+        (
+            // A header line pasted in as a name: its credential is not echoed.
+            webhook(
+                PUBLIC_URL,
+                json!({"sensitive_headers": {"Authorization: Bearer sk_live_pasted": "x"}}),
+            ),
+            "destination.sensitive_headers",
             "invalid",
         ),
         (
@@ -204,6 +213,7 @@ async fn each_create_validation_error_names_its_field() {
         assert_eq!(a.body["error"]["field"], field, "{body}: {}", a.text);
         assert_eq!(a.body["error"]["code"], code, "{body}: {}", a.text);
         assert!(!a.body["error"]["message"].as_str().unwrap().is_empty());
+        assert!(!a.text.contains("sk_live_pasted"), "{}", a.text);
     }
     assert!(h.state.subs.list("acme").is_empty(), "nothing was written");
 }
