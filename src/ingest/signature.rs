@@ -198,17 +198,21 @@ pub enum KeySpecError {
     )]
     InvalidKid { index: usize },
     /// The source is not shown either: in an entry with the secret and source swapped, or a
-    /// trailing ':', it is the secret.
+    /// trailing ':', it is the secret. Nor is the key id in any error: a secret that reads as a
+    /// key id (`openssl rand -hex 32`) written first, as `<secret>@<source>:<kid>`, stands in
+    /// its place and fails only later, at the secret or the source.
     #[error(
-        "signature key {kid:?}: the source (between '@' and ':') must match ^[a-z0-9][a-z0-9_-]*$"
+        "signature key entry {index}: the source (between '@' and ':') must match ^[a-z0-9][a-z0-9_-]*$"
     )]
-    InvalidSource { kid: String },
-    #[error("signature key {kid:?}: secret is not valid standard base64")]
-    InvalidSecretEncoding { kid: String },
-    #[error("signature key {kid:?}: secret is {len} bytes, at least {MIN_SECRET_BYTES} required")]
-    SecretTooShort { kid: String, len: usize },
-    #[error("signature key {kid:?}: defined twice")]
-    DuplicateKid { kid: String },
+    InvalidSource { index: usize },
+    #[error("signature key entry {index}: secret is not valid standard base64")]
+    InvalidSecretEncoding { index: usize },
+    #[error(
+        "signature key entry {index}: secret is {len} bytes, at least {MIN_SECRET_BYTES} required"
+    )]
+    SecretTooShort { index: usize, len: usize },
+    #[error("signature key entry {index}: its key id is defined by an earlier entry too")]
+    DuplicateKid { index: usize },
 }
 
 /// `^[a-z0-9][a-z0-9._-]{0,63}$`, without a regex.
@@ -254,12 +258,9 @@ impl SignatureKeys {
             if !is_valid_kid(kid) {
                 return Err(KeySpecError::InvalidKid { index });
             }
-            let secret =
-                SECRET_B64
-                    .decode(secret_b64)
-                    .map_err(|_| KeySpecError::InvalidSecretEncoding {
-                        kid: kid.to_owned(),
-                    })?;
+            let secret = SECRET_B64
+                .decode(secret_b64)
+                .map_err(|_| KeySpecError::InvalidSecretEncoding { index })?;
             keys.insert(kid, source, &secret)?;
         }
         Ok(keys)
@@ -267,26 +268,22 @@ impl SignatureKeys {
 
     /// Adds one key, with the same validation as [`SignatureKeys::parse`].
     pub fn insert(&mut self, kid: &str, source: &str, secret: &[u8]) -> Result<(), KeySpecError> {
+        // Entries are inserted in order, each failing one ends the parse: this is its index.
+        let index = self.keys.len();
         if !is_valid_kid(kid) {
-            return Err(KeySpecError::InvalidKid {
-                index: self.keys.len(),
-            });
+            return Err(KeySpecError::InvalidKid { index });
         }
         if !is_valid_source(source) {
-            return Err(KeySpecError::InvalidSource {
-                kid: kid.to_owned(),
-            });
+            return Err(KeySpecError::InvalidSource { index });
         }
         if secret.len() < MIN_SECRET_BYTES {
             return Err(KeySpecError::SecretTooShort {
-                kid: kid.to_owned(),
+                index,
                 len: secret.len(),
             });
         }
         if self.keys.contains_key(kid) {
-            return Err(KeySpecError::DuplicateKid {
-                kid: kid.to_owned(),
-            });
+            return Err(KeySpecError::DuplicateKid { index });
         }
         let key = Key {
             source: source.to_owned(),
@@ -530,6 +527,19 @@ mod tests {
                 "{shown}"
             );
             assert!(!shown.contains("0123456789abcdef"), "{shown}");
+        }
+        // A hex secret (`openssl rand -hex 32`) reads as a key id: written first, it stands in
+        // the key id's place and the entry fails later, at the secret or the source.
+        let hex = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+        for spec in [
+            format!("{hex}@ledger:k1"),
+            format!("{hex}@ledger:{short}"),
+            format!("{hex}@Ledger:{secret}"),
+            format!("k1@ledger:{secret},{hex}@ledger:{secret},{hex}@tracer:{secret}"),
+        ] {
+            let err = SignatureKeys::parse(&spec).expect_err(&spec);
+            let shown = format!("{err} {err:?}");
+            assert!(!shown.contains(hex), "{shown}");
         }
     }
 
