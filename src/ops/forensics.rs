@@ -13,7 +13,7 @@
 //! of producer dead letters and of quarantined records each (the oldest go first): a flood of
 //! large malformed records must not take the process's memory. Payloads are kept as bytes and
 //! parsed only for an answer.
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -138,7 +138,7 @@ pub const ANSWER_BYTES: usize = 8 * 1024 * 1024;
 struct Inner {
     dlq: Queue,
     quarantine: Queue,
-    dead: VecDeque<DeadDelivery>,
+    dead: Ordered<DeadDelivery>,
 }
 
 /// A record as the index keeps it: its payload raw (a parsed JSON value takes many times its
@@ -215,10 +215,64 @@ fn filed_at(record_ms: i64, now: i64) -> i64 {
     record_ms.min(now.saturating_add(FUTURE_SKEW_MS))
 }
 
+/// Items in time order, those of one time in the order they came. A B-tree, not a sorted
+/// `VecDeque`: records do not come in time order (topics and partitions read interleaved, a
+/// producer's clock that jumps), and an insert in the middle of a full deque moved tens of
+/// thousands of records, under the lock the API's reads wait on.
+struct Ordered<T> {
+    items: BTreeMap<(i64, u64), T>,
+    /// The next insert's tie-breaker.
+    seq: u64,
+}
+
+impl<T> Default for Ordered<T> {
+    fn default() -> Self {
+        Ordered {
+            items: BTreeMap::new(),
+            seq: 0,
+        }
+    }
+}
+
+impl<T> Ordered<T> {
+    fn insert(&mut self, time: i64, item: T) {
+        self.seq += 1;
+        self.items.insert((time, self.seq), item);
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The oldest.
+    fn front(&self) -> Option<&T> {
+        self.items.values().next()
+    }
+
+    /// The newest.
+    #[cfg(test)]
+    fn back(&self) -> Option<&T> {
+        self.items.values().next_back()
+    }
+
+    fn pop_front(&mut self) -> Option<T> {
+        self.items.pop_first().map(|(_, v)| v)
+    }
+
+    /// Oldest first.
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &T> {
+        self.items.values()
+    }
+}
+
 /// One kind's records, oldest first, bounded by count and by bytes.
 #[derive(Default)]
 struct Queue {
-    items: VecDeque<Kept>,
+    items: Ordered<Kept>,
     bytes: usize,
 }
 
@@ -239,10 +293,8 @@ impl Queue {
             }
             self.pop_front();
         }
-        // Mostly at the back (records come in about time order); VecDeque moves the shorter side.
-        let at = self.items.partition_point(|k| k.time <= kept.time);
         self.bytes += kept.bytes;
-        self.items.insert(at, kept);
+        self.items.insert(kept.time, kept);
     }
 
     fn pop_front(&mut self) {
@@ -262,7 +314,7 @@ impl Queue {
 /// kinds in record-time order (the DLQ's partitions are read interleaved, and a backlog may be
 /// read after newer records): when full, the oldest goes, which is `d` itself when it is older
 /// than all the others.
-fn keep_dead(dead: &mut VecDeque<DeadDelivery>, d: DeadDelivery) {
+fn keep_dead(dead: &mut Ordered<DeadDelivery>, d: DeadDelivery) {
     if dead.len() >= MAX_PER_KIND {
         if dead
             .front()
@@ -272,8 +324,7 @@ fn keep_dead(dead: &mut VecDeque<DeadDelivery>, d: DeadDelivery) {
         }
         dead.pop_front();
     }
-    let at = dead.partition_point(|k| k.dead_at_ms <= d.dead_at_ms);
-    dead.insert(at, d);
+    dead.insert(d.dead_at_ms, d);
 }
 
 /// The index; cheap to clone (shared).
@@ -681,16 +732,17 @@ mod tests {
 
     #[test]
     fn dead_deliveries_are_kept_in_dead_at_order() {
-        let mut dead = VecDeque::new();
+        let mut dead = Ordered::default();
         // Partition 1's backlog (older), read after partition 0's newer records.
         for ms in [50, 60, 70, 10, 20, 30] {
             keep_dead(&mut dead, dead_at(ms));
         }
         let order: Vec<i64> = dead.iter().map(|d| d.dead_at_ms).collect();
         assert_eq!(order, [10, 20, 30, 50, 60, 70]);
-        let mut full: VecDeque<DeadDelivery> = (0..MAX_PER_KIND as i64)
-            .map(|i| dead_at(1_000 + i))
-            .collect();
+        let mut full = Ordered::default();
+        for i in 0..MAX_PER_KIND as i64 {
+            full.insert(1_000 + i, dead_at(1_000 + i));
+        }
         keep_dead(&mut full, dead_at(5));
         assert_eq!(
             full.front().unwrap().dead_at_ms,

@@ -320,8 +320,10 @@ impl Redeliverer {
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
-        // the events (a long outage dead-letters many, each up to the payload limit).
-        let mut seen: HashSet<String> = HashSet::new();
+        // the events (a long outage dead-letters many, each up to the payload limit), and at
+        // most the last `REPLAY_IDS_KEPT` of them, 16 bytes each, as replay does: an event
+        // dead-lettered again that far apart is requested again.
+        let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
         let scanned = scan(&consumer, &self.dlq, &ranges, &self.stop, |m| {
             let Some(dl) = m.payload().and_then(|v| {
                 self.codec
@@ -339,7 +341,7 @@ impl Redeliverer {
             if dl.subscription_id == sub.id
                 && dl.tenant_id == sub.tenant_id
                 && dl.dead_at >= since_ms
-                && seen.insert(dl.event_id.clone())
+                && seen.insert(&dl.event_id)
             {
                 self.request_one_dead(&producer, &dl, &request_id, progress)?;
             }
