@@ -562,7 +562,7 @@ async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
 }
 
 async fn metrics_text(State(h): State<Health>) -> String {
-    h.metrics.render()
+    h.metrics.render() + &crate::runtime::telemetry::render_backlog()
 }
 
 async fn shutdown_signal() {

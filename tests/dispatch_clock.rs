@@ -630,6 +630,53 @@ async fn a_pending_retry_never_goes_to_another_tenants_subscription_under_its_id
     assert_eq!(s.metric("streaming_hub_dead_letters_total").await, 0);
 }
 
+/// A deleted subscription's failure span goes with its pending deliveries: the health record
+/// its failing destination left is deleted (a tombstone in the state changelog) when the retry is
+/// dropped, not kept for good in the store and its compacted changelog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_subscriptions_failure_span_is_deleted_with_its_retry() {
+    let s = clock_hub("hgone", &[]).await;
+    let (url, sink) = start_sink(500).await;
+    let id = subscribe_with(&s, "tenant-h", &url, json!({"retry_schedule": ["1h"]})).await;
+    produce(
+        &producer(),
+        &s.topic,
+        &[event("tenant-h", "ledger", "transaction", "posted")],
+    );
+    wait_for(&sink, 1).await; // attempt 1 of 2 failed: a span is open, a retry is due
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let span_key = format!("h/{id}");
+    // Whether the span's latest changelog record holds one (Some(true)) or is a tombstone.
+    let span_held = || {
+        read_all(&[&changelog], Duration::from_secs(30))
+            .iter()
+            .rev()
+            .find(|g| g.rec.key.as_deref() == Some(span_key.as_bytes()))
+            .map(|g| g.rec.value.is_some())
+    };
+    wait_until(Duration::from_secs(30), "the failure span written", || {
+        (span_held() == Some(true)).then_some(())
+    });
+    let r = reqwest::Client::new()
+        .delete(format!("http://{}/v1/subscriptions/{id}", s.hub.addr()))
+        .bearer_auth(s.token("tenant-h"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    s.advance("2h").await;
+    s.wait_metric("streaming_hub_deliveries_dropped_deleted_total", 1)
+        .await;
+    wait_until(Duration::from_secs(30), "the failure span deleted", || {
+        (span_held() == Some(false)).then_some(())
+    });
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        1,
+        "no attempt after the delete"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verified() {
     let s = clock_hub("vhold", &[]).await;

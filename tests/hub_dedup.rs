@@ -316,6 +316,75 @@ async fn copies_read_a_day_late_are_still_duplicates() {
     assert_eq!((seen[0].1.as_str(), seen[0].2), (id.as_str(), 0));
 }
 
+/// A hub behind its inbox judges each copy at its ingest time: a producer's retry ingested
+/// within the TTL of the first copy is dropped even when the hub reads it after the first
+/// copy's entry would have expired by the clock, and the purge does not remove that entry while
+/// records ingested before its expiry may still be ahead in the inbox.
+#[tokio::test]
+async fn a_lagging_hub_still_drops_a_copy_ingested_within_the_ttl() {
+    let (cfg, _state, inbox) = topics("dedup-lag").await;
+    let clock = clock_at("2026-09-26T12:00:00Z");
+    let id = uuid::Uuid::now_v7().to_string();
+    let p = producer();
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id, "2026-09-26T12:00:00.000Z")],
+    );
+    let rec = Recorder::default();
+    let hub = start(&cfg, &clock, &rec);
+    wait_until(Duration::from_secs(60), "the first copy", || {
+        (rec.len() >= 1 && group_caught_up(&cfg.hub_group_id(), &inbox)).then_some(())
+    });
+    // The hub's clock is now past the entry's expiry (12:00 on the 27th), but it reads records
+    // ingested before it: another event ingested ten minutes after the first copy (its batch
+    // runs the purge)...
+    clock.advance(Duration::from_secs(24 * 3600 + 5 * 60));
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record(
+            "t1",
+            &uuid::Uuid::now_v7().to_string(),
+            "2026-09-26T12:10:00.000Z",
+        )],
+    );
+    wait_until(Duration::from_secs(30), "the other event", || {
+        (rec.len() >= 2 && group_caught_up(&cfg.hub_group_id(), &inbox)).then_some(())
+    });
+    // ...then a copy ingested at 11:50 on the 27th, inside the TTL: dropped.
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id, "2026-09-27T11:50:00.000Z")],
+    );
+    wait_until(Duration::from_secs(30), "hub caught up", || {
+        group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
+    });
+    assert_eq!(
+        rec.len(),
+        2,
+        "the copy within the TTL was processed: {:?}",
+        rec.events()
+    );
+    // A copy ingested after the expiry is a new event.
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id, "2026-09-27T12:01:00.000Z")],
+    );
+    wait_until(Duration::from_secs(30), "the copy past the TTL", || {
+        (rec.len() >= 3).then_some(())
+    });
+    hub.stop();
+    let seen = rec.events();
+    assert_eq!(
+        seen.iter().map(|e| (e.1.clone(), e.2)).collect::<Vec<_>>()[2],
+        (id.clone(), 2),
+        "{seen:?}"
+    );
+}
+
 /// A transactional producer, as ingest writes the inbox, that has written `rec` to `inbox` in a
 /// transaction it leaves open.
 fn open_transaction_with(inbox: &str, rec: Rec) -> TestProducer {

@@ -116,25 +116,6 @@ pub fn tenants_with_timers(store: &Store) -> Result<Vec<String>, StoreError> {
     Ok(out)
 }
 
-/// A tenant's due jobs (due at or before `now`, counted up to `cap`) and its oldest due time.
-pub fn tenant_backlog(
-    store: &Store,
-    tenant: &str,
-    now: i64,
-    cap: usize,
-) -> Result<(usize, Option<i64>), StoreError> {
-    let prefix = [tenant.as_bytes(), b"\0"].concat();
-    let mut oldest = None;
-    let n = store.visit_from(DUE, &prefix, cap, |k| match split_due_key(k, tenant) {
-        Some((due, _)) if due <= now => {
-            oldest.get_or_insert(due);
-            true
-        }
-        _ => false,
-    })?;
-    Ok((n, oldest))
-}
-
 /// The tenants of a task that may have jobs, visited in turn.
 #[derive(Default)]
 pub struct TenantRing {
@@ -203,6 +184,38 @@ impl TenantRing {
     /// Tenants with timers (due or not) in this task.
     pub fn tenants(&self) -> usize {
         self.order.len()
+    }
+
+    /// Each tenant's due jobs at `now` (counted up to `cap`) and the oldest one's due time, for
+    /// the tenants with one due. A tenant's timers are read from its mark, not over the
+    /// tombstones of the timers claimed before it (see `marks`), and a tenant known to have none
+    /// due before a later time is not read.
+    pub fn backlog(
+        &self,
+        store: &Store,
+        now: i64,
+        cap: usize,
+    ) -> Result<Vec<(String, usize, i64)>, StoreError> {
+        let mut out = Vec::new();
+        for tenant in &self.order {
+            if self.not_before.get(tenant).is_some_and(|&t| t > now) {
+                continue;
+            }
+            let prefix = [tenant.as_bytes(), b"\0"].concat();
+            let start = self.marks.get(tenant).unwrap_or(&prefix);
+            let mut oldest = None;
+            let n = store.visit_from(DUE, start, cap, |k| match split_due_key(k, tenant) {
+                Some((due, _)) if due <= now => {
+                    oldest.get_or_insert(due);
+                    true
+                }
+                _ => false,
+            })?;
+            if let Some(oldest) = oldest {
+                out.push((tenant.clone(), n, oldest));
+            }
+        }
+        Ok(out)
     }
 
     /// Lowers the tenants' marks to the timers a committed batch wrote (call before applying it).

@@ -31,10 +31,11 @@ pub enum Seen {
     Replay { sequence: u64 },
 }
 
-/// Judges an event at `offset` of `partition` given the stored entry for its (tenant, ce-id).
-pub fn judge(existing: Option<&DedupEntry>, partition: i32, offset: i64, now_ms: i64) -> Seen {
+/// Judges an event at `offset` of `partition`, ingested at `ingest_ms`, given the stored entry
+/// for its (tenant, ce-id).
+pub fn judge(existing: Option<&DedupEntry>, partition: i32, offset: i64, ingest_ms: i64) -> Seen {
     match existing {
-        Some(e) if e.expires_at > now_ms => {
+        Some(e) if e.expires_at > ingest_ms => {
             if e.first_offset == offset && e.inbox_partition == partition {
                 Seen::Replay {
                     sequence: e.sequence,

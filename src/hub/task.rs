@@ -102,7 +102,6 @@ const QUIET_GAP: Duration = Duration::from_millis(5);
 /// How often the due-job backlog gauges are sampled, how many tenants they name, and how many
 /// due jobs are counted per tenant at most.
 const BACKLOG_EVERY: Duration = Duration::from_secs(10);
-const BACKLOG_TOP: usize = 10;
 const BACKLOG_CAP: usize = 100_000;
 /// Expired dedup entries purged per task per batch beyond those the batch writes (bounded work,
 /// never a full scan; at least as many purged as written, so the store does not grow for good
@@ -305,6 +304,9 @@ struct Task {
     /// reclaim, the attempt that owner may have died in (so a poison event is dead-lettered
     /// after `STREAMING_HUB_POISON_THRESHOLD` crashes, as with committed claims).
     recount: Recount,
+    /// The newest ingest time of the records read since the task started or its last abort:
+    /// how far the dedup purge may go (see [`purge_expired`]). None: nothing purged yet.
+    read_through_ms: Option<i64>,
 }
 
 impl Task {
@@ -316,6 +318,7 @@ impl Task {
             next_offset: None,
             careful_until: i64::MAX,
             recount: Recount::none(0),
+            read_through_ms: None,
         }
     }
 }
@@ -1472,7 +1475,11 @@ impl Dispatch {
     ) -> Dispatch {
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let timeout_ms = config.http_timeout.as_millis() as i64;
-        let lease_ms = timeout_ms + 10_000;
+        // The attempt's timeout, 10 s to spare, and the early wait: a transaction's due claims
+        // start after it commits, which the early wait can hold up to 30 s, and a worker hands
+        // back an attempt with less than its timeout left (a 15 s early wait handed back every
+        // due claim of a transaction that waited it out).
+        let lease_ms = timeout_ms + 10_000 + config.early_attempt_wait.as_millis() as i64;
         Dispatch {
             table,
             workers,
@@ -1845,7 +1852,6 @@ impl HubStage {
 
         let mut backlog_at = Instant::now();
         let mut last_txn_at = Instant::now();
-        let mut backlog_named: Vec<String> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             crate::runtime::liveness::beat(self.liveness());
             rejoin
@@ -1868,12 +1874,7 @@ impl HubStage {
             if self.dispatch.is_some() && backlog_at.elapsed() >= BACKLOG_EVERY {
                 backlog_at = Instant::now();
                 let guard = shared.lock().unwrap_or_else(|p| p.into_inner());
-                backlog_named = sample_backlog(
-                    self.stage,
-                    &guard.tasks,
-                    self.clock.now_ms(),
-                    &backlog_named,
-                );
+                sample_backlog(self.stage, &guard.tasks, self.clock.now_ms());
                 if let Some(d) = &self.dispatch {
                     telemetry::attempts_claimed(self.stage, d.in_flight);
                     telemetry::claims_ahead_limit(self.stage, d.claims_limit());
@@ -2207,6 +2208,8 @@ impl HubStage {
         }
         for task in tasks.values_mut() {
             task.ring.aborted();
+            // Its records are read again; until then the purge waits.
+            task.read_through_ms = None;
         }
         for m in batch {
             if let Some(task) = tasks.get_mut(&m.partition()) {
@@ -2288,6 +2291,11 @@ impl HubStage {
                 .emit();
                 continue;
             };
+            // A copy is judged at its ingest time, not at when the hub reads it: a hub behind its
+            // inbox still drops a copy ingested within the TTL of the first (a producer's retry
+            // read after the first copy's entry would have expired by the clock).
+            let seen_at = ingest_ms.unwrap_or(now);
+            task.read_through_ms = Some(task.read_through_ms.map_or(seen_at, |t| t.max(seen_at)));
             // A redelivery request (replay, recover, redrive) names one subscription and skips
             // dedup and sequencing; anything else is judged by the dedup store.
             let redeliver = redelivery_of(m);
@@ -2303,58 +2311,59 @@ impl HubStage {
                     ),
                     None => None,
                 };
-                let (sequence, replay) = match dedup::judge(existing.as_ref(), p, m.offset(), now) {
-                    Seen::Duplicate { .. } => {
-                        HubEvent {
-                            outcome: "duplicate",
-                            partition: p,
-                            offset: m.offset(),
-                            ce_id,
+                let (sequence, replay) =
+                    match dedup::judge(existing.as_ref(), p, m.offset(), seen_at) {
+                        Seen::Duplicate { .. } => {
+                            HubEvent {
+                                outcome: "duplicate",
+                                partition: p,
+                                offset: m.offset(),
+                                ce_id,
+                            }
+                            .emit();
+                            continue;
                         }
-                        .emit();
-                        continue;
-                    }
-                    Seen::Replay { sequence } => (sequence, true),
-                    Seen::New => {
-                        let next = match sequences.get(&(p, tenant.to_string())) {
-                            Some(n) => *n,
-                            None => read_sequence(&env.codec, st, &task.store, tenant)?,
-                        };
-                        sequences.insert((p, tenant.to_string()), next + 1);
-                        let entry = DedupEntry {
-                            tenant_id: tenant.to_string(),
-                            ce_id: ce_id.to_string(),
-                            inbox_partition: p,
-                            first_offset: m.offset(),
-                            sequence: next,
-                            // From when the hub first sees it, not from ingest: a hub that
-                            // reads its inbox more than the TTL late (down for a day, a lagging
-                            // role split) would otherwise write entries already expired, and
-                            // every later copy would be a new event.
-                            expires_at: ingest_ms.unwrap_or(now).max(now) + ttl,
-                        };
-                        if let Some(old) = &existing {
-                            st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
+                        Seen::Replay { sequence } => (sequence, true),
+                        Seen::New => {
+                            let next = match sequences.get(&(p, tenant.to_string())) {
+                                Some(n) => *n,
+                                None => read_sequence(&env.codec, st, &task.store, tenant)?,
+                            };
+                            sequences.insert((p, tenant.to_string()), next + 1);
+                            let entry = DedupEntry {
+                                tenant_id: tenant.to_string(),
+                                ce_id: ce_id.to_string(),
+                                inbox_partition: p,
+                                first_offset: m.offset(),
+                                sequence: next,
+                                // From when the hub first sees it, not from ingest: a hub that
+                                // reads its inbox more than the TTL late (down for a day, a lagging
+                                // role split) would otherwise write entries already expired, and
+                                // every later copy would be a new event.
+                                expires_at: ingest_ms.unwrap_or(now).max(now) + ttl,
+                            };
+                            if let Some(old) = &existing {
+                                st.delete(DEDUP_EXPIRY, dedup::expiry_key(old.expires_at, &key));
+                            }
+                            let bytes = env
+                                .codec
+                                .encode(RecordKind::DedupEntry, &entry)
+                                .map_err(|e| HubError::Codec(e.to_string()))?;
+                            outputs.send(
+                                &env.jobs_changelog,
+                                Some(p),
+                                &on_state_changelog(DEDUP_ON_STATE_CHANGELOG, &key),
+                                Some(&bytes),
+                            )?;
+                            st.put(
+                                DEDUP_EXPIRY,
+                                dedup::expiry_key(entry.expires_at, &key),
+                                Vec::new(),
+                            );
+                            st.put(DEDUP, key, bytes);
+                            (next, false)
                         }
-                        let bytes = env
-                            .codec
-                            .encode(RecordKind::DedupEntry, &entry)
-                            .map_err(|e| HubError::Codec(e.to_string()))?;
-                        outputs.send(
-                            &env.jobs_changelog,
-                            Some(p),
-                            &on_state_changelog(DEDUP_ON_STATE_CHANGELOG, &key),
-                            Some(&bytes),
-                        )?;
-                        st.put(
-                            DEDUP_EXPIRY,
-                            dedup::expiry_key(entry.expires_at, &key),
-                            Vec::new(),
-                        );
-                        st.put(DEDUP, key, bytes);
-                        (next, false)
-                    }
-                };
+                    };
                 HubEvent {
                     outcome: if replay { "replay" } else { "new" },
                     partition: p,
@@ -2411,8 +2420,18 @@ impl HubStage {
                 .put(SEQUENCE, tenant.into_bytes(), bytes);
         }
         for (p, task) in tasks.iter() {
+            let Some(read_through) = task.read_through_ms else {
+                continue;
+            };
             let st = staged.entry(*p).or_default();
-            purge_expired(env, &task.store, st, &mut outputs, *p, now)?;
+            purge_expired(
+                env,
+                &task.store,
+                st,
+                &mut outputs,
+                *p,
+                read_through.min(now),
+            )?;
         }
         let mut attempts = Vec::new();
         let mut early = Vec::new();
@@ -3017,16 +3036,29 @@ fn claim(
         return Ok(false); // this tenant has enough in flight; its job stays due
     }
     let old_due = job.due_at;
-    let (sub, unreadable) = {
+    let (sub, unreadable, deleted) = {
         let table = d.table.read();
         let id = &job.subscription_id;
-        (table.get_of(&job.tenant_id, id), table.is_unreadable(id))
+        let sub = table.get_of(&job.tenant_id, id);
+        let deleted = sub.is_none() && table.get(id).is_none();
+        (sub, table.is_unreadable(id), deleted)
     };
     if sub.is_none() && !unreadable {
         // The subscription was deleted (or its id is another tenant's now): its pending
         // deliveries go with it.
         js.finish_job_quietly(&key, &job)?;
         telemetry::dropped_deleted(&job.subscription_id, &job.tenant_id);
+        // So does the failure span of a deleted one, or it stayed in the store and its
+        // changelog for good (a success or an auto-disable deletes it, and neither comes now).
+        // Not for an id that is another tenant's now: the span may be that subscription's.
+        let span = health::health_key(&job.subscription_id);
+        if deleted
+            && (js
+                .get_record::<crate::runtime::records::HealthRecord>(&span, RecordKind::Health)?)
+            .is_some()
+        {
+            js.delete_record(span);
+        }
         return Ok(false);
     }
     if sub.as_ref().is_some_and(|s| !s.enabled) && !unreadable {
@@ -3321,24 +3353,17 @@ fn postpone(
     Ok(())
 }
 
-/// Samples the due-job backlog of every task; returns the tenants named this time.
-fn sample_backlog(
-    stage: usize,
-    tasks: &HashMap<i32, Task>,
-    now: i64,
-    named_before: &[String],
-) -> Vec<String> {
+/// Samples the due-job backlog of every task for `/metrics`.
+fn sample_backlog(stage: usize, tasks: &HashMap<i32, Task>, now: i64) {
     let mut per_tenant: HashMap<String, (usize, i64)> = HashMap::new();
     for task in tasks.values() {
-        let Ok(tenants) = jobs::tenants_with_timers(&task.store) else {
+        let Ok(tenants) = task.ring.backlog(&task.store, now, BACKLOG_CAP) else {
             continue;
         };
-        for t in tenants {
-            if let Ok((n, Some(oldest))) = jobs::tenant_backlog(&task.store, &t, now, BACKLOG_CAP) {
-                let e = per_tenant.entry(t).or_insert((0, oldest));
-                e.0 += n;
-                e.1 = e.1.min(oldest);
-            }
+        for (t, n, oldest) in tenants {
+            let e = per_tenant.entry(t).or_insert((0, oldest));
+            e.0 += n;
+            e.1 = e.1.min(oldest);
         }
     }
     let total = per_tenant.values().map(|(n, _)| n).sum();
@@ -3347,15 +3372,8 @@ fn sample_backlog(
         .map(|(t, (n, oldest))| (t, n, (now - oldest).max(0) as f64 / 1000.0))
         .collect();
     ranked.sort_by(|a, b| b.2.total_cmp(&a.2));
-    ranked.truncate(BACKLOG_TOP);
-    let named: Vec<String> = ranked.iter().map(|r| r.0.clone()).collect();
-    let left: Vec<String> = named_before
-        .iter()
-        .filter(|t| !named.contains(t))
-        .cloned()
-        .collect();
-    telemetry::due_backlog(stage, &ranked, &left, total);
-    named
+    ranked.truncate(telemetry::BACKLOG_TENANTS);
+    telemetry::due_backlog(stage, ranked, total);
 }
 
 fn emit_dead_letter(
@@ -3381,7 +3399,10 @@ fn read_sequence(codec: &Codec, st: &Staged, store: &Store, tenant: &str) -> Res
     }
 }
 
-/// Deletes dedup entries whose time is up, oldest first, a bounded number per batch.
+/// Deletes dedup entries whose time is up by `now`, oldest first, a bounded number per batch.
+/// `now` is no later than the newest ingest time the task has read: a copy still in the inbox
+/// behind it, ingested before an entry's expiry, must find the entry (copies are judged at
+/// their ingest time).
 fn purge_expired(
     env: &Env,
     store: &Store,

@@ -386,7 +386,6 @@ impl PerStage {
 static OPEN_BY_STAGE: PerStage = PerStage::new();
 static CLAIMED_BY_STAGE: PerStage = PerStage::new();
 static LIMIT_BY_STAGE: PerStage = PerStage::new();
-static DUE_BY_STAGE: PerStage = PerStage::new();
 
 pub fn breakers_open(stage: usize, n: usize) {
     gauge!(BREAKERS_OPEN).set(OPEN_BY_STAGE.set(stage, n));
@@ -422,18 +421,72 @@ pub fn restoring(n: usize) {
     gauge!(RESTORING).set(n as f64);
 }
 
-/// Due jobs and the age of the oldest, for the tenants with the oldest due jobs (top N: bounded
-/// cardinality); tenants that left the top N are set to zero.
-pub fn due_backlog(stage: usize, top: &[(String, usize, f64)], left: &[String], total: usize) {
-    for (tenant, due, oldest) in top {
-        gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(*due as f64);
-        gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(*oldest);
+/// How many tenants `/metrics` names in the due-backlog gauges.
+pub const BACKLOG_TENANTS: usize = 10;
+
+/// A hub loop's backlog sample: its tenants with the oldest due jobs (due jobs, age of the
+/// oldest in seconds) and its total.
+type BacklogSample = (Vec<(String, usize, f64)>, usize);
+/// Each hub loop's latest sample; None before its first.
+static BACKLOG_BY_STAGE: std::sync::Mutex<[Option<BacklogSample>; MAX_HUB_STAGES]> =
+    std::sync::Mutex::new([const { None }; MAX_HUB_STAGES]);
+
+/// Keeps a hub loop's backlog sample for [`render_backlog`]: `top` its tenants with the oldest
+/// due jobs (due jobs, oldest's age in s), `total` its due jobs.
+pub fn due_backlog(stage: usize, top: Vec<(String, usize, f64)>, total: usize) {
+    let mut by_stage = BACKLOG_BY_STAGE.lock().unwrap_or_else(|p| p.into_inner());
+    by_stage[stage.min(MAX_HUB_STAGES - 1)] = Some((top, total));
+}
+
+/// `streaming_hub_due_jobs{tenant}` and `streaming_hub_oldest_due_seconds{tenant}` in the
+/// Prometheus text format, from the hub loops' latest samples: the [`BACKLOG_TENANTS`] tenants
+/// with the oldest due job over all loops, and `tenant="_all"` the total. They are written here
+/// rather than kept by the recorder, which cannot remove a series: a tenant that leaves the top
+/// is no longer named, so the series stay bounded however many tenants pass through it.
+pub fn render_backlog() -> String {
+    let by_stage = BACKLOG_BY_STAGE.lock().unwrap_or_else(|p| p.into_inner());
+    backlog_text(&by_stage.iter().flatten().collect::<Vec<_>>())
+}
+
+fn backlog_text(samples: &[&BacklogSample]) -> String {
+    if samples.is_empty() {
+        return String::new();
     }
-    for tenant in left {
-        gauge!(DUE_JOBS, "tenant" => tenant.clone()).set(0.0);
-        gauge!(OLDEST_DUE, "tenant" => tenant.clone()).set(0.0);
+    let mut merged: std::collections::HashMap<&str, (usize, f64)> = Default::default();
+    for (top, _) in samples {
+        for (tenant, due, oldest) in top {
+            let e = merged.entry(tenant).or_insert((0, 0.0));
+            e.0 += due;
+            e.1 = e.1.max(*oldest);
+        }
     }
-    gauge!(DUE_JOBS, "tenant" => "_all").set(DUE_BY_STAGE.set(stage, total));
+    let mut ranked: Vec<_> = merged.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.1.total_cmp(&a.1.1).then(a.0.cmp(b.0)));
+    ranked.truncate(BACKLOG_TENANTS);
+    let total: usize = samples.iter().map(|(_, total)| total).sum();
+    let mut out = format!(
+        "# HELP {DUE_JOBS} Due delivery jobs, sampled every 10 s: the tenants with the oldest due job, and _all.\n# TYPE {DUE_JOBS} gauge\n{DUE_JOBS}{{tenant=\"_all\"}} {total}\n"
+    );
+    for (tenant, (due, _)) in &ranked {
+        out += &format!("{DUE_JOBS}{{tenant=\"{}\"}} {due}\n", label_value(tenant));
+    }
+    out += &format!(
+        "# HELP {OLDEST_DUE} Age of the oldest due delivery job, sampled every 10 s, of the tenants with the oldest.\n# TYPE {OLDEST_DUE} gauge\n"
+    );
+    for (tenant, (_, oldest)) in &ranked {
+        out += &format!(
+            "{OLDEST_DUE}{{tenant=\"{}\"}} {oldest}\n",
+            label_value(tenant)
+        );
+    }
+    out
+}
+
+/// A Prometheus label value, escaped (backslash, double quote, line feed).
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Consumer lag of every assigned partition in one librdkafka statistics report (raw JSON):
@@ -691,6 +744,61 @@ impl AutoDisabled<'_> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_backlog_names_the_current_top_tenants_only_summed_over_the_loops() {
+        let first = (
+            vec![("old".to_string(), 3, 40.0), ("a\"b".to_string(), 1, 5.0)],
+            4,
+        );
+        let other = (vec![("old".to_string(), 2, 60.0)], 2);
+        let text = backlog_text(&[&first, &other]);
+        assert!(
+            text.contains("streaming_hub_due_jobs{tenant=\"_all\"} 6\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("streaming_hub_due_jobs{tenant=\"old\"} 5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("streaming_hub_oldest_due_seconds{tenant=\"old\"} 60\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("streaming_hub_due_jobs{tenant=\"a\\\"b\"} 1\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("# TYPE").count(), 2, "{text}");
+
+        // The next sample no longer has "old": its series is gone, not left at zero.
+        let later = (vec![("a\"b".to_string(), 1, 15.0)], 1);
+        let text = backlog_text(&[&later]);
+        assert!(!text.contains("\"old\""), "{text}");
+        assert!(
+            text.contains("streaming_hub_due_jobs{tenant=\"_all\"} 1\n"),
+            "{text}"
+        );
+
+        // At most BACKLOG_TENANTS tenants, the oldest first.
+        let many = (
+            (0..25)
+                .map(|i| (format!("t{i}"), 1, f64::from(i)))
+                .collect::<Vec<_>>(),
+            25,
+        );
+        let text = backlog_text(&[&many]);
+        assert_eq!(
+            text.matches("streaming_hub_oldest_due_seconds{").count(),
+            BACKLOG_TENANTS,
+            "{text}"
+        );
+        assert!(
+            text.contains("{tenant=\"t24\"}") && !text.contains("{tenant=\"t14\"}"),
+            "{text}"
+        );
+        assert_eq!(backlog_text(&[]), "", "nothing before the first sample");
+    }
     use super::*;
 
     #[test]
