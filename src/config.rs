@@ -472,8 +472,7 @@ settings! {
     /// older than this when ingest reads it, more than 5 minutes ahead, absent or not an RFC 3339
     /// time is quarantined as `signature_expired` (`0s` = not checked). A signed record copied
     /// and produced again after its dedup entry expired (`STREAMING_HUB_IDEMPOTENCY_TTL`) is then
-    /// refused. At most that TTL minus 5m, less the longest the hub may lag behind ingest, and
-    /// above the longest backlog ingest may have to read.
+    /// refused. At most that TTL minus 5m, and above the longest backlog ingest may have to read.
     signature_max_age: std::time::Duration = "0s";
     /// Quarantine a record whose `ce-source` is not the `<source>` of the topic it was read from
     /// (`lerian.streaming.<source>`) as `source_mismatch`: per-topic write ACLs then decide who
@@ -511,7 +510,9 @@ settings! {
     /// above. Raise it to spend less CPU per delivery at light load for a longer wait; equal to
     /// `STREAMING_HUB_COMMIT_INTERVAL` it gives fixed windows (the behaviour before session 30).
     commit_interval_min: std::time::Duration = "5ms";
-    /// How long a `ce-id` is remembered for dedup, from the first copy's ingest time (at least 1s).
+    /// How long a `ce-id` is remembered for dedup (at least 1s): a copy ingested within this long
+    /// of the first copy's ingest time, or of when the hub first read the id if later, is a
+    /// duplicate, however late the hub reads it.
     idempotency_ttl: std::time::Duration = "24h";
     /// Consumer group session timeout (how fast a dead instance's partitions move); 6s to 30m,
     /// Kafka's default bounds.

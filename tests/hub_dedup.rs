@@ -304,9 +304,14 @@ async fn copies_read_a_day_late_are_still_duplicates() {
     wait_until(Duration::from_secs(60), "hub caught up", || {
         (rec.len() >= 1 && group_caught_up(&cfg.hub_group_id(), &inbox)).then_some(())
     });
-    // A third copy, 23 hours after the hub first saw the id: still inside the TTL.
+    // A third copy, ingested 23 hours after the hub first saw the id (47 after the first
+    // copy's ingest): still inside the TTL, which runs from when the hub first saw the id.
     clock.advance(Duration::from_secs(23 * 3600));
-    produce(&p, &inbox, &[inbox_record("t1", &id, t0)]);
+    produce(
+        &p,
+        &inbox,
+        &[inbox_record("t1", &id, "2026-09-28T12:00:00.000Z")],
+    );
     wait_until(Duration::from_secs(30), "hub caught up", || {
         group_caught_up(&cfg.hub_group_id(), &inbox).then_some(())
     });

@@ -1426,6 +1426,8 @@ pub struct Dispatch {
     /// `HubStage` when the loop starts).
     handed: Option<std::sync::mpsc::Receiver<Outcome>>,
     pub lease_ms: i64,
+    /// `STREAMING_HUB_EARLY_ATTEMPT_WAIT` in ms, part of `lease_ms`.
+    early_ms: i64,
     pub poison_threshold: u32,
     done_tx: std::sync::mpsc::Sender<Outcome>,
     done_rx: std::sync::mpsc::Receiver<Outcome>,
@@ -1479,7 +1481,8 @@ impl Dispatch {
         // start after it commits, which the early wait can hold up to 30 s, and a worker hands
         // back an attempt with less than its timeout left (a 15 s early wait handed back every
         // due claim of a transaction that waited it out).
-        let lease_ms = timeout_ms + 10_000 + config.early_attempt_wait.as_millis() as i64;
+        let early_ms = config.early_attempt_wait.as_millis() as i64;
+        let lease_ms = timeout_ms + 10_000 + early_ms;
         Dispatch {
             table,
             workers,
@@ -1515,7 +1518,9 @@ impl Dispatch {
             waiting: FastMap::default(),
             job_hasher: Default::default(),
             unrecorded: FastMap::default(),
-            pace: pace::Pace::new(config.dispatch_workers, 1, lease_ms, timeout_ms),
+            // Paced on the lease without the early wait, which the wait itself may have spent.
+            pace: pace::Pace::new(config.dispatch_workers, 1, lease_ms - early_ms, timeout_ms),
+            early_ms,
             waiting_tenants: 0,
         }
     }
@@ -1532,7 +1537,7 @@ impl Dispatch {
         self.pace = pace::Pace::new(
             self.workers_total,
             stages,
-            self.lease_ms,
+            self.lease_ms - self.early_ms,
             self.workers.http_timeout_ms,
         );
         self
@@ -2294,7 +2299,7 @@ impl HubStage {
             // A copy is judged at its ingest time, not at when the hub reads it: a hub behind its
             // inbox still drops a copy ingested within the TTL of the first (a producer's retry
             // read after the first copy's entry would have expired by the clock).
-            let seen_at = ingest_ms.unwrap_or(now);
+            let seen_at = ingest_ms.map_or(now, |t| t.min(now + INGEST_SKEW_MS));
             task.read_through_ms = Some(task.read_through_ms.map_or(seen_at, |t| t.max(seen_at)));
             // A redelivery request (replay, recover, redrive) names one subscription and skips
             // dedup and sequencing; anything else is judged by the dedup store.
@@ -2430,7 +2435,7 @@ impl HubStage {
                 st,
                 &mut outputs,
                 *p,
-                read_through.min(now),
+                (read_through - INGEST_SKEW_MS).min(now),
             )?;
         }
         let mut attempts = Vec::new();
@@ -2756,6 +2761,14 @@ fn record_outcomes(
                 }
             }
         }
+        // A deleted subscription's failure span goes with it (see `claim`), here for an attempt
+        // that was out when it was deleted.
+        if let (None, false, Some(j)) = (&sub, unreadable, &job) {
+            let span = health::health_key(&j.subscription_id);
+            if d.table.read().get(&j.subscription_id).is_none() && js.get_raw(&span)?.is_some() {
+                js.delete_record(span);
+            }
+        }
         let Some(records) = jobs::apply_outcome(
             &mut js,
             o,
@@ -3052,11 +3065,7 @@ fn claim(
         // changelog for good (a success or an auto-disable deletes it, and neither comes now).
         // Not for an id that is another tenant's now: the span may be that subscription's.
         let span = health::health_key(&job.subscription_id);
-        if deleted
-            && (js
-                .get_record::<crate::runtime::records::HealthRecord>(&span, RecordKind::Health)?)
-            .is_some()
-        {
+        if deleted && js.get_raw(&span)?.is_some() {
             js.delete_record(span);
         }
         return Ok(false);
@@ -3398,6 +3407,12 @@ fn read_sequence(codec: &Codec, st: &Staged, store: &Store, tenant: &str) -> Res
         None => Ok(0),
     }
 }
+
+/// How far apart the ingest times stamped on one inbox partition may run out of order (several
+/// ingest instances write it, each stamping its records on its own clock before its transaction
+/// commits): the dedup purge stays this far behind the newest ingest time read, and an ingest
+/// time further ahead of this instance's clock counts as now plus this.
+const INGEST_SKEW_MS: i64 = 5 * 60_000;
 
 /// Deletes dedup entries whose time is up by `now`, oldest first, a bounded number per batch.
 /// `now` is no later than the newest ingest time the task has read: a copy still in the inbox

@@ -321,7 +321,7 @@ impl Redeliverer {
         let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
         // the events (a long outage dead-letters many, each up to the payload limit), and at
-        // most the last `REPLAY_IDS_KEPT` of them, 16 bytes each, as replay does: an event
+        // most the last `REPLAY_IDS_KEPT` of them (a 16-byte digest each), as replay does: an event
         // dead-lettered again that far apart is requested again.
         let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
         let scanned = scan(&consumer, &self.dlq, &ranges, &self.stop, |m| {

@@ -454,7 +454,8 @@ fn backlog_text(samples: &[&BacklogSample]) -> String {
     }
     let mut merged: std::collections::HashMap<&str, (usize, f64)> = Default::default();
     for (top, _) in samples {
-        for (tenant, due, oldest) in top {
+        // A tenant named `_all` would be a second series of the total's labels.
+        for (tenant, due, oldest) in top.iter().filter(|t| t.0 != "_all") {
             let e = merged.entry(tenant).or_insert((0, 0.0));
             e.0 += due;
             e.1 = e.1.max(*oldest);
@@ -798,6 +799,10 @@ mod tests {
             "{text}"
         );
         assert_eq!(backlog_text(&[]), "", "nothing before the first sample");
+        // A tenant named like the total is left out, not written as a second series of it.
+        let clash = (vec![("_all".to_string(), 7, 3.0)], 7);
+        let text = backlog_text(&[&clash]);
+        assert_eq!(text.matches("{tenant=\"_all\"}").count(), 1, "{text}");
     }
     use super::*;
 
