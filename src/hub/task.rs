@@ -1058,7 +1058,7 @@ fn open_and_restore(
             partition,
             why: e.to_string(),
         })?;
-        let (store, current_at) = open_current(&path, partition)?;
+        let (store, current_at) = open_when_free(&path, partition, cancel, STORE_HELD_PATIENCE)?;
         stamps.push(current_at.unwrap_or(restore_started));
         for family in CHANGELOGGED {
             specs.push((
@@ -1203,6 +1203,39 @@ fn newest_table_file_ms(path: &std::path::Path) -> Option<i64> {
         .filter_map(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_millis() as i64)
         .max()
+}
+
+/// How long a restore waits for a store another loop of this process still holds.
+const STORE_HELD_PATIENCE: Duration = Duration::from_secs(120);
+
+/// [`open_current`], waiting while another loop of this process still holds the store (RocksDB
+/// refuses a second open of one database in a process). With several hub loops, a partition can
+/// move from a loop whose lost session's revocation is still queued (the loop is inside a slow
+/// transaction call) to a sibling: the restore failed, the loop ended, and the process stopped.
+/// The wait ends when the holder's revocation closes the store, at `cancel`, or after `patience`.
+fn open_when_free(
+    path: &std::path::Path,
+    partition: i32,
+    cancel: &AtomicBool,
+    patience: Duration,
+) -> Result<(Store, Option<i64>), HubError> {
+    let since = Instant::now();
+    loop {
+        match open_current(path, partition) {
+            Err(e) if is_held(&e) && since.elapsed() < patience => {
+                if cancel.load(Ordering::SeqCst) {
+                    return Err(HubError::Kafka(KafkaError::Cancelled));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Whether RocksDB refused to open a store because its lock file is held.
+fn is_held(e: &HubError) -> bool {
+    e.to_string().contains("/LOCK")
 }
 
 /// Opens the store at `path`, discarding it first if it was last known current more than
@@ -2559,6 +2592,9 @@ fn commit_staged(
         producer
             .send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)
             .map_err(fatal_or_kafka)?;
+        // Each call is bounded (30 s): a beat between them hides no hang, and without it the
+        // offsets, the delivery reports and the commit's first try ran 90 s unbeaten.
+        crate::runtime::liveness::beat_current();
     }
     phase_done("offsets");
     // Serves delivery reports: the changelog offsets.
@@ -3702,6 +3738,36 @@ mod tests {
             kept.values().next().map(|(until, _)| *until),
             Some(45_000 + UNRECORDED_KEPT_MS)
         );
+    }
+
+    /// A store another loop of this process still holds is opened once it is closed; a
+    /// cancelled restore stops waiting.
+    #[test]
+    fn a_restore_waits_for_a_store_another_loop_still_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = Store::open(dir.path(), &FAMILIES).unwrap();
+        let cancel = AtomicBool::new(false);
+        let refused = open_when_free(dir.path(), 3, &cancel, Duration::ZERO).err();
+        assert!(
+            refused.as_ref().is_some_and(is_held),
+            "a second open in one process is refused: {refused:?}"
+        );
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(held);
+        });
+        let opened = open_when_free(dir.path(), 3, &cancel, Duration::from_secs(30));
+        closer.join().unwrap();
+        assert!(opened.is_ok(), "{:?}", opened.err());
+        let again = opened.unwrap();
+        cancel.store(true, Ordering::SeqCst);
+        let cancelled = open_when_free(dir.path(), 3, &cancel, Duration::from_secs(30));
+        assert!(
+            matches!(cancelled, Err(HubError::Kafka(KafkaError::Cancelled))),
+            "{:?}",
+            cancelled.err()
+        );
+        drop(again);
     }
 
     #[test]

@@ -464,6 +464,8 @@ impl Ingest {
         kafka::push(producer.client());
         phase_done("work");
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
+        // Bounded calls, each beaten after (see the hub's transaction).
+        crate::runtime::liveness::beat_current();
         phase_done("offsets");
         // The polling thread serves the delivery reports; committing with none in flight skips
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).

@@ -291,6 +291,9 @@ pub fn wait_delivered(
         if in_flight() == before {
             std::thread::sleep(Duration::from_micros(500));
         }
+        // Bounded by `timeout`: beating hides no hang, and the calls before and after it
+        // (offsets, commit) may take 30 s each.
+        crate::runtime::liveness::beat_current();
     }
 }
 
