@@ -438,7 +438,8 @@ settings! {
     topic_prefix: String = "streaming-hub";
     /// The topology file: the hub's topics and their settings.
     topology_file: PathBuf = "topology/topics.toml";
-    /// Replication factor of the hub's topics (3 in production; `min.insync.replicas` is capped by it).
+    /// Replication factor of the hub's topics (3 in production; `min.insync.replicas` is capped by
+    /// it); 1 to 5.
     replication_factor: i32 = "1";
     /// Consumer group of ingest (input topics); the hub tasks use `<group>.hub`.
     group_id: String = "streaming-hub";
@@ -472,7 +473,9 @@ settings! {
     /// older than this when ingest reads it, more than 5 minutes ahead, absent or not an RFC 3339
     /// time is quarantined as `signature_expired` (`0s` = not checked). A signed record copied
     /// and produced again after its dedup entry expired (`STREAMING_HUB_IDEMPOTENCY_TTL`) is then
-    /// refused. At most that TTL minus 5m, and above the longest backlog ingest may have to read.
+    /// refused. At least 1m and at most that TTL minus 5m (set without
+    /// `STREAMING_HUB_REQUIRE_SIGNATURES`, it stops the start), and above the longest backlog
+    /// ingest may have to read.
     signature_max_age: std::time::Duration = "0s";
     /// Quarantine a record whose `ce-source` is not the `<source>` of the topic it was read from
     /// (`lerian.streaming.<source>`) as `source_mismatch`: per-topic write ACLs then decide who
@@ -584,7 +587,7 @@ settings! {
     http_timeout: std::time::Duration = "15s";
     /// Pull API: requests per second per tenant (per instance); `0` turns the limit off.
     pull_rate: u32 = "10";
-    /// Pull API: requests a tenant may make in a burst before `429 Retry-After`.
+    /// Pull API: requests a tenant may make in a burst before `429 Retry-After` (`0` counts as 1).
     pull_burst: u32 = "20";
     /// Most subscriptions a tenant may have: a create through the API past it answers `409
     /// subscription_limit` (every instance holds every subscription in memory). `0` = no

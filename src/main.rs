@@ -262,9 +262,10 @@ fn main() -> ExitCode {
                             ExitCode::SUCCESS
                         }
                     }
+                    // A topic the hub refuses (as `run` would, exit 2) against Kafka failing (1).
                     Err(e) => {
                         eprintln!("streaming-hub: topology apply failed: {e}");
-                        ExitCode::FAILURE
+                        ExitCode::from(if e.is_refusal() { 2 } else { 1 })
                     }
                 }
             }

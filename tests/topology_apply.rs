@@ -18,10 +18,11 @@ async fn config_of(topic: &str, key: &str) -> String {
     r.get(key).and_then(|e| e.value.clone()).unwrap_or_default()
 }
 
-/// `topology apply` exits 1 and says `want`.
-fn refused_saying(prefix: &str, want: &str) {
-    let (code, text) = topology_apply(prefix, &[]);
-    assert_eq!(code, 1, "{text}");
+/// `topology apply` exits `code` and says `want`: 1 for topics it reports, 2 for a topology it
+/// refuses (as `run` does).
+fn refused_saying(prefix: &str, want: &str, code: i32) {
+    let (exit, text) = topology_apply(prefix, &[]);
+    assert_eq!(exit, code, "{text}");
     assert!(text.contains(want), "{text}");
 }
 
@@ -135,6 +136,7 @@ async fn a_control_topic_with_this_policy_stops_the_hub(policy: &str) {
     refused_saying(
         &prefix,
         &format!("DIFFERS  {name}: cleanup.policy is {policy}, the topology says compact"),
+        1,
     );
     // It reports; it does not silently rewrite the operator's topic.
     assert_eq!(config_of(&name, "cleanup.policy").await, policy);
@@ -244,6 +246,7 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
             "topic {prefix}.hub.dedup.changelog would be created with 6 partitions (the \
              topology file's), fewer than the inbox's 8"
         ),
+        2,
     );
     let md = admin()
         .inner()
@@ -262,5 +265,6 @@ async fn an_inbox_with_more_partitions_than_a_changelog_is_refused() {
     refused_saying(
         &prefix,
         &format!("topic {dedup} has 6 partitions, fewer than the inbox's 8"),
+        2,
     );
 }
