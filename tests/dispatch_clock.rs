@@ -518,6 +518,8 @@ async fn five_kills_mid_attempt(
         (dl.reason, dl.event_id.as_str()),
         (DeadLetterReason::Poison, ev.id().as_str())
     );
+    // The attempt it died in, five times, counts as spent, as a worker's panic does.
+    assert_eq!(dl.attempts, 1, "the poison dead letter's attempts");
     assert_eq!(hung.load(Ordering::SeqCst), 5, "no sixth attempt");
 }
 

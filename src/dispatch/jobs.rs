@@ -773,11 +773,17 @@ pub fn dead_letter_without_attempt(
     now: i64,
 ) -> Result<DeadLetterRecord, JobError> {
     let (event_headers, event_value) = split_payload(js.finish_job(key, &job)?);
+    // Poison: the attempt it kept dying in started, and counts as spent (as a worker's panic in
+    // it does). Otherwise the job's attempt is the next one, not spent.
+    let attempts = match reason {
+        DeadLetterReason::Poison => job.attempt,
+        _ => job.attempt.saturating_sub(1),
+    };
     Ok(DeadLetterRecord {
         event_id: event_id_of(key),
         subscription_id: job.subscription_id.clone(),
         tenant_id: job.tenant_id.clone(),
-        attempts: job.attempt.saturating_sub(1),
+        attempts,
         last_status: job.last_status,
         last_error: job.last_error.clone(),
         reason,
