@@ -1222,20 +1222,27 @@ fn open_when_free(
     let since = Instant::now();
     loop {
         match open_current(path, partition) {
-            Err(e) if is_held(&e) && since.elapsed() < patience => {
-                if cancel.load(Ordering::SeqCst) {
-                    return Err(HubError::Kafka(KafkaError::Cancelled));
+            Err(e) if is_held(&e, path) && since.elapsed() < patience => {
+                // A second apart: each refused open also rotates the holder's RocksDB info log.
+                for _ in 0..10 {
+                    if cancel.load(Ordering::SeqCst) {
+                        return Err(HubError::Kafka(KafkaError::Cancelled));
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
                 }
-                std::thread::sleep(Duration::from_millis(100));
             }
             done => return done,
         }
     }
 }
 
-/// Whether RocksDB refused to open a store because its lock file is held.
-fn is_held(e: &HubError) -> bool {
-    e.to_string().contains("/LOCK")
+/// Whether RocksDB refused to open the store at `path` because its lock file is held (by this
+/// process: "lock hold by current process"; by another: "While lock file"), not for another
+/// reason naming that file (permissions, no file handles left), which fails at once.
+fn is_held(e: &HubError, path: &std::path::Path) -> bool {
+    let text = e.to_string();
+    text.contains(&format!("{}/LOCK", path.display()))
+        && (text.contains("lock hold by current process") || text.contains("While lock file"))
 }
 
 /// Opens the store at `path`, discarding it first if it was last known current more than
@@ -2574,6 +2581,8 @@ fn commit_staged(
     }
     kafka::push(producer.client());
     phase_done("work");
+    // The batch's work done: the bounded calls below each start on a fresh beat.
+    crate::runtime::liveness::beat_current();
     if !offsets.is_empty() {
         let mut tpl = TopicPartitionList::new();
         for (p, next) in offsets.iter() {
@@ -3749,7 +3758,7 @@ mod tests {
         let cancel = AtomicBool::new(false);
         let refused = open_when_free(dir.path(), 3, &cancel, Duration::ZERO).err();
         assert!(
-            refused.as_ref().is_some_and(is_held),
+            refused.as_ref().is_some_and(|e| is_held(e, dir.path())),
             "a second open in one process is refused: {refused:?}"
         );
         let closer = std::thread::spawn(move || {

@@ -244,6 +244,9 @@ impl Ingest {
 
     /// Runs until `stop` is set (then commits what it has and returns) or a fatal error.
     pub fn run(&self, stop: Arc<AtomicBool>) -> Result<(), IngestError> {
+        // Code this loop calls beats it too (`liveness::beat_current`: waits for delivery
+        // reports, a commit's retries).
+        crate::runtime::liveness::run_on_this_thread(&crate::runtime::liveness::INGEST);
         let instance = self.config.instance();
         let consumer: BaseConsumer<IngestContext> = kafka::transactional_consumer(
             &self.config,
@@ -463,8 +466,9 @@ impl Ingest {
         let metadata = kafka::member_metadata(consumer, &consumer.context().membership)?;
         kafka::push(producer.client());
         phase_done("work");
+        // Bounded calls, each starting on a fresh beat (see the hub's transaction).
+        crate::runtime::liveness::beat_current();
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
-        // Bounded calls, each beaten after (see the hub's transaction).
         crate::runtime::liveness::beat_current();
         phase_done("offsets");
         // The polling thread serves the delivery reports; committing with none in flight skips
