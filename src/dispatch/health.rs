@@ -37,6 +37,16 @@ pub fn health_key(subscription_id: &str) -> Vec<u8> {
     [b"h/", subscription_id.as_bytes()].concat()
 }
 
+/// Deletes a subscription's failure span, if it has one (a deleted subscription's: neither a
+/// success nor an auto-disable will come to delete it).
+pub fn forget(js: &mut JobStore<'_>, subscription_id: &str) -> Result<(), JobError> {
+    let key = health_key(subscription_id);
+    if js.get_raw(&key)?.is_some() {
+        js.delete_record(key);
+    }
+    Ok(())
+}
+
 /// What to do after recording an outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {

@@ -2809,9 +2809,8 @@ fn record_outcomes(
         // A deleted subscription's failure span goes with it (see `claim`), here for an attempt
         // that was out when it was deleted.
         if let (None, false, Some(j)) = (&sub, unreadable, &job) {
-            let span = health::health_key(&j.subscription_id);
-            if d.table.read().get(&j.subscription_id).is_none() && js.get_raw(&span)?.is_some() {
-                js.delete_record(span);
+            if d.table.read().get(&j.subscription_id).is_none() {
+                health::forget(&mut js, &j.subscription_id)?;
             }
         }
         let Some(records) = jobs::apply_outcome(
@@ -3109,9 +3108,8 @@ fn claim(
         // So does the failure span of a deleted one, or it stayed in the store and its
         // changelog for good (a success or an auto-disable deletes it, and neither comes now).
         // Not for an id that is another tenant's now: the span may be that subscription's.
-        let span = health::health_key(&job.subscription_id);
-        if deleted && js.get_raw(&span)?.is_some() {
-            js.delete_record(span);
+        if deleted {
+            health::forget(js, &job.subscription_id)?;
         }
         return Ok(false);
     }
