@@ -744,12 +744,16 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
                 .map_err(|e| e.to_string())?;
             let bytes = r.bytes().await.map_err(|e| e.to_string())?;
             let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            // The answer carries the signing secret: only its id and state are shown.
             if v["verification_state"] != "active" {
-                return Err(format!("subscription not active: {v}"));
+                return Err(format!(
+                    "subscription {} not active: {} {}",
+                    v["id"], v["verification_state"], v["verification"]
+                ));
             }
             let secret = v["signing_secret"]
                 .as_str()
-                .ok_or_else(|| format!("subscription not created: {v}"))?;
+                .ok_or_else(|| format!("subscription not created: {}", without_secret(&v)))?;
             sink.secrets
                 .lock()
                 .unwrap()
@@ -1567,6 +1571,15 @@ fn plot(runs: &[&RunResult], path: &std::path::Path) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// An API answer as it may be printed: without its `signing_secret`.
+fn without_secret(v: &serde_json::Value) -> serde_json::Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("signing_secret");
+    }
+    v
 }
 
 #[cfg(test)]

@@ -149,21 +149,33 @@ fn moved_to(to: i64, committed: Option<i64>, low: i64) -> i64 {
     }
 }
 
-/// Parses `--to-offset` (a number or `earliest`).
+/// Parses `--to-offset` (an offset, 0 or more, or `earliest`). A negative number is refused:
+/// Kafka's tools read `-1` as "latest" and `-1000` may be meant as "1,000 back", and either
+/// would otherwise be taken as the earliest offset, replaying everything kept.
 pub fn parse_offset(text: &str) -> Result<Target, String> {
     if text == "earliest" {
         return Ok(Target::Earliest);
     }
-    text.parse::<i64>()
-        .map(Target::Offset)
-        .map_err(|_| format!("expected an offset or `earliest`, got {text:?}"))
+    match text.parse::<i64>() {
+        Ok(o) if o >= 0 => Ok(Target::Offset(o)),
+        Ok(_) => Err(format!(
+            "expected an offset of 0 or more or `earliest`, got {text:?} \
+             (to replay from a time, use --to-datetime)"
+        )),
+        Err(_) => Err(format!("expected an offset or `earliest`, got {text:?}")),
+    }
 }
 
-/// Parses `--to-datetime` (RFC 3339).
+/// Parses `--to-datetime` (RFC 3339; a time before 1970 is refused: Kafka keeps none).
 pub fn parse_time(text: &str) -> Result<Target, String> {
-    chrono::DateTime::parse_from_rfc3339(text)
-        .map(|t| Target::Time(t.timestamp_millis()))
-        .map_err(|e| format!("expected an RFC 3339 time such as 2026-11-30T08:00:00Z ({e})"))
+    let t = chrono::DateTime::parse_from_rfc3339(text)
+        .map_err(|e| format!("expected an RFC 3339 time such as 2026-11-30T08:00:00Z ({e})"))?;
+    match t.timestamp_millis() {
+        ms if ms >= 0 => Ok(Target::Time(ms)),
+        _ => Err(format!(
+            "{text:?} is before 1970: to replay everything kept, use --to-offset earliest"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -188,6 +200,16 @@ mod tests {
         assert!(matches!(parse_offset("earliest"), Ok(Target::Earliest)));
         assert!(matches!(parse_offset("42"), Ok(Target::Offset(42))));
         assert!(parse_offset("soon").unwrap_err().contains("soon"));
+        // Not taken as the earliest offset (which is what the clamp to the log would make it).
+        for negative in ["-1", "-1000"] {
+            assert!(parse_offset(negative).unwrap_err().contains(negative));
+        }
+        assert!(matches!(parse_offset("0"), Ok(Target::Offset(0))));
+        assert!(parse_time("1969-12-31T23:59:59Z").is_err());
+        assert!(matches!(
+            parse_time("1970-01-01T00:00:00Z"),
+            Ok(Target::Time(0))
+        ));
         assert!(
             matches!(parse_time("2026-11-30T08:00:00Z"), Ok(Target::Time(t)) if t == 1_796_025_600_000)
         );

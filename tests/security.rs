@@ -105,6 +105,12 @@ async fn sink_handler(
         *s.probes.lock().unwrap() += 1;
         return (StatusCode::OK, body); // the challenge is in the body: echoing it passes
     }
+    // Answered as a debug endpoint would (or an error page naming the path): the request line
+    // and headers echoed back, so what the hub keeps of the answer is checked too.
+    let mut echo = format!("POST {uri}\n");
+    for (k, v) in &headers {
+        echo.push_str(&format!("{k}: {v}\n"));
+    }
     s.deliveries.lock().unwrap().push(Delivery {
         headers,
         path: uri.path().to_string(),
@@ -112,7 +118,7 @@ async fn sink_handler(
         signature_lines,
         body: body.to_vec(),
     });
-    (StatusCode::NO_CONTENT, Bytes::new())
+    (StatusCode::OK, Bytes::from(echo))
 }
 
 impl Sink {

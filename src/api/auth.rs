@@ -90,7 +90,8 @@ pub fn mint_at(
     let claims = Claims {
         tenant_id: tenant.map(str::to_string),
         admin,
-        exp: now_secs.saturating_add(ttl.as_secs() as i64),
+        // A lifetime past i64 seconds is as good as forever, not negative (`as` would wrap).
+        exp: now_secs.saturating_add(i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX)),
         iat: now_secs,
     };
     let header = serde_json::to_vec(&header).expect("a token header serializes");
@@ -284,6 +285,18 @@ mod tests {
 
     fn keys() -> JwtKeys {
         JwtKeys::new(Secret::new("0123456789abcdef0123456789abcdef"))
+    }
+
+    #[test]
+    fn a_lifetime_past_i64_seconds_mints_a_token_that_has_not_expired() {
+        let t = mint_at(
+            &keys().secret,
+            Some("acme"),
+            false,
+            Duration::from_secs(1 << 63),
+            NOW,
+        );
+        assert!(verify(&keys(), &t, NOW + 10).is_ok());
     }
 
     #[test]

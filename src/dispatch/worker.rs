@@ -290,6 +290,8 @@ impl Workers {
             }
             req = req.header(k.as_str(), v.as_str());
         }
+        // The sensitive headers' values as sent: scrubbed from what is kept of the answer.
+        let mut sensitive = Vec::new();
         if let (Some(blob), Some(kek)) = (&sub.destination.sensitive_headers, &self.kek) {
             // Bound to this subscription and this URL: a sealed blob copied onto another
             // subscription or URL does not open, and the attempt goes without it. Nor does one
@@ -311,7 +313,8 @@ impl Workers {
                                     reserved_header_dropped(&sub.id, &k);
                                     continue;
                                 }
-                                req = req.header(k, v);
+                                req = req.header(k, v.as_str());
+                                sensitive.push(v);
                             }
                         }
                         Err(_) => headers_not_sent(&sub.id, NotSent::Unopened),
@@ -364,7 +367,11 @@ impl Workers {
                 let (body, _) = client::read_capped(resp, BODY_CAP)
                     .await
                     .unwrap_or_default();
-                out.response_body = Some(body[..body.len().min(KEPT_IN_RECORD)].to_vec());
+                out.response_body = Some(kept_answer(
+                    &body,
+                    sub.destination.sealed_target.is_some().then_some(&*target),
+                    &sensitive,
+                ));
                 if !status.is_success() {
                     out.error_kind = Some(
                         if status.is_redirection() {
@@ -434,4 +441,105 @@ pub fn parse_retry_after(value: &str, now_ms: i64) -> Option<u64> {
         }
     };
     Some(at_ms.saturating_sub(now_ms).max(0) as u64)
+}
+
+/// The shortest piece of a request scrubbed from its answer: shorter ones (`?v=1`'s `1`) would
+/// blot the answer out and are no credential.
+const MIN_SCRUBBED: usize = 4;
+
+/// What of an answer is kept for `<prefix>.attempts`: its first [`KEPT_IN_RECORD`] bytes, with
+/// what of the request is secret and may come back in it (an error page naming the request's
+/// path, a debug endpoint echoing its headers) shown as [`sealed_url::REDACTED`]: the pieces of
+/// `sealed` (a URL whose path or query is sealed, as requested) that its shown form hides, and
+/// the sensitive headers' values (and their words of 8 or more characters: a bearer token), each
+/// as sent and percent-decoded.
+fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u8> {
+    let mut secrets: Vec<Vec<u8>> = Vec::new();
+    let mut add = |piece: &str| {
+        let decoded = percent_encoding::percent_decode_str(piece).decode_utf8_lossy();
+        for s in [piece, &*decoded] {
+            if s.len() >= MIN_SCRUBBED {
+                secrets.push(s.as_bytes().to_vec());
+            }
+        }
+    };
+    for piece in sealed.map(sealed_url::hidden_pieces).unwrap_or_default() {
+        add(piece);
+    }
+    for value in sensitive {
+        add(value.trim());
+        for word in value.split_whitespace().filter(|w| w.len() >= 8) {
+            add(word);
+        }
+    }
+    // Longest first: the whole path and query before each of its pieces.
+    secrets.sort_unstable_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+    secrets.dedup();
+    // What may hold a secret that starts within the part kept.
+    let longest = secrets.first().map_or(0, Vec::len);
+    let mut kept = body[..body.len().min(KEPT_IN_RECORD + longest)].to_vec();
+    for secret in &secrets {
+        kept = scrubbed(&kept, secret);
+    }
+    kept.truncate(KEPT_IN_RECORD);
+    kept
+}
+
+/// `text` with every occurrence of `secret` (not empty) replaced by [`sealed_url::REDACTED`].
+fn scrubbed(text: &[u8], secret: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        if text[i..].starts_with(secret) {
+            out.extend_from_slice(sealed_url::REDACTED.as_bytes());
+            i += secret.len();
+        } else {
+            out.push(text[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_is_kept_of_an_answer_shows_no_sealed_piece_of_the_request() {
+        let target = "https://h.example/hooks/catch/1234567/abc1de2/?code=s3cr3t%2Fc0de&v=1";
+        let sensitive = ["Bearer tok-0123456789".to_string()];
+        let body = "<pre>Cannot POST /hooks/catch/1234567/abc1de2/?code=s3cr3t%2Fc0de&v=1</pre> \
+                    segment 1234567, code decoded s3cr3t/c0de, \
+                    header Bearer tok-0123456789, token tok-0123456789, v=1 kept";
+        let kept =
+            String::from_utf8(kept_answer(body.as_bytes(), Some(target), &sensitive)).unwrap();
+        for secret in ["1234567", "abc1de2", "s3cr3t", "c0de", "tok-0123456789"] {
+            assert!(!kept.contains(secret), "{secret} in {kept}");
+        }
+        assert!(kept.starts_with("<pre>Cannot POST ***</pre>"), "{kept}");
+        // What is shown of the URL stays, and pieces too short to be a credential.
+        assert!(
+            kept.contains("segment ***,") && kept.ends_with("v=1 kept"),
+            "{kept}"
+        );
+        // Nothing sealed, nothing sensitive: the answer as it came.
+        assert_eq!(kept_answer(body.as_bytes(), None, &[]), body.as_bytes());
+    }
+
+    #[test]
+    fn a_secret_across_the_kept_length_is_scrubbed_before_the_answer_is_cut() {
+        let secret = "0123456789abcdef0123".to_string();
+        let mut body = vec![b'x'; KEPT_IN_RECORD - 5];
+        body.extend_from_slice(secret.as_bytes());
+        let kept = kept_answer(&body, None, &[secret]);
+        assert_eq!(kept.len(), KEPT_IN_RECORD - 5 + 3);
+        assert!(kept.ends_with(b"x***"));
+        // A long answer is still cut to the length kept.
+        let long = vec![b'y'; 3 * KEPT_IN_RECORD];
+        assert_eq!(
+            kept_answer(&long, None, &["zzzzzzzz".into()]).len(),
+            KEPT_IN_RECORD
+        );
+    }
 }

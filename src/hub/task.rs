@@ -310,6 +310,18 @@ struct Task {
 }
 
 impl Task {
+    /// Notes `next` committed as the partition's inbox offset. A partition the group never
+    /// committed takes the committed-claim path until a commit that moved past records this owner
+    /// read (the partition's first committed offset): one that carried its fence alone (a
+    /// transaction with none of its records, only other partitions' work) says nothing of what
+    /// a previous owner that died in its first transaction was attempting.
+    fn committed_offset(&mut self, next: i64) {
+        if self.careful_until == i64::MAX && self.next_offset != Some(next) {
+            self.careful_until = next;
+        }
+        self.next_offset = Some(next);
+    }
+
     /// A task over a store just opened and restored: nothing committed or claimed by it yet.
     fn fresh(store: Store) -> Task {
         Task {
@@ -2660,10 +2672,7 @@ fn apply_committed(
     for (p, task) in tasks.iter_mut() {
         task.ring.committed();
         if let Some(next) = offsets.get(p) {
-            task.next_offset = Some(*next);
-            if task.careful_until == i64::MAX {
-                task.careful_until = *next; // the partition's first committed offset
-            }
+            task.committed_offset(*next);
         }
     }
     for (p, st) in staged {
@@ -3744,6 +3753,24 @@ mod tests {
         assert_eq!(
             kept.values().next().map(|(until, _)| *until),
             Some(45_000 + UNRECORDED_KEPT_MS)
+        );
+    }
+
+    /// A partition the group never committed stays on the committed-claim path through a
+    /// commit that carried only its fence, and leaves it at the first that moved past records.
+    #[test]
+    fn a_fence_only_commit_keeps_a_never_committed_partition_careful() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut task = Task::fresh(Store::open(dir.path(), &FAMILIES).unwrap());
+        task.next_offset = Some(5); // its fence: the low watermark
+        task.committed_offset(5);
+        assert_eq!(task.careful_until, i64::MAX);
+        task.committed_offset(9);
+        assert_eq!((task.careful_until, task.next_offset), (9, Some(9)));
+        task.committed_offset(12);
+        assert_eq!(
+            task.careful_until, 9,
+            "set once, at the first committed records"
         );
     }
 

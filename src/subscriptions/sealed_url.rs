@@ -63,56 +63,90 @@ pub fn shown_segment(segment: &str) -> bool {
             .all(|run| run.len() <= MAX_WORD)
 }
 
-/// `url` as it may be shown (see the module doc): `?a=1&b&c=` → `?a=***&***&c=***`, empty
-/// pieces stay empty. Unchanged when nothing is redacted, and for a URL already shown so.
-pub fn redacted(url: &str) -> Cow<'_, str> {
+/// A piece of a URL as [`walk`] hands it out: shown as given, or hidden (shown as [`REDACTED`]).
+enum Piece<'a> {
+    Shown(&'a str),
+    Hidden(&'a str),
+}
+
+/// Hands out `url` in order, as pieces shown or hidden (see the module doc): each path segment
+/// by [`shown_segment`], every query value (a nameless piece when not empty) and a non-empty
+/// fragment hidden; what separates them, the query's names and the part up to the host shown.
+fn walk<'a>(url: &'a str, mut on: impl FnMut(Piece<'a>)) {
     let (base, rest) = split(url);
     let (path, rest) = rest.split_at(rest.find(['?', '#']).unwrap_or(rest.len()));
     let (query, fragment) = match rest.find('#') {
         Some(i) => (&rest[..i], Some(&rest[i + 1..])),
         None => (rest, None),
     };
-    let mut shown = String::with_capacity(url.len());
-    shown.push_str(base);
+    on(Piece::Shown(base));
     for (i, segment) in path.split('/').enumerate() {
         if i > 0 {
-            shown.push('/');
+            on(Piece::Shown("/"));
         }
         if shown_segment(segment) {
-            shown.push_str(segment);
+            on(Piece::Shown(segment));
         } else {
-            shown.push_str(REDACTED);
+            on(Piece::Hidden(segment));
         }
     }
     if let Some(query) = query.strip_prefix('?') {
-        shown.push('?');
+        on(Piece::Shown("?"));
         for (i, piece) in query.split('&').enumerate() {
             if i > 0 {
-                shown.push('&');
+                on(Piece::Shown("&"));
             }
             match piece.split_once('=') {
-                Some((name, _)) => {
-                    shown.push_str(name);
-                    shown.push('=');
-                    shown.push_str(REDACTED);
+                Some((name, value)) => {
+                    on(Piece::Shown(name));
+                    on(Piece::Shown("="));
+                    on(Piece::Hidden(value));
                 }
                 // A piece without a name may be the credential itself (`?s3cr3t`).
-                None if !piece.is_empty() => shown.push_str(REDACTED),
+                None if !piece.is_empty() => on(Piece::Hidden(piece)),
                 None => {}
             }
         }
     }
     if let Some(fragment) = fragment {
-        shown.push('#');
+        on(Piece::Shown("#"));
         if !fragment.is_empty() {
-            shown.push_str(REDACTED);
+            on(Piece::Hidden(fragment));
         }
     }
+}
+
+/// `url` as it may be shown (see the module doc): `?a=1&b&c=` → `?a=***&***&c=***`, empty
+/// pieces stay empty. Unchanged when nothing is redacted, and for a URL already shown so.
+pub fn redacted(url: &str) -> Cow<'_, str> {
+    let mut shown = String::with_capacity(url.len());
+    walk(url, |piece| match piece {
+        Piece::Shown(s) => shown.push_str(s),
+        Piece::Hidden(_) => shown.push_str(REDACTED),
+    });
     if shown == url {
         Cow::Borrowed(url)
     } else {
         Cow::Owned(shown)
     }
+}
+
+/// What of `url` is not shown, for what the hub keeps of a receiver's answer (an error page that
+/// names the request's path): everything past the host, then each hidden piece that is not
+/// empty. Nothing for a URL shown as given.
+pub fn hidden_pieces(url: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    walk(url, |piece| {
+        if let Piece::Hidden(s) = piece
+            && !s.is_empty()
+        {
+            pieces.push(s);
+        }
+    });
+    if !pieces.is_empty() {
+        pieces.insert(0, split(url).1);
+    }
+    pieces
 }
 
 /// A webhook URL as stored: what `destination.url` shows and the sealed rest, if any.
@@ -229,6 +263,22 @@ mod tests {
             sensitive_headers: None,
             sealed_target: stored.sealed_target,
         }
+    }
+
+    #[test]
+    fn the_hidden_pieces_are_what_the_shown_url_hides() {
+        let url = "https://h.example/v1/hooks/1234567/in?code=abc&flag&empty=#frag";
+        assert_eq!(
+            hidden_pieces(url),
+            [
+                "/v1/hooks/1234567/in?code=abc&flag&empty=#frag",
+                "1234567",
+                "abc",
+                "flag",
+                "frag"
+            ]
+        );
+        assert!(hidden_pieces("https://h.example/webhooks/in").is_empty());
     }
 
     #[test]
