@@ -447,9 +447,10 @@ async fn one_tenants_backlog_does_not_delay_another_tenants_event_by_more_than_a
     // What B waits for: its own ingest, hub and claim commits (A keeps being delivered
     // meanwhile, ~16/s) plus one turn of the workers (8). An unfair scheduler would make B wait
     // for the whole backlog (~2,900, due order across tenants) or for every claim of A queued
-    // before B's (first-come permits: up to 64 x 8 workers = 512).
+    // before B's (first-come permits: up to 64 x 8 workers = 512). The bound sits between the
+    // two, so a slow machine (B's commits taking seconds, A delivered meanwhile) does not fail it.
     assert!(
-        after - before <= 100,
+        after - before <= 250,
         "B's event waited behind {} of A's deliveries",
         after - before
     );
@@ -1057,8 +1058,10 @@ async fn a_slow_destination_does_not_keep_the_workers_from_another_tenant() {
 /// demand. With 16 workers: tenant F's 8 requests are held 8 s at its sink, S's 20 arrive
 /// meanwhile (not timed yet, so taken as slow) and take F's share at a sink that holds them at a
 /// gate, then F's requests end and S is alone. S may hold 16 less F's recent peak (7 or 8, as
-/// sampled), so F's second wave of 8 gets 7 or 8 workers at once, the rest when those end, and is
-/// answered while every request of S's is still held. Before, S took 15 workers the moment F's
+/// sampled), so of the 7 or 8 workers left F's second wave of 8 gets all but the reserve's one
+/// (kept for a tenant holding none) at once: 6 or 7, checked as 6 at the sink before any is
+/// answered. The rest go when those end, and the wave is answered while every request of S's is
+/// still held. Before, S took 15 workers the moment F's
 /// first wave ended, and F's second wave went one at a time on the last worker (64 s, past the
 /// 60 s wait). S's gate opens only after that, and the timeout (120 s) is past every wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1086,6 +1089,18 @@ async fn a_slow_tenant_alone_between_another_tenants_waves_leaves_room_for_them(
         (fast_sink.answered.load(Ordering::SeqCst) == 8).then_some(())
     });
     produce(&p, &s.topic, &wave("tenant-f", 8));
+    // 6 of the second wave at the sink at once: each is held 8 s there, so none is answered yet.
+    // On one worker each would wait for the one before it to be answered.
+    wait_until(
+        Duration::from_secs(60),
+        "6 of F's second wave received",
+        || (fast_sink.got.lock().unwrap().len() >= 14).then_some(()),
+    );
+    assert_eq!(
+        fast_sink.answered.load(Ordering::SeqCst),
+        8,
+        "F's second wave went out one request at a time"
+    );
     wait_until(Duration::from_secs(60), "F's second wave answered", || {
         (fast_sink.answered.load(Ordering::SeqCst) == 16).then_some(())
     });

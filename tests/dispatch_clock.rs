@@ -175,12 +175,8 @@ async fn always_failing_sink_gets_eight_attempts_on_the_default_curve_then_a_dea
             "no attempt before the clock moves"
         );
         // The hub must have recorded the outcome (and scheduled the retry) before time moves.
-        for _ in 0..600 {
-            if s.metric("streaming_hub_attempts_total").await > n as u64 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        s.wait_metric("streaming_hub_attempts_total", n as u64 + 1)
+            .await;
         s.advance(step).await;
         wait_for(&sink, n + 2).await;
     }
@@ -748,6 +744,9 @@ async fn failures_of_the_hubs_own_never_open_the_breaker_nor_auto_disable() {
     let delivered = "streaming_hub_attempts_total{outcome=\"delivered\"";
     assert_eq!(s.metric(delivered).await, 0);
     assert!(sink.got.lock().unwrap().is_empty(), "no request went out");
+    // Shed alone could miss an opened breaker: 11 h between rounds outlasts any cool-down, so
+    // the next job would go through as its probe, shedding nothing.
+    assert_eq!(s.metric("streaming_hub_breaker_transitions_total").await, 0);
     assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
     assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
     assert_eq!(s.get_subscription(tenant, &id).await["enabled"], true);
@@ -773,6 +772,9 @@ async fn a_record_that_cannot_make_a_request_never_opens_the_breaker_but_auto_di
     write_control_record(&s, &rec).await;
     fail_every_11h(&s, tenant, 11).await; // 121h of failed attempts, 12 events
     assert!(sink.got.lock().unwrap().is_empty(), "no request went out");
+    // Shed alone could miss an opened breaker: 11 h between rounds outlasts any cool-down, so
+    // the next job would go through as its probe, shedding nothing.
+    assert_eq!(s.metric("streaming_hub_breaker_transitions_total").await, 0);
     assert_eq!(s.metric("streaming_hub_breaker_shed_total").await, 0);
     s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
 }

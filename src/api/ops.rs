@@ -842,7 +842,17 @@ mod tests {
         // A tenant's third read is refused at once, even with places free.
         let a1 = gate.enter("a", short).await.expect("a's first");
         let a2 = gate.enter("a", short).await.expect("a's second");
-        assert!(gate.enter("a", Duration::from_secs(60)).await.is_none());
+        // (Given 60 s to wait: it must not take them.)
+        let third = tokio::time::timeout(
+            Duration::from_secs(5),
+            gate.enter("a", Duration::from_secs(60)),
+        );
+        assert!(
+            third
+                .await
+                .expect("refused at once, not after waiting")
+                .is_none()
+        );
         let b1 = gate.enter("b", short).await.expect("b's first");
         let c1 = gate.enter("c", short).await.expect("c's first");
         // Every place taken: one more waits, then none.

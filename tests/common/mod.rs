@@ -731,6 +731,11 @@ pub fn group_caught_up_on(group: &str, topic: &str, only: Option<&[i32]>) -> boo
             tpl.add_partition(topic, p.id());
         }
     }
+    // A topic that does not exist (or has none of `only`) is not a caught-up one: a check that
+    // nothing more will arrive must not pass for a misspelt name.
+    if tpl.count() == 0 {
+        return false;
+    }
     let Ok(committed) = probe.committed_offsets(tpl, Duration::from_secs(10)) else {
         return false;
     };
