@@ -310,18 +310,6 @@ struct Task {
 }
 
 impl Task {
-    /// Notes `next` committed as the partition's inbox offset. A partition the group never
-    /// committed takes the committed-claim path until a commit that moved past records this owner
-    /// read (the partition's first committed offset): one that carried its fence alone (a
-    /// transaction with none of its records, only other partitions' work) says nothing of what
-    /// a previous owner that died in its first transaction was attempting.
-    fn committed_offset(&mut self, next: i64) {
-        if self.careful_until == i64::MAX && self.next_offset != Some(next) {
-            self.careful_until = next;
-        }
-        self.next_offset = Some(next);
-    }
-
     /// A task over a store just opened and restored: nothing committed or claimed by it yet.
     fn fresh(store: Store) -> Task {
         Task {
@@ -683,6 +671,7 @@ impl HubContext {
         let now = self.clock.now_ms();
         d.hand_over(tasks, &self.router, now);
         let producer = &*self.producer;
+        let staging = telemetry::Staging::begin();
         let committed = (|| {
             producer.begin_transaction().map_err(fatal_or_kafka)?;
             d.breakers.begin();
@@ -705,6 +694,7 @@ impl HubContext {
             d.breakers.commit();
             apply_committed(&self.env, tasks, staged, &offsets, &delivered)
         })();
+        staging.end(matches!(committed, Ok(()) | Err(HubError::Undecided(_))));
         match committed {
             Ok(()) => {
                 tracing::info!(
@@ -1982,7 +1972,15 @@ impl HubStage {
             let mut refused_at: Option<Instant> = None;
             let aborted = loop {
                 runs += 1;
-                match self.process_batch(producer, &consumer, &mut guard.tasks, &batch) {
+                let staging = telemetry::Staging::begin();
+                let result = self.process_batch(producer, &consumer, &mut guard.tasks, &batch);
+                // Its emits go out once it committed (or, undecided, the process ends as if it
+                // had, as ingest counts it); an aborted run's are dropped, the batch runs again.
+                staging.end(matches!(
+                    result,
+                    Ok(_) | Err(HubError::Idle | HubError::Undecided(_))
+                ));
+                match result {
                     Ok((n, launched)) => {
                         last_txn_at = Instant::now();
                         self.window
@@ -2130,7 +2128,13 @@ impl HubStage {
             if let Some(d) = &mut self.dispatch {
                 d.hand_over(&guard.tasks, &self.router, self.clock.now_ms());
             }
-            match self.process_batch(producer, consumer, &mut guard.tasks, &[]) {
+            let staging = telemetry::Staging::begin();
+            let result = self.process_batch(producer, consumer, &mut guard.tasks, &[]);
+            staging.end(matches!(
+                result,
+                Ok(_) | Err(HubError::Idle | HubError::Undecided(_))
+            ));
+            match result {
                 Ok(_) | Err(HubError::Idle) => {
                     if let Some(d) = &mut self.dispatch {
                         d.pending.clear();
@@ -2672,7 +2676,10 @@ fn apply_committed(
     for (p, task) in tasks.iter_mut() {
         task.ring.committed();
         if let Some(next) = offsets.get(p) {
-            task.committed_offset(*next);
+            task.next_offset = Some(*next);
+            if task.careful_until == i64::MAX {
+                task.careful_until = *next; // the partition's first committed offset
+            }
         }
     }
     for (p, st) in staged {
@@ -3753,24 +3760,6 @@ mod tests {
         assert_eq!(
             kept.values().next().map(|(until, _)| *until),
             Some(45_000 + UNRECORDED_KEPT_MS)
-        );
-    }
-
-    /// A partition the group never committed stays on the committed-claim path through a
-    /// commit that carried only its fence, and leaves it at the first that moved past records.
-    #[test]
-    fn a_fence_only_commit_keeps_a_never_committed_partition_careful() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut task = Task::fresh(Store::open(dir.path(), &FAMILIES).unwrap());
-        task.next_offset = Some(5); // its fence: the low watermark
-        task.committed_offset(5);
-        assert_eq!(task.careful_until, i64::MAX);
-        task.committed_offset(9);
-        assert_eq!((task.careful_until, task.next_offset), (9, Some(9)));
-        task.committed_offset(12);
-        assert_eq!(
-            task.careful_until, 9,
-            "set once, at the first committed records"
         );
     }
 
