@@ -1744,4 +1744,26 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     gate.send(true).unwrap();
     b.wait_ready();
     each_sent_once(&s, &b, &tenants, &got, before, &events).await;
+    // Each event counted new once over both instances (with the one more per tenant that
+    // `each_sent_once` sends): the run whose offsets were refused aborted, and its counts with
+    // it. Counted as it ran, the events of the refused run were counted twice.
+    wait_until(
+        Duration::from_secs(90),
+        "the hub group past every event",
+        || group_caught_up(&group, &inbox).then_some(()),
+    );
+    let expected = (unmatched.len() + events.len() + tenants.len()) as u64;
+    let new_events = "streaming_hub_hub_events_total{outcome=\"new\"";
+    let mut counted = 0;
+    for _ in 0..100 {
+        counted = 0;
+        for hub in [&s.hub, &b] {
+            counted += metric_sum(&hub.metrics_text(&s.http).await.unwrap(), new_events);
+        }
+        if counted >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(counted, expected, "events counted new");
 }

@@ -11,6 +11,70 @@ use metrics::{counter, gauge, histogram};
 
 use crate::config::MAX_HUB_STAGES;
 
+/// What a hub transaction emits (counters, and the log lines that report a fact of it: an
+/// attempt, a dead letter, a breaker's or a subscription's change) waits for its outcome: an
+/// aborted batch is processed again, and emitting as it ran counted it once per try.
+type Deferred = Box<dyn FnOnce()>;
+
+thread_local! {
+    /// The open hub transaction's emits on this thread; None: none open, emits go out at once.
+    static STAGED: std::cell::RefCell<Option<Vec<Deferred>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A hub transaction's emits, held from [`Staging::begin`] until [`Staging::end`] says whether
+/// it committed (dropped unsaid: aborted). One begun inside another (a rebalance's commit inside
+/// a poll) holds its own and gives the outer one back.
+pub struct Staging {
+    outer: Option<Vec<Deferred>>,
+    done: bool,
+}
+
+impl Staging {
+    pub fn begin() -> Staging {
+        let outer = STAGED.with(|s| s.borrow_mut().replace(Vec::new()));
+        Staging { outer, done: false }
+    }
+
+    /// The transaction ended: its emits go out when it `committed`, else are dropped.
+    pub fn end(mut self, committed: bool) {
+        self.finish(committed);
+    }
+
+    fn finish(&mut self, committed: bool) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let outer = self.outer.take();
+        let mine = STAGED.with(|s| std::mem::replace(&mut *s.borrow_mut(), outer));
+        if committed {
+            for emit in mine.into_iter().flatten() {
+                emit();
+            }
+        }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
+
+/// `emit` once the open hub transaction on this thread commits, or now when none is open.
+fn on_commit(emit: impl FnOnce() + 'static) {
+    let emit = STAGED.with(|s| match &mut *s.borrow_mut() {
+        Some(staged) => {
+            staged.push(Box::new(emit));
+            None
+        }
+        None => Some(emit),
+    });
+    if let Some(emit) = emit {
+        emit();
+    }
+}
+
 pub const INGEST_RECORDS: &str = "streaming_hub_ingest_records_total";
 pub const INGEST_COMMITS: &str = "streaming_hub_ingest_commits_total";
 pub const INGEST_COMMIT_SECONDS: &str = "streaming_hub_ingest_commit_seconds";
@@ -191,7 +255,8 @@ pub struct HubEvent<'a> {
 
 impl HubEvent<'_> {
     pub fn emit(&self) {
-        counter!(HUB_EVENTS, "outcome" => self.outcome).increment(1);
+        let outcome = self.outcome;
+        on_commit(move || counter!(HUB_EVENTS, "outcome" => outcome).increment(1));
         tracing::debug!(
             outcome = self.outcome,
             partition = self.partition,
@@ -294,7 +359,7 @@ pub struct DedupExpired {
 
 impl DedupExpired {
     pub fn emit(&self) {
-        counter!(DEDUP_EXPIRED).increment(1);
+        on_commit(|| counter!(DEDUP_EXPIRED).increment(1));
     }
 }
 
@@ -310,11 +375,14 @@ pub struct Matched<'a> {
 
 impl Matched<'_> {
     pub fn emit(&self) {
-        if self.subscriptions == 0 {
-            counter!(EVENTS_UNMATCHED).increment(1);
-        } else {
-            counter!(MATCHES).increment(self.subscriptions as u64);
-        }
+        let n = self.subscriptions as u64;
+        on_commit(move || {
+            if n == 0 {
+                counter!(EVENTS_UNMATCHED).increment(1);
+            } else {
+                counter!(MATCHES).increment(n);
+            }
+        });
         tracing::debug!(
             ce_id = self.ce_id,
             tenant = self.tenant,
@@ -337,13 +405,12 @@ pub struct Redelivery<'a> {
 
 impl Redelivery<'_> {
     pub fn emit(&self) {
-        counter!(REDELIVERIES, "outcome" => self.outcome).increment(1);
-        tracing::info!(
-            ce_id = self.ce_id,
-            subscription_id = self.subscription_id,
-            outcome = self.outcome,
-            "redelivery request"
-        );
+        let (ce_id, subscription_id) = (self.ce_id.to_string(), self.subscription_id.to_string());
+        let outcome = self.outcome;
+        on_commit(move || {
+            counter!(REDELIVERIES, "outcome" => outcome).increment(1);
+            tracing::info!(ce_id, subscription_id, outcome, "redelivery request");
+        });
     }
 }
 
@@ -360,7 +427,7 @@ pub const CLAIMS_AHEAD_LIMIT: &str = "streaming_hub_claims_ahead_limit";
 
 /// A successful delivery, `ms` after ingest accepted the event (end-to-end latency in the hub).
 pub fn delivered_after(ms: i64) {
-    histogram!(DELIVERY_LATENCY).record(ms.max(0) as f64 / 1000.0);
+    on_commit(move || histogram!(DELIVERY_LATENCY).record(ms.max(0) as f64 / 1000.0));
 }
 
 /// Circuit breakers open now.
@@ -582,13 +649,38 @@ impl AttemptDone<'_> {
                 .unwrap_or("other"),
             None => "none",
         };
-        counter!(ATTEMPTS, "outcome" => outcome, "status_class" => class).increment(1);
-        histogram!(ATTEMPT_SECONDS).record(a.latency_ms as f64 / 1000.0);
-        tracing::info!(
-            ce_id = %a.event_id, subscription_id = %a.subscription_id, tenant = %a.tenant_id, attempt = a.attempt,
-            delivery_id = %a.delivery_id, status = a.status, error = a.error_kind.as_deref().unwrap_or(""), outcome,
-            "delivery attempt"
-        );
+        let seconds = a.latency_ms as f64 / 1000.0;
+        // Its line's fields copied only when the line is written.
+        let line = tracing::enabled!(tracing::Level::INFO).then(|| {
+            (
+                a.event_id.clone(),
+                a.subscription_id.clone(),
+                a.tenant_id.clone(),
+                a.attempt,
+                a.delivery_id.clone(),
+                a.status,
+                a.error_kind.clone().unwrap_or_default(),
+            )
+        });
+        on_commit(move || {
+            counter!(ATTEMPTS, "outcome" => outcome, "status_class" => class).increment(1);
+            histogram!(ATTEMPT_SECONDS).record(seconds);
+            if let Some((ce_id, subscription_id, tenant, attempt, delivery_id, status, error)) =
+                line
+            {
+                tracing::info!(
+                    ce_id,
+                    subscription_id,
+                    tenant,
+                    attempt,
+                    delivery_id,
+                    status,
+                    error,
+                    outcome,
+                    "delivery attempt"
+                );
+            }
+        });
     }
 }
 
@@ -607,8 +699,23 @@ impl DeadLettered<'_> {
                 "subscription_disabled"
             }
         };
-        counter!(DEAD_LETTERS, "reason" => reason).increment(1);
-        tracing::warn!(ce_id = %r.event_id, subscription_id = %r.subscription_id, tenant = %r.tenant_id, attempts = r.attempts, reason, "delivery dead-lettered");
+        let (ce_id, subscription_id, tenant, attempts) = (
+            r.event_id.clone(),
+            r.subscription_id.clone(),
+            r.tenant_id.clone(),
+            r.attempts,
+        );
+        on_commit(move || {
+            counter!(DEAD_LETTERS, "reason" => reason).increment(1);
+            tracing::warn!(
+                ce_id,
+                subscription_id,
+                tenant,
+                attempts,
+                reason,
+                "delivery dead-lettered"
+            );
+        });
     }
 }
 
@@ -625,13 +732,11 @@ pub struct BreakerChanged<'a> {
 impl BreakerChanged<'_> {
     pub fn emit(&self) {
         let state = if self.opened { "opened" } else { "closed" };
-        counter!(BREAKER_TRANSITIONS, "state" => state).increment(1);
-        tracing::warn!(
-            tenant = self.tenant,
-            destination = self.origin,
-            state,
-            "circuit breaker"
-        );
+        let (tenant, destination) = (self.tenant.to_string(), self.origin.to_string());
+        on_commit(move || {
+            counter!(BREAKER_TRANSITIONS, "state" => state).increment(1);
+            tracing::warn!(tenant, destination, state, "circuit breaker");
+        });
     }
 }
 
@@ -642,7 +747,7 @@ pub struct Shed<'a> {
 
 impl Shed<'_> {
     pub fn emit(&self) {
-        counter!(BREAKER_SHED).increment(1);
+        on_commit(|| counter!(BREAKER_SHED).increment(1));
         tracing::debug!(tenant = self.tenant, "due job shed by an open breaker");
     }
 }
@@ -663,7 +768,7 @@ pub struct HeldUnverified<'a> {
 impl HeldUnverified<'_> {
     pub fn emit(&self) {
         let verification = if self.spent { "failed" } else { "pending" };
-        counter!(HELD_UNVERIFIED, "verification" => verification).increment(1);
+        on_commit(move || counter!(HELD_UNVERIFIED, "verification" => verification).increment(1));
         tracing::debug!(
             subscription_id = self.subscription_id,
             verification,
@@ -700,7 +805,7 @@ impl Held<'_> {
                 "its subscription's latest control record could not be read",
             ),
         };
-        counter!(name).increment(1);
+        on_commit(move || counter!(name).increment(1));
         tracing::debug!(
             subscription_id = self.subscription_id,
             why,
@@ -714,7 +819,7 @@ pub const DROPPED_DELETED: &str = "streaming_hub_deliveries_dropped_deleted_tota
 /// A due delivery whose subscription was deleted (or whose id another tenant's subscription
 /// holds now) was finished with no attempt.
 pub fn dropped_deleted(subscription_id: &str, tenant: &str) {
-    counter!(DROPPED_DELETED).increment(1);
+    on_commit(|| counter!(DROPPED_DELETED).increment(1));
     tracing::debug!(
         subscription_id,
         tenant,
@@ -733,18 +838,59 @@ pub struct AutoDisabled<'a> {
 
 impl AutoDisabled<'_> {
     pub fn emit(&self) {
-        counter!(AUTO_DISABLED).increment(1);
-        tracing::warn!(
-            subscription_id = self.subscription_id,
-            tenant = self.tenant,
-            reason = self.reason,
-            "subscription auto-disabled"
+        let (subscription_id, tenant, reason) = (
+            self.subscription_id.to_string(),
+            self.tenant.to_string(),
+            self.reason.to_string(),
         );
+        on_commit(move || {
+            counter!(AUTO_DISABLED).increment(1);
+            tracing::warn!(
+                subscription_id,
+                tenant,
+                reason,
+                "subscription auto-disabled"
+            );
+        });
     }
 }
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_transactions_emits_wait_for_its_commit_and_an_aborted_ones_are_dropped() {
+        use super::{Staging, on_commit};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let n = Arc::new(AtomicUsize::new(0));
+        let add = |k: usize| {
+            let n = n.clone();
+            move || {
+                n.fetch_add(k, Ordering::SeqCst);
+            }
+        };
+        let outer = Staging::begin();
+        on_commit(add(1));
+        let inner = Staging::begin(); // a rebalance's commit inside a poll
+        on_commit(add(10));
+        inner.end(true);
+        assert_eq!(
+            n.load(Ordering::SeqCst),
+            10,
+            "the inner one's, not the outer's"
+        );
+        on_commit(add(100));
+        drop(outer); // aborted
+        assert_eq!(n.load(Ordering::SeqCst), 10);
+        on_commit(add(1000)); // none open: at once
+        assert_eq!(n.load(Ordering::SeqCst), 1010);
+        let t = Staging::begin();
+        on_commit(add(1));
+        assert_eq!(n.load(Ordering::SeqCst), 1010);
+        t.end(true);
+        assert_eq!(n.load(Ordering::SeqCst), 1011);
+    }
 
     #[test]
     fn the_backlog_names_the_current_top_tenants_only_summed_over_the_loops() {
