@@ -746,10 +746,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
             let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
             // The answer carries the signing secret: only its id and state are shown.
             if v["verification_state"] != "active" {
-                return Err(format!(
-                    "subscription {} not active: {} {}",
-                    v["id"], v["verification_state"], v["verification"]
-                ));
+                return Err(format!("subscription not active: {}", without_secret(&v)));
             }
             let secret = v["signing_secret"]
                 .as_str()

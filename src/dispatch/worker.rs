@@ -447,19 +447,29 @@ pub fn parse_retry_after(value: &str, now_ms: i64) -> Option<u64> {
 /// blot the answer out and are no credential.
 const MIN_SCRUBBED: usize = 4;
 
+/// The words of a sensitive header's value scrubbed on their own (`Bearer <token>`'s token), at
+/// most: a value of many words is scrubbed whole as well.
+const WORDS_SCRUBBED: usize = 4;
+
 /// What of an answer is kept for `<prefix>.attempts`: its first [`KEPT_IN_RECORD`] bytes, with
 /// what of the request is secret and may come back in it (an error page naming the request's
 /// path, a debug endpoint echoing its headers) shown as [`sealed_url::REDACTED`]: the pieces of
 /// `sealed` (a URL whose path or query is sealed, as requested) that its shown form hides, and
-/// the sensitive headers' values (and their words of 8 or more characters: a bearer token), each
-/// as sent and percent-decoded.
+/// the sensitive headers' values (and their first words of 8 or more characters: a bearer
+/// token), each as sent, percent-decoded, and with `/` escaped as JSON may (`\/`). The whole
+/// answer read is scrubbed before it is cut, in one pass, so no secret is cut in two.
 fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u8> {
+    let cut = |b: &[u8]| b[..b.len().min(KEPT_IN_RECORD)].to_vec();
+    if body.is_empty() || (sealed.is_none() && sensitive.is_empty()) {
+        return cut(body);
+    }
     let mut secrets: Vec<Vec<u8>> = Vec::new();
     let mut add = |piece: &str| {
-        let decoded = percent_encoding::percent_decode_str(piece).decode_utf8_lossy();
-        for s in [piece, &*decoded] {
+        let decoded: Vec<u8> = percent_encoding::percent_decode_str(piece).collect();
+        let escaped = piece.replace('/', "\\/").into_bytes();
+        for s in [piece.as_bytes().to_vec(), decoded, escaped] {
             if s.len() >= MIN_SCRUBBED {
-                secrets.push(s.as_bytes().to_vec());
+                secrets.push(s);
             }
         }
     };
@@ -468,37 +478,36 @@ fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u
     }
     for value in sensitive {
         add(value.trim());
-        for word in value.split_whitespace().filter(|w| w.len() >= 8) {
+        for word in value
+            .split_whitespace()
+            .filter(|w| w.len() >= 8)
+            .take(WORDS_SCRUBBED)
+        {
             add(word);
         }
     }
-    // Longest first: the whole path and query before each of its pieces.
-    secrets.sort_unstable_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-    secrets.dedup();
-    // What may hold a secret that starts within the part kept.
-    let longest = secrets.first().map_or(0, Vec::len);
-    let mut kept = body[..body.len().min(KEPT_IN_RECORD + longest)].to_vec();
-    for secret in &secrets {
-        kept = scrubbed(&kept, secret);
+    if secrets.is_empty() {
+        return cut(body);
+    }
+    // Leftmost-longest: the whole path and query before each of its pieces.
+    let Ok(finder) = aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(&secrets)
+    else {
+        // (Too large to build: not with these bounds.) Nothing kept rather than a secret.
+        return Vec::new();
+    };
+    let mut kept = Vec::with_capacity(body.len().min(KEPT_IN_RECORD));
+    // Stopped once past the part kept: the rest is appended as it is, and cut off below.
+    let scrubbed = finder.try_replace_all_with_bytes(body, &mut kept, |_, _, out| {
+        out.extend_from_slice(sealed_url::REDACTED.as_bytes());
+        out.len() < KEPT_IN_RECORD
+    });
+    if scrubbed.is_err() {
+        return Vec::new();
     }
     kept.truncate(KEPT_IN_RECORD);
     kept
-}
-
-/// `text` with every occurrence of `secret` (not empty) replaced by [`sealed_url::REDACTED`].
-fn scrubbed(text: &[u8], secret: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(text.len());
-    let mut i = 0;
-    while i < text.len() {
-        if text[i..].starts_with(secret) {
-            out.extend_from_slice(sealed_url::REDACTED.as_bytes());
-            i += secret.len();
-        } else {
-            out.push(text[i]);
-            i += 1;
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -525,6 +534,23 @@ mod tests {
         );
         // Nothing sealed, nothing sensitive: the answer as it came.
         assert_eq!(kept_answer(body.as_bytes(), None, &[]), body.as_bytes());
+    }
+
+    #[test]
+    fn a_secret_pushed_into_the_kept_part_by_earlier_scrubs_is_scrubbed_too() {
+        let target = "https://h.example/hooks/catch/Zq9xW2mP4kLm7Nb3/in";
+        let rest = "/hooks/catch/Zq9xW2mP4kLm7Nb3/in";
+        let mut body = format!("Cannot POST {rest}\n").into_bytes();
+        body.resize(KEPT_IN_RECORD + 10, b'.');
+        body.extend_from_slice(format!(" again {rest}").as_bytes());
+        let kept = kept_answer(&body, Some(target), &[]);
+        let text = String::from_utf8_lossy(&kept);
+        assert!(!text.contains("Zq9x"), "{text}");
+        // And escaped as JSON may, and decoded.
+        let echo = br#"{"url":"\/hooks\/catch\/Zq9xW2mP4kLm7Nb3\/in","h":"a b%2Fc"}"#;
+        let kept = kept_answer(echo, Some(target), &["tok a/b%2Fc".into()]);
+        let text = String::from_utf8_lossy(&kept);
+        assert!(!text.contains("Zq9x"), "{text}");
     }
 
     #[test]

@@ -1560,6 +1560,46 @@ mod tests {
         assert_eq!(t.subs.get(B).unwrap().version, version, "nothing written");
     }
 
+    /// A record written past the API with another receiver's URL in plaintext on the same host
+    /// (shown as the stored one is, `…/***`): a file naming the URL as shown does not seal the
+    /// headers again to it, as if it were the stored URL. It is refused; the URL is named in full.
+    #[tokio::test]
+    async fn the_url_as_shown_does_not_carry_headers_to_a_plaintext_url_written_past_the_api() {
+        let t = target();
+        let (url, _) = echo().await;
+        let theirs = format!("{url}/tok-A1234567");
+        let entry = |u: &str| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                    "destination": {"type": "webhook", "url": u,
+                                    "sensitive_headers": {"x-api-key": "k1"}}}])
+        };
+        run(&t, &entry(&theirs)).await.0.unwrap();
+        let shown = t.subs.get(B).unwrap().destination.url.clone().unwrap();
+        assert_eq!(shown, format!("{url}/***"));
+        let evil = format!("{url}/evil-B7654321");
+        let mut tampered = (*t.subs.get(B).unwrap()).clone();
+        tampered.destination.url = Some(evil.clone());
+        tampered.destination.sealed_target = None;
+        tampered.version += 1;
+        t.subs.put(tampered.clone()).await.unwrap();
+
+        match run(&t, &entry(&shown)).await.0 {
+            Err(ApplyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "redacted"),
+            other => panic!("{:?}", other.map(|s| s.to_string())),
+        }
+        let now = t.subs.get(B).unwrap();
+        assert_eq!(now.version, tampered.version, "nothing written");
+        let headers = now.destination.sensitive_headers.clone().unwrap();
+        assert!(t.kek.open_bound(&headers, B, &evil).is_err());
+        // Named in full, it is the URL requests go to again.
+        run(&t, &entry(&theirs)).await.0.unwrap();
+        let now = t.subs.get(B).unwrap();
+        assert_eq!(
+            sealed_url::request_url(Some(&t.kek), B, &now.destination).unwrap(),
+            theirs
+        );
+    }
+
     /// A sealed URL that does not open and no signing secret that does, with no sensitive
     /// headers to tell: the key is wrong (a stale STREAMING_HUB_KEK), so nothing is written.
     /// Before, the file's URL was sealed again under that key, as a changed URL, and no running

@@ -285,8 +285,10 @@ impl PendingRetrier {
                 .cloned()
                 .collect()
         };
+        let live: std::collections::HashSet<(&str, u64)> =
+            pending.iter().map(|s| (s.id.as_str(), s.version)).collect();
         self.attempts
-            .retain(|(id, v), _| pending.iter().any(|s| s.id == *id && s.version == *v));
+            .retain(|(id, v), _| live.contains(&(id.as_str(), *v)));
         let mut due = Vec::new();
         for s in &pending {
             let a = self
@@ -323,17 +325,29 @@ impl PendingRetrier {
             // they send to the same place.
             self.write_verdict(&probed, state, pass, &mut report).await;
         }
-        let prober = &self.prober;
-        let results: Vec<(Sub, Result<(), ProbeError>)> = futures::stream::iter(due)
-            .map(|s| async move {
-                let r = prober.probe(&s).await;
-                (s, r)
-            })
-            .buffer_unordered(PROBES_AT_ONCE)
-            .collect()
-            .await;
-        report.probed = results.len();
-        for (sub, result) in results {
+        // Each verdict is written as its probe ends, while the others go on: waiting for every
+        // probe of the pass held a passing endpoint's verdict (and its subscription's matching)
+        // behind every slow one, up to the HTTP timeout per 16 of them.
+        let (done, mut ended) = tokio::sync::mpsc::unbounded_channel();
+        let prober = self.prober.clone();
+        let probing = AbortOnDrop(tokio::spawn(async move {
+            futures::stream::iter(due)
+                .map(|s| {
+                    let prober = prober.clone();
+                    async move {
+                        let r = prober.probe(&s).await;
+                        (s, r)
+                    }
+                })
+                .buffer_unordered(PROBES_AT_ONCE)
+                .for_each(|ended| {
+                    let _ = done.send(ended);
+                    async {}
+                })
+                .await;
+        }));
+        while let Some((sub, result)) = ended.recv().await {
+            report.probed += 1;
             let key = (sub.id.clone(), sub.version);
             let Some(a) = self.attempts.get_mut(&key) else {
                 continue;
@@ -360,6 +374,7 @@ impl PendingRetrier {
             let Some(state) = verdict else { continue };
             self.write_verdict(&sub, state, pass, &mut report).await;
         }
+        drop(probing);
         report
     }
 
@@ -453,6 +468,15 @@ impl RetryAttempt<'_> {
                 tracing::info!(subscription_id = %id, version, tries, code = e.code(), error = %e, "pending subscription probe failed; will retry")
             }
         }
+    }
+}
+
+/// Probes of a pass whose run was dropped (the retrier stopping) end with it.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -709,6 +733,49 @@ mod tests {
         let now = subs.get(&sub.id).unwrap();
         assert_eq!(now.destination.url, moved.destination.url);
         assert_ne!(now.verification_state, VerificationState::Active);
+    }
+
+    /// A passing endpoint's verdict is written as its probe ends, not after the pass's slow
+    /// ones: 8 webhooks whose host takes the connection and never answers (each probe runs to
+    /// the 3 s timeout) hold no verdict back. Before, every verdict waited for every probe.
+    #[tokio::test]
+    async fn a_verdict_is_written_as_its_probe_ends_not_after_the_slow_ones() {
+        let (mut r, subs, kek) = retrier(true);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent = format!("http://{}/hook", listener.local_addr().unwrap());
+        let ended = Arc::new(AtomicUsize::new(0));
+        let e = ended.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let e = e.clone();
+                tokio::spawn(async move {
+                    use tokio::io::AsyncReadExt;
+                    let mut buf = [0u8; 4096];
+                    while conn.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                    e.fetch_add(1, Ordering::SeqCst); // the prober gave up on it
+                });
+            }
+        });
+        for _ in 0..8 {
+            subs.put(pending_webhook(&kek, &silent)).await.unwrap();
+        }
+        let (url, _) = endpoint(0).await;
+        let good = pending_webhook(&kek, &url);
+        subs.put(good.clone()).await.unwrap();
+        r.run_pass().await; // notices them; the next pass probes
+        let watch = async {
+            for _ in 0..600 {
+                if subs.get(&good.id).unwrap().verification_state == VerificationState::Active {
+                    return ended.load(Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("the passing endpoint's verdict was never written");
+        };
+        let (report, ended_before) = tokio::join!(r.run_pass(), watch);
+        assert_eq!(ended_before, 0, "written only after the slow probes ended");
+        assert_eq!((report.probed, report.activated), (9, 1));
     }
 
     #[tokio::test]

@@ -230,12 +230,16 @@ pub fn holds_redacted(url: &str) -> bool {
 
 /// Whether `given`, a checked URL, names the destination stored in `d`: it is the URL as the API
 /// shows it (a read-modify-write), or the URL requests go to. A sealed target that does not open
-/// here names nothing else.
+/// here names nothing else. The shown form names a stored URL only when what it hides is sealed
+/// (or it hides nothing): a record holding a URL with credentials in plaintext (written past the
+/// API, or by a version before URLs were sealed) may name any receiver on that host
+/// (`webhook.site/<theirs>` shows as `webhook.site/***` too), and sensitive headers sealed again
+/// to it would go there. Such a URL is named in full (`subscriptions reseal` seals it).
 pub fn names_stored(kek: Option<&Kek>, id: &str, d: &DestinationRecord, given: &str) -> bool {
     let Some(stored) = d.url.as_deref() else {
         return false;
     };
-    if redacted(stored) == given {
+    if d.sealed_target.is_some() && redacted(stored) == given {
         return true;
     }
     request_url(kek, id, d).is_ok_and(|url| url == given)
@@ -371,6 +375,31 @@ mod tests {
             "sub-1",
             &d,
             "https://chat.example/v1/spaces/AAA/messages?key=other&token=t0k%3D"
+        ));
+    }
+
+    #[test]
+    fn the_shown_form_does_not_name_a_url_stored_with_its_credentials_in_plaintext() {
+        let k = kek(1);
+        // Written past the API (or before URLs were sealed): the path in plaintext.
+        let d = DestinationRecord {
+            kind: DestinationType::Webhook,
+            url: Some("https://webhook.site/0b6c3f5e-theirs".into()),
+            headers: Default::default(),
+            sensitive_headers: None,
+            sealed_target: None,
+        };
+        assert!(!names_stored(
+            Some(&k),
+            "sub-1",
+            &d,
+            "https://webhook.site/***"
+        ));
+        assert!(names_stored(
+            Some(&k),
+            "sub-1",
+            &d,
+            "https://webhook.site/0b6c3f5e-theirs"
         ));
     }
 
