@@ -107,10 +107,15 @@ pub struct GroupView {
 }
 
 impl GroupView {
+    /// Whether the group is stable with members: what they hold is all there is.
+    pub fn settled(&self) -> bool {
+        self.state == "Stable" && !self.members.is_empty()
+    }
+
     /// Partitions of `expected` no member holds. None unless the group is stable: during a
     /// rebalance nobody holds what is being moved.
     pub fn orphans(&self, expected: &BTreeSet<Partition>) -> BTreeSet<Partition> {
-        if self.state != "Stable" || self.members.is_empty() {
+        if !self.settled() {
             return BTreeSet::new();
         }
         let held: BTreeSet<&Partition> = self.members.iter().flat_map(|(_, p)| p).collect();
@@ -196,7 +201,12 @@ impl Tracker {
             .retain(|(_, at)| now.duration_since(*at) < RETRY_AFTER);
         if orphans.is_empty() {
             self.current = None;
-            self.gave_up = None;
+            // Only a stable group holding them mends a set given up on: during a rebalance
+            // nobody holds what is moving, and forgetting it then kept this process's starting
+            // loops out of `/readyz` again for a whole new round when the set came back.
+            if view.settled() {
+                self.gave_up = None;
+            }
             return None;
         }
         if self.gave_up.as_ref().is_some_and(|g| *g != orphans) {
@@ -1116,6 +1126,18 @@ mod tests {
             None,
             "a set that came back is not given up on at once"
         );
+        // A rebalance read in between mends nothing: the set back after it is still the one
+        // given up on.
+        let mut t3 = Tracker::default();
+        let mut at = t0;
+        while t3.held().is_none() {
+            t3.observe(Some((&stuck, &expected)), at);
+            at += Duration::from_secs(10);
+        }
+        let moving = view("PreparingRebalance", &[("a", &[]), ("b", &[])]);
+        t3.observe(Some((&moving, &expected)), at);
+        t3.observe(Some((&stuck, &expected)), at + Duration::from_secs(10));
+        assert_eq!(t3.held(), Some(&stuck.orphans(&expected)));
     }
 
     #[test]

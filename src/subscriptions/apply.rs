@@ -165,7 +165,17 @@ pub async fn read_entries(text: &str, policy: SinkPolicy) -> Result<Vec<Desired>
     let mut errors = Vec::new();
     let mut out = Vec::new();
     let mut ids = HashSet::new();
+    // A JSON value keeps the last of a repeated key (a merge conflict's two `url`s): refused as
+    // the API refuses it, naming the field, rather than applied with whichever came last.
+    let repeated = repeated_keys(text);
     for (index, value) in values.into_iter().enumerate() {
+        if let Some(field) = repeated.iter().find(|(i, _)| *i == index).map(|(_, f)| f) {
+            errors.push(EntryError {
+                index,
+                error: FieldError::new(field, "duplicate", "this field is given twice"),
+            });
+            continue;
+        }
         match entry(index, value, policy).await {
             Ok(d) if !ids.insert(d.id.clone()) => errors.push(EntryError {
                 index,
@@ -180,6 +190,111 @@ pub async fn read_entries(text: &str, policy: SinkPolicy) -> Result<Vec<Desired>
     } else {
         Err(ApplyError::Invalid(errors))
     }
+}
+
+/// The first key each entry of the JSON array `text` repeats in one of its objects, as the
+/// entry's index and the field's path (`destination.url`, `destination.headers.x-a`).
+fn repeated_keys(text: &str) -> Vec<(usize, String)> {
+    use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+    /// Walks a value, noting under `path` the first repeated key of each entry.
+    struct Walk<'a> {
+        path: &'a mut Vec<String>,
+        found: &'a mut Vec<(usize, String)>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let Walk { path, found } = self;
+            let mut i = 0usize;
+            loop {
+                path.push(format!("[{i}]"));
+                let more = seq.next_element_seed(Walk {
+                    path: &mut *path,
+                    found: &mut *found,
+                })?;
+                path.pop();
+                if more.is_none() {
+                    return Ok(());
+                }
+                i += 1;
+            }
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let Walk { path, found } = self;
+            let mut seen = HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let entry = path.first().and_then(|p| {
+                    p.strip_prefix('[')?
+                        .strip_suffix(']')?
+                        .parse::<usize>()
+                        .ok()
+                });
+                if let Some(entry) = entry
+                    && !seen.insert(key.clone())
+                    && !found.iter().any(|(i, _)| *i == entry)
+                {
+                    let mut field = String::new();
+                    for p in &path[1..] {
+                        if !field.is_empty() && !p.starts_with('[') {
+                            field.push('.');
+                        }
+                        field.push_str(p);
+                    }
+                    if !field.is_empty() {
+                        field.push('.');
+                    }
+                    field.push_str(&key);
+                    found.push((entry, field));
+                }
+                path.push(key);
+                map.next_value_seed(Walk {
+                    path: &mut *path,
+                    found: &mut *found,
+                })?;
+                path.pop();
+            }
+            Ok(())
+        }
+    }
+
+    let mut found = Vec::new();
+    let mut de = serde_json::Deserializer::from_str(text);
+    let _ = Walk {
+        path: &mut Vec::new(),
+        found: &mut found,
+    }
+    .deserialize(&mut de);
+    found
 }
 
 async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired, FieldError> {
@@ -621,14 +736,14 @@ pub async fn execute(
             Step::Update { rec, base, .. } => (rec, None, "updated", Some(base)),
         };
         let mut why = String::new();
+        // Counted once written: an entry not written (a conflict) stays whatever it was.
+        let mut unverified = None;
         match &probe {
             Some(Ok(())) => rec.verification_state = VerificationState::Active,
             Some(Err(e)) => {
                 rec.verification_state = VerificationState::Pending;
                 why = format!(" {}: {e}", e.code());
-                summary
-                    .unverified
-                    .push((rec.id.clone(), e.code().to_string()));
+                unverified = Some((rec.id.clone(), e.code().to_string()));
             }
             None => {}
         }
@@ -673,16 +788,27 @@ pub async fn execute(
             let line = serde_json::json!({"id": id, "signing_secret": secret.expose()});
             emit(out, &line.to_string())?;
         }
-        written.map_err(|error| ApplyError::Write {
-            id: id.clone(),
-            error,
-        })?;
+        // Taken by the broker but not read back within the wait (a slow reader): in force, as
+        // the API's 202 says, so said and counted, and the file goes on.
+        let unseen = matches!(written, Err(RepoError::NotSeen(_)));
+        if !unseen {
+            written.map_err(|error| ApplyError::Write {
+                id: id.clone(),
+                error,
+            })?;
+        }
+        summary.unverified.extend(unverified);
         let state = match state {
             VerificationState::Pending => "pending",
             VerificationState::Active => "active",
             VerificationState::Failed => "failed",
         };
-        emit(out, &format!("{verb} {id} v{version} {state}{why}"))?;
+        let note = if unseen {
+            " (written; not yet read back from the control topic)"
+        } else {
+            ""
+        };
+        emit(out, &format!("{verb} {id} v{version} {state}{why}{note}"))?;
         if verb == "created" {
             summary.created += 1;
         } else {
@@ -1250,6 +1376,40 @@ mod tests {
         );
     }
 
+    /// A key given twice in an entry (a merge conflict's two `url`s) is refused naming the
+    /// field, as the API refuses it; a JSON value alone kept the last one.
+    #[tokio::test]
+    async fn an_entry_with_a_key_given_twice_is_refused_naming_it() {
+        let text = format!(
+            r#"[{{"id": "{A}", "tenant_id": "t1", "event_types": ["a.b"], "destination": {{"type": "pull"}}}},
+                {{"id": "{B}", "tenant_id": "t1", "event_types": ["a.b"],
+                  "destination": {{"type": "webhook", "url": "http://127.0.0.1/a", "url": "http://127.0.0.1/b"}}}},
+                {{"id": "{A}", "id": "{B}", "tenant_id": "t1", "event_types": ["a.b"], "destination": {{"type": "pull"}}}},
+                {{"id": "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b21", "tenant_id": "t1", "event_types": ["a.b"],
+                  "destination": {{"type": "webhook", "url": "http://127.0.0.1/a",
+                                   "headers": {{"x-a": "1", "x-a": "2"}}}}}}]"#
+        );
+        let policy = SinkPolicy {
+            allow_private: true,
+            allow_insecure: true,
+        };
+        let got: Vec<(usize, String, &str)> = match read_entries(&text, policy).await {
+            Err(ApplyError::Invalid(errors)) => errors
+                .into_iter()
+                .map(|e| (e.index, e.error.field, e.error.code))
+                .collect(),
+            other => panic!("{:?}", other.map(|d| d.len())),
+        };
+        assert_eq!(
+            got,
+            [
+                (1, "destination.url".to_string(), "duplicate"),
+                (2, "id".into(), "duplicate"),
+                (3, "destination.headers.x-a".into(), "duplicate"),
+            ]
+        );
+    }
+
     /// A send whose outcome is unknown may have landed: the generated secret is printed before
     /// the error, or a record nobody has the secret of could be in force.
     #[tokio::test]
@@ -1448,6 +1608,62 @@ mod tests {
         let (r, out) = run(&t, &entry(&url2)).await;
         assert_eq!(r.unwrap().exit_code(), exit::APPLIED);
         assert_eq!(out, format!("updated {B} v3 active\n"));
+    }
+
+    /// An entry that conflicted was not written: its failed probe is not reported as a webhook
+    /// that "stays pending" (it is whatever the other writer made it).
+    #[tokio::test]
+    async fn a_conflicted_entry_is_not_reported_as_staying_pending() {
+        let t = target();
+        let (url, _) = echo().await;
+        let entry = |url: &str| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                    "destination": {"type": "webhook", "url": url}}])
+        };
+        run(&t, &entry(&url)).await.0.unwrap();
+        // Nothing listens there: its probe fails.
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}/hook", l.local_addr().unwrap())
+        };
+        let desired = read_entries(&entry(&dead).to_string(), t.sinks)
+            .await
+            .unwrap();
+        let steps = {
+            let table = t.subs.table().read();
+            plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
+        };
+        let mut patched = (*t.subs.get(B).unwrap()).clone();
+        patched.event_types = vec!["x.y".into()];
+        patched.version += 1;
+        t.subs.put(patched).await.unwrap();
+        let mut out = Vec::new();
+        let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
+        assert_eq!(summary.conflicts, [B]);
+        assert!(summary.unverified.is_empty(), "{:?}", summary.unverified);
+    }
+
+    /// A write the broker took that the reader has not shown back within the wait is in force
+    /// (the API answers 202): said so, counted, and the rest of the file is applied.
+    #[tokio::test]
+    async fn a_write_not_yet_read_back_is_reported_and_the_file_goes_on() {
+        let mut t = target();
+        t.subs = Subscriptions::lagging(Arc::new(Codec::new().unwrap()));
+        let pull = json!({"type": "pull"});
+        let file = json!([
+            {"id": A, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+            {"id": B, "tenant_id": "t1", "event_types": ["a.b"], "destination": pull},
+        ]);
+        let (r, out) = run(&t, &file).await;
+        let summary = r.unwrap();
+        assert_eq!(summary.created, 2, "{out}");
+        assert_eq!(out.lines().count(), 2, "{out}");
+        assert!(
+            out.lines()
+                .all(|l| l.ends_with("(written; not yet read back from the control topic)")),
+            "{out}"
+        );
+        assert!(t.subs.get(A).is_some() && t.subs.get(B).is_some());
     }
 
     /// The check before each write compares the record, not its version alone: a change of the

@@ -42,7 +42,7 @@ use futures::StreamExt;
 use crate::delivery::verify::{VerifyError, probe};
 use crate::runtime::clock::SharedClock;
 use crate::runtime::records::{
-    DestinationType, EncryptedBlob, SubscriptionRecord, VerificationState,
+    DestinationRecord, DestinationType, EncryptedBlob, SubscriptionRecord, VerificationState,
 };
 use crate::subscriptions::control::{RepoError, Subscriptions};
 use crate::subscriptions::model::SinkPolicy;
@@ -191,6 +191,9 @@ struct Attempts {
     /// A verdict reached whose write failed, with the record probed (the verdict is about its
     /// destination): written again on the next pass, without a new probe.
     unwritten: Option<(VerificationState, Sub)>,
+    /// Where the tries went: a version sent back to another destination (a stale writer's) is
+    /// judged on its own, its count started over.
+    destination: DestinationRecord,
 }
 
 /// What one pass did.
@@ -291,14 +294,19 @@ impl PendingRetrier {
             .retain(|(id, v), _| live.contains(&(id.as_str(), *v)));
         let mut due = Vec::new();
         for s in &pending {
+            let fresh = || Attempts {
+                tries: 0,
+                next_pass: pass + 1,
+                unwritten: None,
+                destination: s.destination.clone(),
+            };
             let a = self
                 .attempts
                 .entry((s.id.clone(), s.version))
-                .or_insert(Attempts {
-                    tries: 0,
-                    next_pass: pass + 1,
-                    unwritten: None,
-                });
+                .or_insert_with(fresh);
+            if a.destination != s.destination {
+                *a = fresh();
+            }
             if a.next_pass <= pass {
                 due.push(s.clone());
             }
@@ -493,7 +501,6 @@ mod tests {
     use crate::config::Config;
     use crate::runtime::avro::Codec;
     use crate::runtime::clock::ManualClock;
-    use crate::runtime::records::DestinationRecord;
     use crate::subscriptions::secrets::generate_signing_secret;
 
     /// A local endpoint that answers 500 to its first `fail_first` probes and echoes after.
@@ -656,6 +663,29 @@ mod tests {
             r.run_pass().await;
         }
         assert_eq!(hits.load(Ordering::SeqCst), before, "failed is not retried");
+    }
+
+    /// The same version sent back to another destination (a stale writer's) is judged on its
+    /// own: its count starts over, not at the tries the first destination spent.
+    #[tokio::test]
+    async fn the_same_version_at_another_url_gets_its_own_count_of_probes() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url_a, hits_a) = endpoint(usize::MAX).await;
+        let sub = pending_webhook(&kek, &url_a);
+        subs.put(sub.clone()).await.unwrap();
+        while hits_a.load(Ordering::SeqCst) < 4 {
+            r.run_pass().await;
+        }
+        let (url_b, hits_b) = endpoint(usize::MAX).await;
+        let mut moved = subs.get(&sub.id).unwrap().as_ref().clone();
+        let sensitive = BTreeMap::from([("x-api-key".to_string(), "k".to_string())]);
+        moved.destination.url = Some(url_b.clone());
+        moved.destination.sensitive_headers =
+            seal_sensitive_headers(&kek, &moved.id, &url_b, &sensitive);
+        subs.table().apply(|t| t.upsert(moved));
+        passes_until(&mut r, &hits_b, |rep| rep.failed == 1).await;
+        assert_eq!(hits_a.load(Ordering::SeqCst), 4);
+        assert_eq!(hits_b.load(Ordering::SeqCst), MAX_ATTEMPTS as usize);
     }
 
     /// A retrier whose writes fail while the returned flag is set (set now), and a pending
