@@ -1580,22 +1580,7 @@ mod tests {
             json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
                     "destination": {"type": "webhook", "url": url}}])
         };
-        run(&t, &entry(&url)).await.0.unwrap();
-        let desired = read_entries(&entry(&url2).to_string(), t.sinks)
-            .await
-            .unwrap();
-        let steps = {
-            let table = t.subs.table().read();
-            plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
-        };
-        // The PATCH, written while the run probes the new URL.
-        let mut patched = (*t.subs.get(B).unwrap()).clone();
-        patched.event_types = vec!["x.y".into()];
-        patched.version += 1;
-        t.subs.put(patched).await.unwrap();
-        let mut out = Vec::new();
-        let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
-        let out = String::from_utf8(out).unwrap();
+        let (summary, out) = run_with_a_patch_meanwhile(&t, &entry(&url), &entry(&url2)).await;
         assert!(out.starts_with(&format!("conflict {B}: ")), "{out}");
         assert_eq!(summary.conflicts, [B]);
         assert_eq!(summary.exit_code(), exit::CONFLICT);
@@ -1610,6 +1595,29 @@ mod tests {
         assert_eq!(out, format!("updated {B} v3 active\n"));
     }
 
+    /// Applies `first`, plans `then` from it, and has another writer change the record (a
+    /// PATCH of its event types) before the planned steps run: what they wrote and said.
+    async fn run_with_a_patch_meanwhile(
+        t: &Target,
+        first: &Value,
+        then: &Value,
+    ) -> (Summary, String) {
+        run(t, first).await.0.unwrap();
+        let desired = read_entries(&then.to_string(), t.sinks).await.unwrap();
+        let steps = {
+            let table = t.subs.table().read();
+            plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
+        };
+        // The PATCH, written while the run probes the new URL.
+        let mut patched = (*t.subs.get(B).unwrap()).clone();
+        patched.event_types = vec!["x.y".into()];
+        patched.version += 1;
+        t.subs.put(patched).await.unwrap();
+        let mut out = Vec::new();
+        let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
+        (summary, String::from_utf8(out).unwrap())
+    }
+
     /// An entry that conflicted was not written: its failed probe is not reported as a webhook
     /// that "stays pending" (it is whatever the other writer made it).
     #[tokio::test]
@@ -1620,25 +1628,12 @@ mod tests {
             json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
                     "destination": {"type": "webhook", "url": url}}])
         };
-        run(&t, &entry(&url)).await.0.unwrap();
         // Nothing listens there: its probe fails.
         let dead = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}/hook", l.local_addr().unwrap())
         };
-        let desired = read_entries(&entry(&dead).to_string(), t.sinks)
-            .await
-            .unwrap();
-        let steps = {
-            let table = t.subs.table().read();
-            plan(desired, &table, &t.kek, t.clock.now_ms()).unwrap()
-        };
-        let mut patched = (*t.subs.get(B).unwrap()).clone();
-        patched.event_types = vec!["x.y".into()];
-        patched.version += 1;
-        t.subs.put(patched).await.unwrap();
-        let mut out = Vec::new();
-        let summary = execute(steps, &t.subs, &t.prober, &mut out).await.unwrap();
+        let (summary, _) = run_with_a_patch_meanwhile(&t, &entry(&url), &entry(&dead)).await;
         assert_eq!(summary.conflicts, [B]);
         assert!(summary.unverified.is_empty(), "{:?}", summary.unverified);
     }
