@@ -511,7 +511,13 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         "load",
         reached(mark + RATE_PER_SEC * 3),
     );
-    hubs[0] = Hub::start(&envs[0]);
+    // Ready once its stores are restored, which reads each changelog to the end its killed
+    // incarnation left open in a transaction: that ends when the coordinator aborts it, fenced
+    // by the new producer once the coordinator can write its markers with a broker down, else
+    // after the transaction timeout (60 s) and the coordinator's next check (10 s). CI saw the
+    // coordinator answer CONCURRENT_TRANSACTIONS past 60 s here.
+    hubs[0] = Hub::spawn(&envs[0]);
+    hubs[0].wait_ready_within(Duration::from_secs(150));
     cluster_kafka_sh(&["restart-node", &victim.to_string()]);
 
     supervise(&mut hubs, &envs, &mut faults, &mut exited);

@@ -691,6 +691,7 @@ impl HubContext {
                 &mut |_| {},
                 false,
             )?;
+            telemetry::committed();
             d.breakers.commit();
             apply_committed(&self.env, tasks, staged, &offsets, &delivered)
         })();
@@ -2541,6 +2542,7 @@ impl HubStage {
             &mut phase_done,
             hold,
         )?;
+        telemetry::committed();
         // The claims are durable: their attempts start now, not after the stores below have
         // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
         // this thread, which handles them in a later transaction, after this one's writes.

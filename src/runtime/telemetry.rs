@@ -61,6 +61,17 @@ impl Drop for Staging {
     }
 }
 
+/// The open hub transaction on this thread has committed: what it emitted goes out now, before
+/// its attempts are launched and its stores apply it (a receiver that got an attempt, or a
+/// reader that sees the offsets, finds it counted). Later emits of the same staging wait for its
+/// end as before.
+pub fn committed() {
+    let now = STAGED.with(|s| s.borrow_mut().as_mut().map(std::mem::take));
+    for emit in now.into_iter().flatten() {
+        emit();
+    }
+}
+
 /// `emit` once the open hub transaction on this thread commits, or now when none is open.
 fn on_commit(emit: impl FnOnce() + 'static) {
     let emit = STAGED.with(|s| match &mut *s.borrow_mut() {

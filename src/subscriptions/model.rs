@@ -642,7 +642,8 @@ pub fn refuse_redacted(url: &str) -> Result<(), FieldError> {
             "destination.url",
             "redacted",
             "the URL holds *** where the shown URL hides a value: send the URL as given in full, \
-             or as shown unchanged to keep it",
+             or as shown unchanged to keep it (a URL stored unsealed, before URLs were sealed or \
+             past the API, is named in full until `subscriptions reseal` seals it)",
         ));
     }
     Ok(())

@@ -503,7 +503,12 @@ impl Hub {
     /// Waits for `/readyz` to answer 200; fails at once, with the log, if the hub has exited
     /// (what answers on its port would then be another process).
     pub fn wait_ready(&self) {
-        wait_until(Duration::from_secs(60), "hub /readyz", || {
+        self.wait_ready_within(Duration::from_secs(60));
+    }
+
+    /// [`Hub::wait_ready`] for up to `timeout`.
+    pub fn wait_ready_within(&self, timeout: Duration) {
+        wait_until(timeout, "hub /readyz", || {
             assert!(
                 !self.exited(),
                 "the hub exited before it was ready:\n{}",
