@@ -543,7 +543,8 @@ settings! {
     secret_rotation_grace: std::time::Duration = "24h";
     /// Concurrent delivery attempts per instance, granted round-robin across the tenants waiting,
     /// first to those holding less than their share (README, "Fairness").
-    /// Also the idle keep-alive connections kept per destination host (at least 32).
+    /// Also the idle keep-alive connections kept per destination host (at least 32). DESIGN.md
+    /// says 8: with 8, `throughput` delivered 1,974/s, with 64 4,516-4,618/s (BENCHMARKS.md).
     dispatch_workers: usize = "64";
     /// Most attempts claimed ahead of the workers (each holds its payload in memory until it
     /// ends); `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the

@@ -51,7 +51,8 @@
 //!   `Z` only, seconds 00–59: the value is forwarded to subscribers, whose parsers (Go, Java) reject
 //!   lower case and leap seconds.
 //! - `ce-schemaversion`: optional `v`, then 1–3 dot-separated decimal parts without leading zeros
-//!   (the SemVer rule), each fitting a u32; no sign, no pre-release or build suffix.
+//!   (the SemVer rule), each fitting a u32; no sign. A full version (3 parts) may carry a SemVer
+//!   pre-release (`-rc.1`) and build (`+sha.5114f85`); the major is the first part.
 //!
 //! Quarantine messages name the header at fault (`header ce-type: …`), show offending values
 //! escaped and clipped to 64 characters, and never show a signature or a secret.
@@ -794,6 +795,33 @@ fn is_rfc3339(s: &str) -> bool {
 /// The major of a `ce-schemaversion` (see the module doc), or `None` when malformed.
 pub fn schema_major(s: &str) -> Option<u32> {
     let body = s.strip_prefix('v').unwrap_or(s);
+    // A full SemVer version may carry a pre-release and a build (`2.0.0-rc.1+sha.5114f85`): the
+    // core decides the major.
+    let (body, build) = match body.split_once('+') {
+        Some((core, build)) => (core, Some(build)),
+        None => (body, None),
+    };
+    let (body, pre) = match body.split_once('-') {
+        Some((core, pre)) => (core, Some(pre)),
+        None => (body, None),
+    };
+    let identifiers = |text: &str, numeric_rule: bool| {
+        text.split('.').all(|id| {
+            !id.is_empty()
+                && id.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                && !(numeric_rule
+                    && id.len() > 1
+                    && id.starts_with('0')
+                    && id.bytes().all(|c| c.is_ascii_digit()))
+        })
+    };
+    if (pre.is_some() || build.is_some())
+        && (body.split('.').count() != 3
+            || !pre.is_none_or(|p| identifiers(p, true))
+            || !build.is_none_or(|b| identifiers(b, false)))
+    {
+        return None;
+    }
     let mut major = None;
     for (index, part) in body.split('.').enumerate() {
         let numeric = !part.is_empty() && part.bytes().all(|c| c.is_ascii_digit());
@@ -1578,6 +1606,9 @@ mod tests {
             ("2.1", 2),
             ("0.9", 0),
             ("v10.0.3", 10),
+            ("2.0.0-rc.1", 2),
+            ("1.0.0-alpha-1.0+build.5114f85", 1),
+            ("3.1.4+20261130", 3),
         ] {
             let a = accepted(Rec::ledger().set("ce-schemaversion", v).classify(&cfg));
             assert_eq!(a.schema_major, major, "{v}");
@@ -1593,7 +1624,13 @@ mod tests {
             ".1",
             "1..0",
             "01",
-            "1.0.0-rc.1",
+            "1.0-rc.1",
+            "1.0.0-",
+            "1.0.0+",
+            "1.0.0-rc..1",
+            "1.0.0-01",
+            "1.0.0-rc_1",
+            "1.0.0+b+c",
             "V2",
         ] {
             let rec = Rec::ledger().set("ce-schemaversion", v);
