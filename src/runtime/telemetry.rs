@@ -62,9 +62,9 @@ impl Drop for Staging {
 }
 
 /// The open hub transaction on this thread has committed: what it emitted goes out now, before
-/// its attempts are launched and its stores apply it (a receiver that got an attempt, or a
-/// reader that sees the offsets, finds it counted). Later emits of the same staging wait for its
-/// end as before.
+/// the attempts of its committed claims are launched and its stores apply it (a reader that sees
+/// its offsets finds it counted; a first attempt started early may still reach its receiver
+/// before). Later emits of the same staging wait for its end as before.
 pub fn committed() {
     let now = STAGED.with(|s| s.borrow_mut().as_mut().map(std::mem::take));
     for emit in now.into_iter().flatten() {
