@@ -183,8 +183,30 @@ fn tune_c_allocator() {
     }
 }
 
+/// Raises the soft limit of open files to the hard limit: every webhook host keeps idle
+/// keep-alive connections (90 s), RocksDB keeps its files open and librdkafka a socket per
+/// broker, and a shell's default soft limit (1,024) is reached by a tenant with a thousand
+/// webhooks on as many hosts, after which every accept, file open and connection fails.
+fn raise_open_files_limit() {
+    #[cfg(target_os = "linux")]
+    {
+        let mut l = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: plain syscalls on a local struct.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+                l.rlim_cur = l.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+            }
+        }
+    }
+}
+
 fn main() -> ExitCode {
     tune_c_allocator();
+    raise_open_files_limit();
     let cli = Cli::parse();
     if let Some(Command::Config) = cli.command {
         print!("{}", Config::markdown_table());

@@ -182,20 +182,35 @@ impl CheckedUrls {
 ///
 /// Returns an error when the body fails before the cap or its end (for example the timeout).
 pub async fn read_capped(
-    mut resp: reqwest::Response,
+    resp: reqwest::Response,
     cap: usize,
 ) -> Result<(Bytes, bool), TransportError> {
+    let (body, ended) = read_capped_partial(resp, cap).await;
+    ended.map(|truncated| (body, truncated))
+}
+
+/// [`read_capped`], keeping what was read before the body failed: a receiver whose body never
+/// ends, or whose connection drops before its `Content-Length`, has still answered what came.
+pub async fn read_capped_partial(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> (Bytes, Result<bool, TransportError>) {
     let hint = resp.content_length().unwrap_or(0).min(cap as u64) as usize;
     let mut buf = BytesMut::with_capacity(hint);
-    while let Some(chunk) = resp.chunk().await.map_err(classify)? {
-        let room = cap - buf.len();
-        if chunk.len() > room {
-            buf.extend_from_slice(&chunk[..room]);
-            return Ok((buf.freeze(), true));
+    loop {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = cap - buf.len();
+                if chunk.len() > room {
+                    buf.extend_from_slice(&chunk[..room]);
+                    return (buf.freeze(), Ok(true));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(None) => return (buf.freeze(), Ok(false)),
+            Err(e) => return (buf.freeze(), Err(classify(e))),
         }
-        buf.extend_from_slice(&chunk);
     }
-    Ok((buf.freeze(), false))
 }
 
 /// What a tenant is told when a webhook host has no public address (see

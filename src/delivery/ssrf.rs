@@ -85,6 +85,12 @@ fn is_forbidden_v6(ip: Ipv6Addr) -> bool {
         || (s[0] & 0xffc0) == 0xfec0
         || (s[0] & 0xff00) == 0xff00
         || (s[0] == 0x2001 && s[1] == 0x0db8)
+        // Teredo (2001::/32): a tunnel to the client's IPv4 address, carried inverted in the
+        // last 32 bits; no server is reached through it. Benchmarking (2001:2::/48) and the
+        // newer documentation range (3fff::/20) are special-use too.
+        || (s[0] == 0x2001 && s[1] == 0)
+        || (s[0] == 0x2001 && s[1] == 2 && s[2] == 0)
+        || (s[0] == 0x3fff && (s[1] & 0xf000) == 0)
         || s[..4] == [0x100, 0, 0, 0]
         || (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1)
 }
@@ -301,6 +307,11 @@ mod tests {
             "64:ff9b:1::1",
             "2002:7f00:1::1",
             "2002:c0a8:101::",
+            // Teredo (10.0.0.1 inside, inverted), benchmarking, documentation (3fff::/20).
+            "2001:0:4136:e378:8000:63bf:f5ff:fffe",
+            "2001:2::1",
+            "3fff::1",
+            "3fff:fff:ffff::1",
             "fc00::1",
             "fd00::1",
             "fdff:ffff::1",
@@ -341,6 +352,10 @@ mod tests {
             "::ffff:0:8.8.8.8",
             "64:ff9b::8.8.8.8",
             "2002:808:808::1",
+            "2001:4860:4860::8888",
+            "2001:3::1",
+            "3ffe:1::1",
+            "3fff:1000::1",
             "fbff::1",
             "fe00::1",
         ];
@@ -455,6 +470,7 @@ mod tests {
             "https://[::ffff:0:a00:1]/",
             "https://[64:ff9b::a00:1]/",
             "https://[2002:a00:1::1]/",
+            "https://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/",
         ] {
             assert!(
                 matches!(

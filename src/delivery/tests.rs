@@ -117,6 +117,19 @@ async fn probe_local(url: &str, headers: &BTreeMap<String, String>) -> Result<()
     probe(&client(true, "5s"), url, headers, &secrets(), true, true).await
 }
 
+/// A probe to a local sink that times out after `timeout`.
+async fn probe_within(url: &str, timeout: &str) -> Result<(), VerifyError> {
+    probe(
+        &client(true, timeout),
+        url,
+        &BTreeMap::new(),
+        &secrets(),
+        true,
+        true,
+    )
+    .await
+}
+
 fn header<'a>(seen: &'a Seen, name: &str) -> &'a str {
     seen.headers.get(name).unwrap().to_str().unwrap()
 }
@@ -353,16 +366,7 @@ async fn allowed_private_sinks_are_reached_by_name() {
 #[tokio::test]
 async fn probe_times_out_on_an_endpoint_that_never_answers() {
     let sink = Sink::start(|_| std::future::pending::<Response>()).await;
-    let e = probe(
-        &client(true, "300ms"),
-        &sink.url(),
-        &BTreeMap::new(),
-        &secrets(),
-        true,
-        true,
-    )
-    .await
-    .unwrap_err();
+    let e = probe_within(&sink.url(), "300ms").await.unwrap_err();
     assert_eq!(e, VerifyError::Timeout);
 }
 
@@ -374,16 +378,29 @@ async fn timeout_covers_a_body_that_never_ends() {
         >()))
     })
     .await;
-    let e = probe(
-        &client(true, "300ms"),
-        &sink.url(),
-        &BTreeMap::new(),
-        &secrets(),
-        true,
-        true,
-    )
-    .await
-    .unwrap_err();
+    let e = probe_within(&sink.url(), "300ms").await.unwrap_err();
+    assert_eq!(e, VerifyError::Timeout);
+}
+
+/// The challenge counts where it came: a body that then never ends (its `Content-Length` not
+/// reached) still passes. Without it, the same answer is a timeout.
+#[tokio::test]
+async fn a_challenge_that_came_before_the_body_stalled_passes() {
+    let stalled = |with_challenge: bool| {
+        move |body: Bytes| async move {
+            let first = if with_challenge { body } else { Bytes::new() };
+            let stream = futures::StreamExt::chain(
+                futures::stream::iter([Ok::<_, Infallible>(first)]),
+                futures::stream::pending(),
+            );
+            Response::new(Body::from_stream(stream))
+        }
+    };
+    let sink = Sink::start(stalled(true)).await;
+    let passed = probe_within(&sink.url(), "500ms").await;
+    assert_eq!(passed, Ok(()));
+    let sink = Sink::start(stalled(false)).await;
+    let e = probe_within(&sink.url(), "500ms").await.unwrap_err();
     assert_eq!(e, VerifyError::Timeout);
 }
 

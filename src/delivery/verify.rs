@@ -28,7 +28,7 @@ use bytes::Bytes;
 use rand::RngCore;
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 
-use super::client::{TransportError, classify, post, read_capped};
+use super::client::{TransportError, classify, post, read_capped_partial};
 use super::signing::{SigningError, signature_header};
 use super::ssrf::UrlError;
 use crate::runtime::secret::Secret;
@@ -175,10 +175,13 @@ pub async fn probe(
     if !status.is_success() {
         return Err(VerifyError::Status(status.as_u16()));
     }
-    let (answer, _truncated) = read_capped(resp, RESPONSE_CAP).await?;
+    // The challenge counts where it came, even if the body then failed (never ended, the
+    // connection dropped before its length).
+    let (answer, ended) = read_capped_partial(resp, RESPONSE_CAP).await;
     if contains(&answer, challenge.as_bytes()) {
         Ok(())
     } else {
+        ended?;
         Err(VerifyError::ChallengeMissing)
     }
 }

@@ -364,9 +364,9 @@ impl Workers {
                 let status = resp.status();
                 out.status = Some(status.as_u16());
                 out.retry_after_ms = retry_after(&resp, self.clock.now_ms());
-                let (body, _) = client::read_capped(resp, BODY_CAP)
-                    .await
-                    .unwrap_or_default();
+                // What came before a body failed is kept: the status decides, and a cut error
+                // page is still the receiver's answer.
+                let (body, _) = client::read_capped_partial(resp, BODY_CAP).await;
                 out.response_body = Some(kept_answer(
                     &body,
                     sub.destination.sealed_target.is_some().then_some(&*target),

@@ -13,7 +13,7 @@
 //! of producer dead letters and of quarantined records each (the oldest go first): a flood of
 //! large malformed records must not take the process's memory. Payloads are kept as bytes and
 //! parsed only for an answer.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -139,6 +139,9 @@ struct Inner {
     dlq: Queue,
     quarantine: Queue,
     dead: Ordered<DeadDelivery>,
+    /// The next offset to take in each partition read: the index's group commits nothing, so a
+    /// rebalance (a new producer DLQ topic matching the pattern) starts its partitions over.
+    next: HashMap<(String, i32), i64>,
 }
 
 /// A record as the index keeps it: its payload raw (a parsed JSON value takes many times its
@@ -215,31 +218,53 @@ fn filed_at(record_ms: i64, now: i64) -> i64 {
     record_ms.min(now.saturating_add(FUTURE_SKEW_MS))
 }
 
-/// Items in time order, those of one time in the order they came. A B-tree, not a sorted
-/// `VecDeque`: records do not come in time order (topics and partitions read interleaved, a
-/// producer's clock that jumps), and an insert in the middle of a full deque moved tens of
-/// thousands of records, under the lock the API's reads wait on.
+/// Where a record was read (its topic, partition and offset, or a dead letter's id): the same on
+/// every instance and after every restart, unlike the order records happen to be read in.
+trait Placed {
+    fn place(&self) -> String;
+}
+
+impl Placed for Kept {
+    fn place(&self) -> String {
+        format!(
+            "{}:{}:{}",
+            self.rec.topic, self.rec.partition, self.rec.offset
+        )
+    }
+}
+
+impl Placed for DeadDelivery {
+    fn place(&self) -> String {
+        self.id.clone()
+    }
+}
+
+/// Items in time order, those of one time by where they were read: every instance lists them
+/// alike, so a page's cursor (`before`) continues on any instance, and a record read again (a
+/// rebalance of the index's group starts its partitions over) takes its own place again. A
+/// B-tree, not a sorted `VecDeque`: records do not come in time order (topics and partitions
+/// read interleaved, a producer's clock that jumps), and an insert in the middle of a full deque
+/// moved tens of thousands of records, under the lock the API's reads wait on.
 struct Ordered<T> {
-    items: BTreeMap<(i64, u64), T>,
-    /// The next insert's tie-breaker.
-    seq: u64,
+    items: BTreeMap<(i64, String), T>,
 }
 
 impl<T> Default for Ordered<T> {
     fn default() -> Self {
         Ordered {
             items: BTreeMap::new(),
-            seq: 0,
         }
     }
 }
 
-impl<T> Ordered<T> {
-    fn insert(&mut self, time: i64, item: T) {
-        self.seq += 1;
-        self.items.insert((time, self.seq), item);
+impl<T: Placed> Ordered<T> {
+    /// Files `item` at `time`; the item it replaces (the same record read again), if any.
+    fn insert(&mut self, time: i64, item: T) -> Option<T> {
+        self.items.insert((time, item.place()), item)
     }
+}
 
+impl<T> Ordered<T> {
     fn len(&self) -> usize {
         self.items.len()
     }
@@ -269,6 +294,23 @@ impl<T> Ordered<T> {
     }
 }
 
+impl Inner {
+    /// Whether the record at `offset` of (`topic`, `partition`) is read for the first time.
+    fn first_read(&mut self, topic: &str, partition: i32, offset: i64) -> bool {
+        match self.next.get_mut(&(topic.to_string(), partition)) {
+            Some(next) if offset < *next => false,
+            Some(next) => {
+                *next = offset + 1;
+                true
+            }
+            None => {
+                self.next.insert((topic.to_string(), partition), offset + 1);
+                true
+            }
+        }
+    }
+}
+
 /// One kind's records, oldest first, bounded by count and by bytes.
 #[derive(Default)]
 struct Queue {
@@ -294,7 +336,9 @@ impl Queue {
             self.pop_front();
         }
         self.bytes += kept.bytes;
-        self.items.insert(kept.time, kept);
+        if let Some(old) = self.items.insert(kept.time, kept) {
+            self.bytes -= old.bytes;
+        }
     }
 
     fn pop_front(&mut self) {
@@ -360,7 +404,7 @@ impl Forensics {
         query(&self.lock().quarantine, f)
     }
 
-    /// Dead deliveries, newest first (of one instant, the last read first).
+    /// Dead deliveries, newest first (of one instant, by id, descending).
     pub fn dead(&self, f: &Filter) -> Vec<DeadDelivery> {
         self.prune();
         // The `until` instant's records up to `before_id` were on the page before.
@@ -398,10 +442,13 @@ impl Forensics {
     fn add(&self, kind: Kind, m: &BorrowedMessage<'_>, codec: &Codec) {
         let now = self.clock.now_ms();
         let time = m.timestamp().to_millis().unwrap_or(now);
+        let mut inner = self.lock();
+        if !inner.first_read(m.topic(), m.partition(), m.offset()) {
+            return;
+        }
         if time < now - self.retention_ms {
             return;
         }
-        let mut inner = self.lock();
         match kind {
             Kind::ProducerDlq | Kind::Quarantine => {
                 let mut kept = forensic_record(m, time, kind);
@@ -749,7 +796,11 @@ mod tests {
             1_000,
             "older than all: not kept"
         );
-        keep_dead(&mut full, dead_at(1_500));
+        // Another partition's record at a time already held (the same id would be the same
+        // record read again, taking its own place).
+        let mut other = dead_at(1_500);
+        other.id = "1-1500".into();
+        keep_dead(&mut full, other);
         assert_eq!(full.len(), MAX_PER_KIND);
         assert_eq!(full.front().unwrap().dead_at_ms, 1_001, "the oldest went");
         assert!(full.iter().any(|d| d.dead_at_ms == 1_500));
@@ -820,6 +871,60 @@ mod tests {
         Kept::new(time, rec, Some(payload))
     }
 
+    /// Records of one instant are listed alike on every instance whatever order each read them
+    /// in, so a page taken from one instance continues on another; and a record read again (the
+    /// index's group rebalanced and started its partitions over) is kept once.
+    #[test]
+    fn one_instants_records_page_alike_on_every_instance_and_are_kept_once() {
+        let at = |id: &str| {
+            let mut d = dead_at(7_000);
+            d.id = id.into();
+            d
+        };
+        let (mut a, mut b) = (Ordered::default(), Ordered::default());
+        for id in ["1-5", "0-9"] {
+            keep_dead(&mut a, at(id));
+        }
+        for id in ["0-9", "1-5"] {
+            keep_dead(&mut b, at(id));
+        }
+        let page = |o: &Ordered<DeadDelivery>, before: Option<&str>| -> Vec<String> {
+            let f = Filter {
+                limit: 1,
+                until_ms: before.map(|_| 7_000),
+                before_id: before.map(str::to_string),
+                ..Filter::default()
+            };
+            let mut passed = f.before_id.is_none() || f.until_ms.is_none();
+            o.iter()
+                .rev()
+                .filter(|d| {
+                    after_cursor(&f, &mut passed, d.dead_at_ms, || {
+                        f.before_id.as_deref() == Some(d.id.as_str())
+                    })
+                })
+                .take(f.limit)
+                .map(|d| d.id.clone())
+                .collect()
+        };
+        let first = page(&a, None);
+        let second = page(&b, Some(&first[0]));
+        let mut seen = [first, second].concat();
+        seen.sort();
+        assert_eq!(seen, ["0-9", "1-5"]);
+        // Read again: in its place, not twice.
+        keep_dead(&mut a, at("1-5"));
+        assert_eq!(a.len(), 2);
+        let mut inner = Inner::default();
+        assert!(inner.first_read("t", 0, 5));
+        assert!(inner.first_read("t", 0, 6));
+        assert!(
+            !inner.first_read("t", 0, 5),
+            "a record read again after a rebalance"
+        );
+        assert!(inner.first_read("t", 1, 0));
+    }
+
     #[test]
     fn records_from_a_clock_far_ahead_do_not_keep_later_ones_out() {
         let now = 1_800_000_000_000;
@@ -827,8 +932,9 @@ mod tests {
         assert_eq!(filed_at(now - 5, now), now - 5);
         assert_eq!(filed_at(year_2100, now), now + FUTURE_SKEW_MS);
         let mut q = Queue::default();
-        for _ in 0..MAX_PER_KIND {
+        for i in 0..MAX_PER_KIND {
             let mut k = kept(year_2100, b"{}");
+            k.rec.offset = i as i64;
             k.time = filed_at(year_2100, now);
             q.push(k);
         }
