@@ -399,8 +399,8 @@ async fn a_reused_subscription_id_does_not_read_the_previous_tenants_events() {
         streaming_hub::ops::pull::Cursor::decode(from_creation["next_cursor"].as_str().unwrap())
             .unwrap();
     let made_up = streaming_hub::ops::pull::Cursor {
-        partition: cursor.partition,
         offset: 0,
+        ..cursor
     }
     .encode();
     let (st, from_zero, _) =

@@ -76,16 +76,32 @@ pub struct EventPage {
     pub next_cursor: String,
 }
 
-/// A position in `<prefix>.pull`.
+/// A position in `<prefix>.pull`, and whose it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cursor {
     pub partition: i32,
     pub offset: i64,
+    /// A tag of the subscription it was answered for ([`subscription_tag`]); None in a cursor
+    /// of an earlier version (`v1`), which named the partition alone.
+    pub subscription: Option<u32>,
+}
+
+/// A short tag of a subscription id, carried in its cursors: a tenant's subscriptions share a
+/// partition (one in six pairs, with six), so the partition alone let one subscription's cursor
+/// read another's events from a place in the wrong one, skipping or repeating them silently.
+pub fn subscription_tag(subscription: &str) -> u32 {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(subscription.as_bytes());
+    u32::from_be_bytes([d[0], d[1], d[2], d[3]])
 }
 
 impl Cursor {
     pub fn encode(&self) -> String {
-        URL_SAFE_NO_PAD.encode(format!("v1:{}:{}", self.partition, self.offset))
+        let text = match self.subscription {
+            Some(tag) => format!("v2:{}:{}:{tag:08x}", self.partition, self.offset),
+            None => format!("v1:{}:{}", self.partition, self.offset),
+        };
+        URL_SAFE_NO_PAD.encode(text)
     }
 
     pub fn decode(text: &str) -> Result<Cursor, PullError> {
@@ -93,18 +109,35 @@ impl Cursor {
             .decode(text)
             .map_err(|_| PullError::BadCursor)?;
         let raw = String::from_utf8(raw).map_err(|_| PullError::BadCursor)?;
-        let mut parts = raw.split(':');
-        let (Some("v1"), Some(p), Some(o), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Err(PullError::BadCursor);
+        let parts: Vec<&str> = raw.split(':').collect();
+        let (p, o, subscription) = match parts[..] {
+            ["v1", p, o] => (p, o, None),
+            ["v2", p, o, tag] if tag.len() == 8 => (
+                p,
+                o,
+                Some(u32::from_str_radix(tag, 16).map_err(|_| PullError::BadCursor)?),
+            ),
+            _ => return Err(PullError::BadCursor),
         };
         let partition = p.parse().map_err(|_| PullError::BadCursor)?;
         let offset = o.parse().map_err(|_| PullError::BadCursor)?;
         if partition < 0 || offset < 0 {
             return Err(PullError::BadCursor);
         }
-        Ok(Cursor { partition, offset })
+        Ok(Cursor {
+            partition,
+            offset,
+            subscription,
+        })
+    }
+
+    /// Whether it was answered for `subscription`, whose events are in `partition` (a cursor of
+    /// an earlier version is judged by its partition alone).
+    pub fn belongs_to(&self, subscription: &str, partition: i32) -> bool {
+        self.partition == partition
+            && self
+                .subscription
+                .is_none_or(|tag| tag == subscription_tag(subscription))
     }
 }
 
@@ -165,7 +198,7 @@ impl PullReader {
             .fetch_watermarks(&self.topic, partition, TIMEOUT)
             .map_err(k)?;
         let start = match cursor {
-            Some(c) if c.partition != partition => return Err(PullError::BadCursor),
+            Some(c) if !c.belongs_to(subscription, partition) => return Err(PullError::BadCursor),
             // A cursor older than the topic's retention reads on from the oldest event kept
             // (what was deleted is gone; an empty page at the old cursor would never move on);
             // one past the end (a truncated log, a forged cursor) waits at the end.
@@ -227,6 +260,7 @@ impl PullReader {
             next_cursor: Cursor {
                 partition,
                 offset: next,
+                subscription: Some(subscription_tag(subscription)),
             }
             .encode(),
         })
@@ -347,13 +381,27 @@ mod tests {
         let c = Cursor {
             partition: 3,
             offset: 42,
+            subscription: Some(subscription_tag("sub-a")),
         };
         assert_eq!(Cursor::decode(&c.encode()).unwrap(), c);
+        assert!(c.belongs_to("sub-a", 3));
+        assert!(
+            !c.belongs_to("sub-b", 3),
+            "another subscription's, same partition"
+        );
+        assert!(!c.belongs_to("sub-a", 4));
+        // An earlier version's cursor: its partition alone.
+        let old = Cursor::decode(&URL_SAFE_NO_PAD.encode("v1:3:42")).unwrap();
+        assert_eq!(old.subscription, None);
+        assert!(old.belongs_to("sub-b", 3));
         for bad in [
             "",
             "!!",
             "djE6Mzpmb28",
             &URL_SAFE_NO_PAD.encode("v2:1:2"),
+            &URL_SAFE_NO_PAD.encode("v2:1:2:zzzzzzzz"),
+            &URL_SAFE_NO_PAD.encode("v2:1:2:abc"),
+            &URL_SAFE_NO_PAD.encode("v3:1:2"),
             &URL_SAFE_NO_PAD.encode("v1:-1:2"),
             &URL_SAFE_NO_PAD.encode("v1:1:2:3"),
         ] {
