@@ -695,7 +695,7 @@ impl HubContext {
             d.breakers.commit();
             apply_committed(&self.env, tasks, staged, &offsets, &delivered)
         })();
-        staging.end(matches!(committed, Ok(()) | Err(HubError::Undecided(_))));
+        staging.end(counts_as_committed(&committed));
         match committed {
             Ok(()) => {
                 tracing::info!(
@@ -1975,12 +1975,7 @@ impl HubStage {
                 runs += 1;
                 let staging = telemetry::Staging::begin();
                 let result = self.process_batch(producer, &consumer, &mut guard.tasks, &batch);
-                // Its emits go out once it committed (or, undecided, the process ends as if it
-                // had, as ingest counts it); an aborted run's are dropped, the batch runs again.
-                staging.end(matches!(
-                    result,
-                    Ok(_) | Err(HubError::Idle | HubError::Undecided(_))
-                ));
+                staging.end(counts_as_committed(&result));
                 match result {
                     Ok((n, launched)) => {
                         last_txn_at = Instant::now();
@@ -2131,10 +2126,7 @@ impl HubStage {
             }
             let staging = telemetry::Staging::begin();
             let result = self.process_batch(producer, consumer, &mut guard.tasks, &[]);
-            staging.end(matches!(
-                result,
-                Ok(_) | Err(HubError::Idle | HubError::Undecided(_))
-            ));
+            staging.end(counts_as_committed(&result));
             match result {
                 Ok(_) | Err(HubError::Idle) => {
                     if let Some(d) = &mut self.dispatch {
@@ -3591,6 +3583,13 @@ fn rewind(consumer: &BaseConsumer<HubContext>, batch: &[BorrowedMessage<'_>]) {
             tracing::info!(partition = p, offset = o, error = %e, "rewind not confirmed");
         }
     }
+}
+
+/// Whether what a hub transaction emitted goes out (see `telemetry::Staging`): it committed, had
+/// nothing to do, or its commit's outcome is unknown (the process ends as if it committed, as
+/// ingest counts it); an aborted one's is dropped, its batch runs again.
+fn counts_as_committed<T>(result: &Result<T, HubError>) -> bool {
+    matches!(result, Ok(_) | Err(HubError::Idle | HubError::Undecided(_)))
 }
 
 /// Aborts the open transaction ([`kafka::abort_waiting`]), then serves the delivery reports of

@@ -139,9 +139,10 @@ struct Inner {
     dlq: Queue,
     quarantine: Queue,
     dead: Ordered<DeadDelivery>,
-    /// The next offset to take in each partition read: the index's group commits nothing, so a
-    /// rebalance (a new producer DLQ topic matching the pattern) starts its partitions over.
-    next: HashMap<(String, i32), i64>,
+    /// The next offset to take in each partition read, by topic: the index's group commits
+    /// nothing, so a rebalance (a new producer DLQ topic matching the pattern) starts its
+    /// partitions over.
+    next: HashMap<String, HashMap<i32, i64>>,
 }
 
 /// A record as the index keeps it: its payload raw (a parsed JSON value takes many times its
@@ -297,17 +298,16 @@ impl<T> Ordered<T> {
 impl Inner {
     /// Whether the record at `offset` of (`topic`, `partition`) is read for the first time.
     fn first_read(&mut self, topic: &str, partition: i32, offset: i64) -> bool {
-        match self.next.get_mut(&(topic.to_string(), partition)) {
-            Some(next) if offset < *next => false,
-            Some(next) => {
-                *next = offset + 1;
-                true
-            }
-            None => {
-                self.next.insert((topic.to_string(), partition), offset + 1);
-                true
-            }
+        let partitions = match self.next.get_mut(topic) {
+            Some(p) => p,
+            None => self.next.entry(topic.to_string()).or_default(),
+        };
+        let next = partitions.entry(partition).or_insert(0);
+        if offset < *next {
+            return false;
         }
+        *next = offset + 1;
+        true
     }
 }
 
