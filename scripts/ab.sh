@@ -38,6 +38,9 @@ if (($# < 2)); then
 fi
 scenario="$1"
 shift
+# Every run uses the broker on 9092 as it is: without one, each would fail the same way.
+scripts/kafka.sh status >/dev/null || { echo "ab.sh: no broker on 9092 (scripts/kafka.sh start)" >&2; exit 1; }
+failed=0
 variants=("$@")
 name_of() {
   local bin="${1%%:*}" settings=""
@@ -70,6 +73,7 @@ for r in $(seq 1 "$rounds"); do
     if ! env "${settings[@]}" STREAMING_HUB_LOG=warn "$bin" load "$scenario" \
       --duration 15s --warmup 5s --out "$dir" >"$dir/run.log" 2>&1; then
       echo "ab.sh: $(name_of "$v") round $r failed; see $dir/run.log" >&2
+      failed=$((failed + 1))
       continue
     fi
     # The hub's own log (of its last start: a restart writes it anew), kept beside the run.
@@ -96,3 +100,7 @@ EOF
   done
 done
 echo "ab.sh: results under $out"
+if ((failed > 0)); then
+  echo "ab.sh: $failed run(s) failed" >&2
+  exit 1
+fi

@@ -57,9 +57,16 @@ stop_all() {
 }
 trap stop_all EXIT
 trap 'exit 130' INT TERM
-for _ in $(seq 1 300); do
+ready=0
+deadline=$((SECONDS + 120))
+while ((SECONDS < deadline)); do
   kill -0 $hub_pid 2>/dev/null || { cat "$log" >&2; echo "demo: the hub exited" >&2; exit 1; }
-  if curl --noproxy '*' --max-time 2 -fsS "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/readyz" >/dev/null 2>&1; then break; fi
+  if curl --noproxy '*' --max-time 2 -fsS "http://$STREAMING_HUB_HTTP_LISTEN_ADDR/readyz" >/dev/null 2>&1; then ready=1; break; fi
   sleep 0.2
 done
+if [[ $ready != 1 ]]; then
+  tail -n 40 "$log" >&2
+  echo "demo: the hub was not ready within 120 s (its log's end above)" >&2
+  exit 1
+fi
 "$bin" demo --topic "$topic" --hub-url "http://$STREAMING_HUB_HTTP_LISTEN_ADDR" "${duration[@]}"

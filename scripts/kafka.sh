@@ -64,13 +64,13 @@ install_kafka() {
   mkdir -p "$KAFKA_CACHE_DIR/libs"
   # Resolve the broker's runtime classpath first, to learn which log4j-core it brings.
   write_pom "$work" ""
-  mvn -q -B -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
+  mvn -q -B -C -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
     -DoutputDirectory="$KAFKA_CACHE_DIR/libs" >"$work/mvn.log" 2>&1 || { cat "$work/mvn.log" >&2; die "maven resolution failed"; }
   local core; core="$(ls "$KAFKA_CACHE_DIR/libs" | sed -n 's/^log4j-core-\(.*\)\.jar$/\1/p' | head -1)"
   [[ -n "$core" ]] || core="$LOG4J_VERSION_FALLBACK"
   # The SLF4J 1.x binding ships only in Kafka's tarball; without it the broker logs nothing.
   write_pom "$work" "<dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-slf4j-impl</artifactId><version>$core</version></dependency>"
-  mvn -q -B -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
+  mvn -q -B -C -f "$work/pom.xml" dependency:copy-dependencies -DincludeScope=runtime \
     -DoutputDirectory="$KAFKA_CACHE_DIR/libs" >"$work/mvn.log" 2>&1 || { cat "$work/mvn.log" >&2; die "maven resolution failed"; }
   # Both SLF4J bindings must not be on the path at once.
   rm -f "$KAFKA_CACHE_DIR"/libs/log4j-slf4j2-impl-*.jar
@@ -362,13 +362,14 @@ cmd_stop() {
     [[ -d "$d" ]] || continue
     node="${d##*/node-}"
     if node_alive "$node"; then
-      pids+=("$(cat "$d/kafka.pid")"); kill "${pids[-1]}"; any=1
+      # The process may end between the check and the kill: that is a stop too.
+      pids+=("$(cat "$d/kafka.pid")"); kill "${pids[-1]}" 2>/dev/null || true; any=1
     fi
   done
   local deadline=$((SECONDS + 30)) pid
   for pid in "${pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
   done
   # Only once the processes are gone: a stop cut short leaves the pid files that name them.
   for d in "$KAFKA_DATA_DIR"/node-*; do
@@ -390,7 +391,15 @@ cmd_status() {
 cmd_kill() {
   local pidf; pidf="$(node_dir "$1")/kafka.pid"
   node_alive "$1" || die "node $1 is not running"
-  kill -9 "$(cat "$pidf")" 2>/dev/null || true
+  local pid; pid="$(cat "$pidf")"
+  kill -9 "$pid" 2>/dev/null || true
+  # Gone before its pid file is: a restart-node right after must not start a second JVM on the
+  # same data directory.
+  local deadline=$((SECONDS + 30))
+  while kill -0 "$pid" 2>/dev/null; do
+    ((SECONDS < deadline)) || die "node $1 (pid $pid) did not exit after SIGKILL"
+    sleep 0.1
+  done
   rm -f "$pidf"
 }
 
@@ -398,6 +407,10 @@ cmd_restart_node() {
   start_node "$1"
   local deadline=$((SECONDS + 60))
   until metadata_ok "$(client_port "$1")" 1; do
+    if ! node_alive "$1"; then
+      tail -n 40 "$(node_dir "$1")/logs/stdout.log" "$(node_dir "$1")/logs/server.log" >&2 2>/dev/null || true
+      die "node $1 exited while restarting (logs in $(node_dir "$1")/logs)"
+    fi
     ((SECONDS < deadline)) || die "node $1 did not come back"
     sleep 0.3
   done

@@ -3,6 +3,7 @@
 # fails when the two differ.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/streaming-hub/target}"
 table="$(cargo run -q --bin streaming-hub -- config)"
 TABLE="$table" python3 - <<'PY'
 import os

@@ -47,14 +47,17 @@ if [[ "${CI:-}" == "true" ]]; then
   trap stop_brokers EXIT
 fi
 scripts/kafka.sh start --fresh >/dev/null
-export TEST_KAFKA_BROKERS="${TEST_KAFKA_BROKERS:-127.0.0.1:${KAFKA_PORT:-9092}}"
+# The brokers just started, not whatever an inherited TEST_KAFKA_* names (another machine's, a
+# stale CA); and the SCRAM tests run (TEST_KAFKA_SKIP_SASL would skip them silently).
+unset TEST_KAFKA_SKIP_SASL
+export TEST_KAFKA_BROKERS="127.0.0.1:${KAFKA_PORT:-9092}"
 # A three-broker cluster (replication, leader failover) on its own ports, for tests/cluster.rs.
 KAFKA_PORT="$TEST_KAFKA_CLUSTER_PORT" scripts/kafka.sh start --brokers 3 --fresh >/dev/null
 # A SCRAM-SHA-256 broker (SASL_PLAINTEXT on +2, SASL_SSL on +3, CA made by kafka.sh) for
 # tests/security.rs.
 KAFKA_PORT="$TEST_KAFKA_SASL_BROKER_PORT" KAFKA_HEAP=384m scripts/kafka.sh start --sasl --fresh >/dev/null
-export TEST_KAFKA_SASL_PORT="${TEST_KAFKA_SASL_PORT:-$((TEST_KAFKA_SASL_BROKER_PORT + 2))}"
-export TEST_KAFKA_SASL_CA="${TEST_KAFKA_SASL_CA:-$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem}"
+export TEST_KAFKA_SASL_PORT="$((TEST_KAFKA_SASL_BROKER_PORT + 2))"
+export TEST_KAFKA_SASL_CA="$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem"
 
 echo "== cargo test" >&2
 cargo test "$@"

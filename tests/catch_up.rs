@@ -60,41 +60,6 @@ async fn metric(http: &reqwest::Client, hub: &Hub, name: &str) -> Option<u64> {
     Some(metric_sum(&hub.metrics_text(http).await.ok()?, name))
 }
 
-/// A broker of the cluster killed for the test; restarted when dropped, also when the test
-/// fails, so that the tests after it find the cluster whole.
-struct BrokerDown(i32);
-
-impl BrokerDown {
-    fn kill(node: i32) -> BrokerDown {
-        cluster_kafka_sh(&["kill", &node.to_string()]);
-        BrokerDown(node)
-    }
-}
-
-impl Drop for BrokerDown {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            // No second panic (it would abort): say it when the restart fails.
-            let restarted = std::process::Command::new(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/scripts/kafka.sh"
-            ))
-            .args(["restart-node", &self.0.to_string()])
-            .env("KAFKA_PORT", cluster_port().to_string())
-            .status()
-            .is_ok_and(|s| s.success());
-            if !restarted {
-                eprintln!(
-                    "broker {} of the test cluster could not be restarted",
-                    self.0
-                );
-            }
-        } else {
-            cluster_kafka_sh(&["restart-node", &self.0.to_string()]);
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_claiming() {
     use_cluster();
@@ -213,7 +178,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     assert_eq!(sink.count(&retried.id()), 1);
 
     // The broker returns: the table catches up and both deliveries are made.
-    drop(down);
+    down.restart();
     wait_until(
         Duration::from_secs(120),
         "the new event and the retried one delivered after the catch-up",

@@ -61,7 +61,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
     };
     send_batch(0);
 
-    cluster_kafka_sh(&["kill", &leader.to_string()]);
+    let down = BrokerDown::kill(leader);
     let new_leader = wait_until(Duration::from_secs(60), "a new leader", || {
         let md = admin
             .inner()
@@ -72,7 +72,7 @@ async fn replicated_topic_survives_its_leader_broker_being_killed() {
     });
     assert_ne!(new_leader, leader);
     send_batch(100); // two in-sync replicas remain: min.insync.replicas = 2 holds
-    cluster_kafka_sh(&["restart-node", &leader.to_string()]);
+    down.restart();
     wait_until(
         Duration::from_secs(90),
         "the restarted broker back in sync",

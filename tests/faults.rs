@@ -19,7 +19,6 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -49,14 +48,8 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-fn signal(hub: &Hub, sig: &str) {
-    let ok = Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(hub.child.id().to_string())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{sig}");
+fn signal(hub: &Hub, sig: libc::c_int) {
+    send_signal(hub.child.id(), sig);
 }
 
 /// What a sink saw: one HTTP request.
@@ -441,9 +434,9 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         name: "sigstop instance 3 (zombie)".into(),
         at_ms: now_ms(),
     });
-    signal(&hubs[2], "STOP");
+    signal(&hubs[2], libc::SIGSTOP);
     std::thread::sleep(Duration::from_secs(2 * SESSION_TIMEOUT_S)); // the fault's length
-    signal(&hubs[2], "CONT");
+    signal(&hubs[2], libc::SIGCONT);
 
     // 3. Kill the broker that leads inbox partition 0, restart it.
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
@@ -464,13 +457,13 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         name: "kill inbox leader broker".into(),
         at_ms: now_ms(),
     });
-    cluster_kafka_sh(&["kill", &leader.to_string()]);
+    let down = BrokerDown::kill(leader);
     wait_until(Duration::from_secs(60), "a new inbox leader", || {
         leader_of(&inbox).filter(|l| *l != leader)
     });
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
     wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
-    cluster_kafka_sh(&["restart-node", &leader.to_string()]);
+    down.restart();
     let all_in_sync = || {
         let md = admin()
             .inner()
@@ -504,7 +497,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         name: "sigkill instance 1 while a broker is down".into(),
         at_ms: now_ms(),
     });
-    cluster_kafka_sh(&["kill", &victim.to_string()]);
+    let down = BrokerDown::kill(victim);
     hubs[0].kill();
     wait_until(
         Duration::from_secs(60),
@@ -518,7 +511,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     // coordinator answer CONCURRENT_TRANSACTIONS past 60 s here.
     hubs[0] = Hub::spawn(&envs[0]);
     hubs[0].wait_ready_within(Duration::from_secs(150));
-    cluster_kafka_sh(&["restart-node", &victim.to_string()]);
+    down.restart();
 
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
     wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
@@ -809,38 +802,31 @@ async fn explain_stall(
             attempts_of.get(id).copied().unwrap_or(0)
         );
     }
-    let kafka_home = std::fs::read_dir(format!(
-        "{}/.cache/streaming-hub",
-        std::env::var("HOME").unwrap_or_default()
-    ))
-    .ok()
-    .and_then(|d| {
-        d.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
-            p.file_name().is_some_and(|n| {
-                n.to_string_lossy().starts_with("kafka-")
-                    && !n.to_string_lossy().starts_with("kafka-data")
-            })
-        })
-    });
-    if let Some(home) = kafka_home {
-        let out = Command::new(home.join("bin/kafka-consumer-groups.sh"))
-            .args([
-                "--bootstrap-server",
-                &brokers(),
-                "--describe",
-                "--group",
-                &format!("{prefix}-group.hub"),
-                "--members",
-                "--verbose",
-            ])
-            .output();
-        if let Ok(out) = out {
-            eprintln!(
-                "STALL: hub group:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+    // The hub group's members as the coordinator sees them (the Maven-installed broker has no
+    // kafka-consumer-groups.sh).
+    let group = format!("{prefix}-group.hub");
+    let described = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create::<rdkafka::consumer::BaseConsumer>()
+        .and_then(|c| {
+            use rdkafka::consumer::Consumer;
+            c.fetch_group_list(Some(&group), Duration::from_secs(10))
+        });
+    match described {
+        Ok(list) => {
+            for g in list.groups() {
+                eprintln!("STALL: group {} state {}", g.name(), g.state());
+                for m in g.members() {
+                    eprintln!(
+                        "STALL:   member {} client {} host {}",
+                        m.id(),
+                        m.client_id(),
+                        m.client_host()
+                    );
+                }
+            }
         }
+        Err(e) => eprintln!("STALL: group {group} not described: {e}"),
     }
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     for hub in hubs {

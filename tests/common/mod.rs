@@ -454,15 +454,27 @@ impl Hub {
             unique("h")
         ));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_streaming-hub"));
+        command
             .arg("run")
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .envs(env)
             .stdout(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .expect("start hub");
+            .stderr(file);
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent. The hub dies
+        // with the test process, also one aborted or killed (a CI timeout), so no hub outlives
+        // its test holding ports and CPU.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().expect("start hub");
         Hub {
             child,
             env: env.clone(),
@@ -640,10 +652,21 @@ fn strip_ansi(line: &str) -> String {
 }
 
 fn unsafe_sigterm(pid: u32) {
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status();
+    send_signal(pid, libc::SIGTERM);
+}
+
+/// kill(2): one the process already gone (ESRCH: it ended and was waited for) is no error; any
+/// other failure is.
+pub fn send_signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) on the pid of this process's child.
+    if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
+        let e = std::io::Error::last_os_error();
+        assert_eq!(
+            e.raw_os_error(),
+            Some(libc::ESRCH),
+            "signal {signal} to {pid}: {e}"
+        );
+    }
 }
 
 /// Reads every committed record of `topics` up to their current end (a settled topic: nobody is
@@ -991,6 +1014,44 @@ pub fn cluster_kafka_sh(args: &[&str]) {
         .status()
         .unwrap();
     assert!(status.success(), "kafka.sh {args:?} failed");
+}
+
+/// A broker of the 3-broker cluster killed for a test; restarted by [`BrokerDown::restart`], or
+/// when dropped, also when the test fails, so that the tests after it (in this binary and the
+/// next ones on the same cluster) find the cluster whole.
+pub struct BrokerDown(Option<i32>);
+
+impl BrokerDown {
+    pub fn kill(node: i32) -> BrokerDown {
+        cluster_kafka_sh(&["kill", &node.to_string()]);
+        BrokerDown(Some(node))
+    }
+
+    /// Restarts the broker and waits until it answers metadata.
+    pub fn restart(mut self) {
+        if let Some(node) = self.0.take() {
+            cluster_kafka_sh(&["restart-node", &node.to_string()]);
+        }
+    }
+}
+
+impl Drop for BrokerDown {
+    fn drop(&mut self) {
+        let Some(node) = self.0.take() else { return };
+        if std::thread::panicking() {
+            // No second panic (it would abort): say it when the restart fails.
+            let restarted = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
+                .args(["restart-node", &node.to_string()])
+                .env("KAFKA_PORT", cluster_port().to_string())
+                .status()
+                .is_ok_and(|s| s.success());
+            if !restarted {
+                eprintln!("broker {node} of the test cluster could not be restarted");
+            }
+        } else {
+            cluster_kafka_sh(&["restart-node", &node.to_string()]);
+        }
+    }
 }
 
 /// The latest record of each subscription on the control topic.
