@@ -5,7 +5,6 @@
 //! `delivery`), follow the control topic into the subscription table, serve HTTP (`/healthz`, `/readyz`, `/metrics`),
 //! and with the API (KEK set) the task that retries pending verifications. Stop on
 //! SIGTERM or Ctrl-C: readiness goes false, ingest commits its open batch and leaves, then exit.
-use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -175,6 +174,15 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 return Err(crate::runtime::topology::TopologyError::CleanupPolicy {
                     topic: topic.clone(),
                     want: want.clone(),
+                    have: have.clone(),
+                }
+                .into());
+            }
+            if setting == "delete.retention.ms"
+                && crate::runtime::topology::changelog_tombstones_too_short(topic, have)
+            {
+                return Err(crate::runtime::topology::TopologyError::DeleteRetention {
+                    topic: topic.clone(),
                     have: have.clone(),
                 }
                 .into());
@@ -425,14 +433,14 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     // liveness probe refused during a drain of up to STREAMING_HUB_SHUTDOWN_TIMEOUT would have
     // the instance killed mid-drain).
     let http_down = Arc::new(tokio::sync::Notify::new());
-    let mut server = tokio::spawn(
-        axum::serve(listener, router)
-            .with_graceful_shutdown({
-                let http_down = http_down.clone();
-                async move { http_down.notified().await }
-            })
-            .into_future(),
-    );
+    let limits = api::serve::Limits {
+        max_connections: config.http_max_connections,
+        read_timeout: Some(config.http_read_timeout).filter(|t| !t.is_zero()),
+    };
+    let mut server = tokio::spawn(api::serve::serve(listener, router, limits, {
+        let http_down = http_down.clone();
+        async move { http_down.notified().await }
+    }));
     let server_ended_early = tokio::select! {
         _ = shutdown_signal() => {
             tracing::info!("shutting down");
@@ -497,12 +505,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                     "HTTP requests still in progress at exit were cut off"
                 );
                 server.abort();
-                Ok(Ok(()))
+                Ok(())
             }
         },
     };
     let served = match served {
-        Ok(served) => served.map_err(|e| AppError::Http(e.to_string())),
+        Ok(()) => Ok(()),
         Err(e) => Err(AppError::Http(format!("HTTP server task failed: {e}"))),
     };
     if let Some(e) = ingest_error {

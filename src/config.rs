@@ -270,6 +270,12 @@ macro_rules! upper {
     (http_listen_addr) => {
         "HTTP_LISTEN_ADDR"
     };
+    (http_max_connections) => {
+        "HTTP_MAX_CONNECTIONS"
+    };
+    (http_read_timeout) => {
+        "HTTP_READ_TIMEOUT"
+    };
     (state_dir) => {
         "STATE_DIR"
     };
@@ -308,6 +314,12 @@ macro_rules! upper {
     };
     (hub_stages) => {
         "HUB_STAGES"
+    };
+    (api_write_rate) => {
+        "API_WRITE_RATE"
+    };
+    (api_write_burst) => {
+        "API_WRITE_BURST"
     };
     (pull_rate) => {
         "PULL_RATE"
@@ -451,6 +463,13 @@ settings! {
     role: Role = "all";
     /// Address of the HTTP API, `/metrics` and health endpoints.
     http_listen_addr: SocketAddr = "127.0.0.1:8080";
+    /// Most HTTP connections open at once on that address; past it, new ones wait in the
+    /// kernel's accept queue until one closes (so clients that open connections and send nothing
+    /// cannot take the process's file descriptors, which deliveries and Kafka need too).
+    http_max_connections: usize = "1024";
+    /// An HTTP request's headers, and then its body, must each arrive within this; a keep-alive
+    /// connection idle this long is closed. `0s` = no limit (not for an address clients reach).
+    http_read_timeout: std::time::Duration = "10s";
     /// Directory of the local RocksDB stores (a cache rebuilt from Kafka).
     state_dir: PathBuf = ".streaming-hub-state";
     /// Regex of the producer topics ingest follows. A pattern that matches producers'
@@ -543,12 +562,12 @@ settings! {
     secret_rotation_grace: std::time::Duration = "24h";
     /// Concurrent delivery attempts per instance, granted round-robin across the tenants waiting,
     /// first to those holding less than their share (README, "Fairness").
-    /// Also the idle keep-alive connections kept per destination host (at least 32). DESIGN.md
-    /// says 8: with 8, `throughput` delivered 1,974/s, with 64 4,516-4,618/s (BENCHMARKS.md).
+    /// Also the idle keep-alive connections kept per destination host (at least 32). The design
+    /// card (DESIGN.md) says 8: with 8, `throughput` delivered 1,974/s, with 64 4,516-4,618/s (BENCHMARKS.md).
     dispatch_workers: usize = "64";
     /// Most attempts claimed ahead of the workers (each holds its payload in memory until it
     /// ends); `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the
-    /// workers. Fewer are claimed when attempts are slow: those the workers run plus what they
+    /// workers. Split between the hub loops, each holding at least 4x the workers. Fewer are claimed when attempts are slow: those the workers run plus what they
     /// start within 5 s (half the time a claim may wait for one), by measured attempt times; a
     /// tenant gets its turns' part of them, and 4x the workers until its first attempt is timed
     /// (README, "Claims and first attempts").
@@ -586,6 +605,12 @@ settings! {
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included
     /// (at least 100ms).
     http_timeout: std::time::Duration = "15s";
+    /// Subscription writes through the API (create, PATCH, DELETE, rotate-secret, verify):
+    /// requests per second per tenant (per instance) before `429 rate_limited` with
+    /// `Retry-After`; `0` turns the limit off. Admin tokens are not held to it.
+    api_write_rate: u32 = "5";
+    /// Subscription writes a tenant may make in a burst (`0` counts as 1).
+    api_write_burst: u32 = "20";
     /// Pull API: requests per second per tenant (per instance); `0` turns the limit off.
     pull_rate: u32 = "10";
     /// Pull API: requests a tenant may make in a burst before `429 Retry-After` (`0` counts as 1).
@@ -762,6 +787,12 @@ impl Config {
         }
         if self.hub_stages > MAX_HUB_STAGES {
             return Err(invalid("STREAMING_HUB_HUB_STAGES", "must be at most 8"));
+        }
+        if self.http_max_connections == 0 {
+            return Err(invalid(
+                "STREAMING_HUB_HTTP_MAX_CONNECTIONS",
+                "must be at least 1",
+            ));
         }
         if self.hub_batch_jobs == 0 {
             return Err(invalid(

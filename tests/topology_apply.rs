@@ -18,6 +18,30 @@ async fn config_of(topic: &str, key: &str) -> String {
     r.get(key).and_then(|e| e.value.clone()).unwrap_or_default()
 }
 
+/// Runs the hub on `prefix`'s topics until it exits (within 60 s): its exit code and output.
+fn hub_run_until_it_exits(prefix: &str) -> (Option<i32>, String) {
+    let mut hub = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
+        .arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(hub_env(prefix, r"^lerian\.streaming\.unused$"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let code = wait_until(Duration::from_secs(60), "the hub exits", || {
+        hub.try_wait().unwrap()
+    })
+    .code();
+    let out = hub.wait_with_output().unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (code, log)
+}
+
 /// `topology apply` exits `code` and says `want`: 1 for topics it reports, 2 for a topology it
 /// refuses (as `run` does).
 fn refused_saying(prefix: &str, want: &str, code: i32) {
@@ -143,30 +167,37 @@ async fn a_control_topic_with_this_policy_stops_the_hub(policy: &str) {
 
     // The hub does not start on it (retention would delete the subscriptions): exit 2, naming
     // the topic.
-    let mut hub = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
-        .arg("run")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(hub_env(&prefix, r"^lerian\.streaming\.unused$"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let code = wait_until(Duration::from_secs(60), "the hub exits", || {
-        hub.try_wait().unwrap()
-    })
-    .code();
-    let out = hub.wait_with_output().unwrap();
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (code, log) = hub_run_until_it_exits(&prefix);
     assert_eq!(code, Some(2), "{log}");
     assert!(
         log.contains(&format!("topic {name} has cleanup.policy {policy}")),
         "{log}"
     );
+}
+
+/// A changelog made by hand whose tombstones go within the hour: a store restored from its own
+/// offsets up to 12 h later would miss deletions made meanwhile (finished jobs delivered again),
+/// so the hub refuses to start on it, naming it (exit 2).
+#[tokio::test]
+async fn a_changelog_keeping_tombstones_less_than_a_day_stops_the_hub() {
+    require_broker();
+    let prefix = unique("topo");
+    let name = format!("{prefix}.hub.jobs.changelog");
+    by_hand(
+        NewTopic::new(&name, 6, TopicReplication::Fixed(1))
+            .set("cleanup.policy", "compact")
+            .set("delete.retention.ms", "3600000"),
+    )
+    .await;
+    let (code, log) = hub_run_until_it_exits(&prefix);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "topic {name} keeps tombstones 3600000 ms (delete.retention.ms), less than a day"
+        )),
+        "{log}"
+    );
+    assert_eq!(config_of(&name, "delete.retention.ms").await, "3600000");
 }
 
 /// A topic made by hand with fewer replicas than the hub asks for is reported (losing a broker

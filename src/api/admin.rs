@@ -23,8 +23,9 @@ pub async fn advance_clock(
     _admin: Admin,
     JsonBody(body): JsonBody<Advance>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    // Routed only with the test clock (see `api::router`).
     let Some(clock) = &state.test_clock else {
-        return Err(ApiError::not_found());
+        return Err(crate::api::no_route().await);
     };
     let by = humantime::parse_duration(&body.by)
         .map_err(|e| ApiError::bad_request("invalid", e.to_string()).with_field("by"))?;

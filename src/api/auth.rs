@@ -238,10 +238,12 @@ impl FromRequestParts<ApiState> for Caller {
             .get(axum::http::header::AUTHORIZATION)
             .ok_or_else(refused)?;
         let value = header.to_str().map_err(|_| refused())?;
+        // The scheme's name is case-insensitive (RFC 9110 §11.1).
         let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
+            .split_once(' ')
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
             .ok_or_else(refused)?
+            .1
             .trim();
         let now_secs = state.clock.now_ms().div_euclid(1000);
         verify(&state.jwt, token, now_secs).map_err(|e| {

@@ -31,6 +31,8 @@ pub mod codes {
     pub const TOO_MANY_SECRETS: &str = "too_many_secrets";
     pub const UNAVAILABLE: &str = "unavailable";
     pub const INTERNAL: &str = "internal";
+    pub const RATE_LIMITED: &str = "rate_limited";
+    pub const PROBE_BUSY: &str = "probe_busy";
 }
 
 /// An error answer: status, stable code, human message, optional field.
@@ -40,6 +42,8 @@ pub struct ApiError {
     pub code: String,
     pub message: String,
     pub field: Option<String>,
+    /// `Retry-After` in whole seconds (a `429`'s).
+    pub retry_after: Option<u64>,
 }
 
 /// The JSON body of every error answer.
@@ -66,6 +70,15 @@ impl ApiError {
             code: code.to_string(),
             message: message.into(),
             field: None,
+            retry_after: None,
+        }
+    }
+
+    /// `429` with `Retry-After` (whole seconds, at least 1).
+    pub fn too_many(code: &str, message: impl Into<String>, wait_secs: u64) -> ApiError {
+        ApiError {
+            retry_after: Some(wait_secs.max(1)),
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, message)
         }
     }
 
@@ -109,6 +122,7 @@ impl From<FieldError> for ApiError {
             code: e.code.to_string(),
             message: e.message,
             field: Some(e.field),
+            retry_after: None,
         }
     }
 }
@@ -146,6 +160,12 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(secs),
+            );
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,

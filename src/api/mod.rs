@@ -44,6 +44,7 @@ pub mod openapi;
 pub mod ops;
 pub mod responses;
 pub mod secrets;
+pub mod serve;
 pub mod subscriptions;
 pub mod verification;
 
@@ -75,6 +76,10 @@ pub struct ApiState {
     pub ops: Option<Arc<ops::Ops>>,
     /// Serializes this instance's read-modify-writes (see [`subscriptions`]).
     writes: Arc<tokio::sync::Mutex<()>>,
+    /// `STREAMING_HUB_API_WRITE_RATE`/`_BURST`, per tenant.
+    write_limiter: Arc<crate::ops::ratelimit::RateLimiter>,
+    /// Verification probes the API runs at once (see [`verification::ProbeGate`]).
+    pub probes: Arc<verification::ProbeGate>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +117,34 @@ impl ApiState {
             test_clock: None,
             ops: None,
             writes: Arc::default(),
+            write_limiter: Arc::new(crate::ops::ratelimit::RateLimiter::new(
+                config.api_write_rate,
+                config.api_write_burst,
+            )),
+            probes: Arc::default(),
         }
+    }
+
+    /// Takes one of `tenant`'s subscription writes (`STREAMING_HUB_API_WRITE_RATE`), or `429
+    /// rate_limited` with `Retry-After`. An admin caller is not held to it (operators' bulk
+    /// changes; `subscriptions apply` writes past the API altogether). Without it, one tenant's
+    /// stream of writes queued every other tenant's behind this instance's write lock, each
+    /// held until its record is read back, and grew the control topic every instance reads whole
+    /// at start.
+    pub fn take_write(&self, caller: &auth::Caller, tenant: &str) -> Result<(), ApiError> {
+        if caller.admin {
+            return Ok(());
+        }
+        self.write_limiter
+            .take(tenant, std::time::Instant::now())
+            .map_err(|wait| {
+                let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+                ApiError::too_many(
+                    errors::codes::RATE_LIMITED,
+                    format!("subscription write rate exceeded; retry in {secs} s"),
+                    secs,
+                )
+            })
     }
 
     /// The lock every read-modify-write of this instance's subscriptions is made under (the
@@ -135,7 +167,7 @@ impl ApiState {
 
 /// The API's routes; merge it into the process's HTTP server.
 pub fn router(state: ApiState) -> Router {
-    Router::new()
+    let mut routes = Router::new()
         .route(
             "/v1/subscriptions",
             post(subscriptions::create).get(subscriptions::list),
@@ -159,8 +191,13 @@ pub fn router(state: ApiState) -> Router {
         .route("/admin/quarantine", get(ops::quarantine))
         .route("/admin/deliveries/dead", get(ops::dead_deliveries))
         .route("/admin/deliveries/dead/redrive", post(ops::redrive))
-        .route("/openapi.json", get(openapi::serve))
-        .route("/admin/clock/advance", post(admin::advance_clock))
+        .route("/openapi.json", get(openapi::serve));
+    // Only with the test clock: otherwise the path is as unknown as any other (`404 not_found`
+    // "no such route", for any caller), not a route that checks the token and the body first.
+    if state.test_clock.is_some() {
+        routes = routes.route("/admin/clock/advance", post(admin::advance_clock));
+    }
+    routes
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(no_route)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

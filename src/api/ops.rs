@@ -170,12 +170,7 @@ fn scans_busy() -> Response {
 
 /// `429` with `Retry-After` (whole seconds, at least 1).
 fn too_many(code: &'static str, message: String, wait_secs: u64) -> Response {
-    let mut r = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, message).into_response();
-    r.headers_mut().insert(
-        header::RETRY_AFTER,
-        HeaderValue::from_str(&wait_secs.max(1).to_string()).expect("digits"),
-    );
-    r
+    ApiError::too_many(code, message, wait_secs).into_response()
 }
 
 /// Most replays, recovers and redrives remembered (oldest forgotten first).

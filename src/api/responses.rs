@@ -55,6 +55,19 @@ impl VerificationOutcome {
 
     /// The probe's verdict could not be written (the control topic refused or lagged): the
     /// subscription stays `pending` and is probed again in the background.
+    /// The probe was not run now (the tenant's or the instance's probes were all in use).
+    pub fn deferred() -> VerificationOutcome {
+        VerificationOutcome {
+            state: VerificationStateView::Pending,
+            error_code: Some("probe_deferred".into()),
+            message: Some(
+                "too many verification probes were running; it is probed in the background \
+                 within a minute (or call POST /v1/subscriptions/{id}/verify)"
+                    .into(),
+            ),
+        }
+    }
+
     pub fn unrecorded() -> VerificationOutcome {
         VerificationOutcome {
             state: VerificationStateView::Pending,

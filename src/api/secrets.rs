@@ -154,6 +154,7 @@ fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Durati
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 409, description = "A pull destination has no signing secret, or `too_many_secrets`: five are live, wait for the oldest grace to end; or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn rotate(
     State(state): State<ApiState>,
@@ -164,9 +165,10 @@ pub async fn rotate(
     RawBody(body): RawBody,
 ) -> Result<Json<RotatedSecret>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    state.take_write(&caller, &tenant)?;
     load(&state, &tenant, &id)?;
     let grace = grace_of(&state, &headers, &body)?;
-    let _guard = state.writes.lock().await;
+    let guard = state.writes.clone().lock_owned().await;
     let current = load(&state, &tenant, &id)?;
     if current.destination.kind != DestinationType::Webhook {
         return Err(ApiError::new(
@@ -215,7 +217,7 @@ pub async fn rotate(
     rec.updated_at = now;
     // Written but not seen back: the new secret signs once the table has it, so it is answered
     // all the same (a 503 would lose it while its record is on the topic).
-    match state.subs.put(rec.clone()).await {
+    match state.subs.put_holding(rec.clone(), guard).await {
         Ok(()) | Err(RepoError::NotSeen(_)) => {}
         Err(e) => return Err(e.into()),
     }

@@ -102,6 +102,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 409, description = "The tenant has as many subscriptions as the hub allows (`subscription_limit`)", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn create(
     State(state): State<ApiState>,
@@ -113,6 +114,7 @@ pub async fn create(
     // the two must agree. (The query was ignored here: an admin token carrying a tenant of its
     // own created the subscription for that tenant, not the one the query named.)
     let tenant = caller.tenant_for_either(body.tenant_id.as_deref(), query.tenant_id.as_deref())?;
+    state.take_write(&caller, &tenant)?;
     caught_up(&state)?;
     let most = state.max_subscriptions_per_tenant;
     if most > 0 && state.subs.list(&tenant).len() >= most {
@@ -454,6 +456,7 @@ fn receiver(url: &str) -> Option<String> {
         (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<ApiState>,
@@ -464,10 +467,11 @@ pub async fn patch(
     JsonBody(body): JsonBody<PatchSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    state.take_write(&caller, &tenant)?;
     let expected = if_match(&headers)?;
     load(&state, &tenant, &id)?;
     let valid = validate_patch(&state, body).await?;
-    let guard = state.writes.lock().await;
+    let guard = state.writes.clone().lock_owned().await;
     let current = load(&state, &tenant, &id)?;
     check_version(expected, &current)?;
     let (mut rec, url_changed) = apply(&state, &current, valid)?;
@@ -483,7 +487,8 @@ pub async fn patch(
     }
     rec.version = current.version + 1;
     rec.updated_at = state.clock.now_ms();
-    match state.subs.put(rec.clone()).await {
+    // The lock is given back when the write ends (the probe below runs without it).
+    match state.subs.put_holding(rec.clone(), guard).await {
         Ok(()) => {}
         // The broker has it: a 503 would invite a retry that its own If-Match then refuses.
         Err(RepoError::NotSeen(waited)) => {
@@ -501,7 +506,6 @@ pub async fn patch(
         }
         Err(e) => return Err(e.into()),
     }
-    drop(guard);
     let (rec, verification) = if url_changed {
         let (rec, outcome) = probe_after_write(&state, rec).await;
         (rec, Some(outcome))
@@ -542,6 +546,7 @@ fn check_version(expected: Option<u64>, current: &SubscriptionRecord) -> Result<
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 409, description = "Written again after the deletion, by the hub (an auto-disable) or another client: not deleted (`written_again`); or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
 pub async fn delete(
     State(state): State<ApiState>,
@@ -551,11 +556,12 @@ pub async fn delete(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    state.take_write(&caller, &tenant)?;
     let expected = if_match(&headers)?;
-    let _guard = state.writes.lock().await;
+    let guard = state.writes.clone().lock_owned().await;
     let sub = load(&state, &tenant, &id)?;
     check_version(expected, &sub)?;
-    match state.subs.delete(&sub.id).await {
+    match state.subs.delete_holding(&sub.id, guard).await {
         // The tombstone is on the control topic: deleted, whenever this instance shows it.
         Ok(()) | Err(RepoError::NotSeen(_)) => {}
         Err(e) => return Err(e.into()),
@@ -575,10 +581,19 @@ async fn probe_after_write(
 ) -> (SubscriptionRecord, VerificationOutcome) {
     match probe_and_record(state, rec.clone(), Probe::OnChange).await {
         Ok(done) => done,
+        // No probe now: the record stays `pending`, and the background retrier probes it.
+        Err(e) if e.code == super::errors::codes::PROBE_BUSY => {
+            (rec, VerificationOutcome::deferred())
+        }
         Err(e) => {
             tracing::warn!(subscription_id = %rec.id, code = %e.code, "verification verdict not confirmed; answered with what this instance has");
-            // Written but not seen back: this instance's table has the verdict.
-            match state.subs.get(&rec.id) {
+            // Written but not seen back: this instance's table has the verdict (the caller's
+            // tenant's only: an id written again for another tenant is not this caller's).
+            match state
+                .subs
+                .get(&rec.id)
+                .filter(|s| s.tenant_id == rec.tenant_id)
+            {
                 Some(now) if now.version > rec.version => {
                     let state_now = now.verification_state;
                     ((*now).clone(), VerificationOutcome::of_state(state_now))

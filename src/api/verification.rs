@@ -15,13 +15,16 @@
 //! The probe runs without the write lock. Its result is written onto the subscription as it is
 //! after the probe, and only if the destination is still the one probed; a result about a URL
 //! that has been replaced (or a deleted subscription) is reported, never written.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 
 use super::ApiState;
 use super::auth::Caller;
-use super::errors::{ApiError, ErrorBody};
+use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, SubscriptionQuery};
 use super::responses::{CheckedSubscription, VerificationOutcome};
 use super::secrets::{open_secrets, open_sensitive, request_url};
@@ -29,6 +32,64 @@ use super::subscriptions::{load, view_of};
 use crate::delivery::verify::{VerifyError, probe};
 use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
 use crate::subscriptions::control::RepoError;
+
+/// Most verification probes the API runs at once on an instance, and per tenant. A probe holds a
+/// connection and, while its host name resolves, one of the runtime's blocking threads (the
+/// resolver is `getaddrinfo`) for up to the HTTP timeout: without a bound, one tenant's burst of
+/// `/verify` calls to a host whose DNS never answers filled the blocking pool that every
+/// delivery's lookups share, and healthy receivers' deliveries failed as timeouts.
+pub const MAX_PROBES: usize = 32;
+pub const MAX_TENANT_PROBES: usize = 4;
+
+/// Probes in flight, per tenant and in all; one past a bound is refused, not queued.
+#[derive(Default)]
+pub struct ProbeGate(Arc<Mutex<HashMap<String, usize>>>);
+
+/// A probe's place in the [`ProbeGate`], given back when dropped.
+pub struct ProbeSlot {
+    gate: Arc<Mutex<HashMap<String, usize>>>,
+    tenant: String,
+}
+
+impl ProbeGate {
+    pub fn enter(&self, tenant: &str) -> Option<ProbeSlot> {
+        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let total: usize = running.values().sum();
+        let mine = running.get(tenant).copied().unwrap_or(0);
+        if total >= MAX_PROBES || mine >= MAX_TENANT_PROBES {
+            return None;
+        }
+        running.insert(tenant.to_string(), mine + 1);
+        Some(ProbeSlot {
+            gate: self.0.clone(),
+            tenant: tenant.to_string(),
+        })
+    }
+}
+
+impl Drop for ProbeSlot {
+    fn drop(&mut self) {
+        let mut running = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = running.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&self.tenant);
+            }
+        }
+    }
+}
+
+/// `429 probe_busy`: the tenant's or the instance's probes are all in use.
+fn probes_busy() -> ApiError {
+    ApiError::too_many(
+        codes::PROBE_BUSY,
+        format!(
+            "as many verification probes as this tenant ({MAX_TENANT_PROBES}) or this instance \
+             ({MAX_PROBES}) runs at once are running; retry shortly"
+        ),
+        2,
+    )
+}
 
 /// Why a probe runs, which decides what a result changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,21 +127,30 @@ async fn run(
 }
 
 /// Probes `rec` and records the outcome (see the module doc). Returns the subscription as it now
-/// is and the outcome; the probe's error, if any, is in the outcome.
+/// is and the outcome; the probe's error, if any, is in the outcome. `429 probe_busy` when the
+/// [`ProbeGate`] has no place for it.
 pub async fn probe_and_record(
     state: &ApiState,
     rec: SubscriptionRecord,
     why: Probe,
 ) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
+    let slot = state.probes.enter(&rec.tenant_id).ok_or_else(probes_busy)?;
     let result = run(state, &rec).await?;
+    drop(slot);
     if let Err(e) = &result {
         tracing::info!(subscription_id = %rec.id, code = e.code(), error = %e, "verification probe failed");
     }
-    let _guard = state.writes.lock().await;
+    let guard = state.writes.clone().lock_owned().await;
     // Not written onto a record whose latest version turned unreadable here meanwhile: what
     // this instance has of it may be stale.
     let unreadable = state.subs.table().read().is_unreadable(&rec.id);
-    let latest = match state.subs.get(&rec.id) {
+    // Only the caller's tenant's: an id deleted and written again for another tenant (a stale
+    // `subscriptions apply` file) while the probe ran is not this caller's to see or change.
+    let current = state
+        .subs
+        .get(&rec.id)
+        .filter(|s| s.tenant_id == rec.tenant_id);
+    let latest = match current {
         Some(latest) if latest.destination == rec.destination && !unreadable => latest,
         other => {
             let now = other.map(|s| (*s).clone()).unwrap_or(rec);
@@ -108,7 +178,7 @@ pub async fn probe_and_record(
     if next != *latest {
         next.version = latest.version + 1;
         next.updated_at = state.clock.now_ms();
-        match state.subs.put(next.clone()).await {
+        match state.subs.put_holding(next.clone(), guard).await {
             Ok(()) => {}
             // On the control topic, not read back in time: this instance's table has it, and
             // the verdict is answered (a 503 would invite a retry that the If-Match refuses, or
@@ -150,6 +220,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
             `timeout`, `redirect`, …); a subscription not yet verified is now `failed`, an `active` one stays `active`. Or no probe: the stored sealed headers or URL \
             do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE), or as many probes as the tenant (4) or the instance (32) runs at once are running (`probe_busy`); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
 pub async fn verify(
     State(state): State<ApiState>,
@@ -157,7 +228,9 @@ pub async fn verify(
     ApiPath(id): ApiPath<String>,
     ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Json<CheckedSubscription>, ApiError> {
-    let current = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    state.take_write(&caller, &tenant)?;
+    let current = load(&state, &tenant, &id)?;
     let (rec, outcome) = probe_and_record(&state, (*current).clone(), Probe::Requested).await?;
     if let Some(code) = &outcome.error_code {
         let message = outcome.message.clone().unwrap_or_default();

@@ -64,6 +64,25 @@ pub enum TopologyError {
         want: String,
         have: String,
     },
+    #[error(
+        "topic {topic} keeps tombstones {have} ms (delete.retention.ms), less than a day: a hub \
+         store up to 12 h old restores only the changelog's tail, which must still hold the \
+         deletions made meanwhile (else finished jobs are delivered again); set it \
+         (kafka-configs.sh --alter --add-config delete.retention.ms=86400000) and start again"
+    )]
+    DeleteRetention { topic: String, have: String },
+}
+
+/// The least `delete.retention.ms` of a `*.changelog`: twice the age up to which a hub store
+/// restores from its own offsets (`hub::task::STALE_AFTER`).
+pub const CHANGELOG_MIN_DELETE_RETENTION_MS: u64 = 86_400_000;
+
+/// Whether `have` (a topic's `delete.retention.ms`) is too short for a changelog.
+pub fn changelog_tombstones_too_short(topic: &str, have: &str) -> bool {
+    topic.ends_with(".changelog")
+        && have
+            .parse::<u64>()
+            .is_ok_and(|ms| ms < CHANGELOG_MIN_DELETE_RETENTION_MS)
 }
 
 impl TopologyError {
@@ -216,7 +235,26 @@ impl Topology {
     }
 
     pub fn parse(text: &str, prefix: &str, replication_factor: i32) -> Result<Topology, String> {
-        let file: File = toml::from_str(text).map_err(|e| e.to_string())?;
+        let mut file: File = toml::from_str(text).map_err(|e| e.to_string())?;
+        for t in &mut file.topic {
+            // A changelog's tombstones must outlive the stores restored from their own offsets
+            // (`hub::task::STALE_AFTER`): a file that names none pins the day (a broker default
+            // set shorter would otherwise pass unseen).
+            if t.name.ends_with(".changelog") {
+                let kept = t.delete_retention.get_or_insert_with(|| "1d".to_string());
+                let ms = humantime::parse_duration(kept)
+                    .map_err(|e| format!("topic {}: delete_retention: {e}", t.name))?
+                    .as_millis();
+                if ms < CHANGELOG_MIN_DELETE_RETENTION_MS as u128 {
+                    return Err(format!(
+                        "topic {}: delete_retention must be at least 1d: a hub store up to 12 h \
+                         old restores only the changelog's tail, which must still hold the \
+                         deletions made meanwhile",
+                        t.name
+                    ));
+                }
+            }
+        }
         for t in &file.topic {
             if t.partitions < 1 {
                 return Err(format!("topic {}: partitions must be at least 1", t.name));
@@ -575,6 +613,41 @@ mod tests {
             t.followed_own_topic("^.*"),
             Some("streaming-hub.inbox".to_string())
         );
+    }
+
+    #[test]
+    fn a_changelog_keeps_tombstones_at_least_a_day() {
+        let file = |extra: &str| {
+            format!(
+                "[[topic]]\nname = \"hub.jobs.changelog\"\npartitions = 1\n\
+                 cleanup_policy = \"compact\"\nmin_insync_replicas = 1\n{extra}"
+            )
+        };
+        // Named nowhere: the day is pinned, so a shorter broker default is compared and refused.
+        let t = Topology::parse(&file(""), "p", 1).unwrap();
+        let jobs = t.spec("hub.jobs.changelog").unwrap();
+        assert_eq!(
+            t.desired_configs(jobs)
+                .get("delete.retention.ms")
+                .map(String::as_str),
+            Some("86400000")
+        );
+        let e = Topology::parse(&file("delete_retention = \"1h\"\n"), "p", 1).unwrap_err();
+        assert!(e.contains("delete_retention must be at least 1d"), "{e}");
+        assert!(Topology::parse(&file("delete_retention = \"2d\"\n"), "p", 1).is_ok());
+        assert!(changelog_tombstones_too_short(
+            "p.hub.jobs.changelog",
+            "3600000"
+        ));
+        assert!(!changelog_tombstones_too_short(
+            "p.hub.jobs.changelog",
+            "86400000"
+        ));
+        // Other compacted topics keep their own setting.
+        assert!(!changelog_tombstones_too_short(
+            "p.subscriptions",
+            "3600000"
+        ));
     }
 
     #[test]

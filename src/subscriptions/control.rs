@@ -283,6 +283,10 @@ enum Writer {
     /// timeout after the send); otherwise writes go as [`Writer::Memory`]'s.
     #[cfg(test)]
     Failing(Arc<std::sync::atomic::AtomicBool>),
+    /// Each write waits for the gate to open once, then goes as [`Writer::Memory`]'s (a broker
+    /// slow to take it).
+    #[cfg(test)]
+    Gated(Arc<tokio::sync::Notify>),
     Kafka {
         producer: FutureProducer,
         topic: String,
@@ -305,6 +309,13 @@ impl Subscriptions {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "0")
+            // A write the broker has not taken within this fails (librdkafka's default is 300
+            // s): the writer holds this instance's write lock meanwhile, and every other
+            // tenant's PATCH, DELETE and rotation waits behind it.
+            .set(
+                "message.timeout.ms",
+                CONTROL_SEND_TIMEOUT.as_millis().to_string(),
+            )
             .create()
             .map_err(|e| KafkaError::Setup(e.to_string()))?;
         Ok(Subscriptions {
@@ -351,6 +362,15 @@ impl Subscriptions {
         }
     }
 
+    /// [`Subscriptions::in_memory`] whose writes each wait for one `gate.notify_one()`.
+    #[cfg(test)]
+    pub fn gated(codec: Arc<Codec>, gate: Arc<tokio::sync::Notify>) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::Gated(gate),
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
     /// [`Subscriptions::in_memory`] whose writes play out as `script` says: what the control
     /// reader then applies to the table, and where each write landed (see `Writer::Scripted`).
     #[cfg(test)]
@@ -391,6 +411,29 @@ impl Subscriptions {
 
     /// Writes a subscription (create or update) and returns once the table shows this version.
     pub async fn put(&self, rec: SubscriptionRecord) -> Result<(), RepoError> {
+        self.put_holding(rec, ()).await
+    }
+
+    /// [`Subscriptions::put`] as a task of its own, `hold` (the write lock's guard) kept until
+    /// it ends. A caller dropped midway (the HTTP client went away) does not stop it between
+    /// the broker taking the record and this instance's table showing it: stopped there, the
+    /// table kept the version before, and the next write made here from it (the pending
+    /// retrier's, a PATCH's) undid this one on every instance.
+    pub async fn put_holding<H: Send + 'static>(
+        &self,
+        rec: SubscriptionRecord,
+        hold: H,
+    ) -> Result<(), RepoError> {
+        let this = self.clone();
+        detached(async move {
+            let written = this.put_now(rec).await;
+            drop(hold);
+            written
+        })
+        .await
+    }
+
+    async fn put_now(&self, rec: SubscriptionRecord) -> Result<(), RepoError> {
         let bytes = self
             .codec
             .encode(RecordKind::Subscription, &rec)
@@ -417,6 +460,12 @@ impl Subscriptions {
                 if failing.load(std::sync::atomic::Ordering::SeqCst) {
                     return Err(RepoError::Write("Message timed out".into()));
                 }
+                self.table.apply(|t| t.upsert(rec.clone()));
+                None
+            }
+            #[cfg(test)]
+            Writer::Gated(gate) => {
+                gate.notified().await;
                 self.table.apply(|t| t.upsert(rec.clone()));
                 None
             }
@@ -458,6 +507,27 @@ impl Subscriptions {
 
     /// Deletes a subscription (a tombstone) and returns once the table no longer has it.
     pub async fn delete(&self, id: &str) -> Result<(), RepoError> {
+        self.delete_holding(id, ()).await
+    }
+
+    /// [`Subscriptions::delete`] as a task of its own, `hold` kept until it ends (see
+    /// [`Subscriptions::put_holding`]: a tombstone the broker took but this instance's table
+    /// never showed let the pending retrier write the subscription back).
+    pub async fn delete_holding<H: Send + 'static>(
+        &self,
+        id: &str,
+        hold: H,
+    ) -> Result<(), RepoError> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move {
+            let deleted = this.delete_now(&id).await;
+            drop(hold);
+            deleted
+        })
+        .await
+    }
+
+    async fn delete_now(&self, id: &str) -> Result<(), RepoError> {
         let at: Option<(i32, i64)> = match &self.writer {
             Writer::Memory => {
                 self.table.apply(|t| {
@@ -474,6 +544,14 @@ impl Subscriptions {
                 if failing.load(std::sync::atomic::Ordering::SeqCst) {
                     return Err(RepoError::Write("Message timed out".into()));
                 }
+                self.table.apply(|t| {
+                    t.remove(id);
+                });
+                None
+            }
+            #[cfg(test)]
+            Writer::Gated(gate) => {
+                gate.notified().await;
                 self.table.apply(|t| {
                     t.remove(id);
                 });
@@ -523,6 +601,18 @@ impl Subscriptions {
     }
 }
 
+/// How long a control-topic write may wait for the broker to take it.
+const CONTROL_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs a write to its end whatever becomes of the caller.
+async fn detached(
+    write: impl std::future::Future<Output = Result<(), RepoError>> + Send + 'static,
+) -> Result<(), RepoError> {
+    tokio::spawn(write)
+        .await
+        .unwrap_or_else(|e| Err(RepoError::Write(format!("the write's task ended: {e}"))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,6 +630,59 @@ mod tests {
         let mut rec = SubscriptionRecord::pull("sub-1", "acme", &["transaction.*"]);
         rec.version = 2;
         rec
+    }
+
+    /// A caller dropped while its write waits on the broker (an HTTP client that went away) does
+    /// not stop the write: the table shows it once the broker takes it, and the write lock the
+    /// caller held stays taken until then. Dropped with the caller before, the write could land
+    /// on the topic while this instance's table kept the version before it, and the next write
+    /// made here from that version undid it on every instance.
+    #[tokio::test]
+    async fn a_write_whose_caller_is_dropped_still_ends() {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let subs = Subscriptions::gated(Arc::new(Codec::new().unwrap()), gate.clone());
+        let lock = Arc::new(tokio::sync::Mutex::new(()));
+        for deletion in [false, true] {
+            let guard = lock.clone().lock_owned().await;
+            let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let caller = {
+                let (subs, started) = (subs.clone(), started.clone());
+                tokio::spawn(async move {
+                    // In the same poll as the write's start (a current-thread runtime).
+                    started.store(true, std::sync::atomic::Ordering::SeqCst);
+                    if deletion {
+                        subs.delete_holding("sub-1", guard).await
+                    } else {
+                        subs.put_holding(v2(), guard).await
+                    }
+                })
+            };
+            // The caller is in its write, waiting on the broker; then it is dropped.
+            while !started.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::task::yield_now().await;
+            }
+            caller.abort();
+            assert!(caller.await.unwrap_err().is_cancelled());
+            assert!(
+                lock.try_lock().is_err(),
+                "the lock was given back mid-write"
+            );
+            gate.notify_one();
+            let written = subs
+                .table()
+                .wait_for(Duration::from_secs(10), |t| {
+                    t.get("sub-1").is_some() != deletion
+                })
+                .await;
+            assert!(
+                written,
+                "the write stopped with its caller (deletion: {deletion})"
+            );
+            // Given back once the write has ended.
+            let _ = tokio::time::timeout(Duration::from_secs(10), lock.lock())
+                .await
+                .expect("the lock was never given back");
+        }
     }
 
     /// Another instance deleted the subscription right after this write, and the reader applied

@@ -429,7 +429,7 @@ impl PendingRetrier {
         probed: &SubscriptionRecord,
         state: VerificationState,
     ) -> Result<bool, RepoError> {
-        let _guard = self.writes.lock().await;
+        let guard = self.writes.clone().lock_owned().await;
         let Some(latest) = self.subs.get(&probed.id) else {
             return Ok(false);
         };
@@ -446,7 +446,7 @@ impl PendingRetrier {
         next.verification_state = state;
         next.version += 1;
         next.updated_at = self.clock.now_ms();
-        match self.subs.put(next).await {
+        match self.subs.put_holding(next, guard).await {
             // The broker has it (this instance's table too): written.
             Ok(()) | Err(RepoError::NotSeen(_)) => Ok(true),
             Err(e) => Err(e),

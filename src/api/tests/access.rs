@@ -175,3 +175,18 @@ async fn tenant_token_cannot_name_another_tenant() {
     );
     assert!(h.state.subs.list("other").is_empty());
 }
+
+/// Without the test clock, `/admin/clock/advance` is no route at all: the same `404` for any
+/// caller and any body (it checked the token and the body first, which told that it existed).
+#[tokio::test]
+async fn the_clock_route_is_unknown_without_the_test_clock() {
+    let h = Harness::new();
+    for token in [h.token("acme"), h.admin_token()] {
+        for body in [json!({"by": "1s"}), json!({})] {
+            let a = h.post("/admin/clock/advance", &token, body.clone()).await;
+            assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.text);
+            assert_eq!(a.body["error"]["code"], "not_found");
+            assert_eq!(a.body["error"]["message"], "no such route");
+        }
+    }
+}

@@ -24,6 +24,7 @@ use crate::subscriptions::secrets::Kek;
 mod access;
 mod crud;
 mod known_errors;
+mod limits;
 mod rotation;
 mod validation;
 mod verification;
@@ -79,6 +80,20 @@ impl Harness {
     }
 
     fn with_subs(open: bool, subs: Subscriptions) -> Harness {
+        // Tests write freely: `limits.rs` tests the write rate with a limit of its own.
+        Harness::with_vars(open, subs, &[("STREAMING_HUB_API_WRITE_RATE", "0")])
+    }
+
+    /// [`Harness::new`] with `vars` set too.
+    pub fn with_settings(vars: &[(&str, &str)]) -> Harness {
+        Harness::with_vars(
+            true,
+            Subscriptions::in_memory(Arc::new(Codec::new().unwrap())),
+            vars,
+        )
+    }
+
+    fn with_vars(open: bool, subs: Subscriptions, extra: &[(&str, &str)]) -> Harness {
         let kek = base64::engine::general_purpose::STANDARD.encode([42u8; 32]);
         let vars = [
             ("STREAMING_HUB_JWT_SECRET", JWT_SECRET.to_string()),
@@ -87,7 +102,12 @@ impl Harness {
             ("STREAMING_HUB_ALLOW_INSECURE_SINKS", open.to_string()),
             ("STREAMING_HUB_HTTP_TIMEOUT", "3s".to_string()),
         ];
-        let config = Config::from_vars(vars.map(|(k, v)| (k.to_string(), v))).unwrap();
+        let config = Config::from_vars(
+            vars.into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .chain(extra.iter().map(|(k, v)| (k.to_string(), v.to_string()))),
+        )
+        .unwrap();
         let clock = ManualClock::new(START_MS);
         let state = ApiState::from_config(&config, subs, Arc::new(clock.clone())).unwrap();
         Harness { state, clock }

@@ -1,0 +1,300 @@
+//! The HTTP server of the API, `/metrics` and the health endpoints, with the limits
+//! `axum::serve` does not set: at most [`Limits::max_connections`] connections at once (past
+//! it, new ones wait in the kernel's accept queue), and a read timeout for a request's headers
+//! (hyper's, which also closes a keep-alive connection idle that long) and then for its body.
+//! Without them a client that opens connections and sends nothing, or a byte a minute, holds a
+//! socket, a task and hyper's read buffer for as long as it likes, until the process runs out of
+//! file descriptors, which deliveries, RocksDB and Kafka need too.
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tower::ServiceExt;
+
+/// How long a graceful stop waits for open connections to finish their request.
+const DRAIN: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_connections: usize,
+    /// `None`: no read timeout.
+    pub read_timeout: Option<Duration>,
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, then stops accepting and gives open
+/// connections [`DRAIN`] to finish the request they are on.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let (stopping, stop_seen) = watch::channel(false);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.read_timeout)
+        .keep_alive(true);
+    let mut at_limit_said = false;
+    tokio::pin!(shutdown);
+    loop {
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if !at_limit_said {
+                    tracing::warn!(
+                        max = limits.max_connections,
+                        "HTTP connections at STREAMING_HUB_HTTP_MAX_CONNECTIONS: new ones wait"
+                    );
+                    at_limit_said = true;
+                }
+                tokio::select! {
+                    _ = &mut shutdown => break,
+                    p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+                }
+            }
+        };
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before it was taken: the
+                    // listener stays usable; a pause keeps a persistent error from spinning.
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        if permits.available_permits() > 0 {
+            at_limit_said = false;
+        }
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let read_timeout = limits.read_timeout;
+        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let req = req.map(|body| match read_timeout {
+                Some(limit) => Body::new(BodyDeadline::new(body, limit)),
+                None => Body::new(body),
+            });
+            router.clone().oneshot(req)
+        });
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        let mut stop_seen = stop_seen.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = stop_seen.wait_for(|s| *s) => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(DRAIN, conn).await;
+        });
+    }
+    let _ = stopping.send(true);
+    // Every connection task holds a permit: all of them back = all connections closed.
+    let all = u32::try_from(limits.max_connections.max(1)).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), permits.acquire_many(all)).await;
+}
+
+/// A request body that must arrive whole within its deadline, counted from when its headers
+/// were read; past it, reading it fails (the handler answers `400`).
+struct BodyDeadline {
+    inner: Incoming,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    limit: Duration,
+}
+
+impl BodyDeadline {
+    fn new(inner: Incoming, limit: Duration) -> BodyDeadline {
+        BodyDeadline {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(limit)),
+            limit,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {0:?}")]
+struct BodyTimedOut(Duration);
+
+impl hyper::body::Body for BodyDeadline {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(BodyTimedOut(self.limit).into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::{get, post};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// A real server on 127.0.0.1 with `limits`; the sender stops it.
+    async fn start(limits: Limits) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let router = Router::new()
+            .route("/ok", get(|| async { "ok" }))
+            .route("/echo", post(|body: Bytes| async move { body }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(listener, router, limits, async move {
+            let _ = stopped.await;
+        }));
+        (addr, stop)
+    }
+
+    /// Reads until the server closes the connection; what it sent.
+    async fn read_to_close(s: &mut TcpStream, within: Duration) -> Option<String> {
+        let mut got = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut got))
+            .await
+            .ok()?
+            .ok()?;
+        Some(String::from_utf8_lossy(&got).into_owned())
+    }
+
+    async fn get_ok(addr: std::net::SocketAddr) -> String {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        read_to_close(&mut s, Duration::from_secs(10))
+            .await
+            .expect("an answer")
+    }
+
+    #[tokio::test]
+    async fn headers_that_never_finish_are_cut_at_the_read_timeout() {
+        let limits = Limits {
+            max_connections: 8,
+            read_timeout: Some(Duration::from_millis(300)),
+        };
+        let (addr, _stop) = start(limits).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /ok HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        // Without the timeout the server waits for the rest forever: no close within 20 s.
+        let answer = read_to_close(&mut s, Duration::from_secs(20)).await;
+        assert!(answer.is_some(), "the connection was not closed");
+        assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"));
+    }
+
+    #[tokio::test]
+    async fn an_idle_keep_alive_connection_is_closed_at_the_read_timeout() {
+        let limits = Limits {
+            max_connections: 8,
+            read_timeout: Some(Duration::from_millis(300)),
+        };
+        let (addr, _stop) = start(limits).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_to_close(&mut s, Duration::from_secs(20))
+            .await
+            .expect("the idle connection was not closed");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_never_finishes_is_refused_at_the_read_timeout() {
+        let limits = Limits {
+            max_connections: 8,
+            read_timeout: Some(Duration::from_millis(300)),
+        };
+        let (addr, _stop) = start(limits).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nabc")
+            .await
+            .unwrap();
+        let answer = read_to_close(&mut s, Duration::from_secs(20))
+            .await
+            .expect("no answer to a body that never finished");
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn connections_past_the_limit_wait_until_one_closes() {
+        let limits = Limits {
+            max_connections: 2,
+            read_timeout: None,
+        };
+        let (addr, _stop) = start(limits).await;
+        // Two connections that send nothing hold both places.
+        let first = TcpStream::connect(addr).await.unwrap();
+        let second = TcpStream::connect(addr).await.unwrap();
+        let waiting = tokio::spawn(get_ok(addr));
+        // The third is not served while both are held (no read timeout closes them): its answer
+        // would come at once otherwise.
+        let early = tokio::time::timeout(Duration::from_millis(500), async {
+            while !waiting.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(
+            early.is_err(),
+            "a third connection was served past the limit"
+        );
+        drop(first);
+        let answer = waiting.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        drop(second);
+    }
+
+    #[tokio::test]
+    async fn a_stop_ends_the_server_with_an_idle_connection_open() {
+        let limits = Limits {
+            max_connections: 4,
+            read_timeout: None,
+        };
+        let router = Router::new().route("/ok", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, router, limits, async move {
+            let _ = stopped.await;
+        }));
+        let _idle = TcpStream::connect(addr).await.unwrap();
+        assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"));
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(20), server)
+            .await
+            .expect("the server did not stop")
+            .unwrap();
+    }
+}
