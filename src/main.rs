@@ -229,13 +229,13 @@ fn main() -> ExitCode {
             eprintln!("streaming-hub token: give --tenant, or --admin");
             return ExitCode::from(2);
         }
-        if tenant
+        if let Some(Err(fault)) = tenant
             .as_deref()
-            .is_some_and(|t| !streaming_hub::api::auth::valid_tenant(t))
+            .map(streaming_hub::ingest::tenant::check_tenant)
         {
             eprintln!(
-                "streaming-hub token: --tenant must be 1-256 bytes without control characters \
-                 (the API refuses any other)"
+                "streaming-hub token: --tenant {fault}; it must be {} (the API refuses any other)",
+                streaming_hub::ingest::tenant::TENANT_RULE
             );
             return ExitCode::from(2);
         }

@@ -22,16 +22,17 @@ use sha2::Sha256;
 
 use super::ApiState;
 use super::errors::{ApiError, codes};
-use crate::ingest::classify::MAX_TENANT_BYTES;
+use crate::ingest::tenant::{TENANT_RULE, check_tenant};
 use crate::runtime::secret::Secret;
 
 /// Longest `Authorization` value considered.
 const MAX_TOKEN_BYTES: usize = 8 * 1024;
 
 /// A tenant id as the hub takes it, wherever it comes from (a token, a body, an apply file, the
-/// `token` command): 1 to 256 bytes, no control character.
+/// `token` command): the rule ingest holds `ce-tenantid` to ([`crate::ingest::tenant`]), 1 to 256
+/// bytes without whitespace, control, format or other invisible characters.
 pub fn valid_tenant(t: &str) -> bool {
-    !t.is_empty() && t.len() <= MAX_TENANT_BYTES && !t.chars().any(char::is_control)
+    check_tenant(t).is_ok()
 }
 
 /// The key that signs and checks API tokens.
@@ -148,7 +149,7 @@ impl Caller {
             if !valid_tenant(t) {
                 return Err(field(
                     "invalid",
-                    "tenant_id must be 1-256 bytes without control characters",
+                    &format!("tenant_id must be {TENANT_RULE}"),
                 ));
             }
         }
@@ -208,12 +209,12 @@ pub fn verify(keys: &JwtKeys, token: &str, now_secs: i64) -> Result<Caller, Toke
     let tenant = claims.tenant_id.filter(|t| {
         let valid = valid_tenant(t);
         if !valid && !t.is_empty() {
-            // The id itself may be what breaks the rule (too long, control characters): its
+            // The id itself may be what breaks the rule (too long, invisible characters): its
             // length only.
             tracing::warn!(
                 tenant_bytes = t.len(),
-                "a token names a tenant the API does not take (1-256 bytes without control \
-                 characters): taken as naming none"
+                rule = TENANT_RULE,
+                "a token names a tenant the API does not take: taken as naming none"
             );
         }
         valid
@@ -290,6 +291,31 @@ mod tests {
     }
 
     #[test]
+    fn a_named_tenant_with_whitespace_or_an_invisible_character_is_a_400_naming_tenant_id() {
+        let admin = Caller {
+            tenant: None,
+            admin: true,
+        };
+        for bad in [
+            "acme ",
+            "\u{a0}acme",
+            "acme ltda",
+            "acme\u{200b}",
+            "acme\u{202e}1",
+            "\u{feff}acme",
+        ] {
+            let e = admin.tenant_for(Some(bad)).unwrap_err();
+            assert_eq!(
+                (e.status.as_u16(), e.code.as_str(), e.field.as_deref()),
+                (400, "invalid", Some("tenant_id")),
+                "{bad:?}"
+            );
+            assert!(e.message.contains(TENANT_RULE), "{}", e.message);
+        }
+        assert_eq!(admin.tenant_for(Some("acme")).unwrap(), "acme");
+    }
+
+    #[test]
     fn a_lifetime_past_i64_seconds_mints_a_token_that_has_not_expired() {
         let t = mint_at(
             &keys().secret,
@@ -330,7 +356,18 @@ mod tests {
     #[test]
     fn a_token_whose_own_tenant_breaks_the_rule_names_none() {
         let long = "t".repeat(257);
-        for bad in ["", "a\u{0}b", "line\nbreak", long.as_str()] {
+        for bad in [
+            "",
+            "a\u{0}b",
+            "line\nbreak",
+            long.as_str(),
+            " acme",
+            "acme ltda",
+            "acme\u{a0}ltda",
+            "acme\u{200b}",
+            "\u{feff}acme",
+            "acme\u{202e}1",
+        ] {
             assert!(!valid_tenant(bad));
             let t = mint_at(
                 &keys().secret,
@@ -353,7 +390,9 @@ mod tests {
             );
             assert_eq!(verify(&keys(), &a, NOW).unwrap().tenant, None, "{bad:?}");
         }
-        assert!(valid_tenant(&"t".repeat(256)) && valid_tenant("acme ltda"));
+        assert!(
+            valid_tenant(&"t".repeat(256)) && valid_tenant("acme_ltda") && valid_tenant("租户")
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! per event. An expired entry not yet purged counts as absent.
 //!
 //! Keys: dedup = `tenant 0x00 ce-id` (a tenant id cannot contain NUL: ingest quarantines control
-//! characters); sequence = `tenant`. On the state changelog (the jobs changelog) they are written
+//! characters), a UUIDv7 `ce-id` in lower case (see [`dedup_key`]); sequence = `tenant`. On the state changelog (the jobs changelog) they are written
 //! behind `d/` and `s/` (see `hub::task`).
 use crate::runtime::records::DedupEntry;
 
@@ -50,11 +50,20 @@ pub fn judge(existing: Option<&DedupEntry>, partition: i32, offset: i64, ingest_
     }
 }
 
+/// The store key of (tenant, ce-id). A UUIDv7 id is keyed in lower case: its hex digits' case
+/// does not change a UUID (RFC 9562 §4), ingest takes either, and `0190A8E2-…` next to
+/// `0190a8e2-…` is one event written twice (each copy was delivered). Any other id (allowed with
+/// `STREAMING_HUB_REQUIRE_UUIDV7=false`) is keyed as written: case may tell a producer's ids apart.
+/// The id itself, as stored and as delivered, stays as the producer wrote it.
 pub fn dedup_key(tenant: &str, ce_id: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(tenant.len() + 1 + ce_id.len());
     k.extend_from_slice(tenant.as_bytes());
     k.push(0);
-    k.extend_from_slice(ce_id.as_bytes());
+    if ce_id.bytes().any(|b| b.is_ascii_uppercase()) && crate::ingest::classify::is_uuidv7(ce_id) {
+        k.extend(ce_id.bytes().map(|b| b.to_ascii_lowercase()));
+    } else {
+        k.extend_from_slice(ce_id.as_bytes());
+    }
     k
 }
 
@@ -238,6 +247,38 @@ mod tests {
             judge(Some(&e), 2, 99, 4_999),
             Seen::Duplicate { first_offset: 10 }
         );
+    }
+
+    #[test]
+    fn a_uuidv7_id_in_upper_case_is_a_duplicate_of_the_same_id_in_lower_case() {
+        let lower = "0190a8e2-0000-7000-8000-00000000abcd";
+        let upper = "0190A8E2-0000-7000-8000-00000000ABCD";
+        let mixed = "0190a8E2-0000-7000-8000-00000000AbCd";
+        assert_eq!(dedup_key("t", upper), dedup_key("t", lower));
+        assert_eq!(dedup_key("t", mixed), dedup_key("t", lower));
+        assert_eq!(
+            dedup_key("t", upper),
+            [b"t\0".as_slice(), lower.as_bytes()].concat()
+        );
+        // Still scoped by tenant, which is never folded.
+        assert_ne!(dedup_key("T", upper), dedup_key("t", lower));
+        // A free-form id (relaxed STREAMING_HUB_REQUIRE_UUIDV7) keeps its case, and so does a
+        // UUID of another version or a UUIDv7 in another form: those are not UUIDv7 ids to ingest.
+        let (simple_upper, simple_lower) = (upper.replace('-', ""), lower.replace('-', ""));
+        for (a, b) in [
+            ("Order-ABC", "order-abc"),
+            (
+                "0190A8E2-0000-4000-8000-00000000ABCD",
+                "0190a8e2-0000-4000-8000-00000000abcd",
+            ),
+            (simple_upper.as_str(), simple_lower.as_str()),
+        ] {
+            assert_ne!(dedup_key("t", a), dedup_key("t", b), "{a}");
+            assert_eq!(
+                dedup_key("t", a),
+                [b"t\0".as_slice(), a.as_bytes()].concat()
+            );
+        }
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //! 1. **Header structure** — over every header named `ce-*` (names are case-sensitive: `CE-Id` is not
 //!    a CloudEvents header and is ignored), in header order: a null value, a value that is not UTF-8,
 //!    a name or value holding a control character (C0 including CR, LF, NUL; DEL; C1), or a name
-//!    that is not an HTTP token (it could not be sent as a header of a delivery) →
+//!    whose rest after `ce-` is empty or holds anything but ASCII letters and digits (CloudEvents
+//!    1.0 attribute names are `a-z0-9`; upper case is folded, as HTTP reads names in any case;
+//!    such a name is also an HTTP token, so it can be sent as a header of a delivery) →
 //!    `invalid_header_encoding`; a value over 8 KiB as sent (it becomes an HTTP header of every
 //!    delivery, percent-encoded: space, `"`, `%` and non-ASCII bytes count three) →
 //!    `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
@@ -23,15 +25,21 @@
 //!    malformed header structure or an oversized payload is still quarantined: it is evidence of a
 //!    broken producer. Any other `ce-systemevent` value means a business event.
 //! 4. **Attributes**, each "absent → `missing_header`" then its own rule: `ce-specversion` (`1.0`),
-//!    `ce-id`, `ce-source`, `ce-resourcetype`, `ce-eventtype` (non-empty, no dot → `invalid_type`),
-//!    `ce-type` (shape → `invalid_type`, disagreement with source/resource/event → `type_mismatch`),
-//!    `ce-time`, `ce-schemaversion`; with `require_source_topic`, right after `ce-type`: a record
-//!    of a topic named `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` →
-//!    `source_mismatch` (failing closed: `lerian.streaming.ledger.v2` names no source, so
-//!    nothing matches it); topics not starting with `lerian.streaming.` are not checked.
-//! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`; over [`MAX_TENANT_BYTES`] →
+//!    `ce-id`, `ce-source`, `ce-resourcetype`, `ce-eventtype` (non-empty, no dot, at most
+//!    [`MAX_TYPE_NAME_BYTES`] → `invalid_type`), `ce-type` (shape → `invalid_type`, disagreement
+//!    with source/resource/event → `type_mismatch`), `ce-time`, `ce-schemaversion`; with
+//!    `require_source_topic`, right after `ce-type`: a record of a topic named
+//!    `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` → `source_mismatch` (failing
+//!    closed: `lerian.streaming.ledger.v2` names no source, so nothing matches it); topics not
+//!    starting with `lerian.streaming.` are not checked. Then the optional ones, when present:
+//!    `ce-subject` empty or blank → `invalid_subject`; `ce-dataschema` not a URI reference (see
+//!    below) → `invalid_dataschema`.
+//! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`; any other id the API would
+//!    not take ([`super::tenant`]: over [`MAX_TENANT_BYTES`], leading or trailing whitespace, a
+//!    whitespace, format or other invisible character such as U+00A0, U+200B, U+202E, U+FEFF) →
 //!    `invalid_tenant` (no subscription or token could name that tenant, so its events could
-//!    never be delivered; control characters were refused in step 1).
+//!    never be delivered, and an id must not look like another; control characters were refused
+//!    in step 1).
 //! 6. **Signature**, only with `require_signatures` (the HMAC runs only for otherwise valid records):
 //!    `ce-sig` or `ce-sigkid` absent → `signature_missing`; a key id the hub does not know →
 //!    `signature_unknown_key`; a known key bound to another `ce-source`, a malformed `ce-sig` or a
@@ -45,11 +53,14 @@
 //!    it, and verifying with an incomplete key set would quarantine good records.
 //!
 //! Profiles of the rules, where the issue leaves room:
-//! - `ce-id`: a UUIDv7 in the 36-character hyphenated form (either hex case), RFC 9562 variant.
+//! - `ce-id`: a UUIDv7 in the 36-character hyphenated form (either hex case, one id to dedup:
+//!   [`crate::hub::dedup::dedup_key`] folds it), RFC 9562 variant.
 //!   Relaxed (`require_uuidv7 = false`): 1–256 bytes without control characters.
 //! - `ce-time`: `YYYY-MM-DDTHH:MM:SS[.f{1,9}](Z|±HH:MM)` with a real calendar date. Upper-case `T` and
 //!   `Z` only, seconds 00–59: the value is forwarded to subscribers, whose parsers (Go, Java) reject
 //!   lower case and leap seconds.
+//! - `ce-dataschema`: a URI reference (RFC 3986 §4.1), absolute or relative, in ASCII; see
+//!   [`check_uri_reference`] for what is checked.
 //! - `ce-schemaversion`: optional `v`, then 1–3 dot-separated decimal parts without leading zeros
 //!   (the SemVer rule), each fitting a u32; no sign. A full version (3 parts) may carry a SemVer
 //!   pre-release (`-rc.1`) and build (`+sha.5114f85`); the major is the first part.
@@ -59,6 +70,7 @@
 use std::fmt::Write as _;
 
 use super::signature::{SIGNED_HEADERS, SignatureError, SignatureKeys, is_valid_source};
+use super::tenant::{TenantFault, check_tenant};
 
 /// What ingest needs to judge records. Defaults: UUIDv7 required, 1 MiB payloads, no signatures.
 #[derive(Debug, Clone)]
@@ -167,10 +179,12 @@ pub enum Reason {
     SignatureExpired,
     SourceMismatch,
     SystemEventWithTenant,
+    InvalidSubject,
+    InvalidDataschema,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 22] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -191,6 +205,8 @@ impl Reason {
         Reason::SignatureExpired,
         Reason::SourceMismatch,
         Reason::SystemEventWithTenant,
+        Reason::InvalidSubject,
+        Reason::InvalidDataschema,
     ];
 
     /// The stable snake_case code written to `x-streaming-hub-reason` and used as a metric label.
@@ -216,6 +232,8 @@ impl Reason {
             Reason::SignatureExpired => "signature_expired",
             Reason::SourceMismatch => "source_mismatch",
             Reason::SystemEventWithTenant => "system_event_with_tenant",
+            Reason::InvalidSubject => "invalid_subject",
+            Reason::InvalidDataschema => "invalid_dataschema",
         }
     }
 
@@ -240,9 +258,7 @@ impl std::fmt::Display for Reason {
     }
 }
 
-/// The longest tenant id the hub takes, from a record (`ce-tenantid`), a token, a body or an apply
-/// file: it keys the inbox, every store and every token.
-pub const MAX_TENANT_BYTES: usize = 256;
+pub use super::tenant::MAX_TENANT_BYTES;
 
 // Slots of the known `ce-*` headers: the 15 signed ones in canonical order, then `ce-sig`.
 const SPECVERSION: usize = 0;
@@ -250,7 +266,9 @@ const ID: usize = 1;
 const SOURCE: usize = 2;
 const TYPE: usize = 3;
 const TIME: usize = 4;
+const SUBJECT: usize = 5;
 const TENANTID: usize = 6;
+const DATASCHEMA: usize = 8;
 const SCHEMAVERSION: usize = 9;
 const RESOURCETYPE: usize = 10;
 const EVENTTYPE: usize = 11;
@@ -296,6 +314,15 @@ fn shown(s: &str) -> String {
     out
 }
 
+/// A `ce-*` header name that names a CloudEvents 1.0 attribute: after `ce-`, one or more ASCII
+/// letters and digits. The attribute name is the rest folded to lower case (HTTP reads header
+/// names in any case); CloudEvents allows only `a-z` and `0-9` in it. Every such name is an HTTP
+/// token.
+fn is_attribute_header_name(name: &str) -> bool {
+    name.strip_prefix("ce-")
+        .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
 /// A byte of an HTTP field name (RFC 9110 `tchar`).
 fn is_http_token_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
@@ -337,6 +364,12 @@ pub const MAX_CE_VALUE_BYTES: usize = 8 * 1024;
 /// hub's own and the subscription's custom ones included). Each value within its own limit, a
 /// few long ones together were refused by such a receiver at every attempt for 28 hours.
 pub const MAX_CE_TOTAL_BYTES: usize = 10 * 1024;
+/// Longest `ce-resourcetype` and `ce-eventtype`, each, in bytes. Deliveries send
+/// `<resource>.<event>` as `X-Lerian-Event-Type` besides the `ce-*` headers, outside
+/// [`MAX_CE_TOTAL_BYTES`]: with these caps it adds at most 511 bytes (three times that once
+/// percent-encoded). The same number bounds a subscription's event type key (`<resource>.<event>`
+/// in 255 bytes in all), so no subscription could name a longer one.
+pub const MAX_TYPE_NAME_BYTES: usize = 255;
 /// Returns the known attributes' slots and the first other `ce-*` header (an extension), if any.
 fn scan<'h>(
     headers: &[(&'h str, Option<&'h [u8]>)],
@@ -352,11 +385,14 @@ fn scan<'h>(
         if has_control(name) {
             return encoding(format_args!("control character in the header name"));
         }
-        // Every `ce-*` header becomes an HTTP request header of each delivery: a name HTTP does
-        // not allow could never be sent.
-        if !name.bytes().all(is_http_token_byte) {
+        // Every `ce-*` header becomes an attribute of the event, and an HTTP request header of
+        // each delivery: a name CloudEvents does not allow (`ce-trace_id`, `ce-partition-key`,
+        // `ce-a.b`) is refused or dropped by subscribers' SDKs, and one HTTP does not allow could
+        // never be sent.
+        if !is_attribute_header_name(name) {
             return encoding(format_args!(
-                "the header name is not an HTTP token, so it cannot be sent to subscribers"
+                "not a CloudEvents attribute name: after ce-, one or more ASCII letters and \
+                 digits (CloudEvents 1.0 names are a-z and 0-9; header names are read in any case)"
             ));
         }
         let Some(value) = value else {
@@ -556,6 +592,14 @@ fn judge(
                 "must be non-empty without dots",
             );
         }
+        if v.len() > MAX_TYPE_NAME_BYTES {
+            let rule = format!(
+                "is {} bytes, over {MAX_TYPE_NAME_BYTES} (it is sent in X-Lerian-Event-Type, \
+                 and no subscription could name it)",
+                v.len()
+            );
+            return bad(Reason::InvalidType, slot, v, &rule);
+        }
     }
     let ty = required(TYPE)?;
     let mut parts = ty.split('.');
@@ -612,6 +656,20 @@ fn judge(
             rule,
         );
     };
+    // Optional, but never empty when present (CloudEvents 1.0: `subject` MUST be a non-empty
+    // string, `dataschema` a non-empty URI).
+    if let Some(subject) = slots[SUBJECT] {
+        if subject.trim().is_empty() {
+            let rule = "is empty or blank (leave ce-subject out when the event has none)";
+            return bad(Reason::InvalidSubject, SUBJECT, subject, rule);
+        }
+    }
+    if let Some(schema) = slots[DATASCHEMA] {
+        if let Err(why) = check_uri_reference(schema) {
+            let rule = format!("is not a URI reference (RFC 3986): {why}");
+            return bad(Reason::InvalidDataschema, DATASCHEMA, schema, &rule);
+        }
+    }
     let tenant = slots[TENANTID].unwrap_or_default();
     if tenant.is_empty() {
         let what = if slots[TENANTID].is_some() {
@@ -622,11 +680,13 @@ fn judge(
         let m = at("ce-tenantid", format_args!("{what}"));
         return Err(quarantine(Reason::MissingTenant, m));
     }
-    if tenant.len() > MAX_TENANT_BYTES {
-        let m = at(
-            "ce-tenantid",
-            format_args!("is {} bytes, over {MAX_TENANT_BYTES}", tenant.len()),
-        );
+    // The rule the API holds a tenant to: an id it could not name would never be delivered, and
+    // one that looks like another (a blank, an invisible character) must not pass for it.
+    if let Err(fault) = check_tenant(tenant) {
+        let m = match fault {
+            TenantFault::TooLong { .. } => at("ce-tenantid", format_args!("{fault}")),
+            _ => at("ce-tenantid", format_args!("{} {fault}", shown(tenant))),
+        };
         return Err(quarantine(Reason::InvalidTenant, m));
     }
     if cfg.require_signatures {
@@ -730,11 +790,72 @@ fn verify_signature(
     Err(quarantine(reason, m))
 }
 
-/// A UUIDv7 (RFC 9562 variant) in the 36-character hyphenated form.
-fn is_uuidv7(id: &str) -> bool {
+/// A UUIDv7 (RFC 9562 variant) in the 36-character hyphenated form, hex digits in either case.
+pub(crate) fn is_uuidv7(id: &str) -> bool {
     id.len() == 36
         && uuid::Uuid::try_parse(id)
             .is_ok_and(|u| u.get_version_num() == 7 && u.get_variant() == uuid::Variant::RFC4122)
+}
+
+/// `ce-dataschema`: a URI reference (RFC 3986 §4.1), absolute (`https://…`, `urn:…`) or
+/// relative (`/schemas/account.json`), in ASCII. Checked: not empty; only the characters a URI
+/// holds (unreserved, reserved, `%` and two hex digits; not whitespace, `"`, `<`, `>`, `\`, `^`,
+/// a backtick, `{`, `|`, `}` or non-ASCII, which must be percent-encoded; control characters were
+/// refused in step 1); a part before the first `:` that comes before any `/`, `?`, `#` is a
+/// scheme (`ALPHA *(ALPHA / DIGIT / + - .)`); at most one `#`; `[` and `]` only in the authority
+/// (an IP literal). The rest (the authority's and the path's inner structure) is not parsed:
+/// subscribers take the value as an opaque name.
+fn check_uri_reference(s: &str) -> Result<(), &'static str> {
+    if s.is_empty() {
+        return Err("it is empty");
+    }
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = |at: usize| b.get(at).is_some_and(u8::is_ascii_hexdigit);
+                if !(hex(i + 1) && hex(i + 2)) {
+                    return Err("a % not followed by two hex digits");
+                }
+                i += 3;
+                continue;
+            }
+            c if c.is_ascii_alphanumeric() || b"-._~:/?#[]@!$&'()*+,;=".contains(&c) => {}
+            _ => {
+                return Err(
+                    "a character a URI does not hold (whitespace, a quote, <, >, \\, ^, \
+                            `, {, |, } or non-ASCII: percent-encode it)",
+                );
+            }
+        }
+        i += 1;
+    }
+    let rest = match s.find([':', '/', '?', '#']) {
+        Some(colon) if b[colon] == b':' => {
+            let scheme = &b[..colon];
+            let ok = scheme.first().is_some_and(u8::is_ascii_alphabetic)
+                && scheme
+                    .iter()
+                    .all(|c| c.is_ascii_alphanumeric() || b"+-.".contains(c));
+            if !ok {
+                return Err("the part before the first : is not a scheme");
+            }
+            &s[colon + 1..]
+        }
+        _ => s,
+    };
+    if s.bytes().filter(|&c| c == b'#').count() > 1 {
+        return Err("more than one #");
+    }
+    let outside_authority = match rest.strip_prefix("//") {
+        Some(auth) => auth.find(['/', '?', '#']).map_or("", |end| &auth[end..]),
+        None => rest,
+    };
+    if outside_authority.contains(['[', ']']) {
+        return Err("[ or ] outside the host");
+    }
+    Ok(())
 }
 
 /// `digits` ASCII digits at `at`, as a number.
@@ -1255,6 +1376,24 @@ mod tests {
                 plain,
                 Q(SystemEventWithTenant, "ce-tenantid"),
             ),
+            (
+                "blank subject",
+                ledger().set("ce-subject", " "),
+                plain,
+                Q(InvalidSubject, "ce-subject"),
+            ),
+            (
+                "dataschema not a URI",
+                ledger().set("ce-dataschema", "schemas/account v1.json"),
+                plain,
+                Q(InvalidDataschema, "ce-dataschema"),
+            ),
+            (
+                "dataschema",
+                ledger().set("ce-dataschema", "https://schemas.example/account/v1.json"),
+                plain,
+                Pass,
+            ),
         ];
         let mut seen = std::collections::HashSet::new();
         for (name, rec, cfg, expect) in table {
@@ -1758,10 +1897,12 @@ mod tests {
             let name = Rec::ledger().push(bad, "1");
             assert_quarantined(name.classify(&cfg), Reason::InvalidHeaderEncoding, bad);
         }
+        // An HTTP token, but no CloudEvents attribute name: see the test below.
         let token = Rec::ledger().push("ce-Trace_Id.v2", "1");
-        assert!(
-            matches!(token.classify(&cfg), Verdict::Accept(_)),
-            "any HTTP token is a fine extension name"
+        assert_quarantined(
+            token.classify(&cfg),
+            Reason::InvalidHeaderEncoding,
+            "ce-Trace_Id.v2",
         );
         // Non-ce headers are carried, never judged.
         let other = Rec::ledger()
@@ -1770,6 +1911,58 @@ mod tests {
         accepted(other.classify(&cfg));
         // Non-ASCII text without control characters is fine.
         accepted(Rec::ledger().set("ce-subject", "conta-çé-✓").classify(&cfg));
+    }
+
+    #[test]
+    fn a_ce_name_is_a_cloudevents_attribute_name_of_letters_and_digits() {
+        let cfg = ClassifyConfig::default();
+        for bad in [
+            "ce-trace_id",
+            "ce-partition-key",
+            "ce-a.b",
+            "ce-",
+            "ce-Trace_Id.v2",
+            "ce-TRACE-ID",
+            "ce-x~",
+        ] {
+            let rec = Rec::ledger().push(bad, "1");
+            match rec.classify(&cfg) {
+                Verdict::Quarantine(q) => {
+                    assert_eq!(q.reason, Reason::InvalidHeaderEncoding, "{bad}");
+                    assert!(
+                        q.message
+                            .starts_with(&format!("header {bad}: not a CloudEvents")),
+                        "{}",
+                        q.message
+                    );
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+            // A system event too: its producer is as broken.
+            let system = Rec::system().push(bad, "1");
+            assert_quarantined(system.classify(&cfg), Reason::InvalidHeaderEncoding, bad);
+        }
+        // Upper case is read as lower case, as HTTP reads header names.
+        for good in [
+            "ce-traceid",
+            "ce-TraceId",
+            "ce-partitionkey2",
+            "ce-0",
+            "ce-X",
+        ] {
+            accepted(Rec::ledger().push(good, "1").classify(&cfg));
+        }
+        // Other headers are carried, never judged.
+        for other in [
+            "traceparent",
+            "tracestate",
+            "baggage-trace_id",
+            "x_weird.name",
+            "CE-Trace_Id",
+            "ce_trace.id",
+        ] {
+            accepted(Rec::ledger().push(other, "1").classify(&cfg));
+        }
     }
 
     #[test]
@@ -1849,6 +2042,44 @@ mod tests {
         }
     }
 
+    /// Deliveries send `<resource>.<event>` as `X-Lerian-Event-Type`, outside the budget of the
+    /// `ce-*` headers: each name is capped at what a subscription can name.
+    #[test]
+    fn resource_and_event_types_over_255_bytes_are_invalid_type() {
+        let cfg = ClassifyConfig::default();
+        let typed = |resource: &str, event: &str| {
+            Rec::ledger()
+                .set("ce-resourcetype", resource)
+                .set("ce-eventtype", event)
+                .set(
+                    "ce-type",
+                    &format!("studio.lerian.ledger.{resource}.{event}"),
+                )
+        };
+        let longest = "r".repeat(MAX_TYPE_NAME_BYTES);
+        let a = accepted(typed(&longest, &longest).classify(&cfg));
+        assert_eq!(a.event_key().len(), 2 * MAX_TYPE_NAME_BYTES + 1);
+        // 128 two-byte characters: 256 bytes.
+        let over = "ç".repeat(128);
+        for (resource, event, header) in [
+            (over.as_str(), "created", "ce-resourcetype"),
+            ("account", over.as_str(), "ce-eventtype"),
+        ] {
+            match typed(resource, event).classify(&cfg) {
+                Verdict::Quarantine(q) => {
+                    assert_eq!(q.reason, Reason::InvalidType, "{}", q.message);
+                    assert!(q.message.starts_with(&format!("header {header}: ")));
+                    assert!(
+                        q.message.contains("is 256 bytes, over 255"),
+                        "{}",
+                        q.message
+                    );
+                }
+                other => panic!("{header}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn type_shape_is_invalid_type_and_disagreement_is_type_mismatch() {
         let cfg = ClassifyConfig::default();
@@ -1895,6 +2126,122 @@ mod tests {
                 assert_eq!(q.message, "header ce-tenantid: is 257 bytes, over 256");
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_tenant_id_with_whitespace_or_an_invisible_character_is_invalid_tenant() {
+        let cfg = ClassifyConfig::default();
+        for (tenant, what) in [
+            (" tenant-1", "has leading or trailing whitespace"),
+            ("tenant-1 ", "has leading or trailing whitespace"),
+            ("\u{a0}tenant-1", "has leading or trailing whitespace"),
+            ("   ", "has leading or trailing whitespace"),
+            ("tenant 1", "holds U+0020 at byte 6"),
+            ("tenant\u{a0}1", "holds U+00A0 at byte 6"),
+            ("tenant-1\u{200b}", "holds U+200B at byte 8"),
+            ("\u{202e}1-tnanet", "holds U+202E at byte 0"),
+            ("\u{feff}tenant-1", "holds U+FEFF at byte 0"),
+            ("ten\u{ad}ant", "holds U+00AD at byte 3"),
+        ] {
+            let rec = Rec::ledger().set("ce-tenantid", tenant);
+            match rec.classify(&cfg) {
+                Verdict::Quarantine(q) => {
+                    assert_eq!(q.reason, Reason::InvalidTenant, "{tenant:?}: {}", q.message);
+                    assert!(
+                        q.message.starts_with("header ce-tenantid: ") && q.message.contains(what),
+                        "{tenant:?}: {}",
+                        q.message
+                    );
+                }
+                other => panic!("{tenant:?}: {other:?}"),
+            }
+            // The API would not name that tenant either.
+            assert!(!crate::api::auth::valid_tenant(tenant), "{tenant:?}");
+        }
+        for tenant in ["default", "tenant-1", "租户-7", "acme_ltda.br"] {
+            let a = accepted(Rec::ledger().set("ce-tenantid", tenant).classify(&cfg));
+            assert_eq!(a.tenant, tenant);
+            assert!(crate::api::auth::valid_tenant(tenant));
+        }
+    }
+
+    #[test]
+    fn an_empty_or_blank_subject_is_invalid_subject() {
+        let cfg = ClassifyConfig::default();
+        for subject in ["", " ", "\u{a0}\u{3000}", "  "] {
+            let rec = Rec::ledger().set("ce-subject", subject);
+            assert_quarantined(rec.classify(&cfg), Reason::InvalidSubject, "ce-subject");
+        }
+        for subject in ["acc-1", " acc 1 ", "conta 7 – João"] {
+            accepted(Rec::ledger().set("ce-subject", subject).classify(&cfg));
+        }
+        // Absent is fine: the attribute is optional.
+        accepted(Rec::ledger().remove("ce-subject").classify(&cfg));
+    }
+
+    #[test]
+    fn a_dataschema_must_be_a_uri_reference() {
+        let cfg = ClassifyConfig::default();
+        for good in [
+            "https://schemas.lerian.studio/ledger/account/1.0.0.json",
+            "urn:lerian:schema:ledger.account:1",
+            "/schemas/account.json",
+            "account.json#/definitions/v1",
+            "https://[2001:db8::1]:8443/s?v=1&x=%20",
+            "http://user@s.example/a(b)!*'$,;=~",
+        ] {
+            accepted(Rec::ledger().set("ce-dataschema", good).classify(&cfg));
+        }
+        for (bad, why) in [
+            ("", "empty"),
+            (" ", "a character a URI does not hold"),
+            ("https://s.example/a b", "a character a URI does not hold"),
+            (" https://s.example/a", "a character a URI does not hold"),
+            (
+                "https://s.example/a\u{a0}",
+                "a character a URI does not hold",
+            ),
+            ("https://s.example/ação", "a character a URI does not hold"),
+            ("https://s.example/{id}", "a character a URI does not hold"),
+            ("\"https://s.example/a\"", "a character a URI does not hold"),
+            (
+                "https://s.example/%zz",
+                "a % not followed by two hex digits",
+            ),
+            ("https://s.example/%2", "a % not followed by two hex digits"),
+            (
+                "1https://s.example/a",
+                "the part before the first : is not a scheme",
+            ),
+            (
+                "://s.example/a",
+                "the part before the first : is not a scheme",
+            ),
+            (
+                "my_schemas:account.json",
+                "the part before the first : is not a scheme",
+            ),
+            ("https://s.example/a#b#c", "more than one #"),
+            ("https://s.example/a[1]", "[ or ] outside the host"),
+        ] {
+            let rec = Rec::ledger().set("ce-dataschema", bad);
+            match rec.classify(&cfg) {
+                Verdict::Quarantine(q) => {
+                    assert_eq!(
+                        q.reason,
+                        Reason::InvalidDataschema,
+                        "{bad:?}: {}",
+                        q.message
+                    );
+                    assert!(
+                        q.message.starts_with("header ce-dataschema: ") && q.message.contains(why),
+                        "{bad:?}: {}",
+                        q.message
+                    );
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
         }
     }
 

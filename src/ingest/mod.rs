@@ -11,9 +11,11 @@
 //!   outputs and input offsets in one transaction per batch.
 //! - [`signature`] is the producer envelope signature (`ce-sig`): canonical bytes, HMAC-SHA256,
 //!   the operator's key set, each key bound to one `ce-source`.
+//! - [`tenant`] is the tenant id rule, shared with the API, tokens and apply files.
 //!
 //! Invariants: classifying never panics on any input, a record gets exactly one verdict, and the
 //! same record always gets the same verdict for the same configuration.
 pub mod classify;
 pub mod pipeline;
 pub mod signature;
+pub mod tenant;

@@ -15,7 +15,9 @@
 //! `x-streaming-hub-source-topic`, `-source-partition`, `-source-offset`, `-ingest-time` (RFC 3339,
 //! ms, UTC). Quarantine: key and headers of the input, plus the producers' forensic headers
 //! `x-lerian-dlq-*` and `x-streaming-hub-reason`; a `payload_too_large` record keeps only its size
-//! (`x-lerian-dlq-payload-omitted: true`), so a huge record cannot stall the partition.
+//! (`x-lerian-dlq-payload-omitted: true`), so a huge record cannot stall the partition; a record
+//! with too many headers or header bytes keeps of them only the first of each known `ce-*`
+//! attribute, its value cut to 1 KiB.
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -498,36 +500,26 @@ impl Ingest {
         (now_ms, ingest_time): (i64, &str),
         tally: &mut IngestTally<'b>,
     ) -> Result<(), RdKafkaError> {
-        let raw = msg.headers();
-        let count = raw.map_or(0, |h| h.count());
-        let mut headers: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(count.min(MAX_HEADERS));
-        let mut header_bytes = 0usize;
-        // The position of the first header whose name is not UTF-8: such a header cannot be
-        // named or carried, so the record is quarantined (without it) instead of classified.
-        let mut bad_name = None;
-        if let Some(h) = raw {
-            for idx in 0..count.min(MAX_HEADERS + 1) {
-                let Some((name, value)) = kafka::raw_header(h, idx) else {
-                    break;
-                };
-                header_bytes += name.len() + value.map_or(0, <[u8]>::len);
-                match std::str::from_utf8(name) {
-                    Ok(name) => headers.push((name, value)),
-                    Err(_) => {
-                        bad_name.get_or_insert(idx);
-                    }
-                }
-            }
-        }
+        let read = match msg.headers() {
+            Some(h) => read_headers(h.count(), |idx| kafka::raw_header(h, idx)),
+            None => read_headers(0, |_| None),
+        };
+        let ReadHeaders {
+            headers,
+            count,
+            bytes: header_bytes,
+            bad_name,
+        } = read;
         let oversized_headers = count > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES;
         let value = msg.payload();
         let verdict = if oversized_headers {
-            // Its headers are left out of the quarantined copy (they are what does not fit); its
-            // payload is kept when it is within the limit.
+            // Its headers are left out of the quarantined copy (they are what does not fit), but
+            // for the first of each CloudEvents attribute, cut short; its payload is kept when it
+            // is within the limit.
             Verdict::Quarantine(crate::ingest::classify::Quarantined {
                 reason: Reason::HeadersTooLarge,
                 message: format!(
-                    "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes; the headers are left out of this record)"
+                    "record headers: {count} headers, {header_bytes} bytes (limits {MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes; the headers are left out of this record but for the first of each ce-* attribute, cut to {MAX_KEPT_VALUE_BYTES} bytes)"
                 ),
             })
         } else if let Some(idx) = bad_name {
@@ -609,14 +601,10 @@ impl Ingest {
                 let key = msg.key().filter(|k| k.len() <= MAX_QUARANTINE_KEY_BYTES);
                 let key_omitted = msg.key().is_some() && key.is_none();
                 let size = value.map_or(0, <[u8]>::len).to_string();
-                let mut out = OwnedHeaders::new_with_capacity(headers.len() + 12);
-                if !oversized_headers {
-                    // The forensic headers below describe this quarantine: a producer's own
-                    // (`x-streaming-hub-reason`, or a re-driven record's old `x-lerian-dlq-*`)
-                    // would come first and be read in their place.
-                    for (k, v) in headers.iter().filter(|(k, _)| !is_forensic_header(k)) {
-                        out = out.insert(Header { key: k, value: *v });
-                    }
+                let carried = quarantine_carried(&headers, oversized_headers);
+                let mut out = OwnedHeaders::new_with_capacity(carried.len() + 13);
+                for (k, v) in carried {
+                    out = out.insert(Header { key: k, value: v });
                 }
                 let forensic: [(&str, &str); 13] = [
                     ("x-lerian-dlq-source-topic", msg.topic()),
@@ -656,6 +644,126 @@ impl Ingest {
             }
         }
     }
+}
+
+/// A record's headers as ingest reads them.
+struct ReadHeaders<'h> {
+    /// The headers whose name is UTF-8, in order: every one of the first `MAX_HEADERS + 1`, then
+    /// only the first of each of [`KEPT_ATTRIBUTES`] (the record is quarantined for its headers,
+    /// which keeps no other), so at most `MAX_HEADERS + 14`.
+    headers: Vec<(&'h str, Option<&'h [u8]>)>,
+    /// How many headers the record has.
+    count: usize,
+    /// Their names' and values' bytes, all of them.
+    bytes: usize,
+    /// The position of the first header whose name is not UTF-8: such a header cannot be named or
+    /// carried, so the record is quarantined (without it) instead of classified.
+    bad_name: Option<usize>,
+}
+
+/// Reads a record's `count` headers, `get(idx)` giving the raw name and value of each.
+fn read_headers<'h>(
+    count: usize,
+    get: impl Fn(usize) -> Option<(&'h [u8], Option<&'h [u8]>)>,
+) -> ReadHeaders<'h> {
+    let mut read = ReadHeaders {
+        headers: Vec::with_capacity(count.min(MAX_HEADERS + 1)),
+        count,
+        bytes: 0,
+        bad_name: None,
+    };
+    // Which of KEPT_ATTRIBUTES came past the limit.
+    let mut kept_past = 0u16;
+    for idx in 0..count {
+        let Some((name, value)) = get(idx) else {
+            break;
+        };
+        read.bytes += name.len() + value.map_or(0, <[u8]>::len);
+        // Past the limit the record is quarantined for its headers: it keeps the first of each
+        // known `ce-*` attribute only, wherever it comes.
+        if idx > MAX_HEADERS {
+            let Some(i) = KEPT_ATTRIBUTES.iter().position(|k| k.as_bytes() == name) else {
+                continue;
+            };
+            if kept_past & (1 << i) != 0 {
+                continue;
+            }
+            kept_past |= 1 << i;
+        }
+        match std::str::from_utf8(name) {
+            Ok(name) => read.headers.push((name, value)),
+            Err(_) => {
+                read.bad_name.get_or_insert(idx);
+            }
+        }
+    }
+    read
+}
+
+/// The CloudEvents attributes a record quarantined for its headers (over [`MAX_HEADERS`] or
+/// [`MAX_HEADER_BYTES`]) still carries, the first of each, so its quarantined copy can be told
+/// apart and traced (`GET /admin/quarantine` files it by `ce-source` and `ce-tenantid`, an
+/// operator follows it by `ce-id`).
+const KEPT_ATTRIBUTES: [&str; 13] = [
+    "ce-id",
+    "ce-tenantid",
+    "ce-type",
+    "ce-source",
+    "ce-specversion",
+    "ce-time",
+    "ce-subject",
+    "ce-schemaversion",
+    "ce-resourcetype",
+    "ce-eventtype",
+    "ce-datacontenttype",
+    "ce-dataschema",
+    "ce-systemevent",
+];
+
+/// The longest value of a [`KEPT_ATTRIBUTES`] header on such a record: 13 of them stay far inside
+/// the quarantine topic's 2 MiB, whatever the headers that did not fit held.
+const MAX_KEPT_VALUE_BYTES: usize = 1024;
+
+/// The producer's headers a quarantined record carries, in their order, before the forensic
+/// headers the hub writes. Most records carry them all but the forensic ones: a producer's own
+/// (`x-streaming-hub-reason`, or a re-driven record's old `x-lerian-dlq-*`) would come first and
+/// be read in place of this quarantine's. A record quarantined for its headers (`oversized`)
+/// carries only the first of each of [`KEPT_ATTRIBUTES`], its value cut to
+/// [`MAX_KEPT_VALUE_BYTES`] (on a character boundary when it is UTF-8); a null one stays null.
+fn quarantine_carried<'h>(
+    headers: &[(&'h str, Option<&'h [u8]>)],
+    oversized: bool,
+) -> Vec<(&'h str, Option<&'h [u8]>)> {
+    if !oversized {
+        return headers
+            .iter()
+            .filter(|(k, _)| !is_forensic_header(k))
+            .copied()
+            .collect();
+    }
+    let mut kept: Vec<(&str, Option<&[u8]>)> = Vec::with_capacity(KEPT_ATTRIBUTES.len());
+    for &(k, v) in headers {
+        if KEPT_ATTRIBUTES.contains(&k) && !kept.iter().any(|(seen, _)| *seen == k) {
+            kept.push((k, v.map(clip_value)));
+            if kept.len() == KEPT_ATTRIBUTES.len() {
+                break;
+            }
+        }
+    }
+    kept
+}
+
+/// `v` cut to at most [`MAX_KEPT_VALUE_BYTES`], not inside a UTF-8 character (backing off over at
+/// most 3 continuation bytes, so bytes that are not UTF-8 are cut near the limit too).
+fn clip_value(v: &[u8]) -> &[u8] {
+    if v.len() <= MAX_KEPT_VALUE_BYTES {
+        return v;
+    }
+    let mut end = MAX_KEPT_VALUE_BYTES;
+    while end > MAX_KEPT_VALUE_BYTES - 3 && v[end] & 0xC0 == 0x80 {
+        end -= 1;
+    }
+    &v[..end]
 }
 
 /// A `ce-id` as logged and counted: an accepted one is at most 256 bytes, a quarantined one may be
@@ -797,7 +905,134 @@ pub fn rfc3339_ms(ms: i64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::clip_id;
+    use super::*;
+
+    type RawHeaders = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+    fn raw(pairs: &[(&str, Option<&[u8]>)]) -> RawHeaders {
+        pairs
+            .iter()
+            .map(|(n, v)| (n.as_bytes().to_vec(), v.map(<[u8]>::to_vec)))
+            .collect()
+    }
+
+    fn read(raw: &RawHeaders) -> ReadHeaders<'_> {
+        read_headers(raw.len(), |i| {
+            raw.get(i).map(|(n, v)| (n.as_slice(), v.as_deref()))
+        })
+    }
+
+    const ID: &[u8] = b"0190a8e2-0000-7000-8000-000000000001";
+
+    #[test]
+    fn a_record_with_too_many_headers_keeps_the_first_of_each_ce_attribute_cut_to_1_kib() {
+        // "é" takes bytes 1023 and 1024: the cut at 1024 would split it.
+        let subject = format!("{}é-and-more", "s".repeat(MAX_KEPT_VALUE_BYTES - 1));
+        let mut headers = raw(&[
+            ("ce-specversion", Some(b"1.0")),
+            ("ce-id", Some(ID)),
+            (
+                "traceparent",
+                Some(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            ),
+            ("ce-tenantid", Some(b"tenant-1")),
+            ("ce-subject", Some(subject.as_bytes())),
+            ("ce-id", Some(b"a second id")),
+            ("ce-systemevent", None),
+            ("ce-priority", Some(b"high")),
+            ("CE-SOURCE", Some(b"not-this-one")),
+            ("x-streaming-hub-reason", Some(b"spoofed")),
+        ]);
+        for i in 0..MAX_HEADERS {
+            headers.push((format!("x-filler-{i}").into_bytes(), Some(b"v".to_vec())));
+        }
+        // Past the first MAX_HEADERS + 1 headers: found all the same.
+        headers.extend(raw(&[
+            ("ce-source", Some(b"ledger")),
+            ("x-more", Some(b"v")),
+            ("ce-tenantid", Some(b"another-tenant")),
+            ("ce-type", Some(b"studio.lerian.ledger.account.created")),
+            ("ce-priority", Some(b"high")),
+        ]));
+        for _ in 0..1000 {
+            headers.extend(raw(&[("ce-source", Some(b"again"))]));
+        }
+        let read = read(&headers);
+        assert_eq!(read.count, headers.len());
+        // Past the limit only the first of each attribute was taken.
+        assert_eq!(read.headers.len(), MAX_HEADERS + 1 + 3);
+        assert!(read.count > MAX_HEADERS && read.bad_name.is_none());
+        let kept = quarantine_carried(&read.headers, true);
+        let cut = &subject.as_bytes()[..MAX_KEPT_VALUE_BYTES - 1];
+        assert!(std::str::from_utf8(cut).is_ok());
+        assert_eq!(
+            kept,
+            vec![
+                ("ce-specversion", Some(b"1.0".as_slice())),
+                ("ce-id", Some(ID)),
+                ("ce-tenantid", Some(b"tenant-1".as_slice())),
+                ("ce-subject", Some(cut)),
+                ("ce-systemevent", None),
+                ("ce-source", Some(b"ledger".as_slice())),
+                (
+                    "ce-type",
+                    Some(b"studio.lerian.ledger.account.created".as_slice())
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_record_with_too_many_header_bytes_keeps_its_ce_attributes_only() {
+        let big = vec![b'x'; MAX_HEADER_BYTES];
+        let headers = raw(&[
+            ("x-big", Some(&big)),
+            ("ce-id", Some(ID)),
+            ("ce-dataschema", Some(&big)),
+            ("x-lerian-dlq-error-class", Some(b"old")),
+        ]);
+        let read = read(&headers);
+        assert!(read.count <= MAX_HEADERS && read.bytes > MAX_HEADER_BYTES);
+        assert_eq!(
+            quarantine_carried(&read.headers, true),
+            vec![
+                ("ce-id", Some(ID)),
+                ("ce-dataschema", Some(&big[..MAX_KEPT_VALUE_BYTES])),
+            ]
+        );
+    }
+
+    #[test]
+    fn other_quarantined_records_carry_every_header_but_the_forensic_ones() {
+        let headers = raw(&[
+            ("ce-id", Some(ID)),
+            ("X-Streaming-Hub-Reason", Some(b"spoofed")),
+            ("traceparent", None),
+            ("x-lerian-dlq-error-class", Some(b"old")),
+            ("ce-id", Some(b"again")),
+        ]);
+        let read = read(&headers);
+        assert_eq!(
+            quarantine_carried(&read.headers, false),
+            vec![
+                ("ce-id", Some(ID)),
+                ("traceparent", None),
+                ("ce-id", Some(b"again".as_slice())),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_kept_value_is_cut_near_1_kib_whatever_its_bytes() {
+        let exact = vec![b'a'; MAX_KEPT_VALUE_BYTES];
+        assert_eq!(clip_value(&exact), exact.as_slice());
+        let three = "€".repeat(400); // 1,200 bytes, a character every 3
+        let cut = clip_value(three.as_bytes());
+        assert_eq!(cut.len(), 1023);
+        assert!(std::str::from_utf8(cut).is_ok());
+        let not_utf8 = vec![0x80; 5000];
+        assert_eq!(clip_value(&not_utf8).len(), MAX_KEPT_VALUE_BYTES - 3);
+    }
 
     #[test]
     fn a_long_ce_id_is_clipped_at_a_character_boundary() {

@@ -330,7 +330,7 @@ async fn entry(index: usize, value: Value, policy: SinkPolicy) -> Result<Desired
         return Err(FieldError::new(
             "tenant_id",
             "invalid",
-            "tenant_id must be 1-256 bytes without control characters",
+            format!("tenant_id must be {}", crate::ingest::tenant::TENANT_RULE),
         ));
     }
     let enabled = body.enabled;

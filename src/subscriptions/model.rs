@@ -425,10 +425,10 @@ impl SubscriptionView {
 }
 
 /// A resource or event name a pattern can hold: what ingest accepts in `ce-resourcetype` and
-/// `ce-eventtype` (non-empty, no dot; control characters never pass ingest), but `*`, the
-/// wildcard. A stricter rule (lower case, digits, `_`, `-`) left events ingest took, such as
-/// `LoanApplication.Approved`, matched by `*` alone. Names holding a `*`, and keys over
-/// [`MAX_KEY_BYTES`] in all, are still matched by wildcards only.
+/// `ce-eventtype` (non-empty, no dot, at most [`MAX_KEY_BYTES`] bytes each; control characters
+/// never pass ingest), but `*`, the wildcard. A stricter rule (lower case, digits, `_`, `-`) left
+/// events ingest took, such as `LoanApplication.Approved`, matched by `*` alone. Names holding a
+/// `*`, and keys over [`MAX_KEY_BYTES`] in all, are still matched by wildcards only.
 fn is_type_segment(s: &str) -> bool {
     !s.is_empty() && !s.chars().any(|c| c == '.' || c == '*' || c.is_control())
 }
@@ -778,6 +778,17 @@ mod tests {
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Ingest caps `ce-resourcetype` and `ce-eventtype` at the same number of bytes a key may
+    /// have in all, so no key names a longer one.
+    #[test]
+    fn an_event_type_key_is_held_to_the_longest_name_ingest_takes() {
+        let limit = crate::ingest::classify::MAX_TYPE_NAME_BYTES;
+        let key = |bytes: usize| format!("{}.e", "r".repeat(bytes - 2));
+        assert_eq!(key(limit).len(), limit);
+        assert!(validate_event_types(&[key(limit)]).is_ok());
+        assert!(validate_event_types(&[key(limit + 1)]).is_err());
     }
 
     #[test]
