@@ -30,7 +30,8 @@ const MAX_TOKEN_BYTES: usize = 8 * 1024;
 
 /// A tenant id as the hub takes it, wherever it comes from (a token, a body, an apply file, the
 /// `token` command): the rule ingest holds `ce-tenantid` to ([`crate::ingest::tenant`]), 1 to 256
-/// bytes without whitespace, control, format or other invisible characters.
+/// bytes, no leading or trailing whitespace, no whitespace but the ASCII space, control, format
+/// or other invisible character.
 pub fn valid_tenant(t: &str) -> bool {
     check_tenant(t).is_ok()
 }
@@ -299,7 +300,6 @@ mod tests {
         for bad in [
             "acme ",
             "\u{a0}acme",
-            "acme ltda",
             "acme\u{200b}",
             "acme\u{202e}1",
             "\u{feff}acme",
@@ -362,7 +362,6 @@ mod tests {
             "line\nbreak",
             long.as_str(),
             " acme",
-            "acme ltda",
             "acme\u{a0}ltda",
             "acme\u{200b}",
             "\u{feff}acme",

@@ -2137,7 +2137,7 @@ mod tests {
             ("tenant-1 ", "has leading or trailing whitespace"),
             ("\u{a0}tenant-1", "has leading or trailing whitespace"),
             ("   ", "has leading or trailing whitespace"),
-            ("tenant 1", "holds U+0020 at byte 6"),
+            (" tenant-1", "leading or trailing whitespace"),
             ("tenant\u{a0}1", "holds U+00A0 at byte 6"),
             ("tenant-1\u{200b}", "holds U+200B at byte 8"),
             ("\u{202e}1-tnanet", "holds U+202E at byte 0"),
