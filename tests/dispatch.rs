@@ -544,21 +544,28 @@ async fn a_state_changelog_record_that_does_not_decode_is_skipped_at_restore_not
     let mut s = ApiHub::start("garbage", &[]).await;
     let (url, sink) = start_sink(vec![200]).await;
     subscribe(&s, "tenant-g", &url, None).await;
+    // A receiver that fails: the event's job waits for its retry, its payload kept for it.
+    let (failing_url, failing) = start_sink(vec![500]).await;
+    let (failing_sub, _) = subscribe(&s, "tenant-g", &failing_url, Some(vec!["10s"])).await;
     let p = producer();
-    produce(
-        &p,
-        &s.topic,
-        &[event("tenant-g", "ledger", "transaction", "created")],
-    );
+    let first = event("tenant-g", "ledger", "transaction", "created");
+    produce(&p, &s.topic, std::slice::from_ref(&first));
     wait_for_deliveries(&sink, 1, Duration::from_secs(60));
+    wait_for_deliveries(&failing, 1, Duration::from_secs(60));
     s.hub.terminate();
 
-    // A job key and a dedup key whose values are not hub records, in every partition of the
-    // state changelog (each inbox partition's task restores one).
+    // A job key, a dedup key and the waiting job's payload whose values are not hub records, in
+    // every partition of the state changelog (each inbox partition's task restores one).
     let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let payload_key = [&b"p/tenant-g\0"[..], first.id().as_bytes()].concat();
     let garbage: Vec<Rec> = (0..6)
         .flat_map(|partition| {
-            [&b"j/tenant-g\0x\0y"[..], &b"d/tenant-g\0x"[..]].map(|key| Rec {
+            [
+                &b"j/tenant-g\0x\0y"[..],
+                &b"d/tenant-g\0x"[..],
+                &payload_key[..],
+            ]
+            .map(|key| Rec {
                 key: Some(key.to_vec()),
                 value: Some(b"not a hub record".to_vec()),
                 partition: Some(partition),
@@ -582,6 +589,41 @@ async fn a_state_changelog_record_that_does_not_decode_is_skipped_at_restore_not
         garbage.len() as u64,
         "every record that does not decode counted"
     );
+    // The job whose payload is gone cannot be sent: when due it is dead-lettered, its loss on
+    // the DLQ with its ids (it vanished unseen before), and never sent again.
+    // (The second event's failing delivery is dead-lettered too, its retry spent.)
+    let codec = Codec::new().unwrap();
+    let decode = |g: &Got| -> DeadLetterRecord {
+        codec
+            .decode(RecordKind::DeadLetter, g.rec.value.as_ref().unwrap())
+            .unwrap()
+    };
+    let dlq = read_until(
+        &[&format!("{}.dlq", s.prefix)],
+        Duration::from_secs(60),
+        |r| r.iter().any(|g| decode(g).event_id == first.id()),
+    );
+    let dl = dlq
+        .iter()
+        .map(decode)
+        .find(|d| d.event_id == first.id())
+        .unwrap();
+    assert_eq!(dl.subscription_id, failing_sub);
+    assert_eq!(dl.reason, DeadLetterReason::Poison);
+    assert_eq!(dl.last_error.as_deref(), Some("payload_missing"));
+    assert_eq!(
+        (dl.attempts, dl.event_value),
+        (1, None),
+        "one attempt spent"
+    );
+    let sent = failing
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|d| d.headers["x-lerian-event-id"] == first.id())
+        .count();
+    assert_eq!(sent, 1, "the job without its payload was not sent again");
 }
 
 /// Hub loops of one instance, and which inbox partitions each owns now (the

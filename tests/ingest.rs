@@ -141,6 +141,31 @@ fn table() -> Vec<(&'static str, Rec)> {
             "headers_too_large",
             ok().set("ce-subject", Some(&vec![b's'; 9 * 1024])),
         ),
+        // CloudEvents names are lower-case letters and digits: receivers' SDKs refuse others.
+        ("invalid_header_encoding", ok().add("ce-trace_id", b"abc")),
+        // Tenant ids that look like another: a trailing blank, an invisible character.
+        (
+            "invalid_tenant",
+            ok().set("ce-tenantid", Some(b"tenant-a ")),
+        ),
+        (
+            "invalid_tenant",
+            ok().set("ce-tenantid", Some("tenant-a\u{200b}".as_bytes())),
+        ),
+        ("invalid_subject", ok().set("ce-subject", Some(b""))),
+        (
+            "invalid_dataschema",
+            ok().add("ce-dataschema", b"not a uri"),
+        ),
+        // A resource name longer than any subscription can name (its header would be repeated
+        // in X-Lerian-Event-Type past receivers' header limits).
+        (
+            "invalid_type",
+            ok().set("ce-resourcetype", Some(&[b'r'; 256])).set(
+                "ce-type",
+                Some(format!("studio.lerian.ledger.{}.created", "r".repeat(256)).as_bytes()),
+            ),
+        ),
         ("payload_too_large", {
             let mut r = ok();
             r.value = Some(vec![b'x'; 5000]);
@@ -241,8 +266,9 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
                 .unwrap();
             }
             tag => {
-                // Tags that say more than the reason: headers over the record limits (left out,
-                // the payload kept); a producer's own forensic headers (not carried).
+                // Tags that say more than the reason: headers over the record limits (left out
+                // but the first of each CloudEvents attribute, the payload kept); a producer's
+                // own forensic headers (not carried).
                 let (reason, headers_dropped, spoofed) = match tag {
                     "headers_too_many" => ("headers_too_large", true, false),
                     "missing_tenant_spoofed" => ("missing_tenant", false, true),
@@ -290,7 +316,11 @@ async fn every_verdict_and_reason_lands_exactly_where_it_should() {
                     assert_eq!(g.rec.header("x-lerian-dlq-payload-omitted"), Some("false"));
                     assert_eq!(g.rec.value, input.value, "the payload is kept");
                     assert!(g.rec.header("x-junk-0").is_none(), "the headers are not");
-                    assert!(g.rec.header("ce-id").is_none());
+                    // Its identity is: the quarantine can be tied to its tenant and event.
+                    for name in ["ce-id", "ce-tenantid", "ce-type", "ce-source"] {
+                        assert_eq!(g.rec.header(name), input.header(name), "{name}");
+                        assert!(input.header(name).is_some(), "{name}");
+                    }
                 } else if spoofed {
                     assert_eq!(g.rec.value, input.value);
                     let carried: Vec<_> = input

@@ -773,11 +773,12 @@ pub fn dead_letter_without_attempt(
     now: i64,
 ) -> Result<DeadLetterRecord, JobError> {
     let (event_headers, event_value) = split_payload(js.finish_job(key, &job)?);
-    // Poison: the attempt it kept dying in started, and counts as spent (as a worker's panic in
-    // it does). Otherwise the job's attempt is the next one, not spent.
-    let attempts = match reason {
-        DeadLetterReason::Poison => job.attempt,
-        _ => job.attempt.saturating_sub(1),
+    // A leased job's attempt started (its request may have gone out) and counts as spent: the
+    // poison one it kept dying in, one whose subscription was disabled while its lease ran out.
+    // Otherwise the job's attempt is the next one, not spent (a job whose payload is gone).
+    let attempts = match job.state {
+        JobState::Leased => job.attempt,
+        JobState::Pending | JobState::Parked => job.attempt.saturating_sub(1),
     };
     Ok(DeadLetterRecord {
         event_id: event_id_of(key),
@@ -1154,6 +1155,38 @@ mod tests {
 
     /// Reclaims count towards poison only in a row: an attempt that came back with an answer
     /// (a failure rescheduled on the curve) starts the count again; a panic adds to it.
+    /// A job dead-lettered with no attempt of its own counts the attempt its lease was for when
+    /// it was leased (its request may have gone out before the process died): the dead letter
+    /// said one fewer than the requests a receiver saw.
+    #[test]
+    fn a_leased_job_dead_lettered_without_an_attempt_counts_its_leased_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let key = job_key("t", "e", "s");
+        for (state, reason, attempts) in [
+            (JobState::Leased, DeadLetterReason::SubscriptionDisabled, 3),
+            (JobState::Pending, DeadLetterReason::SubscriptionDisabled, 2),
+            (JobState::Leased, DeadLetterReason::Poison, 3),
+            (JobState::Pending, DeadLetterReason::Poison, 2),
+        ] {
+            let job = JobRecord {
+                attempt: 3,
+                state,
+                ..job("t", "e", 100)
+            };
+            let mut staged = Staged::default();
+            let mut js = JobStore {
+                store: &store,
+                staged: &mut staged,
+                codec: &codec,
+            };
+            js.put_job(&key, &job, None).unwrap();
+            let dl = dead_letter_without_attempt(&mut js, &key, job, reason, 200).unwrap();
+            assert_eq!(dl.attempts, attempts, "{state:?} {reason:?}");
+        }
+    }
+
     #[test]
     fn an_answered_attempt_starts_the_poison_count_again() {
         let dir = tempfile::tempdir().unwrap();

@@ -3233,8 +3233,19 @@ fn claim(
         Some(event) => (event, js.staged_refcount(&payload_key) == Some(1)),
         None => {
             let Some(stored) = views.stored(js, p, payload_key)? else {
+                // Its event is gone from the store (a payload record skipped at restore as
+                // undecodable): it can never be sent. Dead-lettered, so the loss is on
+                // `<prefix>.dlq` with its ids and counted, not a job that vanished unseen.
                 d.breakers.unsent(&job.tenant_id, &origin, now);
-                js.finish_job(&key, &job)?;
+                job.last_error = Some(PAYLOAD_MISSING.to_string());
+                let dl = jobs::dead_letter_without_attempt(
+                    js,
+                    &key,
+                    job,
+                    DeadLetterReason::Poison,
+                    now,
+                )?;
+                emit_dead_letter(env, out, &dl)?;
                 return Ok(false);
             };
             stored
@@ -3437,6 +3448,9 @@ fn sample_backlog(stage: usize, tasks: &HashMap<i32, Task>, now: i64) {
     ranked.truncate(telemetry::BACKLOG_TENANTS);
     telemetry::due_backlog(stage, ranked, total);
 }
+
+/// A dead letter's `last_error` when its event's payload was not in the store.
+pub const PAYLOAD_MISSING: &str = "payload_missing";
 
 fn emit_dead_letter(
     env: &Env,
