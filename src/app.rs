@@ -406,9 +406,32 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             state.sinks,
             clock.clone(),
         );
-        let retrier = PendingRetrier::new(state.subs.clone(), prober, clock.clone())
-            .with_write_lock(state.write_lock());
-        tokio::spawn(retrier.run(stop.clone()));
+        // Supervised: a panic in a pass (a bug) would otherwise end it for good, silently, and
+        // no pending subscription of this instance would be probed again (their deliveries held).
+        tokio::spawn({
+            let (subs, clock, writes, stop) = (
+                state.subs.clone(),
+                clock.clone(),
+                state.write_lock(),
+                stop.clone(),
+            );
+            async move {
+                loop {
+                    let retrier = PendingRetrier::new(subs.clone(), prober.clone(), clock.clone())
+                        .with_write_lock(writes.clone());
+                    match tokio::spawn(retrier.run(stop.clone())).await {
+                        Ok(()) => return,
+                        Err(e) => {
+                            tracing::error!(error = %e, "the pending-verification retrier failed; it starts again in 10 s")
+                        }
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                }
+            }
+        });
         router = router.merge(
             api::router(state).layer(axum::middleware::from_fn_with_state(
                 stop.clone(),

@@ -19,7 +19,9 @@ use super::subscriptions::{caught_up, load};
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
 use crate::ops::ratelimit::RateLimiter;
-use crate::ops::redeliver::{Progress, RedeliverError, Redeliverer, check_redeliverable};
+use crate::ops::redeliver::{
+    Progress, RedeliverError, Redeliverer, catching_panics, check_redeliverable,
+};
 use crate::runtime::records::{
     DeadLetterRecord, DestinationType, SubscriptionRecord, VerificationState,
 };
@@ -482,15 +484,16 @@ pub async fn recover(
     let p = progress.clone();
     let (done, result) = tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        let result = ops.redeliver.recover(&sub, since, &p);
+        let result = catching_panics(|| ops.redeliver.recover(&sub, since, &p));
         (finish(&p, result.clone()), result)
     })
     .await
     .map_err(|e| ApiError::internal("recover panicked", &e))?;
-    if let Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) = result {
-        return Err(stopped(&progress, e));
+    match result {
+        Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) => Err(stopped(&progress, e)),
+        Err(e @ RedeliverError::Panicked) => Err(ApiError::internal("recover", &e)),
+        _ => Ok(Json(done).into_response()),
     }
-    Ok(Json(done).into_response())
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -556,7 +559,7 @@ pub async fn start_replay(
     let snapshot = progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
     tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        let result = ops.redeliver.replay(&sub, from, to, &progress);
+        let result = catching_panics(|| ops.redeliver.replay(&sub, from, to, &progress));
         let done = finish(&progress, result);
         tracing::info!(id = %done.id, subscription_id = %sub.id, state = %done.state, requested = done.requested, "per-subscription replay finished");
     });
@@ -804,15 +807,17 @@ pub async fn redrive(
     let progress = remember(&ops, "redrive", None);
     let p = progress.clone();
     let (done, result) = tokio::task::spawn_blocking(move || {
-        let result = ops
-            .redeliver
-            .redrive(&positions, None, &p, |dl| admit_dead_letter(&subs, dl));
+        let result = catching_panics(|| {
+            ops.redeliver
+                .redrive(&positions, None, &p, |dl| admit_dead_letter(&subs, dl))
+        });
         (finish(&p, result.clone()), result)
     })
     .await
     .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
         Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) => Err(stopped(&progress, e)),
+        Err(e @ RedeliverError::Panicked) => Err(ApiError::internal("redrive", &e)),
         Err(RedeliverError::Invalid(msg)) => {
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))
         }

@@ -138,6 +138,16 @@ impl Breakers {
             return Admit::Go;
         };
         s.seen_at = now;
+        // Times set while the clock was ahead (a VM resumed with the wrong time, a bad NTP
+        // step) and then set back: an opening no cool-down could have set, or a probe admitted
+        // in the future, would shed the destination's jobs for as long as the clock had been
+        // ahead, days with no probe. Such an opening has ended; such a probe is lost.
+        if s.open_until.is_some_and(|t| t > now + MAX_COOL_DOWN_MS) {
+            s.open_until = Some(now);
+        }
+        if s.probing.is_some_and(|since| since > now) {
+            s.probing = None;
+        }
         match (s.open_until, s.probing) {
             (None, _) => Admit::Go,
             (Some(t), _) if now < t => Admit::Shed { until: t },
@@ -411,6 +421,40 @@ mod tests {
             Admit::Go,
             "the lost probe is replaced"
         );
+    }
+
+    /// The clock ran a week ahead while a destination failed, then was set back: the breaker
+    /// opened (and probed) at times that are now a week away. It probes at once instead of
+    /// shedding the destination's jobs for that week.
+    #[test]
+    fn times_set_while_the_clock_ran_ahead_do_not_hold_a_breaker_open() {
+        let week = 7 * 86_400_000;
+        let mut b = Breakers::default();
+        for i in 0..OPEN_AFTER as i64 {
+            b.record("t", "https://a", false, week + i);
+        }
+        assert!(matches!(
+            b.admit("t", "https://a", week + 10),
+            Admit::Shed { .. }
+        ));
+        // Set back: the opening's end is a week away.
+        assert_eq!(b.admit("t", "https://a", 1_000), Admit::Go, "the probe");
+        // A probe admitted while the clock was ahead counts as lost once it is set back.
+        let mut b = Breakers::default();
+        for i in 0..OPEN_AFTER as i64 {
+            b.record("t", "https://a", false, week + i);
+        }
+        assert_eq!(
+            b.admit("t", "https://a", week + COOL_DOWN_MS + 10),
+            Admit::Go
+        );
+        assert_eq!(b.admit("t", "https://a", 1_000), Admit::Go, "a new probe");
+        // A cool-down of the ordinary kind still sheds.
+        let mut b = Breakers::default();
+        for i in 0..OPEN_AFTER as i64 {
+            b.record("t", "https://a", false, i);
+        }
+        assert!(matches!(b.admit("t", "https://a", 10), Admit::Shed { .. }));
     }
 
     #[test]

@@ -54,6 +54,27 @@ pub enum RedeliverError {
     /// so far are written); running it again on a running instance does the rest.
     #[error("stopped: this instance is shutting down (run it again on a running instance)")]
     Stopped,
+    /// The run panicked (a bug): what it queued before is written.
+    #[error(
+        "the run failed unexpectedly (see the instance's log); what it queued before is written"
+    )]
+    Panicked,
+}
+
+/// Runs `op`, a panic in it answered as [`RedeliverError::Panicked`] (logged), so that its
+/// progress is finished `failed` instead of showing `running` for good.
+pub fn catching_panics<T>(
+    op: impl FnOnce() -> Result<T, RedeliverError>,
+) -> Result<T, RedeliverError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(op)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::error!(panic = %what, "a replay, recover or redrive panicked");
+        Err(RedeliverError::Panicked)
+    })
 }
 
 fn k(e: RdKafkaError) -> RedeliverError {
@@ -665,6 +686,14 @@ fn scan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_that_panics_ends_failed_not_running() {
+        let r: Result<(), _> = catching_panics(|| panic!("a bug"));
+        assert!(matches!(r, Err(RedeliverError::Panicked)));
+        let r = catching_panics(|| Ok::<_, RedeliverError>(7));
+        assert_eq!(r.ok(), Some(7));
+    }
 
     #[test]
     fn a_replay_skips_copies_among_the_ids_it_keeps_and_forgets_the_oldest() {

@@ -58,6 +58,35 @@ pub const PASS_INTERVAL: Duration = Duration::from_secs(30);
 pub const MAX_ATTEMPTS: u32 = 5;
 /// Probes in flight at once during a pass.
 const PROBES_AT_ONCE: usize = 16;
+/// Most probes of one tenant in a pass; its other due ones wait for the next pass (no try
+/// counted). A pass ends when its last probe does, so a tenant with a thousand pending webhooks
+/// at hosts that never answer made every pass last 1,000 / 16 x the HTTP timeout (16 minutes),
+/// and every other tenant's pending subscription (matching nothing meanwhile) waited that long.
+const TENANT_PROBES_PER_PASS: usize = PROBES_AT_ONCE;
+
+/// `due`, at most [`TENANT_PROBES_PER_PASS`] of each tenant, taken a tenant at a time in turn
+/// (so every tenant's first ones are among the first probes started), ids in order within one.
+fn fair_share(mut due: Vec<Sub>) -> Vec<Sub> {
+    due.sort_by(|a, b| (&a.tenant_id, &a.id).cmp(&(&b.tenant_id, &b.id)));
+    let mut by_tenant: Vec<std::collections::VecDeque<Sub>> = Vec::new();
+    for s in due {
+        match by_tenant.last_mut() {
+            Some(q) if q.front().is_some_and(|f| f.tenant_id == s.tenant_id) => {
+                if q.len() < TENANT_PROBES_PER_PASS {
+                    q.push_back(s);
+                }
+            }
+            _ => by_tenant.push(std::collections::VecDeque::from([s])),
+        }
+    }
+    let mut out = Vec::new();
+    while by_tenant.iter().any(|q| !q.is_empty()) {
+        for q in by_tenant.iter_mut() {
+            out.extend(q.pop_front());
+        }
+    }
+    out
+}
 
 /// Why a probe of a stored subscription did not pass.
 #[derive(Debug, thiserror::Error)]
@@ -333,6 +362,7 @@ impl PendingRetrier {
             // they send to the same place.
             self.write_verdict(&probed, state, pass, &mut report).await;
         }
+        let due = fair_share(due);
         // Each verdict is written as its probe ends, while the others go on: waiting for every
         // probe of the pass held a passing endpoint's verdict (and its subscription's matching)
         // behind every slow one, up to the HTTP timeout per 16 of them.
@@ -806,6 +836,43 @@ mod tests {
         let (report, ended_before) = tokio::join!(r.run_pass(), watch);
         assert_eq!(ended_before, 0, "written only after the slow probes ended");
         assert_eq!((report.probed, report.activated), (9, 1));
+    }
+
+    /// A tenant with more due probes than its share gets its share this pass and the rest the
+    /// next (no try counted for them); another tenant's is probed in the same pass, among the
+    /// first ones started.
+    #[tokio::test]
+    async fn a_pass_probes_each_tenant_up_to_its_share_in_turn() {
+        let (mut r, subs, kek) = retrier(true);
+        let (url, hits) = endpoint(usize::MAX).await; // answers 500: each stays pending
+        let extra = 4;
+        for _ in 0..TENANT_PROBES_PER_PASS + extra {
+            subs.put(pending_webhook(&kek, &url)).await.unwrap();
+        }
+        let mut quiet = pending_webhook(&kek, &url);
+        quiet.tenant_id = "t2".into();
+        subs.put(quiet.clone()).await.unwrap();
+        r.run_pass().await; // notices them; the next pass probes
+        let report = r.run_pass().await;
+        assert_eq!(report.probed, TENANT_PROBES_PER_PASS + 1);
+        assert_eq!(hits.load(Ordering::SeqCst), TENANT_PROBES_PER_PASS + 1);
+        assert_eq!(r.attempts[&(quiet.id.clone(), quiet.version)].tries, 1);
+        // The rest of the first tenant's, next pass (the probed ones wait their spacing).
+        let report = r.run_pass().await;
+        assert_eq!(report.probed, extra);
+        // The order: tenants in turn.
+        let order = fair_share(
+            ["a1", "a2", "a3", "b1"]
+                .iter()
+                .map(|id| {
+                    let mut s = pending_webhook(&kek, &url);
+                    (s.id, s.tenant_id) = (id.to_string(), id[..1].to_string());
+                    Arc::new(s)
+                })
+                .collect(),
+        );
+        let ids: Vec<&str> = order.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["a1", "b1", "a2", "a3"]);
     }
 
     #[tokio::test]

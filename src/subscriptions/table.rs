@@ -6,7 +6,7 @@
 //! checks origin, schema major and the gates (`enabled` and `verification_state = active`) on the
 //! hits, so its cost does not grow with other tenants' or other event types' subscriptions.
 //! Lookups borrow the event's strings: no allocation per event beyond the result.
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -17,6 +17,9 @@ pub type Sub = Arc<SubscriptionRecord>;
 #[derive(Default)]
 pub struct Table {
     by_id: HashMap<String, Sub>,
+    /// Each tenant's subscriptions by id: a tenant's list reads its own, not every tenant's
+    /// (a listing, and the limit check of every create, walked the whole table).
+    by_tenant: HashMap<String, BTreeMap<String, Sub>>,
     index: HashMap<String, HashMap<String, Vec<Sub>>>,
     /// Per control partition, the offset after the last record the control reader applied.
     read_to: HashMap<i32, i64>,
@@ -148,6 +151,10 @@ impl Table {
         for p in &sub.event_types {
             patterns.entry(p.clone()).or_default().push(sub.clone());
         }
+        self.by_tenant
+            .entry(sub.tenant_id.clone())
+            .or_default()
+            .insert(sub.id.clone(), sub.clone());
         self.by_id.insert(sub.id.clone(), sub);
     }
 
@@ -167,6 +174,12 @@ impl Table {
 
     pub fn remove(&mut self, id: &str) -> Option<Sub> {
         let old = self.by_id.remove(id)?;
+        if let Some(mine) = self.by_tenant.get_mut(&old.tenant_id) {
+            mine.remove(id);
+            if mine.is_empty() {
+                self.by_tenant.remove(&old.tenant_id);
+            }
+        }
         if let Some(patterns) = self.index.get_mut(&old.tenant_id) {
             for p in &old.event_types {
                 if let Some(v) = patterns.get_mut(p) {
@@ -211,14 +224,10 @@ impl Table {
 
     /// The tenant's subscriptions, ordered by id (UUIDv7: creation order).
     pub fn list(&self, tenant: &str) -> Vec<Sub> {
-        let mut out: Vec<Sub> = self
-            .by_id
-            .values()
-            .filter(|s| s.tenant_id == tenant)
-            .cloned()
-            .collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        self.by_tenant
+            .get(tenant)
+            .map(|mine| mine.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// The subscriptions an event goes to: its tenant's, by event key or wildcard, with origin and
@@ -338,6 +347,32 @@ mod tests {
         let mut v: Vec<String> = v.iter().map(|s| s.id.clone()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn a_tenants_list_is_its_own_in_id_order_as_ids_move_and_go() {
+        let mut t = Table::default();
+        for (id, tenant) in [("c", "t1"), ("a", "t1"), ("b", "t2"), ("d", "t1")] {
+            t.upsert(sub(id, tenant, &["*"]));
+        }
+        let listed = |t: &Table, tenant: &str| -> Vec<String> {
+            t.list(tenant).iter().map(|s| s.id.clone()).collect()
+        };
+        assert_eq!(listed(&t, "t1"), ["a", "c", "d"]);
+        assert_eq!(listed(&t, "t2"), ["b"]);
+        // An id applied again for another tenant moves lists; a removed one leaves its own.
+        let mut moved = sub("c", "t2", &["*"]);
+        moved.version = 2;
+        t.upsert(moved);
+        t.remove("b");
+        assert_eq!(listed(&t, "t1"), ["a", "d"]);
+        assert_eq!(listed(&t, "t2"), ["c"]);
+        t.remove("c");
+        assert!(listed(&t, "t2").is_empty());
+        assert!(
+            !t.by_tenant.contains_key("t2"),
+            "an empty tenant is not kept"
+        );
     }
 
     #[test]
