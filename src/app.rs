@@ -459,6 +459,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let limits = api::serve::Limits {
         max_connections: config.http_max_connections,
         read_timeout: Some(config.http_read_timeout).filter(|t| !t.is_zero()),
+        write_stall: api::serve::WRITE_STALL,
     };
     let mut server = tokio::spawn(api::serve::serve(listener, router, limits, {
         let http_down = http_down.clone();

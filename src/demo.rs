@@ -34,6 +34,8 @@ pub async fn run(config: &Config, opts: DemoOptions) -> Result<(), String> {
     let http = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(2))
+        // Idle less than the hub's read timeout, which closes keep-alive connections.
+        .pool_idle_timeout(Duration::from_secs(5))
         .build()
         .map_err(|e| e.to_string())?;
     let tenants = ["acme-bank", "globex-pay", "initech-credit"];

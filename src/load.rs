@@ -719,9 +719,10 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     }
     let mut hub = Some(HubProcess::start(&env, &hub_addr)?);
 
-    // Subscriptions through the API.
+    // Subscriptions through the API (pooled connections idle less than its read timeout).
     let http = reqwest::Client::builder()
         .no_proxy()
+        .pool_idle_timeout(Duration::from_secs(5))
         .build()
         .map_err(|e| e.to_string())?;
     for t in 0..spec.tenants {

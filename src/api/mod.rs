@@ -125,6 +125,14 @@ impl ApiState {
         }
     }
 
+    /// Gives back the write [`ApiState::take_write`] took for a request refused for another
+    /// reason before it wrote or probed anything.
+    pub fn give_back_write(&self, caller: &auth::Caller, tenant: &str) {
+        if !caller.admin {
+            self.write_limiter.give_back(tenant);
+        }
+    }
+
     /// Takes one of `tenant`'s subscription writes (`STREAMING_HUB_API_WRITE_RATE`), or `429
     /// rate_limited` with `Retry-After`. An admin caller is not held to it (operators' bulk
     /// changes; `subscriptions apply` writes past the API altogether). Without it, one tenant's

@@ -28,7 +28,8 @@ pub struct VerificationOutcome {
     pub state: VerificationStateView,
     /// Why the probe failed (`challenge_missing`, `bad_status`, `connect_failed`, `timeout`, …),
     /// or why none is known yet on create: `not_yet_visible` (`202`), `not_recorded` (the
-    /// verdict's write failed; probed again in the background).
+    /// verdict's write failed; probed again in the background), `probe_deferred` (no probe now:
+    /// the tenant's or the instance's probes were all in use; probed in the background).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_code: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -53,8 +54,6 @@ impl VerificationOutcome {
         }
     }
 
-    /// The probe's verdict could not be written (the control topic refused or lagged): the
-    /// subscription stays `pending` and is probed again in the background.
     /// The probe was not run now (the tenant's or the instance's probes were all in use).
     pub fn deferred() -> VerificationOutcome {
         VerificationOutcome {
@@ -68,6 +67,8 @@ impl VerificationOutcome {
         }
     }
 
+    /// The probe's verdict could not be written (the control topic refused or lagged): the
+    /// subscription stays `pending` and is probed again in the background.
     pub fn unrecorded() -> VerificationOutcome {
         VerificationOutcome {
             state: VerificationStateView::Pending,

@@ -19,14 +19,21 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
 
-/// How long a graceful stop waits for open connections to finish their request.
-const DRAIN: Duration = Duration::from_secs(5);
+/// How long a graceful stop waits for open connections to finish their request (the process
+/// gives the server as long before it leaves).
+const DRAIN: Duration = Duration::from_secs(10);
+/// How long a connection may leave an answer unread before it is closed. A client that sends
+/// requests and never reads the answers (pipelined, so the read timeout never runs) held its
+/// connection, and its place under the cap, for good.
+pub const WRITE_STALL: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     pub max_connections: usize,
     /// `None`: no read timeout.
     pub read_timeout: Option<Duration>,
+    /// How long an answer may wait on a client that does not read it ([`WRITE_STALL`]).
+    pub write_stall: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then stops accepting and gives open
@@ -88,6 +95,7 @@ pub async fn serve(
             });
             router.clone().oneshot(req)
         });
+        let stream = WriteStall::new(stream, limits.write_stall);
         let conn = http.serve_connection(TokioIo::new(stream), service);
         let mut stop_seen = stop_seen.clone();
         tokio::spawn(async move {
@@ -101,10 +109,96 @@ pub async fn serve(
             let _ = tokio::time::timeout(DRAIN, conn).await;
         });
     }
+    // No new connection is taken from here: one the kernel queued would be reset unserved.
+    drop(listener);
     let _ = stopping.send(true);
     // Every connection task holds a permit: all of them back = all connections closed.
     let all = u32::try_from(limits.max_connections.max(1)).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), permits.acquire_many(all)).await;
+}
+
+/// A connection whose writes may wait on the client at most [`WRITE_STALL`] in a row; past it
+/// they fail, and hyper closes the connection.
+struct WriteStall {
+    inner: tokio::net::TcpStream,
+    limit: Duration,
+    /// Set while a write waits on the client: when it started to wait.
+    waiting: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl WriteStall {
+    fn new(inner: tokio::net::TcpStream, limit: Duration) -> WriteStall {
+        WriteStall {
+            inner,
+            limit,
+            waiting: None,
+        }
+    }
+
+    /// A write's result: waiting arms the deadline (once), progress clears it.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if r.is_ready() {
+            self.waiting = None;
+            return r;
+        }
+        let deadline = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(self.limit)));
+        if deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client left the answer unread",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl tokio::io::AsyncRead for WriteStall {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for WriteStall {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// A request body that must arrive whole within its deadline, counted from when its headers
@@ -201,6 +295,7 @@ mod tests {
         let limits = Limits {
             max_connections: 8,
             read_timeout: Some(Duration::from_millis(300)),
+            write_stall: WRITE_STALL,
         };
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
@@ -218,6 +313,7 @@ mod tests {
         let limits = Limits {
             max_connections: 8,
             read_timeout: Some(Duration::from_millis(300)),
+            write_stall: WRITE_STALL,
         };
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
@@ -235,6 +331,7 @@ mod tests {
         let limits = Limits {
             max_connections: 8,
             read_timeout: Some(Duration::from_millis(300)),
+            write_stall: WRITE_STALL,
         };
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
@@ -252,6 +349,7 @@ mod tests {
         let limits = Limits {
             max_connections: 2,
             read_timeout: None,
+            write_stall: WRITE_STALL,
         };
         let (addr, _stop) = start(limits).await;
         // Two connections that send nothing hold both places.
@@ -276,11 +374,33 @@ mod tests {
         drop(second);
     }
 
+    /// A client that pipelines requests and never reads the answers: once its answers wait on it
+    /// past the write stall, its connection is closed and its place under the cap freed.
+    #[tokio::test]
+    async fn a_connection_that_leaves_its_answers_unread_is_closed() {
+        let limits = Limits {
+            max_connections: 1,
+            read_timeout: None,
+            write_stall: Duration::from_millis(300),
+        };
+        let (addr, _stop) = start(limits).await;
+        let hog = TcpStream::connect(addr).await.unwrap();
+        let (_unread, mut writer) = hog.into_split();
+        // Far more answers than the sockets' buffers hold (about 8 MiB of them).
+        let flood = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n".repeat(100_000);
+        tokio::spawn(async move {
+            let _ = writer.write_all(&flood).await;
+        });
+        // The only place is the hog's until its answers stall; then another client is served.
+        assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"));
+    }
+
     #[tokio::test]
     async fn a_stop_ends_the_server_with_an_idle_connection_open() {
         let limits = Limits {
             max_connections: 4,
             read_timeout: None,
+            write_stall: WRITE_STALL,
         };
         let router = Router::new().route("/ok", get(|| async { "ok" }));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -96,7 +96,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
 #[utoipa::path(post, path = "/v1/subscriptions", tag = "subscriptions", request_body = CreateSubscription,
     params(SubscriptionQuery), security(("bearer" = [])),
     responses(
-        (status = 201, description = "Created; webhooks were probed before this answer", body = CreatedSubscription),
+        (status = 201, description = "Created; webhooks were probed before this answer, unless the tenant's or the instance's probes were all in use (`verification.error_code` `probe_deferred`: probed in the background)", body = CreatedSubscription),
         (status = 202, description = "Written to the control topic but not yet visible to this instance (no probe yet: the background retrier probes it); the signing secret is in this answer all the same", body = CreatedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
@@ -448,7 +448,7 @@ fn receiver(url: &str) -> Option<String> {
         ("If-Match" = Option<String>, Header, description = "Apply only if the version is this one"), SubscriptionQuery),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "Updated; a new URL was probed before this answer", body = CheckedSubscription),
+        (status = 200, description = "Updated; a new URL was probed before this answer, unless the tenant's or the instance's probes were all in use (`verification.error_code` `probe_deferred`: probed in the background)", body = CheckedSubscription),
         (status = 202, description = "Written to the control topic but not yet visible to this instance (a new URL is probed in the background); the body is the version written", body = CheckedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),

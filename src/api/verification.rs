@@ -135,8 +135,18 @@ pub async fn probe_and_record(
     why: Probe,
 ) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
     let slot = state.probes.enter(&rec.tenant_id).ok_or_else(probes_busy)?;
-    let result = run(state, &rec).await?;
-    drop(slot);
+    // The probe runs to its end (the HTTP timeout bounds it) holding its place, also when the
+    // caller goes away: a client that hung up at once freed the place while its probe, and the
+    // host-name lookup on a blocking thread under it, went on.
+    let result = {
+        let (state, rec) = (state.clone(), rec.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            run(&state, &rec).await
+        })
+        .await
+        .map_err(|e| ApiError::internal("verification probe", &e))??
+    };
     if let Err(e) = &result {
         tracing::info!(subscription_id = %rec.id, code = e.code(), error = %e, "verification probe failed");
     }
@@ -231,7 +241,15 @@ pub async fn verify(
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     state.take_write(&caller, &tenant)?;
     let current = load(&state, &tenant, &id)?;
-    let (rec, outcome) = probe_and_record(&state, (*current).clone(), Probe::Requested).await?;
+    let (rec, outcome) = match probe_and_record(&state, (*current).clone(), Probe::Requested).await
+    {
+        // Refused before any probe: it costs the tenant none of its write rate.
+        Err(e) if e.code == codes::PROBE_BUSY => {
+            state.give_back_write(&caller, &tenant);
+            return Err(e);
+        }
+        other => other?,
+    };
     if let Some(code) = &outcome.error_code {
         let message = outcome.message.clone().unwrap_or_default();
         return Err(

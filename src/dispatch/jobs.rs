@@ -1153,8 +1153,6 @@ mod tests {
         }
     }
 
-    /// Reclaims count towards poison only in a row: an attempt that came back with an answer
-    /// (a failure rescheduled on the curve) starts the count again; a panic adds to it.
     /// A job dead-lettered with no attempt of its own counts the attempt its lease was for when
     /// it was leased (its request may have gone out before the process died): the dead letter
     /// said one fewer than the requests a receiver saw.
@@ -1187,6 +1185,8 @@ mod tests {
         }
     }
 
+    /// Reclaims count towards poison only in a row: an attempt that came back with an answer
+    /// (a failure rescheduled on the curve) starts the count again; a panic adds to it.
     #[test]
     fn an_answered_attempt_starts_the_poison_count_again() {
         let dir = tempfile::tempdir().unwrap();

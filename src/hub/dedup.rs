@@ -67,6 +67,13 @@ pub fn dedup_key(tenant: &str, ce_id: &str) -> Vec<u8> {
     k
 }
 
+/// The key (tenant, ce-id) had before ids were keyed in lower case, when it differs from `key`
+/// (its [`dedup_key`]): an upper-case UUIDv7.
+pub fn key_as_written(tenant: &str, ce_id: &str, key: &[u8]) -> Option<Vec<u8>> {
+    let old = [tenant.as_bytes(), b"\0", ce_id.as_bytes()].concat();
+    (old != key).then_some(old)
+}
+
 pub fn expiry_key(expires_at: i64, dedup_key: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(8 + dedup_key.len());
     k.extend_from_slice(&(expires_at.max(0) as u64).to_be_bytes());
@@ -278,7 +285,15 @@ mod tests {
                 dedup_key("t", a),
                 [b"t\0".as_slice(), a.as_bytes()].concat()
             );
+            assert_eq!(key_as_written("t", a, &dedup_key("t", a)), None);
         }
+        // An upper-case UUIDv7's key before ids were folded, looked up when the folded one
+        // is not there (a replay of an event the previous version took in).
+        assert_eq!(
+            key_as_written("t", upper, &dedup_key("t", upper)),
+            Some([b"t\0".as_slice(), upper.as_bytes()].concat())
+        );
+        assert_eq!(key_as_written("t", lower, &dedup_key("t", lower)), None);
     }
 
     #[test]

@@ -2357,7 +2357,16 @@ impl HubStage {
                 (0, true)
             } else {
                 let key = dedup::dedup_key(tenant, ce_id);
-                let existing = match st.read(&task.store, DEDUP, &key)? {
+                // An upper-case UUIDv7 first seen by a version that keyed ids as written is
+                // under that key until it expires: a replay of it stays a replay.
+                let bytes = match st.read(&task.store, DEDUP, &key)? {
+                    None => match dedup::key_as_written(tenant, ce_id, &key) {
+                        Some(old) => st.read(&task.store, DEDUP, &old)?,
+                        None => None,
+                    },
+                    found => found,
+                };
+                let existing = match bytes {
                     Some(bytes) => Some(
                         env.codec
                             .decode::<DedupEntry>(RecordKind::DedupEntry, &bytes)
@@ -3183,6 +3192,9 @@ fn claim(
             let schedule = sub.retry_schedule.as_deref();
             let delay = curve::next_delay(schedule, job.attempt + 1, None, &mut rand::thread_rng());
             job.attempt += 1;
+            // Spent here, without a request: a lapsed lease's attempt is this one, not one more
+            // (its dead letter counts the attempts before it).
+            job.state = JobState::Pending;
             telemetry::HeldUnverified {
                 subscription_id: &sub.id,
                 spent: true,

@@ -76,7 +76,7 @@ pub fn check_tenant(t: &str) -> Result<(), TenantFault> {
     if t.trim() != t {
         return Err(TenantFault::Untrimmed);
     }
-    // In ASCII the set is the control characters, the space and DEL.
+    // In ASCII the set is the control characters and DEL (a space inside is taken).
     let found = if t.is_ascii() {
         t.bytes()
             .position(|b| b < b' ' || b == 0x7f)

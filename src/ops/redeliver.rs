@@ -54,9 +54,10 @@ pub enum RedeliverError {
     /// so far are written); running it again on a running instance does the rest.
     #[error("stopped: this instance is shutting down (run it again on a running instance)")]
     Stopped,
-    /// The run panicked (a bug): what it queued before is written.
+    /// The run panicked (a bug): requests it had queued but not yet sent may be lost with it.
     #[error(
-        "the run failed unexpectedly (see the instance's log); what it queued before is written"
+        "the run failed unexpectedly (see the instance's log); redeliveries it counted as \
+         requested may not have been sent: run it again (receivers deduplicate on webhook-id)"
     )]
     Panicked,
 }
@@ -530,8 +531,9 @@ impl RecentIds {
         use sha2::Digest;
         let mut canonical = uuid::Uuid::encode_buffer();
         let key = match uuid::Uuid::try_parse(id) {
-            // Only the canonical spelling: the hub tells ids apart by their text, so another
-            // spelling of the same UUID is another event.
+            // As the hub's dedup tells ids apart (`hub::dedup::dedup_key`): a UUIDv7 in either
+            // case is one event; any other spelling, or another id, by its text.
+            Ok(u) if crate::ingest::classify::is_uuidv7(id) => u.as_u128(),
             Ok(u) if u.hyphenated().encode_lower(&mut canonical) == id => u.as_u128(),
             _ => {
                 let d = sha2::Sha256::digest(id.as_bytes());
@@ -701,8 +703,10 @@ mod tests {
         let a = "0190f5e2-7c1a-7d4e-9b1a-2f4c6e8a0b1c";
         assert!(seen.insert(a));
         assert!(!seen.insert(a), "a copy is skipped");
-        // Another spelling of the same UUID is another event to the hub.
-        assert!(seen.insert(&a.to_uppercase()));
+        // The same UUIDv7 in upper case is the same event to the hub's dedup.
+        assert!(!seen.insert(&a.to_uppercase()));
+        // Another version's UUID in another spelling is keyed as written there: another id.
+        assert!(seen.insert("9F1C6A52-3B1E-4D2A-8C4F-1A2B3C4D5E6F"));
         assert!(seen.insert("not-a-uuid"));
         assert!(!seen.insert("not-a-uuid"));
         // Three kept past a cap of two: the first is forgotten, so its copy is requested again.

@@ -65,9 +65,10 @@ const PROBES_AT_ONCE: usize = 16;
 const TENANT_PROBES_PER_PASS: usize = PROBES_AT_ONCE;
 
 /// `due`, at most [`TENANT_PROBES_PER_PASS`] of each tenant, taken a tenant at a time in turn
-/// (so every tenant's first ones are among the first probes started), ids in order within one.
-fn fair_share(mut due: Vec<Sub>) -> Vec<Sub> {
-    due.sort_by(|a, b| (&a.tenant_id, &a.id).cmp(&(&b.tenant_id, &b.id)));
+/// (so every tenant's first ones are among the first probes started); within a tenant the least
+/// tried first (`tries`), so a new webhook is not kept behind the same oldest ones every pass.
+fn fair_share(mut due: Vec<Sub>, tries: impl Fn(&Sub) -> u32) -> Vec<Sub> {
+    due.sort_by(|a, b| (&a.tenant_id, tries(a), &a.id).cmp(&(&b.tenant_id, tries(b), &b.id)));
     let mut by_tenant: Vec<std::collections::VecDeque<Sub>> = Vec::new();
     for s in due {
         match by_tenant.last_mut() {
@@ -362,7 +363,11 @@ impl PendingRetrier {
             // they send to the same place.
             self.write_verdict(&probed, state, pass, &mut report).await;
         }
-        let due = fair_share(due);
+        let due = fair_share(due, |s| {
+            self.attempts
+                .get(&(s.id.clone(), s.version))
+                .map_or(0, |a| a.tries)
+        });
         // Each verdict is written as its probe ends, while the others go on: waiting for every
         // probe of the pass held a passing endpoint's verdict (and its subscription's matching)
         // behind every slow one, up to the HTTP timeout per 16 of them.
@@ -860,7 +865,7 @@ mod tests {
         // The rest of the first tenant's, next pass (the probed ones wait their spacing).
         let report = r.run_pass().await;
         assert_eq!(report.probed, extra);
-        // The order: tenants in turn.
+        // The order: tenants in turn, the least tried first within one (a1 tried twice).
         let order = fair_share(
             ["a1", "a2", "a3", "b1"]
                 .iter()
@@ -870,9 +875,10 @@ mod tests {
                     Arc::new(s)
                 })
                 .collect(),
+            |s| u32::from(s.id == "a1") * 2,
         );
         let ids: Vec<&str> = order.iter().map(|s| s.id.as_str()).collect();
-        assert_eq!(ids, ["a1", "b1", "a2", "a3"]);
+        assert_eq!(ids, ["a2", "b1", "a3", "a1"]);
     }
 
     #[tokio::test]

@@ -877,7 +877,12 @@ impl ApiHub {
             prefix,
             topic,
             hub,
-            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            // Pooled connections idle less than the hub's read timeout (10 s), which closes them.
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .pool_idle_timeout(Duration::from_secs(5))
+                .build()
+                .unwrap(),
         }
     }
 

@@ -94,6 +94,31 @@ async fn probes_past_the_tenants_share_are_refused_or_deferred_not_run() {
     assert_eq!(hook.requests().len(), 3);
 }
 
+/// A `/verify` refused for want of a probe place costs no write: retrying it as `Retry-After`
+/// says does not use up the tenant's rate for its creates and PATCHes.
+#[tokio::test]
+async fn a_verify_refused_as_probe_busy_costs_no_write() {
+    let h = Harness::with_settings(&[
+        ("STREAMING_HUB_API_WRITE_RATE", "1"),
+        ("STREAMING_HUB_API_WRITE_BURST", "1"),
+    ]);
+    let hook = Hook::start(true).await;
+    let admin = h.admin_token_with_tenant("acme");
+    let id = h.create_webhook(&admin, &hook.url).await;
+    let token = h.token("acme");
+    let verify = format!("/v1/subscriptions/{id}/verify");
+    let held: Vec<_> = (0..MAX_TENANT_PROBES)
+        .map(|_| h.state.probes.enter("acme").expect("a place"))
+        .collect();
+    for _ in 0..3 {
+        let a = h.call(Method::POST, &verify, Some(&token), None, &[]).await;
+        assert_eq!(a.body["error"]["code"], "probe_busy", "{}", a.text);
+    }
+    drop(held);
+    let a = h.call(Method::POST, &verify, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+}
+
 #[tokio::test]
 async fn a_verdict_is_not_written_onto_an_id_now_anothers() {
     let h = Harness::new();
