@@ -102,7 +102,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     env.insert("STREAMING_HUB_REPLICATION_FACTOR".into(), "3".into());
     env.insert("STREAMING_HUB_HTTP_TIMEOUT".into(), "5s".into());
     let mut hub = Hub::start(&env);
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     let token = streaming_hub::api::mint(
         &streaming_hub::runtime::secret::Secret::new(JWT),
         Some("t1"),

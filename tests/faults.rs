@@ -329,7 +329,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
 
     // Subscriptions through the first instance's API; a short retry curve so a failure costs
     // seconds, not hours.
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     let token = |tenant: &str| {
         streaming_hub::api::mint(
             &streaming_hub::runtime::secret::Secret::new(JWT),
@@ -828,7 +828,7 @@ async fn explain_stall(
         }
         Err(e) => eprintln!("STALL: group {group} not described: {e}"),
     }
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     for hub in hubs {
         let metrics = hub
             .metrics_text(&http)

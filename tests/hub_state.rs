@@ -485,7 +485,7 @@ async fn restore_reads_an_earlier_versions_changelogs_before_the_state_changelog
     let mut hub = Hub::start(&env);
     produce(&p, &run.topic, &[with_id(&legacy_id), with_id(&new_1)]);
     run.wait_caught_up(Duration::from_secs(120));
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     // Counted as its transaction commits, a moment after the offsets are seen.
     let duplicates = r#"streaming_hub_hub_events_total{outcome="duplicate""#;
     let metrics = hub.metrics_when(&http, duplicates, 1).await;

@@ -703,7 +703,7 @@ async fn records_of_producers_own_topics_a_wide_pattern_matches_are_dropped() {
     for t in [&main, &dlq, &commands] {
         produce(&p, t, &[event("t1", "ledger", "transaction", "created")]);
     }
-    let http = reqwest::Client::new();
+    let http = hub_http();
     let dropped = |t: &str| {
         format!(
             "streaming_hub_ingest_records_total{{topic=\"{t}\",verdict=\"drop\",reason=\"producer_own_topic\""
@@ -1114,7 +1114,7 @@ async fn an_aborted_batch_is_counted_once_when_it_commits() {
     rec.value = Some(payload);
     let bad = event("tenant-a", "ledger", "transaction", "created").add("ce-type", b"x");
     produce(&producer(), &topic, &[rec.clone(), bad]);
-    let http = reqwest::Client::new();
+    let http = hub_http();
     let accepted =
         format!("streaming_hub_ingest_records_total{{topic=\"{topic}\",verdict=\"accept\"");
     let quarantined =

@@ -314,7 +314,7 @@ async fn ten_thousand_subscriptions_on_one_tenant_each_get_the_event() {
         String::from_utf8_lossy(&out.stderr)
     );
     let apply_s = t0.elapsed().as_secs_f64();
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     let base = format!("http://{}", hub.addr());
     // The running hub has every one (its table follows the control topic) before the event.
     let token = streaming_hub::api::mint(

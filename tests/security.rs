@@ -320,7 +320,7 @@ async fn hub_delivers_through(listener: &Listener, tag: &str) {
         prefix,
         topic: topic.clone(),
         hub: Hub::start(&env),
-        http: reqwest::Client::builder().no_proxy().build().unwrap(),
+        http: hub_http(),
     };
     let (url, sink) = Sink::start().await;
     let (_, secret) = subscribe_webhook(&api, "tenant-sasl", &url, json!({})).await;

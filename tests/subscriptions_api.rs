@@ -44,7 +44,7 @@ async fn subscription_created_through_the_api_is_verified_matched_and_never_leak
     env.insert("STREAMING_HUB_LOG".into(), "debug".into());
     let hub = Hub::start(&env);
     let base = format!("http://{}", hub.addr());
-    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let http = hub_http();
     let token = streaming_hub::api::mint(
         &Secret::new(JWT),
         Some("tenant-a"),

@@ -17,7 +17,7 @@ use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, JsonBody};
 use super::subscriptions::{caught_up, load};
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
-use crate::ops::pull::{EventPage, PullError, PullReader};
+use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
 use crate::ops::ratelimit::RateLimiter;
 use crate::ops::redeliver::{
     Progress, RedeliverError, Redeliverer, catching_panics, check_redeliverable,
@@ -386,7 +386,7 @@ pub async fn pull_events(
     let limit = parse_limit(q.limit.as_deref(), 100, 500)?;
     let cursor = match q.cursor.as_deref() {
         None | Some("") => None,
-        Some(c) => Some(ops.pull.open(c, &sub.id).map_err(|_| {
+        Some(c) => Some(Cursor::decode(c).map_err(|_| {
             ApiError::bad_request("invalid", "cursor is not one this API returned")
                 .with_field("cursor")
         })?),

@@ -32,8 +32,8 @@
 //!    `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` → `source_mismatch` (failing
 //!    closed: `lerian.streaming.ledger.v2` names no source, so nothing matches it); topics not
 //!    starting with `lerian.streaming.` are not checked. Then the optional ones, when present:
-//!    `ce-subject` empty or blank → `invalid_subject`; `ce-dataschema` not a URI reference (see
-//!    below) → `invalid_dataschema`.
+//!    `ce-subject` empty or blank → `invalid_subject`; `ce-dataschema` not an absolute URI
+//!    (see below) → `invalid_dataschema`.
 //! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`; any other id the API would
 //!    not take ([`super::tenant`]: over [`MAX_TENANT_BYTES`], leading or trailing whitespace, a
 //!    whitespace, format or other invisible character such as U+00A0, U+200B, U+202E, U+FEFF) →
@@ -365,11 +365,11 @@ pub const MAX_CE_VALUE_BYTES: usize = 8 * 1024;
 /// hub's own and the subscription's custom ones included). Each value within its own limit, a
 /// few long ones together were refused by such a receiver at every attempt for 28 hours.
 pub const MAX_CE_TOTAL_BYTES: usize = 10 * 1024;
-/// Longest event type key, `<resource>.<event>` from `ce-resourcetype` and `ce-eventtype`, in
-/// bytes. Deliveries send it as `X-Lerian-Event-Type` besides the `ce-*` headers, outside
-/// [`MAX_CE_TOTAL_BYTES`]: with this cap it adds at most 255 bytes (three times that once
-/// percent-encoded). The same number bounds a subscription's event type key, so no
-/// subscription could name a longer one.
+/// Longest `ce-resourcetype` and `ce-eventtype`, each, in bytes. Deliveries send
+/// `<resource>.<event>` as `X-Lerian-Event-Type` besides the `ce-*` headers, outside
+/// [`MAX_CE_TOTAL_BYTES`]: with these caps it adds at most 511 bytes (three times that once
+/// percent-encoded). A key over a subscription's 255 bytes is matched by wildcards only, as
+/// before (a cap on the key would have quarantined events wildcards were receiving).
 pub const MAX_TYPE_NAME_BYTES: usize = 255;
 /// Returns the known attributes' slots and the first other `ce-*` header (an extension), if any.
 fn scan<'h>(
@@ -593,21 +593,14 @@ fn judge(
                 "must be non-empty without dots",
             );
         }
-    }
-    // The event type key, `<resource>.<event>`, as subscriptions name it (255 bytes at most)
-    // and as X-Lerian-Event-Type carries it.
-    let key_len = resource.len() + 1 + event.len();
-    if key_len > MAX_TYPE_NAME_BYTES {
-        let (slot, v) = if resource.len() >= event.len() {
-            (RESOURCETYPE, resource)
-        } else {
-            (EVENTTYPE, event)
-        };
-        let rule = format!(
-            "makes <resource>.<event> {key_len} bytes, over {MAX_TYPE_NAME_BYTES} (it is sent \
-             in X-Lerian-Event-Type, and no subscription could name it)"
-        );
-        return bad(Reason::InvalidType, slot, v, &rule);
+        if v.len() > MAX_TYPE_NAME_BYTES {
+            let rule = format!(
+                "is {} bytes, over {MAX_TYPE_NAME_BYTES} (it is sent again in \
+                 X-Lerian-Event-Type, outside the ce-* headers' budget)",
+                v.len()
+            );
+            return bad(Reason::InvalidType, slot, v, &rule);
+        }
     }
     let ty = required(TYPE)?;
     let mut parts = ty.split('.');
@@ -674,7 +667,7 @@ fn judge(
     }
     if let Some(schema) = slots[DATASCHEMA] {
         if let Err(why) = check_uri_reference(schema) {
-            let rule = format!("is not a URI reference (RFC 3986): {why}");
+            let rule = format!("is not an absolute URI (RFC 3986 §4.3): {why}");
             return bad(Reason::InvalidDataschema, DATASCHEMA, schema, &rule);
         }
     }
@@ -2065,23 +2058,21 @@ mod tests {
                     &format!("studio.lerian.ledger.{resource}.{event}"),
                 )
         };
-        // The longest key a subscription can name: accepted.
-        let longest = "r".repeat(MAX_TYPE_NAME_BYTES - 8);
-        let a = accepted(typed(&longest, "created").classify(&cfg));
-        assert_eq!(a.event_key().len(), MAX_TYPE_NAME_BYTES);
-        // 124 two-byte characters and `.created`: 256 bytes; the longer name is named.
-        let over = "ç".repeat(124);
+        let longest = "r".repeat(MAX_TYPE_NAME_BYTES);
+        let a = accepted(typed(&longest, &longest).classify(&cfg));
+        assert_eq!(a.event_key().len(), 2 * MAX_TYPE_NAME_BYTES + 1);
+        // 128 two-byte characters: 256 bytes.
+        let over = "ç".repeat(128);
         for (resource, event, header) in [
             (over.as_str(), "created", "ce-resourcetype"),
-            ("account", "ç".repeat(124).as_str(), "ce-eventtype"),
+            ("account", over.as_str(), "ce-eventtype"),
         ] {
             match typed(resource, event).classify(&cfg) {
                 Verdict::Quarantine(q) => {
                     assert_eq!(q.reason, Reason::InvalidType, "{}", q.message);
                     assert!(q.message.starts_with(&format!("header {header}: ")));
                     assert!(
-                        q.message
-                            .contains("makes <resource>.<event> 256 bytes, over 255"),
+                        q.message.contains("is 256 bytes, over 255"),
                         "{}",
                         q.message
                     );

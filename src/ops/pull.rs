@@ -141,17 +141,11 @@ impl Cursor {
     }
 }
 
-/// The first byte of a sealed cursor (`v3`), after base64: a `v1`/`v2` cursor's is `v`.
-const SEALED: u8 = 3;
-const NONCE: usize = 12;
-
 /// Reads `<prefix>.pull`.
 #[derive(Clone)]
 pub struct PullReader {
     config: Config,
     topic: String,
-    /// Keys sealing the cursors this reader answers (the current first; see [`PullReader::seal`]).
-    cursor_keys: std::sync::Arc<Vec<aes_gcm::Aes256Gcm>>,
 }
 
 impl PullReader {
@@ -159,85 +153,7 @@ impl PullReader {
         PullReader {
             config: config.clone(),
             topic: format!("{}.pull", config.topic_prefix),
-            cursor_keys: std::sync::Arc::new(crate::subscriptions::secrets::derived_keys(
-                config,
-                "streaming-hub pull cursor v3",
-            )),
         }
-    }
-
-    /// The cursor as answered: sealed (AES-256-GCM under a key derived from the KEK, bound to
-    /// the subscription). A plain one named the position in `<prefix>.pull`, whose partitions
-    /// every tenant's pull subscriptions share, so a tenant reading its cursors learned how many
-    /// events other tenants' pull subscriptions were sent. Plain (`v2`) without a key.
-    pub fn seal(&self, cursor: &Cursor, subscription: &str) -> String {
-        use aes_gcm::aead::{Aead, Payload};
-        let Some(key) = self.cursor_keys.first() else {
-            return cursor.encode();
-        };
-        let mut nonce = [0u8; NONCE];
-        rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut nonce);
-        let plain = format!("{}:{}", cursor.partition, cursor.offset);
-        let sealed = key
-            .encrypt(
-                aes_gcm::Nonce::from_slice(&nonce),
-                Payload {
-                    msg: plain.as_bytes(),
-                    aad: &cursor_aad(subscription),
-                },
-            )
-            .expect("AES-GCM encryption of an in-memory buffer cannot fail");
-        let mut out = Vec::with_capacity(1 + NONCE + sealed.len());
-        out.push(SEALED);
-        out.extend_from_slice(&nonce);
-        out.extend_from_slice(&sealed);
-        URL_SAFE_NO_PAD.encode(out)
-    }
-
-    /// A cursor from a client: one this API sealed for `subscription` (under any configured
-    /// key), or one of an earlier version (`v1`, `v2`, plain). Another subscription's sealed
-    /// one does not open: `BadCursor`.
-    pub fn open(&self, text: &str, subscription: &str) -> Result<Cursor, PullError> {
-        use aes_gcm::aead::{Aead, Payload};
-        let raw = URL_SAFE_NO_PAD
-            .decode(text)
-            .map_err(|_| PullError::BadCursor)?;
-        if raw.first() != Some(&SEALED) {
-            return Cursor::decode(text);
-        }
-        if raw.len() < 1 + NONCE + 16 {
-            return Err(PullError::BadCursor);
-        }
-        let (nonce, sealed) = raw[1..].split_at(NONCE);
-        let aad = cursor_aad(subscription);
-        let plain = self
-            .cursor_keys
-            .iter()
-            .find_map(|key| {
-                key.decrypt(
-                    aes_gcm::Nonce::from_slice(nonce),
-                    Payload {
-                        msg: sealed,
-                        aad: &aad,
-                    },
-                )
-                .ok()
-            })
-            .ok_or(PullError::BadCursor)?;
-        let plain = String::from_utf8(plain).map_err(|_| PullError::BadCursor)?;
-        let (p, o) = plain.split_once(':').ok_or(PullError::BadCursor)?;
-        let (partition, offset) = (
-            p.parse().map_err(|_| PullError::BadCursor)?,
-            o.parse().map_err(|_| PullError::BadCursor)?,
-        );
-        if partition < 0 || offset < 0 {
-            return Err(PullError::BadCursor);
-        }
-        Ok(Cursor {
-            partition,
-            offset,
-            subscription: Some(subscription_tag(subscription)),
-        })
     }
 
     /// Up to `limit` events of `subscription`, a subscription of `tenant`, from `cursor` (from
@@ -341,20 +257,14 @@ impl PullReader {
         }
         Ok(EventPage {
             events,
-            next_cursor: self.seal(
-                &Cursor {
-                    partition,
-                    offset: next,
-                    subscription: Some(subscription_tag(subscription)),
-                },
-                subscription,
-            ),
+            next_cursor: Cursor {
+                partition,
+                offset: next,
+                subscription: Some(subscription_tag(subscription)),
+            }
+            .encode(),
         })
     }
-}
-
-fn cursor_aad(subscription: &str) -> Vec<u8> {
-    [&b"pull-cursor:"[..], subscription.as_bytes()].concat()
 }
 
 /// Whether the record's header `name` (exactly that name, as ingest judged it) is `value`.
@@ -464,56 +374,6 @@ mod tests {
             let (_, data, b64) = data_of(None, bad.as_bytes());
             assert!(text(data).is_none() && b64.is_some(), "{bad}");
         }
-    }
-
-    fn reader(vars: &[(&str, String)]) -> PullReader {
-        let config =
-            Config::from_vars(vars.iter().map(|(k, v)| (k.to_string(), v.clone()))).unwrap();
-        PullReader::new(&config)
-    }
-
-    /// A cursor as answered tells nothing of the shared topic (a tenant read other tenants'
-    /// pull volume in its offsets), opens for its own subscription only, and still opens after
-    /// the KEK is rotated (the old key named in STREAMING_HUB_KEK_PREVIOUS).
-    #[test]
-    fn answered_cursors_are_sealed_to_their_subscription_and_survive_a_kek_rotation() {
-        let b64 = |k: u8| base64::engine::general_purpose::STANDARD.encode([k; 32]);
-        let old = reader(&[("STREAMING_HUB_KEK", b64(1))]);
-        let c = Cursor {
-            partition: 3,
-            offset: 4242,
-            subscription: Some(subscription_tag("sub-a")),
-        };
-        let sealed = old.seal(&c, "sub-a");
-        let raw = URL_SAFE_NO_PAD.decode(&sealed).unwrap();
-        assert_eq!(raw[0], SEALED);
-        assert!(
-            !String::from_utf8_lossy(&raw).contains("4242"),
-            "the offset shows"
-        );
-        assert_ne!(old.seal(&c, "sub-a"), sealed, "a fresh nonce each time");
-        assert_eq!(old.open(&sealed, "sub-a").unwrap(), c);
-        assert!(matches!(
-            old.open(&sealed, "sub-b"),
-            Err(PullError::BadCursor)
-        ));
-        // Rotated: the new key seals, the old one still opens.
-        let rotated = reader(&[
-            ("STREAMING_HUB_KEK", b64(2)),
-            ("STREAMING_HUB_KEK_ID", "k2".into()),
-            ("STREAMING_HUB_KEK_PREVIOUS", format!("k1:{}", b64(1))),
-        ]);
-        assert_eq!(rotated.open(&sealed, "sub-a").unwrap(), c);
-        assert!(old.open(&rotated.seal(&c, "sub-a"), "sub-a").is_err());
-        // Earlier versions' plain cursors still read; tampering does not.
-        assert_eq!(old.open(&c.encode(), "sub-a").unwrap(), c);
-        let mut bent = raw.clone();
-        *bent.last_mut().unwrap() ^= 1;
-        assert!(old.open(&URL_SAFE_NO_PAD.encode(bent), "sub-a").is_err());
-        assert!(
-            old.open(&URL_SAFE_NO_PAD.encode([SEALED, 0, 0]), "sub-a")
-                .is_err()
-        );
     }
 
     #[test]

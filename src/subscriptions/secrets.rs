@@ -74,31 +74,6 @@ impl std::fmt::Debug for Kek {
     }
 }
 
-/// Keys for `purpose` derived from each configured key-encryption key, the current one first:
-/// HMAC-SHA256(KEK, purpose). What they seal (pull cursors) never uses the KEK itself, which
-/// seals secrets and would otherwise count every cursor against its random-nonce budget. A key
-/// that does not decode is left out (`Kek::from_config` refuses it at start).
-pub fn derived_keys(config: &Config, purpose: &str) -> Vec<Aes256Gcm> {
-    use hmac::{Hmac, Mac};
-    let previous = config.kek_previous.expose();
-    std::iter::once(config.kek.expose())
-        .chain(
-            previous
-                .split(',')
-                .filter_map(|e| Some(e.trim().split_once(':')?.1)),
-        )
-        .filter_map(|b64| {
-            let raw = base64::engine::general_purpose::STANDARD
-                .decode(b64.trim())
-                .ok()
-                .filter(|k| k.len() == 32)?;
-            let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(&raw).ok()?;
-            mac.update(purpose.as_bytes());
-            Aes256Gcm::new_from_slice(&mac.finalize().into_bytes()).ok()
-        })
-        .collect()
-}
-
 fn decode_key(b64: &str) -> Result<Aes256Gcm, SecretError> {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(b64.trim())

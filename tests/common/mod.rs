@@ -877,12 +877,7 @@ impl ApiHub {
             prefix,
             topic,
             hub,
-            // Pooled connections idle less than the hub's read timeout (10 s), which closes them.
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .pool_idle_timeout(Duration::from_secs(5))
-                .build()
-                .unwrap(),
+            http: hub_http(),
         }
     }
 
@@ -1057,6 +1052,16 @@ impl Drop for BrokerDown {
             cluster_kafka_sh(&["restart-node", &node.to_string()]);
         }
     }
+}
+
+/// An HTTP client for the hub's API: no proxy, and pooled connections idle less than the hub's
+/// read timeout (10 s), which closes them (a request sent on one as it closes fails).
+pub fn hub_http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_idle_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap()
 }
 
 /// The latest record of each subscription on the control topic.
