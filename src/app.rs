@@ -206,6 +206,14 @@ pub async fn run(config: Config) -> Result<(), AppError> {
     let listener = tokio::net::TcpListener::bind(config.http_listen_addr)
         .await
         .map_err(|e| AppError::Http(format!("bind {}: {e}", config.http_listen_addr)))?;
+    let metrics_listener = match config.metrics_listen_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| AppError::Http(format!("bind {addr}: {e}")))?,
+        ),
+        None => None,
+    };
     let mut ingest_thread = None;
     if matches!(config.role, Role::All | Role::Ingest) {
         let ingest = Ingest::new(&config, clock.clone())?
@@ -352,11 +360,25 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         table: table.clone(),
         broker,
     };
-    let mut router: Router = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .with_state(health);
+    let probes = || -> Router<Health> {
+        Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+    };
+    // `/metrics` on its own address when one is set (it names tenants and takes no token), and
+    // the health endpoints on both.
+    let metrics_router: Option<Router> = metrics_listener.is_some().then(|| {
+        probes()
+            .route("/metrics", get(metrics_text))
+            .fallback(api::no_route)
+            .with_state(health.clone())
+    });
+    let mut router: Router = match metrics_router {
+        Some(_) => probes().with_state(health),
+        None => probes()
+            .route("/metrics", get(metrics_text))
+            .with_state(health),
+    };
     if config.kek.is_empty() {
         tracing::warn!(
             "STREAMING_HUB_KEK is not set: the subscription API is off (it cannot seal secrets)"
@@ -461,6 +483,15 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         read_timeout: Some(config.http_read_timeout).filter(|t| !t.is_zero()),
         write_stall: api::serve::WRITE_STALL,
     };
+    let metrics_server = match (metrics_listener, metrics_router) {
+        (Some(listener), Some(router)) => {
+            Some(tokio::spawn(api::serve::serve(listener, router, limits, {
+                let http_down = http_down.clone();
+                async move { http_down.notified().await }
+            })))
+        }
+        _ => None,
+    };
     let mut server = tokio::spawn(api::serve::serve(listener, router, limits, {
         let http_down = http_down.clone();
         async move { http_down.notified().await }
@@ -516,7 +547,11 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             }
         }
     }
-    http_down.notify_one();
+    // Every server waiting on it (the API's, and the metrics one when it has its own address).
+    http_down.notify_waiters();
+    if let Some(metrics_server) = metrics_server {
+        let _ = tokio::time::timeout(HTTP_DRAIN, metrics_server).await;
+    }
     let served = match server_ended_early {
         Some(ended) => ended,
         // Requests still in progress get a bounded time: a client that keeps its connection

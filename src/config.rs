@@ -154,6 +154,15 @@ impl FromVar for SocketAddr {
     }
 }
 
+impl FromVar for Option<SocketAddr> {
+    fn from_var(text: &str) -> Result<Self, String> {
+        if text.is_empty() {
+            return Ok(None);
+        }
+        SocketAddr::from_var(text).map(Some)
+    }
+}
+
 impl FromVar for PathBuf {
     fn from_var(text: &str) -> Result<Self, String> {
         if text.is_empty() {
@@ -269,6 +278,9 @@ macro_rules! upper {
     };
     (http_listen_addr) => {
         "HTTP_LISTEN_ADDR"
+    };
+    (metrics_listen_addr) => {
+        "METRICS_LISTEN_ADDR"
     };
     (http_max_connections) => {
         "HTTP_MAX_CONNECTIONS"
@@ -463,6 +475,11 @@ settings! {
     role: Role = "all";
     /// Address of the HTTP API, `/metrics` and health endpoints.
     http_listen_addr: SocketAddr = "127.0.0.1:8080";
+    /// A separate address for `/metrics` (and `/healthz`, `/readyz`), for an instance whose API
+    /// address tenants reach: `/metrics` names tenants (the ones with the oldest due deliveries)
+    /// and needs no token, so with this set it is served here only. Empty = on
+    /// `STREAMING_HUB_HTTP_LISTEN_ADDR`.
+    metrics_listen_addr: Option<SocketAddr> = "";
     /// Most HTTP connections open at once on that address; past it, new ones wait in the
     /// kernel's accept queue until one closes (so clients that open connections and send nothing
     /// cannot take the process's file descriptors, which deliveries and Kafka need too).

@@ -1278,3 +1278,37 @@ fn the_token_command_refuses_a_tenant_the_api_would_not_take() {
     let caller = streaming_hub::api::auth::verify(&keys, minted.trim(), 0).unwrap();
     assert_eq!(caller.tenant.as_deref(), Some("acme"));
 }
+
+/// `/metrics` names tenants and takes no token: with `STREAMING_HUB_METRICS_LISTEN_ADDR` set it is
+/// served on that address only, the API's answering `404` for it; the health endpoints answer on
+/// both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_their_own_address_are_not_served_on_the_apis() {
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let s = ApiHub::start(
+        "metrics-addr",
+        &[("STREAMING_HUB_METRICS_LISTEN_ADDR", &metrics_addr)],
+    )
+    .await;
+    let get = |addr: String, path: &'static str| {
+        let http = s.http.clone();
+        async move {
+            let r = http
+                .get(format!("http://{addr}{path}"))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let (status, text) = get(metrics_addr.clone(), "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(text.contains("streaming_hub_"), "{text}");
+    let (status, text) = get(s.hub.addr(), "/metrics").await;
+    assert_eq!(status, 404, "{text}");
+    assert!(text.contains("no such route"), "{text}");
+    for addr in [metrics_addr, s.hub.addr()] {
+        assert_eq!(get(addr.clone(), "/healthz").await.0, 200, "{addr}");
+        assert_eq!(get(addr.clone(), "/readyz").await.0, 200, "{addr}");
+    }
+}
