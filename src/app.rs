@@ -419,7 +419,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             redeliver: Arc::new(redeliver),
             forensics,
             progress: Default::default(),
-            scans: Default::default(),
+            scans: crate::api::gate::TenantGate::new(1, crate::api::ops::MAX_SCANS),
             pull_reads: Default::default(),
         }));
         let prober = Prober::new(

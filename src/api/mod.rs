@@ -40,6 +40,7 @@ pub mod admin;
 pub mod auth;
 pub mod errors;
 pub mod extract;
+pub mod gate;
 pub mod openapi;
 pub mod ops;
 pub mod responses;
@@ -78,8 +79,9 @@ pub struct ApiState {
     writes: Arc<tokio::sync::Mutex<()>>,
     /// `STREAMING_HUB_API_WRITE_RATE`/`_BURST`, per tenant.
     write_limiter: Arc<crate::ops::ratelimit::RateLimiter>,
-    /// Verification probes the API runs at once (see [`verification::ProbeGate`]).
-    pub probes: Arc<verification::ProbeGate>,
+    /// Verification probes the API runs at once ([`verification::MAX_TENANT_PROBES`] of a tenant,
+    /// [`verification::MAX_PROBES`] in all).
+    pub probes: Arc<gate::TenantGate>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -121,7 +123,10 @@ impl ApiState {
                 config.api_write_rate,
                 config.api_write_burst,
             )),
-            probes: Arc::default(),
+            probes: Arc::new(gate::TenantGate::new(
+                verification::MAX_TENANT_PROBES,
+                verification::MAX_PROBES,
+            )),
         }
     }
 

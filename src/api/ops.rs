@@ -15,6 +15,7 @@ use super::ApiState;
 use super::auth::{Admin, Caller};
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, JsonBody};
+use super::gate::{GateSlot, TenantGate};
 use super::subscriptions::{caught_up, load};
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
@@ -35,8 +36,9 @@ pub struct Ops {
     pub forensics: Forensics,
     /// Replays, recovers and redrives of this instance, by id.
     pub progress: Mutex<HashMap<String, Arc<Mutex<Progress>>>>,
-    /// Recovers and replays running now (each reads a whole topic on a blocking thread).
-    pub scans: ScanGate,
+    /// Recovers and replays running now, one per tenant and [`MAX_SCANS`] in all (each reads a
+    /// whole topic on a blocking thread).
+    pub scans: TenantGate,
     /// Pull reads running now.
     pub pull_reads: PullGate,
 }
@@ -52,43 +54,25 @@ pub const MAX_PULL_READS_PER_TENANT: usize = 2;
 /// How long a pull read waits for a place before it is answered `429`.
 pub const PULL_READ_WAIT: Duration = Duration::from_secs(2);
 
-type PullCounts = Arc<Mutex<HashMap<String, usize>>>;
-
 /// Places for pull reads ([`MAX_PULL_READS`], [`MAX_PULL_READS_PER_TENANT`]).
 pub struct PullGate {
     places: Arc<tokio::sync::Semaphore>,
-    tenants: PullCounts,
+    /// Each tenant's reads, refused at once past [`MAX_PULL_READS_PER_TENANT`].
+    tenants: TenantGate,
 }
 
 /// A pull read's place, given back when dropped.
 pub struct PullPlace {
     _place: tokio::sync::OwnedSemaphorePermit,
-    _tenant: TenantPull,
-}
-
-/// One of a tenant's pull reads, counted until dropped.
-struct TenantPull {
-    tenants: PullCounts,
-    tenant: String,
-}
-
-impl Drop for TenantPull {
-    fn drop(&mut self) {
-        let mut t = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = t.get_mut(&self.tenant) {
-            *n -= 1;
-            if *n == 0 {
-                t.remove(&self.tenant);
-            }
-        }
-    }
+    _tenant: GateSlot,
 }
 
 impl Default for PullGate {
     fn default() -> PullGate {
         PullGate {
             places: Arc::new(tokio::sync::Semaphore::new(MAX_PULL_READS)),
-            tenants: Arc::default(),
+            // The instance's bound is the semaphore's, which a read waits for.
+            tenants: TenantGate::new(MAX_PULL_READS_PER_TENANT, usize::MAX),
         }
     }
 }
@@ -97,18 +81,7 @@ impl PullGate {
     /// A place for one of `tenant`'s reads: None at once when the tenant has its most running,
     /// or after `wait` when no place came free.
     pub async fn enter(&self, tenant: &str, wait: Duration) -> Option<PullPlace> {
-        {
-            let mut t = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
-            let n = t.entry(tenant.to_string()).or_insert(0);
-            if *n >= MAX_PULL_READS_PER_TENANT {
-                return None;
-            }
-            *n += 1;
-        }
-        let counted = TenantPull {
-            tenants: self.tenants.clone(),
-            tenant: tenant.to_string(),
-        };
+        let counted = self.tenants.enter(tenant)?;
         let place = tokio::time::timeout(wait, self.places.clone().acquire_owned())
             .await
             .ok()?
@@ -126,40 +99,7 @@ impl PullGate {
 /// tenant's deliveries.
 pub const MAX_SCANS: usize = 2;
 
-/// Who is running a recover or replay now: a tenant's second one, or one past [`MAX_SCANS`], is refused
-/// (`429`, `Retry-After`) rather than queued.
-#[derive(Default)]
-pub struct ScanGate(Arc<Mutex<std::collections::HashSet<String>>>);
-
-/// A recover's or replay's place in the [`ScanGate`], given back when dropped.
-pub struct ScanSlot {
-    gate: Arc<Mutex<std::collections::HashSet<String>>>,
-    tenant: String,
-}
-
-impl ScanGate {
-    pub fn enter(&self, tenant: &str) -> Option<ScanSlot> {
-        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if running.len() >= MAX_SCANS || !running.insert(tenant.to_string()) {
-            return None;
-        }
-        Some(ScanSlot {
-            gate: self.0.clone(),
-            tenant: tenant.to_string(),
-        })
-    }
-}
-
-impl Drop for ScanSlot {
-    fn drop(&mut self) {
-        self.gate
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.tenant);
-    }
-}
-
-/// A recover or replay refused by the [`ScanGate`].
+/// A recover or replay refused by the scan gate ([`Ops::scans`]).
 fn scans_busy() -> Response {
     too_many(
         "recover_running",
@@ -908,7 +848,7 @@ mod tests {
 
     #[test]
     fn a_tenant_runs_one_recover_at_a_time_and_an_instance_at_most_max_scans() {
-        let gate = ScanGate::default();
+        let gate = TenantGate::new(1, MAX_SCANS);
         let a = gate.enter("tenant-a").expect("a first recover runs");
         assert!(gate.enter("tenant-a").is_none(), "a second of one tenant");
         let b = gate.enter("tenant-b").expect("another tenant's runs");
@@ -921,6 +861,6 @@ mod tests {
         assert!(gate.enter("tenant-a").is_some(), "its slot given back");
         let c = gate.enter("tenant-c").expect("a slot is free again");
         drop((b, c));
-        assert!(gate.0.lock().unwrap().is_empty());
+        assert!(gate.is_idle());
     }
 }

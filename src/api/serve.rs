@@ -256,6 +256,15 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
+    /// Limits for a test: connections, read timeout and write stall in ms.
+    fn limits(max_connections: usize, read_ms: Option<u64>, stall_ms: u64) -> Limits {
+        Limits {
+            max_connections,
+            read_timeout: read_ms.map(Duration::from_millis),
+            write_stall: Duration::from_millis(stall_ms),
+        }
+    }
+
     /// A real server on 127.0.0.1 with `limits`; the sender stops it.
     async fn start(limits: Limits) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
         let router = Router::new()
@@ -292,11 +301,7 @@ mod tests {
 
     #[tokio::test]
     async fn headers_that_never_finish_are_cut_at_the_read_timeout() {
-        let limits = Limits {
-            max_connections: 8,
-            read_timeout: Some(Duration::from_millis(300)),
-            write_stall: WRITE_STALL,
-        };
+        let limits = limits(8, Some(300), 30_000);
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"GET /ok HTTP/1.1\r\nhost: x\r\n")
@@ -310,11 +315,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_keep_alive_connection_is_closed_at_the_read_timeout() {
-        let limits = Limits {
-            max_connections: 8,
-            read_timeout: Some(Duration::from_millis(300)),
-            write_stall: WRITE_STALL,
-        };
+        let limits = limits(8, Some(300), 30_000);
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -328,11 +329,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_that_never_finishes_is_refused_at_the_read_timeout() {
-        let limits = Limits {
-            max_connections: 8,
-            read_timeout: Some(Duration::from_millis(300)),
-            write_stall: WRITE_STALL,
-        };
+        let limits = limits(8, Some(300), 30_000);
         let (addr, _stop) = start(limits).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nabc")
@@ -346,11 +343,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_past_the_limit_wait_until_one_closes() {
-        let limits = Limits {
-            max_connections: 2,
-            read_timeout: None,
-            write_stall: WRITE_STALL,
-        };
+        let limits = limits(2, None, 30_000);
         let (addr, _stop) = start(limits).await;
         // Two connections that send nothing hold both places.
         let first = TcpStream::connect(addr).await.unwrap();
@@ -378,11 +371,7 @@ mod tests {
     /// past the write stall, its connection is closed and its place under the cap freed.
     #[tokio::test]
     async fn a_connection_that_leaves_its_answers_unread_is_closed() {
-        let limits = Limits {
-            max_connections: 1,
-            read_timeout: None,
-            write_stall: Duration::from_millis(300),
-        };
+        let limits = limits(1, None, 300);
         let (addr, _stop) = start(limits).await;
         let hog = TcpStream::connect(addr).await.unwrap();
         let (_unread, mut writer) = hog.into_split();
@@ -397,11 +386,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stop_ends_the_server_with_an_idle_connection_open() {
-        let limits = Limits {
-            max_connections: 4,
-            read_timeout: None,
-            write_stall: WRITE_STALL,
-        };
+        let limits = limits(4, None, 30_000);
         let router = Router::new().route("/ok", get(|| async { "ok" }));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

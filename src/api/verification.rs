@@ -15,9 +15,6 @@
 //! The probe runs without the write lock. Its result is written onto the subscription as it is
 //! after the probe, and only if the destination is still the one probed; a result about a URL
 //! that has been replaced (or a deleted subscription) is reported, never written.
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -40,44 +37,6 @@ use crate::subscriptions::control::RepoError;
 /// delivery's lookups share, and healthy receivers' deliveries failed as timeouts.
 pub const MAX_PROBES: usize = 32;
 pub const MAX_TENANT_PROBES: usize = 4;
-
-/// Probes in flight, per tenant and in all; one past a bound is refused, not queued.
-#[derive(Default)]
-pub struct ProbeGate(Arc<Mutex<HashMap<String, usize>>>);
-
-/// A probe's place in the [`ProbeGate`], given back when dropped.
-pub struct ProbeSlot {
-    gate: Arc<Mutex<HashMap<String, usize>>>,
-    tenant: String,
-}
-
-impl ProbeGate {
-    pub fn enter(&self, tenant: &str) -> Option<ProbeSlot> {
-        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let total: usize = running.values().sum();
-        let mine = running.get(tenant).copied().unwrap_or(0);
-        if total >= MAX_PROBES || mine >= MAX_TENANT_PROBES {
-            return None;
-        }
-        running.insert(tenant.to_string(), mine + 1);
-        Some(ProbeSlot {
-            gate: self.0.clone(),
-            tenant: tenant.to_string(),
-        })
-    }
-}
-
-impl Drop for ProbeSlot {
-    fn drop(&mut self) {
-        let mut running = self.gate.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = running.get_mut(&self.tenant) {
-            *n -= 1;
-            if *n == 0 {
-                running.remove(&self.tenant);
-            }
-        }
-    }
-}
 
 /// `429 probe_busy`: the tenant's or the instance's probes are all in use.
 fn probes_busy() -> ApiError {
@@ -128,7 +87,7 @@ async fn run(
 
 /// Probes `rec` and records the outcome (see the module doc). Returns the subscription as it now
 /// is and the outcome; the probe's error, if any, is in the outcome. `429 probe_busy` when the
-/// [`ProbeGate`] has no place for it.
+/// probe gate ([`ApiState::probes`]) has no place for it.
 pub async fn probe_and_record(
     state: &ApiState,
     rec: SubscriptionRecord,

@@ -70,6 +70,10 @@ pub fn dedup_key(tenant: &str, ce_id: &str) -> Vec<u8> {
 /// The key (tenant, ce-id) had before ids were keyed in lower case, when it differs from `key`
 /// (its [`dedup_key`]): an upper-case UUIDv7.
 pub fn key_as_written(tenant: &str, ce_id: &str, key: &[u8]) -> Option<Vec<u8>> {
+    // Checked before any allocation: this runs for every event new to the store.
+    if !ce_id.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
     let old = [tenant.as_bytes(), b"\0", ce_id.as_bytes()].concat();
     (old != key).then_some(old)
 }

@@ -68,7 +68,7 @@ const TENANT_PROBES_PER_PASS: usize = PROBES_AT_ONCE;
 /// (so every tenant's first ones are among the first probes started); within a tenant the least
 /// tried first (`tries`), so a new webhook is not kept behind the same oldest ones every pass.
 fn fair_share(mut due: Vec<Sub>, tries: impl Fn(&Sub) -> u32) -> Vec<Sub> {
-    due.sort_by(|a, b| (&a.tenant_id, tries(a), &a.id).cmp(&(&b.tenant_id, tries(b), &b.id)));
+    due.sort_by_cached_key(|s| (s.tenant_id.clone(), tries(s), s.id.clone()));
     let mut by_tenant: Vec<std::collections::VecDeque<Sub>> = Vec::new();
     for s in due {
         match by_tenant.last_mut() {
