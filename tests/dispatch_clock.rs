@@ -29,17 +29,27 @@ struct Sink {
     verifies: Arc<AtomicBool>,
     /// `X-Lerian-Attempt` of each delivery, in arrival order.
     attempts: Arc<Mutex<Vec<String>>>,
+    /// `Retry-After` seconds sent with every failed delivery's answer (0: none).
+    retry_after: Arc<AtomicU16>,
 }
 
-async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (StatusCode, Bytes) {
+async fn handler(
+    State(s): State<Sink>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, HeaderMap, Bytes) {
     if headers
         .get("x-lerian-event-type")
         .and_then(|v| v.to_str().ok())
         == Some("streaming_hub.verification")
     {
         return match s.verifies.load(Ordering::SeqCst) {
-            true => (StatusCode::OK, body),
-            false => (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()),
+            true => (StatusCode::OK, HeaderMap::new(), body),
+            false => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                HeaderMap::new(),
+                Bytes::new(),
+            ),
         };
     }
     let status = s.status.load(Ordering::SeqCst);
@@ -56,7 +66,12 @@ async fn handler(State(s): State<Sink>, headers: HeaderMap, body: Bytes) -> (Sta
         .unwrap()
         .push(attempt.unwrap_or("").to_string());
     s.got.lock().unwrap().push((id, status));
-    (StatusCode::from_u16(status).unwrap(), Bytes::new())
+    let mut answer = HeaderMap::new();
+    let retry_after = s.retry_after.load(Ordering::SeqCst);
+    if status >= 300 && retry_after > 0 {
+        answer.insert("retry-after", retry_after.into());
+    }
+    (StatusCode::from_u16(status).unwrap(), answer, Bytes::new())
 }
 
 async fn start_sink(status: u16) -> (String, Sink) {
@@ -65,6 +80,7 @@ async fn start_sink(status: u16) -> (String, Sink) {
         status: Arc::new(AtomicU16::new(status)),
         verifies: Arc::new(AtomicBool::new(true)),
         attempts: Arc::default(),
+        retry_after: Arc::default(),
     };
     let app = Router::new()
         .route("/hook", post(handler))
@@ -80,6 +96,7 @@ async fn start_sinks_on_one_origin(status: u16) -> ((String, Sink), (String, Sin
         status: Arc::new(AtomicU16::new(status)),
         verifies: Arc::new(AtomicBool::new(true)),
         attempts: Arc::default(),
+        retry_after: Arc::default(),
     };
     let (a, b) = (sink(), sink());
     let app = Router::new()
@@ -280,6 +297,61 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
         s.metric("streaming_hub_breaker_transitions_total").await,
         2,
         "opened, then closed"
+    );
+}
+
+/// A receiver shedding load (`429` with `Retry-After: 60`) is sent nothing more until then, not
+/// one request per due delivery: its breaker opens on that one answer, its later deliveries are
+/// shed, and after the minute one probe goes and closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_with_retry_after_holds_its_destinations_deliveries_until_then() {
+    let s = clock_hub("ra", &[]).await;
+    let (url, sink) = start_sink(429).await;
+    sink.retry_after.store(60, Ordering::SeqCst);
+    subscribe(&s, "tenant-r", &url).await;
+    let p = producer();
+    let first = event("tenant-r", "ledger", "transaction", "posted");
+    produce(&p, &s.topic, std::slice::from_ref(&first));
+    wait_for(&sink, 1).await;
+    s.wait_metric("streaming_hub_breaker_transitions_total", 1)
+        .await;
+
+    // Later events come due at once and are shed, with no request.
+    let later: Vec<Rec> = (0..3)
+        .map(|_| event("tenant-r", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&p, &s.topic, &later);
+    s.wait_metric("streaming_hub_breaker_shed_total", 3).await;
+    assert_eq!(
+        sink.got.lock().unwrap().len(),
+        1,
+        "nothing sent while the receiver asked to wait"
+    );
+
+    // The minute passes: one probe, a success, and everything is delivered.
+    sink.status.store(200, Ordering::SeqCst);
+    s.advance("61s").await;
+    let all: BTreeSet<String> = std::iter::once(&first).chain(&later).map(Rec::id).collect();
+    let delivered = || -> BTreeSet<String> {
+        let got = sink.got.lock().unwrap();
+        got.iter()
+            .filter(|(_, st)| *st == 200)
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+    for _ in 0..300 {
+        if delivered() == all {
+            break;
+        }
+        // Those shed behind the probe wait a second of the test clock: move it along.
+        s.advance("2s").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(delivered(), all, "every event delivered after the wait");
+    assert_eq!(
+        s.metric("streaming_hub_breaker_transitions_total").await,
+        2,
+        "opened by the 429, closed by the probe"
     );
 }
 

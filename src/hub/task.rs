@@ -2782,7 +2782,10 @@ fn record_outcomes(
         }
         if !sent_nothing && job.is_some() {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
-            if let Some(t) = d.breakers.record(&o.tenant, &origin, !o.origin_down(), now) {
+            if let Some(t) =
+                d.breakers
+                    .record(&o.tenant, &origin, !o.origin_down(), o.retry_after_ms, now)
+            {
                 telemetry::BreakerChanged {
                     tenant: &o.tenant,
                     origin: &origin,
