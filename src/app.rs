@@ -159,8 +159,9 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         .map_err(crate::runtime::topology::TopologyError::from)?;
     for finding in topology.apply(&config, false).await? {
         // A compacted topic (the control topic, the changelogs) under `delete`, or
-        // `compact,delete`, loses the subscriptions and state retention takes: refused. Other
-        // differences are reported.
+        // `compact,delete`, loses the subscriptions and state retention takes: refused. So is
+        // a topic taking smaller records than the hub writes (every batch holding one would be
+        // refused and run again for good). Other differences are reported.
         if let crate::runtime::topology::Finding::Differs {
             topic,
             setting,
@@ -172,6 +173,16 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 && crate::runtime::topology::retention_deletes_kept_records(want, have)
             {
                 return Err(crate::runtime::topology::TopologyError::CleanupPolicy {
+                    topic: topic.clone(),
+                    want: want.clone(),
+                    have: have.clone(),
+                }
+                .into());
+            }
+            if setting == "max.message.bytes"
+                && crate::runtime::topology::records_too_large_for(want, have)
+            {
+                return Err(crate::runtime::topology::TopologyError::MaxMessageBytes {
                     topic: topic.clone(),
                     want: want.clone(),
                     have: have.clone(),

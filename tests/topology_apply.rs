@@ -200,6 +200,30 @@ async fn a_changelog_keeping_tombstones_less_than_a_day_stops_the_hub() {
     assert_eq!(config_of(&name, "delete.retention.ms").await, "3600000");
 }
 
+/// An inbox made by hand with the broker's default record size (1 MiB and 12 bytes): the hub
+/// writes a 1 MiB payload there with its headers, the broker would refuse it, and ingest would
+/// abort and run that batch again for good. The hub refuses to start on it, naming it (exit 2).
+#[tokio::test]
+async fn an_inbox_taking_smaller_records_than_the_hub_writes_stops_the_hub() {
+    require_broker();
+    let prefix = unique("topo");
+    let name = format!("{prefix}.inbox");
+    by_hand(
+        NewTopic::new(&name, 6, TopicReplication::Fixed(1)).set("max.message.bytes", "1048588"),
+    )
+    .await;
+    let (code, log) = hub_run_until_it_exits(&prefix);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "topic {name} takes records of at most 1048588 bytes (max.message.bytes), less than \
+             the topology's 2097152"
+        )),
+        "{log}"
+    );
+    assert_eq!(config_of(&name, "max.message.bytes").await, "1048588");
+}
+
 /// A topic made by hand with fewer replicas than the hub asks for is reported (losing a broker
 /// would stop its writes or lose them), on the 3-broker cluster.
 #[tokio::test]

@@ -122,7 +122,11 @@ pub enum HubError {
     Codec(String),
     #[error("restoring partition {partition}: {why}")]
     Restore { partition: i32, why: String },
-    #[error("fenced by a newer instance: {0}")]
+    #[error(
+        "fenced: another instance has this one's transactional id (is STREAMING_HUB_INSTANCE_ID \
+         unique?), or the broker aborted a transaction open past its 60 s timeout (a broker \
+         that slow); the process restarts and the partitions' leases are reclaimed: {0}"
+    )]
     Fenced(String),
     /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
     /// interrupt it, so the loop stops and the process restarts.

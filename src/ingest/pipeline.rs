@@ -70,7 +70,11 @@ pub enum IngestError {
     #[error("configuration: {0}")]
     Config(String),
     /// Another instance with our transactional id took over: this one must stop.
-    #[error("fenced by another instance with the same transactional id: {0}")]
+    #[error(
+        "fenced: another instance has this one's transactional id (is STREAMING_HUB_INSTANCE_ID \
+         unique?), or the broker aborted a transaction open past its 60 s timeout (a broker \
+         that slow); the process restarts and its batch is read again: {0}"
+    )]
     Fenced(String),
     /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
     /// interrupt it, so the loop stops and the process restarts.

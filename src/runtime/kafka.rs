@@ -66,7 +66,12 @@ pub fn base(config: &Config) -> ClientConfig {
         // Transactions are chains of small requests (AddPartitions, AddOffsets, TxnOffsetCommit,
         // EndTxn) each waiting for the one before: with Nagle's algorithm on, each can sit out a
         // delayed ACK.
-        .set("socket.nagle.disable", "true");
+        .set("socket.nagle.disable", "true")
+        // A producer's default (true) has a broker with `auto.create.topics.enable` create a
+        // hub topic deleted under it, with the broker's defaults: a changelog or the control
+        // topic under `delete` (retention then takes state), one partition for the inbox.
+        // Topics are made by `topology apply` only.
+        .set("allow.auto.create.topics", "false");
     if let Some(mechanism) = &config.kafka_sasl_mechanism {
         c.set("sasl.mechanism", mechanism);
     }
@@ -1094,6 +1099,18 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_client_has_the_broker_create_a_topic_it_writes_to() {
+        let config = crate::config::Config::from_vars(std::iter::empty()).unwrap();
+        for c in [
+            base(&config),
+            transactional_producer(&config, "t"),
+            transactional_consumer(&config, "g", "m"),
+        ] {
+            assert_eq!(c.get("allow.auto.create.topics"), Some("false"));
+        }
+    }
 
     #[test]
     fn a_partition_whose_time_lookup_failed_is_an_error_not_the_end() {

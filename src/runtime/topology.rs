@@ -71,6 +71,18 @@ pub enum TopologyError {
          (kafka-configs.sh --alter --add-config delete.retention.ms=86400000) and start again"
     )]
     DeleteRetention { topic: String, have: String },
+    #[error(
+        "topic {topic} takes records of at most {have} bytes (max.message.bytes), less than the \
+         topology's {want}: the hub writes records that large there (a payload with its \
+         headers), and the broker would refuse each one, halting its partition's batches for \
+         good; set it (kafka-configs.sh --alter --add-config max.message.bytes={want}) and \
+         start again"
+    )]
+    MaxMessageBytes {
+        topic: String,
+        want: String,
+        have: String,
+    },
 }
 
 /// The least `delete.retention.ms` of a `*.changelog`: twice the age up to which a hub store
@@ -83,6 +95,14 @@ pub fn changelog_tombstones_too_short(topic: &str, have: &str) -> bool {
         && have
             .parse::<u64>()
             .is_ok_and(|ms| ms < CHANGELOG_MIN_DELETE_RETENTION_MS)
+}
+
+/// Whether `have` (a topic's `max.message.bytes`) is less than the topology's `want`.
+pub fn records_too_large_for(want: &str, have: &str) -> bool {
+    match (want.parse::<u64>(), have.parse::<u64>()) {
+        (Ok(want), Ok(have)) => have < want,
+        _ => false,
+    }
 }
 
 impl TopologyError {
@@ -613,6 +633,14 @@ mod tests {
             t.followed_own_topic("^.*"),
             Some("streaming-hub.inbox".to_string())
         );
+    }
+
+    #[test]
+    fn a_topic_taking_smaller_records_than_the_topology_is_told() {
+        assert!(records_too_large_for("2097152", "1048588"));
+        assert!(!records_too_large_for("2097152", "2097152"));
+        assert!(!records_too_large_for("2097152", "4194304"));
+        assert!(!records_too_large_for("2097152", "?"));
     }
 
     #[test]
