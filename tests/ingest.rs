@@ -467,6 +467,53 @@ async fn a_large_record_quarantined_for_its_headers_leaves_payload_and_key_out_a
     assert_eq!(a.rec.header("ce-id"), next.header("ce-id"));
 }
 
+/// An inbox whose record limit is lowered under a running hub (an operator's change, a topic
+/// made again by hand): the broker refuses every ingest batch holding a larger record, and ingest
+/// aborts it. It pauses longer between runs and, having committed nothing for the stall
+/// timeout, ends: the process exits 1 saying why, instead of aborting the same batch for good
+/// with only its lag to show it.
+#[tokio::test]
+async fn ingest_aborting_every_batch_for_the_stall_timeout_ends_the_process() {
+    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
+    require_broker();
+    let prefix = unique("ingstuck");
+    let topic = format!("lerian.streaming.{prefix}");
+    create_topic(&topic, 1).await;
+    let mut env = hub_env(&prefix, &follow_exactly(&topic));
+    env.insert("STREAMING_HUB_STALL_TIMEOUT".into(), "36s".into());
+    let mut hub = Hub::start(&env);
+
+    let inbox = format!("{prefix}.inbox");
+    let a = admin();
+    for r in a
+        .alter_configs(
+            &[AlterConfig::new(ResourceSpecifier::Topic(&inbox)).set("max.message.bytes", "4096")],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    // Random bytes: the limit applies to compressed batches.
+    let mut big = event("tenant-a", "ledger", "transaction", "created");
+    let mut payload = vec![0u8; 16_384];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
+    big.value = Some(payload);
+    produce(&producer(), &topic, &[big]);
+
+    let child = &mut hub.child;
+    let status = wait_until(Duration::from_secs(150), "the hub exits", || {
+        child.try_wait().unwrap()
+    });
+    let log = hub.log_text();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("ingest committed nothing for the stall timeout"),
+        "{log}"
+    );
+}
+
 /// Starts a hub requiring signatures (keys `k1` for ledger and `k2` for tracer, both the
 /// vector's secret; `extra` settings too), produces `cases` in order to one topic, and answers
 /// each offset's outcome (`accept` or the quarantine reason), the hub and the key's base64.

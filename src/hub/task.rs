@@ -132,6 +132,9 @@ pub enum HubError {
     /// interrupt it, so the loop stops and the process restarts.
     #[error("a transaction commit did not finish: {0}")]
     Undecided(String),
+    /// Every batch aborted for `STREAMING_HUB_STALL_TIMEOUT` (`kafka::AbortStreak`).
+    #[error("the hub loop committed nothing for the stall timeout: {0}")]
+    Stuck(String),
     /// Nothing to do this round (no transaction was opened).
     #[error("idle")]
     Idle,
@@ -1900,6 +1903,8 @@ impl HubStage {
             Covers::Topic(self.env.inbox.clone()),
         );
         let mut rejoin = Rejoin::default();
+        let mut aborts = kafka::AbortStreak::new(config.stall_timeout);
+        let mut last_abort = String::new();
         let mut joining = self.joining.take();
 
         let mut backlog_at = Instant::now();
@@ -2011,6 +2016,7 @@ impl HubStage {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
+                        last_abort = e.to_string();
                         self.undo_aborted(producer, &mut guard.tasks, &batch)?;
                         // Refused because the group moved to the next generation while the
                         // offsets were on their way (by the coordinator, or by `member_metadata`
@@ -2058,7 +2064,11 @@ impl HubStage {
             drop(guard);
             if aborted {
                 rewind(&consumer, &batch);
-                std::thread::sleep(Duration::from_millis(200));
+                aborts.pause_after_abort().map_err(|streak| {
+                    HubError::Stuck(format!("{streak}; the last: {last_abort}"))
+                })?;
+            } else {
+                aborts.committed();
             }
         }
         self.drain_on_stop(producer, &consumer, &shared)?;

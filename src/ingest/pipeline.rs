@@ -69,6 +69,9 @@ pub enum IngestError {
     Kafka(#[from] KafkaError),
     #[error("configuration: {0}")]
     Config(String),
+    /// Every batch aborted for `STREAMING_HUB_STALL_TIMEOUT` (`kafka::AbortStreak`).
+    #[error("ingest committed nothing for the stall timeout: {0}")]
+    Stuck(String),
     /// Another instance with our transactional id took over: this one must stop.
     #[error(
         "fenced: another instance has this one's transactional id (is STREAMING_HUB_INSTANCE_ID \
@@ -292,6 +295,7 @@ impl Ingest {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         let mut window = kafka::BatchWindow::new();
+        let mut aborts = kafka::AbortStreak::new(self.config.stall_timeout);
 
         // Not all of a huge setting up front (it would fail to allocate): the batch grows to it.
         let mut batch: Vec<BorrowedMessage<'_>> =
@@ -328,6 +332,7 @@ impl Ingest {
             let started = Instant::now();
             match self.commit_batch(&producer, &consumer, &batch) {
                 Ok(tally) => {
+                    aborts.committed();
                     tally.emit();
                     let took = started.elapsed();
                     window.took(took, self.config.commit_interval);
@@ -358,7 +363,9 @@ impl Ingest {
                         return Err(fatal_or_kafka(abort));
                     }
                     rewind(&consumer, &batch);
-                    std::thread::sleep(Duration::from_millis(200));
+                    aborts.pause_after_abort().map_err(|streak| {
+                        IngestError::Stuck(format!("{streak}; the last: {msg}"))
+                    })?;
                 }
             }
         }

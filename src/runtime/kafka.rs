@@ -4,7 +4,7 @@
 //!
 //! rdkafka's transactional calls block; callers run them on a dedicated thread (ingest) or through
 //! `spawn_blocking`, never on an async worker.
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
@@ -314,6 +314,76 @@ pub fn push<C: rdkafka::client::ClientContext>(client: &rdkafka::client::Client<
     // is thread-safe and here only waits (delivery reports are served by `poll`).
     unsafe {
         rdkafka::bindings::rd_kafka_flush(client.native_ptr(), 1);
+    }
+}
+
+/// The batches a loop aborted in a row. A failure that comes back every run (a record the broker
+/// refuses, a write ACL missing, a topic gone) had the loop abort and run the same batch again
+/// every 200 ms for good, with only its lag to show it. The pause between runs now grows (up to
+/// [`MAX_ABORT_PAUSE`]), and a loop that has committed nothing for `limit`
+/// (`STREAMING_HUB_STALL_TIMEOUT`) while aborting ends, so the process exits to be restarted,
+/// or looked at.
+#[derive(Debug, Clone, Copy)]
+pub struct AbortStreak {
+    since: Option<Instant>,
+    runs: u32,
+    limit: Duration,
+}
+
+/// The pause after a loop's first aborted batch, doubled by each one after it.
+pub const ABORT_PAUSE: Duration = Duration::from_millis(200);
+/// The longest pause between runs of an aborted batch.
+pub const MAX_ABORT_PAUSE: Duration = Duration::from_secs(5);
+
+impl AbortStreak {
+    pub fn new(limit: Duration) -> Self {
+        AbortStreak {
+            since: None,
+            runs: 0,
+            limit,
+        }
+    }
+
+    /// A batch committed (or there was none to commit): the streak is over.
+    pub fn committed(&mut self) {
+        self.since = None;
+        self.runs = 0;
+    }
+
+    /// One more aborted batch, at `now`: the pause before it runs again, or `None` when every
+    /// batch since the first of the streak aborted, for `limit` or longer.
+    pub fn aborted(&mut self, now: Instant) -> Option<Duration> {
+        let since = *self.since.get_or_insert(now);
+        self.runs = self.runs.saturating_add(1);
+        if now.saturating_duration_since(since) >= self.limit {
+            return None;
+        }
+        Some(
+            ABORT_PAUSE
+                .saturating_mul(1 << (self.runs - 1).min(16))
+                .min(MAX_ABORT_PAUSE),
+        )
+    }
+
+    /// One more aborted batch, now: sleeps the pause before it runs again, or answers what the
+    /// loop ends with (see [`AbortStreak::aborted`]).
+    pub fn pause_after_abort(&mut self) -> Result<(), String> {
+        let now = Instant::now();
+        match self.aborted(now) {
+            Some(pause) => {
+                std::thread::sleep(pause);
+                Ok(())
+            }
+            None => Err(self.describe(now)),
+        }
+    }
+
+    /// Batches aborted in this streak, and for how long.
+    pub fn describe(&self, now: Instant) -> String {
+        let for_s = self
+            .since
+            .map_or(0, |s| now.saturating_duration_since(s).as_secs());
+        format!("{} batches aborted in a row over {for_s} s", self.runs)
     }
 }
 
@@ -1099,6 +1169,30 @@ pub fn raw_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loop_aborting_every_batch_pauses_longer_each_run_and_ends_after_its_limit() {
+        let t0 = Instant::now();
+        let limit = Duration::from_secs(60);
+        let mut s = AbortStreak::new(limit);
+        let pauses: Vec<u64> = (0..8)
+            .map(|i| s.aborted(t0 + Duration::from_secs(i)).unwrap().as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+        assert_eq!(s.aborted(t0 + limit), None, "aborting for the whole limit");
+        assert!(
+            s.describe(t0 + limit)
+                .starts_with("9 batches aborted in a row over 60 s")
+        );
+        // A commit between aborts starts a new streak, from the shortest pause.
+        s.committed();
+        assert_eq!(s.aborted(t0 + 2 * limit), Some(ABORT_PAUSE));
+        assert_eq!(
+            s.aborted(t0 + 3 * limit - Duration::from_millis(1)),
+            Some(2 * ABORT_PAUSE)
+        );
+        assert_eq!(s.aborted(t0 + 3 * limit), None);
+    }
 
     #[test]
     fn no_client_has_the_broker_create_a_topic_it_writes_to() {
