@@ -189,6 +189,13 @@ async fn delivery_carries_the_contract_headers_and_a_verifiable_signature() {
     assert!(uuid::Uuid::parse_str(&h["x-lerian-delivery-id"]).is_ok());
     assert_eq!(h["webhook-id"], ev.id());
     let ts: i64 = h["webhook-timestamp"].parse().unwrap();
+    // The time of sending, which receivers' libraries hold within 5 minutes of theirs: not the
+    // event's time (`ce-time`, months before).
+    let now = chrono::Utc::now().timestamp();
+    assert!(
+        (now - 300..=now).contains(&ts),
+        "webhook-timestamp {ts}, now {now}"
+    );
     let want = signing::sign(&Secret::new(secret.clone()), &h["webhook-id"], ts, &d.body).unwrap();
     assert_eq!(
         h["webhook-signature"], want,

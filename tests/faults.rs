@@ -265,6 +265,8 @@ struct Fault {
 
 /// Restarts every instance that left on its own (a fenced zombie, a stage that failed: the
 /// process exits to be restarted), as an orchestrator would; each restart counts as a fault.
+/// Leaving is allowed only the ways the hub leaves on purpose (exit 1, or 70 from the stall
+/// watchdog), never by a panic or a signal the test did not send.
 fn supervise(
     hubs: &mut [Hub],
     envs: &[BTreeMap<String, String>],
@@ -273,6 +275,12 @@ fn supervise(
 ) {
     for (i, hub) in hubs.iter_mut().enumerate() {
         if let Some(status) = hub.child.try_wait().unwrap() {
+            let log = hub.log_text();
+            assert!(
+                matches!(status.code(), Some(1 | 70)) && !log.contains("panicked"),
+                "instance {} left with {status}:\n{log}",
+                i + 1
+            );
             exited.push(format!("instance {}: {status}", i + 1));
             faults.push(Fault {
                 name: format!("restart of instance {} after it exited", i + 1),

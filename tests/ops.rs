@@ -278,7 +278,7 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
 
     // Past the burst: 429 with Retry-After.
     let mut limited = None;
-    for _ in 0..40 {
+    for _ in 0..100 {
         let (st, _, headers) = get_json(
             &s,
             &other.addr(),

@@ -563,10 +563,11 @@ impl Hub {
         let _ = self.child.wait();
     }
 
-    /// SIGTERM, then waits for the process to end. A graceful stop longer than the default
-    /// stall timeout (120 s) plus a margin is a hang: it fails the test (the hub is killed when
-    /// this `Hub` drops) instead of hanging the suite; so does an exit by the stall watchdog
-    /// (code 70), which only a loop stuck during the stop triggers.
+    /// SIGTERM, then waits for the process to end, which must be a clean exit (0). A graceful
+    /// stop longer than the default stall timeout (120 s) plus a margin is a hang: it fails the
+    /// test (the hub is killed when this `Hub` drops) instead of hanging the suite; so does an
+    /// exit by the stall watchdog (code 70), which only a loop stuck during the stop triggers,
+    /// and any other failure (a stage that failed or panicked: 1, or a signal).
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         unsafe_sigterm(self.child.id());
         let child = &mut self.child;
@@ -579,6 +580,11 @@ impl Hub {
             status.code(),
             Some(70),
             "the stall watchdog ended the hub during its stop:\n{}",
+            self.log_text()
+        );
+        assert!(
+            status.success(),
+            "the hub did not stop cleanly on SIGTERM ({status}):\n{}",
             self.log_text()
         );
         status
