@@ -141,6 +141,26 @@ fn table() -> Vec<(&'static str, Rec)> {
             "headers_too_large",
             ok().set("ce-subject", Some(&vec![b's'; 9 * 1024])),
         ),
+        // Under 8 KiB as a value, one byte over as a header line (nginx holds 8 KiB per line,
+        // name and CRLF included).
+        (
+            "headers_too_large",
+            ok().set(
+                "ce-subject",
+                Some(&vec![b's'; 8 * 1024 + 1 - "ce-subject: \r\n".len()]),
+            ),
+        ),
+        // The hub's own resource name: its verification probe goes out as
+        // `streaming_hub.verification`.
+        (
+            "reserved_resource_type",
+            event("tenant-a", "ledger", "streaming_hub", "verification"),
+        ),
+        // Sent as the Content-Type, a CloudEvents envelope type makes SDKs read the body as one.
+        (
+            "unsupported_datacontenttype",
+            ok().set("ce-datacontenttype", Some(b"application/cloudevents+json")),
+        ),
         // CloudEvents names are lower-case letters and digits: receivers' SDKs refuse others.
         ("invalid_header_encoding", ok().add("ce-trace_id", b"abc")),
         // Tenant ids that look like another: a trailing blank, an invisible character.

@@ -16,9 +16,10 @@
 //!    whose rest after `ce-` is empty or holds anything but ASCII letters and digits (CloudEvents
 //!    1.0 attribute names are `a-z0-9`; upper case is folded, as HTTP reads names in any case;
 //!    such a name is also an HTTP token, so it can be sent as a header of a delivery) →
-//!    `invalid_header_encoding`; a value over 8 KiB as sent (it becomes an HTTP header of every
-//!    delivery, percent-encoded: space, `"`, `%` and non-ASCII bytes count three) →
-//!    `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
+//!    `invalid_header_encoding`; a header line over 8 KiB as sent (each `ce-*` header becomes
+//!    one of every delivery: name, `: `, the value percent-encoded (space, `"`, `%` and
+//!    non-ASCII bytes count three; `ce-datacontenttype` goes as `Content-Type` as it is), CRLF)
+//!    → `headers_too_large`; a second occurrence → `duplicate_header`. Other headers
 //!    (`traceparent`, …) are carried, never judged.
 //! 2. **Payload size** — over `max_payload_bytes` → `payload_too_large`. A null value is an empty one.
 //! 3. **System event** — `ce-systemevent` exactly `true` → [`Verdict::Drop`]. A system event with a
@@ -26,14 +27,16 @@
 //!    broken producer. Any other `ce-systemevent` value means a business event.
 //! 4. **Attributes**, each "absent → `missing_header`" then its own rule: `ce-specversion` (`1.0`),
 //!    `ce-id`, `ce-source`, `ce-resourcetype`, `ce-eventtype` (non-empty, no dot, at most
-//!    [`MAX_TYPE_NAME_BYTES`] → `invalid_type`), `ce-type` (shape → `invalid_type`, disagreement
+//!    [`MAX_TYPE_NAME_BYTES`] → `invalid_type`; a resource [`RESERVED_RESOURCE_TYPE`], in any
+//!    case → `reserved_resource_type`), `ce-type` (shape → `invalid_type`, disagreement
 //!    with source/resource/event → `type_mismatch`), `ce-time`, `ce-schemaversion`; with
 //!    `require_source_topic`, right after `ce-type`: a record of a topic named
 //!    `lerian.streaming.<rest>` whose `ce-source` is not `<rest>` → `source_mismatch` (failing
 //!    closed: `lerian.streaming.ledger.v2` names no source, so nothing matches it); topics not
 //!    starting with `lerian.streaming.` are not checked. Then the optional ones, when present:
 //!    `ce-subject` empty or blank → `invalid_subject`; `ce-dataschema` not an absolute URI
-//!    (see below) → `invalid_dataschema`.
+//!    (see below) → `invalid_dataschema`; `ce-datacontenttype` whose type/subtype starts with
+//!    `application/cloudevents` (structured or batch mode's) → `unsupported_datacontenttype`.
 //! 5. **Tenant** — `ce-tenantid` absent or empty → `missing_tenant`; any other id the API would
 //!    not take ([`super::tenant`]: over [`MAX_TENANT_BYTES`], leading or trailing whitespace, a
 //!    whitespace, format or other invisible character such as U+00A0, U+200B, U+202E, U+FEFF) →
@@ -182,10 +185,12 @@ pub enum Reason {
     SystemEventWithTenant,
     InvalidSubject,
     InvalidDataschema,
+    ReservedResourceType,
+    UnsupportedDatacontenttype,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 24] = [
         Reason::MissingHeader,
         Reason::UnsupportedSpecversion,
         Reason::InvalidId,
@@ -208,6 +213,8 @@ impl Reason {
         Reason::SystemEventWithTenant,
         Reason::InvalidSubject,
         Reason::InvalidDataschema,
+        Reason::ReservedResourceType,
+        Reason::UnsupportedDatacontenttype,
     ];
 
     /// The stable snake_case code written to `x-streaming-hub-reason` and used as a metric label.
@@ -235,6 +242,8 @@ impl Reason {
             Reason::SystemEventWithTenant => "system_event_with_tenant",
             Reason::InvalidSubject => "invalid_subject",
             Reason::InvalidDataschema => "invalid_dataschema",
+            Reason::ReservedResourceType => "reserved_resource_type",
+            Reason::UnsupportedDatacontenttype => "unsupported_datacontenttype",
         }
     }
 
@@ -269,6 +278,7 @@ const TYPE: usize = 3;
 const TIME: usize = 4;
 const SUBJECT: usize = 5;
 const TENANTID: usize = 6;
+const DATACONTENTTYPE: usize = 7;
 const DATASCHEMA: usize = 8;
 const SCHEMAVERSION: usize = 9;
 const RESOURCETYPE: usize = 10;
@@ -356,10 +366,12 @@ pub(crate) fn has_control(s: &str) -> bool {
 pub const CE_HEADER_ESCAPED: &percent_encoding::AsciiSet =
     &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
 
-/// Step 1: one pass over the headers, filling the known slots.
-/// Longest `ce-*` value: each becomes an HTTP request header of every delivery, and receivers
-/// commonly refuse header lines over 8 KiB.
-pub const MAX_CE_VALUE_BYTES: usize = 8 * 1024;
+/// Longest header line a `ce-*` attribute may become in a delivery, as sent: name, `: `, the
+/// value (percent-encoded; `ce-datacontenttype` goes as `Content-Type: <value>`) and CRLF.
+/// Receivers commonly refuse a longer line: nginx's default `large_client_header_buffers` holds
+/// 8 KiB per line, name and CRLF included, so a limit on the value alone let through lines such a
+/// receiver refuses at every attempt.
+pub const MAX_CE_LINE_BYTES: usize = 8 * 1024;
 /// Longest the `ce-*` header lines of a delivery may be together, as sent (name, `: `, value,
 /// CRLF): receivers refuse a larger header block (Node's default is 16 KiB for all headers, the
 /// hub's own and the subscription's custom ones included). Each value within its own limit, a
@@ -371,6 +383,13 @@ pub const MAX_CE_TOTAL_BYTES: usize = 10 * 1024;
 /// percent-encoded). A key over a subscription's 255 bytes is matched by wildcards only, as
 /// before (a cap on the key would have quarantined events wildcards were receiving).
 pub const MAX_TYPE_NAME_BYTES: usize = 255;
+
+/// Bytes of the header line `<name>: <value>\r\n` for a value of `value_len` bytes as sent.
+fn header_line_bytes(name: &str, value_len: usize) -> usize {
+    name.len() + ": ".len() + value_len + "\r\n".len()
+}
+
+/// Step 1: one pass over the headers, filling the known slots.
 /// Returns the known attributes' slots and the first other `ce-*` header (an extension), if any.
 fn scan<'h>(
     headers: &[(&'h str, Option<&'h [u8]>)],
@@ -399,10 +418,18 @@ fn scan<'h>(
         let Some(value) = value else {
             return encoding(format_args!("null value"));
         };
-        if value.len() > MAX_CE_VALUE_BYTES {
+        // The name the attribute goes under in a delivery: the content type as `Content-Type`.
+        let sent_name = if name == "ce-datacontenttype" {
+            "content-type"
+        } else {
+            name
+        };
+        // Before anything is read of it: encoded, the value only grows.
+        let line = header_line_bytes(sent_name, value.len());
+        if line > MAX_CE_LINE_BYTES {
             let what = format_args!(
-                "{} bytes, over the limit of {MAX_CE_VALUE_BYTES} bytes",
-                value.len()
+                "at least {line} bytes as an HTTP header line (name, \": \", value, CRLF), over \
+                 the limit of {MAX_CE_LINE_BYTES} bytes"
             );
             return Err(quarantine(Reason::HeadersTooLarge, at(name, what)));
         }
@@ -430,14 +457,15 @@ fn scan<'h>(
                 .map(str::len)
                 .sum()
         };
-        if sent > MAX_CE_VALUE_BYTES {
+        let line = header_line_bytes(sent_name, sent);
+        if line > MAX_CE_LINE_BYTES {
             let what = format_args!(
-                "{sent} bytes once percent-encoded for HTTP, over the limit of \
-                 {MAX_CE_VALUE_BYTES} bytes"
+                "{line} bytes as an HTTP header line (name, \": \", the value percent-encoded, \
+                 CRLF), over the limit of {MAX_CE_LINE_BYTES} bytes"
             );
             return Err(quarantine(Reason::HeadersTooLarge, at(name, what)));
         }
-        total += name.len() + sent + 4;
+        total += line;
         if total > MAX_CE_TOTAL_BYTES {
             let what = format_args!(
                 "with this header the ce-* headers come to {total} bytes as sent over HTTP, \
@@ -602,6 +630,14 @@ fn judge(
             return bad(Reason::InvalidType, slot, v, &rule);
         }
     }
+    if is_reserved_resource_type(resource) {
+        let rule = format!(
+            "is reserved for the hub's own messages: its verification probe is sent with \
+             X-Lerian-Event-Type: {}, and receivers tell the probe apart by it",
+            crate::delivery::verify::VERIFICATION_EVENT_TYPE
+        );
+        return bad(Reason::ReservedResourceType, RESOURCETYPE, resource, &rule);
+    }
     let ty = required(TYPE)?;
     let mut parts = ty.split('.');
     let segments = [(); 5].map(|_| parts.next().unwrap_or_default());
@@ -669,6 +705,19 @@ fn judge(
         if let Err(why) = check_uri_reference(schema) {
             let rule = format!("is not an absolute URI (RFC 3986 §4.3): {why}");
             return bad(Reason::InvalidDataschema, DATASCHEMA, schema, &rule);
+        }
+    }
+    if let Some(content_type) = slots[DATACONTENTTYPE] {
+        if is_cloudevents_media_type(content_type) {
+            let rule = "is a CloudEvents envelope type (structured or batch mode): sent as a \
+                        delivery's Content-Type, it makes receivers' CloudEvents SDKs read the \
+                        body as the envelope, not as the event's data";
+            return bad(
+                Reason::UnsupportedDatacontenttype,
+                DATACONTENTTYPE,
+                content_type,
+                rule,
+            );
         }
     }
     let tenant = slots[TENANTID].unwrap_or_default();
@@ -789,6 +838,32 @@ fn verify_signature(
         }
     };
     Err(quarantine(reason, m))
+}
+
+/// The resource name of the hub's own messages: the verification probe goes out as
+/// `<this>.verification` ([`crate::delivery::verify::VERIFICATION_EVENT_TYPE`]).
+pub const RESERVED_RESOURCE_TYPE: &str = "streaming_hub";
+
+/// `ce-resourcetype` naming the hub's own messages, in any case (a receiver may compare
+/// `X-Lerian-Event-Type` folded).
+fn is_reserved_resource_type(resource: &str) -> bool {
+    resource.eq_ignore_ascii_case(RESERVED_RESOURCE_TYPE)
+}
+
+/// What CloudEvents' structured and batch modes send as the `Content-Type`
+/// (`application/cloudevents+json`, `application/cloudevents-batch+json`, …).
+const CLOUDEVENTS_MEDIA_TYPE_PREFIX: &str = "application/cloudevents";
+
+/// A media type whose type/subtype (before any `;` parameters, trimmed, in any case) starts with
+/// `application/cloudevents`: a receiver's CloudEvents SDK takes a request with that
+/// `Content-Type` for an event in structured or batch mode and reads its body as the envelope.
+fn is_cloudevents_media_type(media_type: &str) -> bool {
+    let essence = media_type.split(';').next().unwrap_or_default().trim();
+    let prefix = CLOUDEVENTS_MEDIA_TYPE_PREFIX.as_bytes();
+    essence
+        .as_bytes()
+        .get(..prefix.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
 }
 
 /// A UUIDv7 (RFC 9562 variant) in the 36-character hyphenated form, hex digits in either case.
@@ -1127,29 +1202,47 @@ mod tests {
         }
     }
 
+    /// The value a `ce-subject` may have for its header line to be `bytes` long as sent.
+    fn subject_for_line(bytes: usize) -> String {
+        "s".repeat(bytes - "ce-subject: \r\n".len())
+    }
+
+    /// nginx holds 8 KiB per header line, name and CRLF included: a value of 8 KiB passed the
+    /// limit when it was on the value alone, and its line was refused at every attempt.
     #[test]
-    fn a_ce_value_over_8_kib_is_quarantined_and_one_at_the_limit_is_not() {
+    fn a_ce_header_line_over_8_kib_as_sent_is_quarantined_and_one_at_the_limit_is_not() {
         let cfg = ClassifyConfig::default();
-        let at_limit = "s".repeat(MAX_CE_VALUE_BYTES);
-        accepted(Rec::ledger().set("ce-subject", &at_limit).classify(&cfg));
-        let over = "s".repeat(MAX_CE_VALUE_BYTES + 1);
+        accepted(
+            Rec::ledger()
+                .set("ce-subject", &subject_for_line(MAX_CE_LINE_BYTES))
+                .classify(&cfg),
+        );
+        let over = subject_for_line(MAX_CE_LINE_BYTES + 1);
+        assert!(over.len() < MAX_CE_LINE_BYTES, "a value under 8 KiB");
         assert_quarantined(
             Rec::ledger().set("ce-subject", &over).classify(&cfg),
             Reason::HeadersTooLarge,
             "ce-subject",
         );
+        let value_of_8_kib = "s".repeat(MAX_CE_LINE_BYTES);
+        assert_quarantined(
+            Rec::ledger()
+                .set("ce-subject", &value_of_8_kib)
+                .classify(&cfg),
+            Reason::HeadersTooLarge,
+            "ce-subject",
+        );
         // The limit is on what goes on the wire: percent-encoded, "é" is 6 bytes, "%" 3.
-        let encoded_at_limit = "\u{e9}".repeat(MAX_CE_VALUE_BYTES / 6);
+        let value_room = subject_for_line(MAX_CE_LINE_BYTES).len();
+        let encoded_at_limit = "\u{e9}".repeat(value_room / 6);
+        assert_eq!(encoded_at_limit.len() * 3, value_room);
         accepted(
             Rec::ledger()
                 .set("ce-subject", &encoded_at_limit)
                 .classify(&cfg),
         );
         let encoded_over = format!("{encoded_at_limit}%");
-        assert!(
-            encoded_over.len() < MAX_CE_VALUE_BYTES,
-            "short before encoding"
-        );
+        assert!(encoded_over.len() < value_room, "short before encoding");
         assert_quarantined(
             Rec::ledger()
                 .set("ce-subject", &encoded_over)
@@ -1157,12 +1250,29 @@ mod tests {
             Reason::HeadersTooLarge,
             "ce-subject",
         );
-        // The content type is sent as it is (encoded, these spaces would pass the limit).
+        // The content type is sent as it is (encoded, these spaces would pass the limit), under
+        // the name `Content-Type`.
         let long_type = format!("text/plain; a=\"{}\"", " ".repeat(4000));
         accepted(
             Rec::ledger()
                 .set("ce-datacontenttype", &long_type)
                 .classify(&cfg),
+        );
+        let type_for_line = |bytes: usize| {
+            let room = bytes - "Content-Type: \r\n".len() - "text/plain; a=".len();
+            format!("text/plain; a={}", "b".repeat(room))
+        };
+        accepted(
+            Rec::ledger()
+                .set("ce-datacontenttype", &type_for_line(MAX_CE_LINE_BYTES))
+                .classify(&cfg),
+        );
+        assert_quarantined(
+            Rec::ledger()
+                .set("ce-datacontenttype", &type_for_line(MAX_CE_LINE_BYTES + 1))
+                .classify(&cfg),
+            Reason::HeadersTooLarge,
+            "ce-datacontenttype",
         );
     }
 
@@ -1171,6 +1281,28 @@ mod tests {
         match verdict {
             Verdict::Accept(a) => a,
             other => panic!("expected accept, got {other:?}"),
+        }
+    }
+
+    /// The ledger event with `header` set to each of `values` is quarantined for `reason` (the
+    /// message naming the header), under the default configuration.
+    #[track_caller]
+    fn quarantined_with_each(header: &str, values: &[&str], reason: Reason) {
+        for value in values {
+            let rec = Rec::ledger().set(header, value);
+            assert_quarantined(rec.classify(&ClassifyConfig::default()), reason, header);
+        }
+    }
+
+    /// The ledger event with `header` set to each of `values` is accepted.
+    #[track_caller]
+    fn accepted_with_each(header: &str, values: &[&str]) {
+        for value in values {
+            accepted(
+                Rec::ledger()
+                    .set(header, value)
+                    .classify(&ClassifyConfig::default()),
+            );
         }
     }
 
@@ -1300,7 +1432,7 @@ mod tests {
             (
                 "ce values each within their limit, too large together",
                 ledger()
-                    .set("ce-subject", &"s".repeat(MAX_CE_VALUE_BYTES - 100))
+                    .set("ce-subject", &subject_for_line(MAX_CE_LINE_BYTES - 100))
                     .set(
                         "ce-dataschema",
                         &format!("https://s.example/{}", "d".repeat(3000)),
@@ -1311,7 +1443,7 @@ mod tests {
             (
                 "long ce values within the limit together",
                 ledger()
-                    .set("ce-subject", &"s".repeat(MAX_CE_VALUE_BYTES - 100))
+                    .set("ce-subject", &subject_for_line(MAX_CE_LINE_BYTES - 100))
                     .set(
                         "ce-dataschema",
                         &format!("https://s.example/{}", "d".repeat(1000)),
@@ -1321,7 +1453,7 @@ mod tests {
             ),
             (
                 "huge ce value",
-                ledger().set("ce-subject", &"s".repeat(MAX_CE_VALUE_BYTES + 1)),
+                ledger().set("ce-subject", &subject_for_line(MAX_CE_LINE_BYTES + 1)),
                 plain,
                 Q(HeadersTooLarge, "ce-subject"),
             ),
@@ -1396,6 +1528,21 @@ mod tests {
                 plain,
                 Pass,
             ),
+            (
+                "the hub's own resource name",
+                ledger()
+                    .set("ce-resourcetype", "streaming_hub")
+                    .set("ce-type", "studio.lerian.ledger.streaming_hub.verification")
+                    .set("ce-eventtype", "verification"),
+                plain,
+                Q(ReservedResourceType, "ce-resourcetype"),
+            ),
+            (
+                "cloudevents envelope as the content type",
+                ledger().set("ce-datacontenttype", "application/cloudevents+json"),
+                plain,
+                Q(UnsupportedDatacontenttype, "ce-datacontenttype"),
+            ),
         ];
         let mut seen = std::collections::HashSet::new();
         for (name, rec, cfg, expect) in table {
@@ -1415,6 +1562,81 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), Reason::ALL.len(), "every reason code has a row");
+    }
+
+    /// A ledger event under resource `resource` and event `event`, its `ce-type` agreeing.
+    fn ledger_event(resource: &str, event: &str) -> Rec {
+        Rec::ledger()
+            .set("ce-resourcetype", resource)
+            .set("ce-eventtype", event)
+            .set(
+                "ce-type",
+                &format!("studio.lerian.ledger.{resource}.{event}"),
+            )
+    }
+
+    /// Receivers tell the hub's verification probe apart by `X-Lerian-Event-Type:
+    /// streaming_hub.verification` (the README's example receivers do): a producer's event under
+    /// that resource would be answered as a probe, or a probe taken for it.
+    #[test]
+    fn an_event_under_the_hubs_own_resource_name_is_quarantined() {
+        let probe_type = crate::delivery::verify::VERIFICATION_EVENT_TYPE;
+        assert_eq!(
+            probe_type.split_once('.').map(|(resource, _)| resource),
+            Some(RESERVED_RESOURCE_TYPE)
+        );
+        let cfg = ClassifyConfig::default();
+        for (resource, event) in [
+            ("streaming_hub", "verification"),
+            ("streaming_hub", "created"),
+            ("Streaming_Hub", "verification"),
+        ] {
+            let v = ledger_event(resource, event).classify(&cfg);
+            assert_quarantined(v.clone(), Reason::ReservedResourceType, "ce-resourcetype");
+            let Verdict::Quarantine(q) = v else {
+                unreachable!()
+            };
+            assert!(q.message.contains(probe_type), "{}", q.message);
+        }
+        // Names that only look like it are a producer's to use.
+        for resource in ["streaming-hub", "streaming_hubs", "hub"] {
+            accepted(ledger_event(resource, "verification").classify(&cfg));
+        }
+        // A system event is never delivered: dropped, whatever its resource.
+        let system = Rec::system().set("ce-resourcetype", "streaming_hub").set(
+            "ce-type",
+            "studio.lerian.platform-reaper.streaming_hub.reaper_pass",
+        );
+        assert_eq!(system.classify(&cfg), Verdict::Drop);
+    }
+
+    /// The content type goes out as the delivery's `Content-Type`: CloudEvents' structured and
+    /// batch media types there make receivers' SDKs read the body as the envelope.
+    #[test]
+    fn a_cloudevents_envelope_media_type_as_the_data_content_type_is_quarantined() {
+        quarantined_with_each(
+            "ce-datacontenttype",
+            &[
+                "application/cloudevents+json",
+                "application/cloudevents-batch+json",
+                "application/cloudevents",
+                "Application/CloudEvents+JSON; charset=utf-8",
+                " application/cloudevents+json ; charset=utf-8",
+            ],
+            Reason::UnsupportedDatacontenttype,
+        );
+        accepted_with_each(
+            "ce-datacontenttype",
+            &[
+                "application/json",
+                "application/json; profile=\"application/cloudevents+json\"",
+                "text/cloudevents+json",
+                "application/vnd.cloudevents+json",
+            ],
+        );
+        // A system event is never delivered: dropped, whatever its content type.
+        let system = Rec::system().set("ce-datacontenttype", "application/cloudevents+json");
+        assert_eq!(system.classify(&ClassifyConfig::default()), Verdict::Drop);
     }
 
     #[test]
@@ -1754,7 +1976,7 @@ mod tests {
             let a = accepted(Rec::ledger().set("ce-schemaversion", v).classify(&cfg));
             assert_eq!(a.schema_major, major, "{v}");
         }
-        for v in [
+        let invalid = [
             "1.0.0.0",
             "x",
             "",
@@ -1773,14 +1995,8 @@ mod tests {
             "1.0.0-rc_1",
             "1.0.0+b+c",
             "V2",
-        ] {
-            let rec = Rec::ledger().set("ce-schemaversion", v);
-            assert_quarantined(
-                rec.classify(&cfg),
-                Reason::InvalidSchemaversion,
-                "ce-schemaversion",
-            );
-        }
+        ];
+        quarantined_with_each("ce-schemaversion", &invalid, Reason::InvalidSchemaversion);
         assert_eq!(schema_major("4294967295"), Some(u32::MAX));
         assert_eq!(schema_major("4294967296"), None);
     }
@@ -2049,15 +2265,7 @@ mod tests {
     #[test]
     fn resource_and_event_types_over_255_bytes_are_invalid_type() {
         let cfg = ClassifyConfig::default();
-        let typed = |resource: &str, event: &str| {
-            Rec::ledger()
-                .set("ce-resourcetype", resource)
-                .set("ce-eventtype", event)
-                .set(
-                    "ce-type",
-                    &format!("studio.lerian.ledger.{resource}.{event}"),
-                )
-        };
+        let typed = ledger_event;
         let longest = "r".repeat(MAX_TYPE_NAME_BYTES);
         let a = accepted(typed(&longest, &longest).classify(&cfg));
         assert_eq!(a.event_key().len(), 2 * MAX_TYPE_NAME_BYTES + 1);
@@ -2169,16 +2377,15 @@ mod tests {
 
     #[test]
     fn an_empty_or_blank_subject_is_invalid_subject() {
-        let cfg = ClassifyConfig::default();
-        for subject in ["", " ", "\u{a0}\u{3000}", "  "] {
-            let rec = Rec::ledger().set("ce-subject", subject);
-            assert_quarantined(rec.classify(&cfg), Reason::InvalidSubject, "ce-subject");
-        }
-        for subject in ["acc-1", " acc 1 ", "conta 7 – João"] {
-            accepted(Rec::ledger().set("ce-subject", subject).classify(&cfg));
-        }
+        let blank = ["", " ", "\u{a0}\u{3000}", "  "];
+        quarantined_with_each("ce-subject", &blank, Reason::InvalidSubject);
+        accepted_with_each("ce-subject", &["acc-1", " acc 1 ", "conta 7 – João"]);
         // Absent is fine: the attribute is optional.
-        accepted(Rec::ledger().remove("ce-subject").classify(&cfg));
+        accepted(
+            Rec::ledger()
+                .remove("ce-subject")
+                .classify(&ClassifyConfig::default()),
+        );
     }
 
     #[test]
