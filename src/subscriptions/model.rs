@@ -25,6 +25,12 @@ const MAX_RETRY_STEPS: usize = 12;
 const MAX_RETRY_STEP: Duration = Duration::from_secs(10 * 3600);
 pub const MAX_HEADERS: usize = 32;
 const MAX_HEADER_VALUE_BYTES: usize = 4096;
+/// Most bytes a webhook's custom headers may have together, names and values, plain and sensitive
+/// alike: each is a line of every delivery and probe, next to the hub's own and the event's
+/// `ce-*` ones, and receivers hold a whole header block to 8 to 16 KiB (nginx, Node); 32 headers
+/// of 4096 bytes each came to 128 KiB. Checked when a subscription is written through the API or
+/// `subscriptions apply`, not when a record is read from the control topic.
+pub const MAX_HEADERS_TOTAL_BYTES: usize = 8 * 1024;
 const MAX_URL_BYTES: usize = 2048;
 /// Headers the hub sets itself or that belong to the connection, never a subscriber's.
 const RESERVED_HEADERS: &[&str] = &[
@@ -180,10 +186,12 @@ pub enum DestinationSpec {
         /// Stored sealed past its host, like `sensitive_headers`, and shown with each path
         /// segment that does not read as words, every query value and the fragment as `***`.
         url: String,
-        /// Extra request headers, stored and shown as they are.
+        /// Extra request headers, stored and shown as they are. With `sensitive_headers`: at
+        /// most 32, each value at most 4096 bytes, names and values at most 8192 bytes in all.
         #[serde(default)]
         headers: BTreeMap<String, String>,
         /// Extra request headers holding credentials: stored encrypted, shown by name only.
+        /// They count toward the limits of `headers`.
         #[serde(default)]
         sensitive_headers: BTreeMap<String, String>,
     },
@@ -612,7 +620,8 @@ pub fn validate_header_map(
     Ok(out)
 }
 
-/// The final header sets of a webhook: not too many, no name in both.
+/// The final header sets of a webhook: not too many, not too large together
+/// ([`MAX_HEADERS_TOTAL_BYTES`]), no name in both.
 pub fn validate_header_sets(
     plain: &BTreeMap<String, String>,
     sensitive: &BTreeMap<String, String>,
@@ -622,6 +631,29 @@ pub fn validate_header_sets(
             "destination.headers",
             "too_many",
             "at most 32 custom headers",
+        ));
+    }
+    // The plain headers first: when they fit, the sensitive ones tipped the sum over.
+    let bytes = |map: &BTreeMap<String, String>| -> usize {
+        map.iter()
+            .map(|(name, value)| name.len() + value.len())
+            .sum()
+    };
+    let plain_bytes = bytes(plain);
+    let total = plain_bytes + bytes(sensitive);
+    if total > MAX_HEADERS_TOTAL_BYTES {
+        let field = if plain_bytes > MAX_HEADERS_TOTAL_BYTES {
+            "destination.headers"
+        } else {
+            "destination.sensitive_headers"
+        };
+        return Err(FieldError::new(
+            field,
+            "too_large",
+            format!(
+                "the custom headers' names and values (headers and sensitive_headers) come to \
+                 {total} bytes, at most {MAX_HEADERS_TOTAL_BYTES} in all"
+            ),
         ));
     }
     match sensitive.keys().find(|k| plain.contains_key(*k)) {
@@ -957,6 +989,41 @@ mod tests {
         );
         let both = validate_header_sets(&map("x-key", "a"), &map("x-key", "b")).unwrap_err();
         assert_eq!(both.field, "destination.sensitive_headers.x-key");
+    }
+
+    /// 32 headers of 4096 bytes each passed every per-header rule and came to 128 KiB of header
+    /// lines on every request; names and values are held to 8 KiB together.
+    #[test]
+    fn custom_headers_names_and_values_are_at_most_8_kib_together() {
+        let map = |pairs: &[(&str, usize)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(name, len)| (name.to_string(), "v".repeat(*len)))
+                .collect()
+        };
+        let checked = |plain: &[(&str, usize)], sensitive: &[(&str, usize)]| {
+            let plain = validate_header_map("headers", &map(plain)).unwrap();
+            let sensitive = validate_header_map("sensitive_headers", &map(sensitive)).unwrap();
+            validate_header_sets(&plain, &sensitive).map_err(|e| (e.field, e.code))
+        };
+        // "x-a" + 4096 and "x-b" + 4090: 8192 bytes.
+        assert_eq!(MAX_HEADERS_TOTAL_BYTES, 8192);
+        assert!(checked(&[("x-a", 4096), ("x-b", 4090)], &[]).is_ok());
+        let too_large = |field: &str| Err((field.to_string(), "too_large"));
+        assert_eq!(
+            checked(&[("x-a", 4096), ("x-b", 4091)], &[]),
+            too_large("destination.headers")
+        );
+        // The sensitive headers count as well: the field named is theirs when they tip it over.
+        assert!(checked(&[("x-a", 4096)], &[("x-key", 4088)]).is_ok());
+        assert_eq!(
+            checked(&[("x-a", 4096)], &[("x-key", 4089)]),
+            too_large("destination.sensitive_headers")
+        );
+        assert_eq!(
+            checked(&[("x-a", 4096), ("x-b", 4091)], &[("x-key", 1)]),
+            too_large("destination.headers")
+        );
     }
 
     #[tokio::test]

@@ -201,6 +201,24 @@ async fn each_create_validation_error_names_its_field() {
             "duplicate",
         ),
         (
+            // Each value within its 4096 bytes, 8 KiB together with their names.
+            webhook(
+                PUBLIC_URL,
+                json!({"headers": {"x-a": "a".repeat(4096), "x-b": "b".repeat(4091)}}),
+            ),
+            "destination.headers",
+            "too_large",
+        ),
+        (
+            webhook(
+                PUBLIC_URL,
+                json!({"headers": {"x-a": "a".repeat(4096)},
+                       "sensitive_headers": {"x-key": "k".repeat(4089)}}),
+            ),
+            "destination.sensitive_headers",
+            "too_large",
+        ),
+        (
             webhook(PUBLIC_URL, json!({"secret": "mine"})),
             "destination.secret",
             "unknown_field",
