@@ -3,7 +3,8 @@
 //! Delivery owns everything between "this payload goes to that URL" and "the subscriber answered
 //! this": the shared HTTP client ([`client`]), the Standard Webhooks signature ([`signing`]), the
 //! SSRF guard ([`ssrf`]) and the verification probe sent on create, on URL change and on `/verify`
-//! ([`verify`]). It decides nothing about retries, breakers or state: callers (dispatch,
+//! ([`verify`]), and which of the producer's trace headers a delivery forwards
+//! ([`trace_context`]). It decides nothing about retries, breakers or state: callers (dispatch,
 //! subscriptions) match on the outcome.
 //!
 //! Invariants:
@@ -21,7 +22,8 @@
 pub mod client;
 pub mod signing;
 pub mod ssrf;
+pub mod trace_context;
 pub mod verify;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -26,22 +26,24 @@ use crate::runtime::secret::Secret;
 const OLD_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const NEW_SECRET: &str = "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYX";
 
+/// A request a [`Sink`] answered.
 #[derive(Debug, Clone)]
-struct Seen {
-    headers: HeaderMap,
+pub(crate) struct Seen {
+    pub(crate) headers: HeaderMap,
     body: Bytes,
     peer: SocketAddr,
 }
 
-/// A local HTTP server answering every request with `reply(body)`; stopped on drop.
-struct Sink {
+/// A local HTTP server answering every request with `reply(body)`; stopped on drop. Other
+/// modules' tests send to it too (a delivery's headers in `dispatch::worker`).
+pub(crate) struct Sink {
     addr: SocketAddr,
     seen: Arc<Mutex<Vec<Seen>>>,
     server: tokio::task::JoinHandle<()>,
 }
 
 impl Sink {
-    async fn start<F, Fut>(reply: F) -> Sink
+    pub(crate) async fn start<F, Fut>(reply: F) -> Sink
     where
         F: Fn(Bytes) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Response> + Send + 'static,
@@ -70,11 +72,11 @@ impl Sink {
         Sink { addr, seen, server }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}/hook", self.addr)
     }
 
-    fn seen(&self) -> Vec<Seen> {
+    pub(crate) fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
 
@@ -89,11 +91,11 @@ impl Drop for Sink {
     }
 }
 
-async fn echo(body: Bytes) -> Response {
+pub(crate) async fn echo(body: Bytes) -> Response {
     body.into_response()
 }
 
-fn client(allow_private: bool, timeout: &str) -> reqwest::Client {
+pub(crate) fn client(allow_private: bool, timeout: &str) -> reqwest::Client {
     let config = Config::from_vars([
         (
             "STREAMING_HUB_ALLOW_PRIVATE_SINKS".to_string(),

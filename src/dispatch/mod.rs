@@ -21,6 +21,7 @@ pub mod worker;
 
 use rdkafka::message::Message;
 
+use crate::delivery::trace_context;
 use crate::hub::matching::matches_for;
 use crate::hub::task::{EventHandler, Fresh, HubError, SequencedEvent, TaskCtx};
 use crate::ingest::classify::CE_HEADER_ESCAPED;
@@ -275,6 +276,8 @@ pub struct EventView {
     pub ce_headers: Arc<[(reqwest::header::HeaderName, reqwest::header::HeaderValue)]>,
     /// `ce-datacontenttype` (the last one), else `application/json`.
     pub content_type: reqwest::header::HeaderValue,
+    /// The producer's `traceparent` and `tracestate`, those forwarded ([`trace_context`]).
+    pub trace: trace_context::TraceContext,
     pub body: bytes::Bytes,
     /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
     pub ingest_ms: Option<i64>,
@@ -288,7 +291,9 @@ impl EventView {
         let mut ce_headers = Vec::new();
         let mut content_type = None;
         let (mut resource, mut event, mut ingest) = (None, None, None);
+        let mut trace = trace_context::TraceHeaders::default();
         for (key, value) in headers {
+            trace.add(key, value);
             let text = value.and_then(|v| std::str::from_utf8(v).ok());
             match key {
                 "ce-resourcetype" => {
@@ -336,6 +341,7 @@ impl EventView {
             ce_headers: ce_headers.into(),
             content_type: content_type
                 .unwrap_or_else(|| reqwest::header::HeaderValue::from_static("application/json")),
+            trace: trace.forwarded(),
             body,
             ingest_ms: ingest
                 .flatten()
@@ -369,6 +375,9 @@ impl EventView {
 mod tests {
     use super::*;
     use crate::runtime::records::HeaderRecord;
+    use reqwest::header::HeaderValue;
+
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     fn header(key: &str, value: Option<&[u8]>) -> HeaderRecord {
         HeaderRecord {
@@ -394,6 +403,8 @@ mod tests {
             ),
             header("ce-bad name", Some(b"x")), // not a valid header name: not sent
             header("x-other", Some(b"kept out")),
+            header("traceparent", Some(TRACEPARENT.as_bytes())), // forwarded on its own
+            header("tracestate", Some(b"rojo=00f067aa0ba902b7")),
             header("ce-eventtype", Some(b"second")), // repeated: the first counts
             header(
                 crate::ingest::pipeline::H_INGEST_TIME,
@@ -431,6 +442,13 @@ mod tests {
                 ]
             );
             assert_eq!(v.content_type, "text/plain");
+            assert_eq!(
+                (v.trace.traceparent.clone(), v.trace.tracestate.clone()),
+                (
+                    Some(HeaderValue::from_static(TRACEPARENT)),
+                    Some(HeaderValue::from_static("rojo=00f067aa0ba902b7"))
+                )
+            );
             assert_eq!(v.body.as_ref(), b"{\"amount\":1}");
             assert_eq!(v.ingest_ms, Some(1_796_119_200_250));
         }
@@ -438,6 +456,7 @@ mod tests {
         assert_eq!(bare.event_type, ".");
         assert_eq!(bare.content_type, "application/json");
         assert_eq!(bare.ingest_ms, None);
+        assert_eq!(bare.trace, trace_context::TraceContext::default());
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! The request: POST, body = the event's payload bytes unchanged, `Content-Type` =
 //! `ce-datacontenttype`, every `ce-*` attribute as a header (CloudEvents HTTP binary mode),
 //! `X-Lerian-Event-Id` (= `ce-id`), `X-Lerian-Delivery-Id` (a new UUIDv7 per attempt),
-//! `X-Lerian-Event-Type` (`<resource>.<event>`), `X-Lerian-Attempt`, the destination's custom
-//! headers (sensitive ones decrypted in memory only), and the Standard Webhooks headers:
+//! `X-Lerian-Event-Type` (`<resource>.<event>`), `X-Lerian-Attempt`, the producer's W3C
+//! `traceparent` and `tracestate` when well formed (see [`crate::delivery::trace_context`]), the
+//! destination's custom headers (sensitive ones decrypted in memory only), and the Standard
+//! Webhooks headers:
 //! `webhook-id` (= `ce-id`, stable across retries), `webhook-timestamp`, `webhook-signature` with
 //! every secret still valid (two during a rotation). 2xx = success; anything else, a timeout, a
 //! redirect or a refused connection = failure. A panic inside an attempt is caught and reported
@@ -335,9 +337,14 @@ impl Workers {
             }
         };
         let headers = req.headers_mut();
-        headers.reserve(a.event.ce_headers.len() + 8);
+        headers.reserve(a.event.ce_headers.len() + 10);
         for (k, v) in a.event.ce_headers.iter() {
             headers.append(k.clone(), v.clone());
+        }
+        // The producer's trace context, when well formed (custom headers never carry these
+        // names: reserved, dropped above).
+        for (k, v) in a.event.trace.headers() {
+            headers.append(k, v.clone());
         }
         let value = |s: &str| HeaderValue::from_str(s).ok();
         let event_id = value(&event_id);
@@ -513,6 +520,109 @@ fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One attempt of an event with `headers` to a local sink, the subscription carrying
+    /// `custom` headers as a record written past the API may; the request the sink saw.
+    async fn delivered(
+        headers: &[(&str, &str)],
+        custom: &[(&str, &str)],
+    ) -> reqwest::header::HeaderMap {
+        use crate::delivery::tests::{Sink, client, echo};
+        use crate::runtime::records::{DestinationType, SubscriptionRecord};
+        use crate::subscriptions::secrets::generate_signing_secret;
+        use base64::Engine;
+
+        let sink = Sink::start(echo).await;
+        let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        let kek = Arc::new(Kek::new("test", &key).unwrap());
+        let mut sub = SubscriptionRecord::pull("sub-1", "tenant-1", &["*"]);
+        sub.destination.kind = DestinationType::Webhook;
+        sub.destination.url = Some(sink.url());
+        sub.destination.headers = custom
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        sub.signing_secrets = vec![kek.seal_secret(&generate_signing_secret(), &sub.id, None)];
+        let clock: SharedClock = Arc::new(crate::runtime::clock::SystemClock);
+        let workers = Workers {
+            http: client(true, "5s"),
+            kek: Some(kek),
+            clock: clock.clone(),
+            urls: crate::delivery::client::CheckedUrls::new(true, true),
+            permits: FairPermits::new(1),
+            http_timeout_ms: 5_000,
+        };
+        let id = "0190a8e2-0000-7000-8000-000000000001";
+        let event = crate::dispatch::EventView::new(
+            [("ce-id", id)]
+                .iter()
+                .chain(headers)
+                .map(|(k, v)| (*k, Some(v.as_bytes()))),
+            bytes::Bytes::from_static(b"{}"),
+        );
+        let attempt = Attempt {
+            partition: 0,
+            job_key: id.as_bytes().to_vec(),
+            attempt: 1,
+            lease_until: clock.now_ms() + 60_000,
+            event_id: id.into(),
+            tenant: "tenant-1".into(),
+            subscription: Arc::new(sub),
+            event,
+            sole_payload: None,
+            holds_long: false,
+        };
+        let (done, outcomes) = std::sync::mpsc::channel();
+        workers.spawn(&tokio::runtime::Handle::current(), attempt, done);
+        let outcome = tokio::task::spawn_blocking(move || {
+            outcomes.recv_timeout(std::time::Duration::from_secs(10))
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        assert!(outcome.success(), "{outcome:?}");
+        let seen = sink.seen();
+        assert_eq!(seen.len(), 1);
+        seen[0].headers.clone()
+    }
+
+    /// A receiver's trace joins the producer's: its W3C trace context goes with the delivery,
+    /// when well formed, and a subscription's custom headers cannot replace it.
+    #[tokio::test]
+    async fn a_delivery_forwards_the_producers_trace_context_and_custom_headers_cannot_set_it() {
+        let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let state = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE";
+        let custom = [
+            (
+                "traceparent",
+                "00-11111111111111111111111111111111-2222222222222222-01",
+            ),
+            ("TraceState", "custom=1"),
+            ("x-team", "payments"),
+        ];
+        let sent = delivered(&[("traceparent", parent), ("tracestate", state)], &custom).await;
+        let all = |name: &str| -> Vec<&str> {
+            sent.get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect()
+        };
+        assert_eq!(all("traceparent"), [parent]);
+        assert_eq!(all("tracestate"), [state]);
+        assert_eq!(all("x-team"), ["payments"]);
+        // A malformed traceparent goes nowhere, nor the tracestate that came with it; nor does
+        // a custom header fill in for it.
+        let bad_parent = "00-00000000000000000000000000000000-00f067aa0ba902b7-01";
+        let sent = delivered(
+            &[("traceparent", bad_parent), ("tracestate", state)],
+            &custom,
+        )
+        .await;
+        assert!(
+            !sent.contains_key("traceparent") && !sent.contains_key("tracestate"),
+            "{sent:?}"
+        );
+    }
 
     #[test]
     fn what_is_kept_of_an_answer_shows_no_sealed_piece_of_the_request() {

@@ -936,6 +936,9 @@ mod tests {
             "x-lerian-attempt",
             "Content-Type",
             "ce-type",
+            // Deliveries forward the producer's trace context under these.
+            "traceparent",
+            "TraceState",
         ] {
             let e = validate_header_map("headers", &map(name, "v")).unwrap_err();
             assert_eq!(
