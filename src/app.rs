@@ -86,6 +86,8 @@ struct Health {
     metrics: PrometheusHandle,
     /// The broker answered the last metadata request (checked every 5 s).
     broker: Arc<AtomicBool>,
+    /// `/readyz` has answered 200 once: from then on restores do not count (see [`readiness`]).
+    served: Arc<AtomicBool>,
 }
 
 /// Asks the brokers for metadata every 5 s and records whether they answered (`/readyz`).
@@ -370,6 +372,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         metrics,
         table: table.clone(),
         broker,
+        served: Arc::default(),
     };
     let probes = || -> Router<Health> {
         Router::new()
@@ -406,15 +409,20 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         let forensics =
             crate::ops::forensics::Forensics::new(config.dlq_retention, Arc::new(SystemClock));
         {
-            let (forensics, config, codec, stop) = (
+            let (forensics, config, codec, stop, down) = (
                 forensics.clone(),
                 config.clone(),
                 codec.clone(),
                 stop.clone(),
+                stage_down.clone(),
             );
             std::thread::Builder::new()
                 .name("forensics".into())
                 .spawn(move || {
+                    // A stage as the others: an index that stopped (or panicked) would have
+                    // `/admin/dlq`, `/admin/quarantine` and `/admin/deliveries/dead` answer 200
+                    // with what it held then, for good, telling the operator nothing failed.
+                    let _end = StageEnd("forensics", stop.clone(), down);
                     if let Err(e) = forensics.follow(&config, codec, stop) {
                         tracing::error!(error = %e, "forensics index stopped");
                     }
@@ -617,26 +625,59 @@ impl Drop for StageEnd {
     }
 }
 
-/// 200 once started, with the subscription table caught up, every loop in its consumer group
+/// What `/readyz` answers (see [`readiness`]).
+#[derive(Debug, Clone, Copy)]
+struct ReadyState {
+    started: bool,
+    table_caught_up: bool,
+    joining: bool,
+    restoring: bool,
+    broker: bool,
+    /// `/readyz` answered 200 before.
+    served: bool,
+}
+
+/// Ready once started, with the subscription table caught up, every loop in its consumer group
 /// (its share of the partitions handed out: see `runtime::orphans::Joining`), no store being
-/// restored and the broker answering; 503 with the first reason otherwise (and while shutting
-/// down).
-async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
-    let restoring = crate::hub::task::RESTORING.load(Ordering::SeqCst) > 0;
-    let why = if !h.ready.load(Ordering::SeqCst) {
-        "not ready: starting or stopping"
-    } else if !h.table.is_caught_up() {
-        "not ready: subscription table catching up"
-    } else if crate::runtime::orphans::joining() > 0 {
-        "not ready: joining the consumer group"
-    } else if restoring {
-        "not ready: restoring stores"
-    } else if !h.broker.load(Ordering::SeqCst) {
-        "not ready: broker unreachable"
+/// restored and the broker answering; else the first reason (and while shutting down).
+///
+/// Restores count only until the instance was first ready: a new instance of a rolling update
+/// is not ready before it can serve its share, but one already serving stays ready while it
+/// restores what a rebalance gave it (an instance leaving has every other restore its
+/// partitions at once: all answering 503 took the whole API out of a load balancer, `/admin`
+/// included, when the operator needs it).
+fn readiness(s: ReadyState) -> Result<(), &'static str> {
+    if !s.started {
+        Err("not ready: starting or stopping")
+    } else if !s.table_caught_up {
+        Err("not ready: subscription table catching up")
+    } else if s.joining {
+        Err("not ready: joining the consumer group")
+    } else if s.restoring && !s.served {
+        Err("not ready: restoring stores")
+    } else if !s.broker {
+        Err("not ready: broker unreachable")
     } else {
-        return (StatusCode::OK, "ready");
+        Ok(())
+    }
+}
+
+async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
+    let state = ReadyState {
+        started: h.ready.load(Ordering::SeqCst),
+        table_caught_up: h.table.is_caught_up(),
+        joining: crate::runtime::orphans::joining() > 0,
+        restoring: crate::hub::task::RESTORING.load(Ordering::SeqCst) > 0,
+        broker: h.broker.load(Ordering::SeqCst),
+        served: h.served.load(Ordering::SeqCst),
     };
-    (StatusCode::SERVICE_UNAVAILABLE, why)
+    match readiness(state) {
+        Ok(()) => {
+            h.served.store(true, Ordering::SeqCst);
+            (StatusCode::OK, "ready")
+        }
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+    }
 }
 
 async fn metrics_text(State(h): State<Health>) -> String {
@@ -662,4 +703,58 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restores_hold_readiness_back_only_until_the_instance_was_first_ready() {
+        let ready = ReadyState {
+            started: true,
+            table_caught_up: true,
+            joining: false,
+            restoring: false,
+            broker: true,
+            served: false,
+        };
+        assert_eq!(readiness(ready), Ok(()));
+        let restoring = ReadyState {
+            restoring: true,
+            ..ready
+        };
+        assert_eq!(readiness(restoring), Err("not ready: restoring stores"));
+        let served = ReadyState {
+            served: true,
+            ..restoring
+        };
+        assert_eq!(readiness(served), Ok(()), "a later restore keeps it ready");
+        // Everything else still counts after the first 200.
+        for (state, why) in [
+            (
+                ReadyState {
+                    started: false,
+                    ..served
+                },
+                "not ready: starting or stopping",
+            ),
+            (
+                ReadyState {
+                    table_caught_up: false,
+                    ..served
+                },
+                "not ready: subscription table catching up",
+            ),
+            (
+                ReadyState {
+                    broker: false,
+                    ..served
+                },
+                "not ready: broker unreachable",
+            ),
+        ] {
+            assert_eq!(readiness(state), Err(why));
+        }
+    }
 }

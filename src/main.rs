@@ -43,13 +43,21 @@ enum Command {
         /// Every event since this time (RFC 3339) is matched and delivered again.
         #[arg(
             long,
-            conflicts_with = "to_offset",
-            required_unless_present = "to_offset"
+            conflicts_with_all = ["to_offset", "to_offsets"],
+            required_unless_present_any = ["to_offset", "to_offsets"]
         )]
         to_datetime: Option<String>,
         /// This offset in every inbox partition, or `earliest`.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "to_offsets")]
         to_offset: Option<String>,
+        /// Exactly these offsets, `<partition>:<offset>,…`, forward too: to undo a replay with
+        /// the old offsets it printed. Partitions not named stay.
+        #[arg(long)]
+        to_offsets: Option<String>,
+        /// Print where each partition would go, and how many records it would run again;
+        /// commit nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Mint an API token (HS256 under STREAMING_HUB_JWT_SECRET).
     Token {
@@ -345,11 +353,14 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Replay { to_datetime, to_offset } => {
-                let target = match (to_datetime, to_offset) {
-                    (Some(t), _) => streaming_hub::replay::parse_time(&t),
-                    (None, Some(o)) => streaming_hub::replay::parse_offset(&o),
-                    (None, None) => Err("give --to-datetime or --to-offset".to_string()),
+            Command::Replay { to_datetime, to_offset, to_offsets, dry_run } => {
+                let target = match (to_datetime, to_offset, to_offsets) {
+                    (Some(t), _, _) => streaming_hub::replay::parse_time(&t),
+                    (None, Some(o), _) => streaming_hub::replay::parse_offset(&o),
+                    (None, None, Some(o)) => streaming_hub::replay::parse_offsets(&o),
+                    (None, None, None) => {
+                        Err("give --to-datetime, --to-offset or --to-offsets".to_string())
+                    }
                 };
                 let target = match target {
                     Ok(t) => t,
@@ -358,18 +369,34 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 };
-                match tokio::task::spawn_blocking(move || streaming_hub::replay::run(&config, &target)).await {
+                let exact = matches!(target, streaming_hub::replay::Target::Exact(_));
+                match tokio::task::spawn_blocking(move || streaming_hub::replay::run(&config, &target, !dry_run)).await {
                     Ok(Ok(moved)) => {
                         // Back from a committed offset: a partition never committed starts
                         // at the log start whatever the replay says.
                         let back = moved
                             .iter()
                             .any(|(_, old, new)| old.is_some_and(|o| *new < o));
+                        let mut again = 0;
                         for (p, old, new) in moved {
+                            let runs = old.map_or(0, |o| (o - new).max(0));
+                            again += runs;
                             let old = old.map_or("none".to_string(), |o| o.to_string());
-                            println!("inbox partition {p}: {old} -> {new}");
+                            println!("inbox partition {p}: {old} -> {new} (up to {runs} records again)");
                         }
-                        if !back {
+                        if back {
+                            eprintln!(
+                                "streaming-hub replay: up to {again} inbox records run again \
+                                 (offsets, transaction markers included): each event delivered \
+                                 again to the subscriptions it matches now"
+                            );
+                        }
+                        if dry_run {
+                            eprintln!(
+                                "streaming-hub replay: dry run: nothing committed (nor checked \
+                                 that every hub instance is stopped)"
+                            );
+                        } else if !back && !exact {
                             eprintln!(
                                 "streaming-hub replay: no partition moved: each committed offset \
                                  is at or before the target already (a time after the last \

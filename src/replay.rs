@@ -26,6 +26,9 @@ pub enum Target {
     /// Whatever the target, no partition moves past the group's committed offset ([`moved_to`]).
     Offset(i64),
     Earliest,
+    /// Exactly these offsets in the partitions named (clamped to what the log holds), forward
+    /// too: to undo a replay with the old offsets it printed. Partitions not named stay.
+    Exact(Vec<(i32, i64)>),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -38,12 +41,23 @@ pub enum ReplayError {
         "the hub group {group} has no committed offset on {inbox}: nothing to move back (a hub that never ran starts at the log start anyway); check STREAMING_HUB_GROUP_ID and STREAMING_HUB_TOPIC_PREFIX"
     )]
     NothingCommitted { group: String, inbox: String },
+    #[error("{inbox} has no partition {partition} (it has {count}, from 0)")]
+    NoSuchPartition {
+        inbox: String,
+        partition: i32,
+        count: usize,
+    },
     #[error("kafka: {0}")]
     Kafka(String),
 }
 
-/// Moves the hub group's offsets; returns (partition, old committed, new) per partition.
-pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i64)>, ReplayError> {
+/// Moves the hub group's offsets (with `commit`; without, only says where they would go);
+/// returns (partition, old committed, new) per partition moved or kept.
+pub fn run(
+    config: &Config,
+    target: &Target,
+    commit: bool,
+) -> Result<Vec<(i32, Option<i64>, i64)>, ReplayError> {
     let kafka_err = |e: rdkafka::error::KafkaError| ReplayError::Kafka(e.to_string());
     let group = config.hub_group_id();
     let inbox = format!("{}.inbox", config.topic_prefix);
@@ -65,6 +79,15 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
         return Err(ReplayError::Kafka(format!(
             "{inbox} has no partitions (is the topology applied?)"
         )));
+    }
+    if let Target::Exact(named) = target {
+        if let Some((p, _)) = named.iter().find(|(p, _)| !partitions.contains(p)) {
+            return Err(ReplayError::NoSuchPartition {
+                inbox,
+                partition: *p,
+                count: partitions.len(),
+            });
+        }
     }
     let mut current = TopicPartitionList::new();
     for p in &partitions {
@@ -99,7 +122,23 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
         let (low, high) = consumer
             .fetch_watermarks(&inbox, *p, timeout)
             .map_err(kafka_err)?;
+        let old = match committed.find_partition(&inbox, *p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        };
         let to = match target {
+            Target::Exact(named) => match named.iter().find(|(q, _)| q == p) {
+                Some((_, o)) => {
+                    // Told exactly: forward too (undoing a replay).
+                    let new = (*o).min(high).max(low);
+                    wanted
+                        .add_partition_offset(&inbox, *p, Offset::Offset(new))
+                        .map_err(kafka_err)?;
+                    out.push((*p, old, new));
+                    continue;
+                }
+                None => continue,
+            },
             Target::Earliest => low,
             Target::Offset(o) => (*o).min(high).max(low), // `clamp` panics if low > high
             Target::Time(_) => {
@@ -114,15 +153,14 @@ pub fn run(config: &Config, target: &Target) -> Result<Vec<(i32, Option<i64>, i6
                 }
             }
         };
-        let old = match committed.find_partition(&inbox, *p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => Some(o),
-            _ => None,
-        };
         let new = moved_to(to, old, low);
         wanted
             .add_partition_offset(&inbox, *p, Offset::Offset(new))
             .map_err(kafka_err)?;
         out.push((*p, old, new));
+    }
+    if !commit {
+        return Ok(out);
     }
     match consumer.commit(&wanted, CommitMode::Sync) {
         Ok(()) => Ok(out),
@@ -166,6 +204,31 @@ pub fn parse_offset(text: &str) -> Result<Target, String> {
     }
 }
 
+/// Parses `--to-offsets` (`<partition>:<offset>,…`, each offset 0 or more, each partition once).
+pub fn parse_offsets(text: &str) -> Result<Target, String> {
+    let mut named: Vec<(i32, i64)> = Vec::new();
+    for item in text.split(',').map(str::trim) {
+        let parsed = item.split_once(':').and_then(|(p, o)| {
+            Some((p.trim().parse::<i32>().ok()?, o.trim().parse::<i64>().ok()?))
+        });
+        match parsed {
+            Some((p, o)) if p >= 0 && o >= 0 => {
+                if named.iter().any(|(q, _)| *q == p) {
+                    return Err(format!("partition {p} is named twice in {text:?}"));
+                }
+                named.push((p, o));
+            }
+            _ => {
+                return Err(format!(
+                    "expected <partition>:<offset>,… (each 0 or more), such as 0:1200,1:880, \
+                     got {item:?}"
+                ));
+            }
+        }
+    }
+    Ok(Target::Exact(named))
+}
+
 /// Parses `--to-datetime` (RFC 3339; a time before 1970 is refused: Kafka keeps none).
 pub fn parse_time(text: &str) -> Result<Target, String> {
     let t = chrono::DateTime::parse_from_rfc3339(text)
@@ -193,6 +256,19 @@ mod tests {
         assert_eq!(moved_to(800, Some(10), 50), 50);
         // Never committed: the log start, whatever the target.
         assert_eq!(moved_to(700, None, 20), 20);
+    }
+
+    #[test]
+    fn exact_offsets_parse_and_bad_input_is_named() {
+        assert!(matches!(
+            parse_offsets("0:1200, 1:880"),
+            Ok(Target::Exact(v)) if v == [(0, 1200), (1, 880)]
+        ));
+        for bad in [
+            "", "0", "0:", ":5", "0:-1", "-1:5", "a:1", "0:1,0:2", "0:1;1:2",
+        ] {
+            assert!(parse_offsets(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

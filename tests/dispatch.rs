@@ -512,6 +512,12 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
         "{refusals:?}"
     );
     assert!(nothing.contains("no partition moved"), "{nothing}");
+    // A dry run says where each partition would go and commits nothing: the replay after it
+    // finds the same committed offsets and moves them the same way.
+    let dry = replay(&env, &["--to-offset", "earliest", "--dry-run"]);
+    let dry_err = String::from_utf8_lossy(&dry.stderr);
+    assert!(dry.status.success(), "{dry_err}");
+    assert!(dry_err.contains("dry run: nothing committed"), "{dry_err}");
     let out = replay(&env, &["--to-offset", "earliest"]);
     let moved = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -519,6 +525,38 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(moved.contains("-> 0"), "{moved}");
+    assert_eq!(String::from_utf8_lossy(&dry.stdout), moved);
+    // Undone with the old offsets it printed (forward, as only --to-offsets moves), then
+    // done again.
+    // `<partition>:<old offset>` of each partition the group had committed.
+    let olds = |printed: &str| -> Vec<String> {
+        printed
+            .lines()
+            .filter_map(|l| {
+                let (p, rest) = l.strip_prefix("inbox partition ")?.split_once(": ")?;
+                let (old, _) = rest.split_once(" -> ")?;
+                Some(format!("{p}:{old}"))
+            })
+            .filter(|po| !po.ends_with(":none"))
+            .collect()
+    };
+    let old = olds(&moved);
+    assert!(!old.is_empty(), "{moved}");
+    let undo = replay(&env, &["--to-offsets", &old.join(",")]);
+    assert!(
+        undo.status.success(),
+        "{}",
+        String::from_utf8_lossy(&undo.stderr)
+    );
+    let check = replay(&env, &["--to-offset", "earliest", "--dry-run"]);
+    let now = olds(&String::from_utf8_lossy(&check.stdout));
+    assert!(
+        old.iter().all(|po| now.contains(po)),
+        "the offsets are back where they were: {old:?}, {now:?}"
+    );
+    let out = replay(&env, &["--to-offset", "earliest"]);
+    let moved = String::from_utf8_lossy(&out.stdout);
     assert!(moved.contains("-> 0"), "{moved}");
     assert!(
         !String::from_utf8_lossy(&out.stderr).contains("no partition moved"),

@@ -277,7 +277,9 @@ fn supervise(
         if let Some(status) = hub.child.try_wait().unwrap() {
             let log = hub.log_text();
             assert!(
-                matches!(status.code(), Some(1 | 70)) && !log.contains("panicked"),
+                matches!(status.code(), Some(1 | 70))
+                    && !log.contains("panicked at")
+                    && !log.contains("panicked=true"),
                 "instance {} left with {status}:\n{log}",
                 i + 1
             );

@@ -123,9 +123,9 @@ pub enum HubError {
     #[error("restoring partition {partition}: {why}")]
     Restore { partition: i32, why: String },
     #[error(
-        "fenced: another instance has this one's transactional id (is STREAMING_HUB_INSTANCE_ID \
-         unique?), or the broker aborted a transaction open past its 60 s timeout (a broker \
-         that slow); the process restarts and the partitions' leases are reclaimed: {0}"
+        "fenced: another process has this instance's transactional id or group instance id (a \
+         newer incarnation of it, or another instance with the same STREAMING_HUB_INSTANCE_ID), \
+         or the broker aborted a transaction open past its 60 s timeout (a broker that slow); the process restarts and the partitions' leases are reclaimed: {0}"
     )]
     Fenced(String),
     /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
@@ -1271,7 +1271,25 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
         std::fs::remove_dir_all(&aside).map_err(gone)?;
     }
     let table_files_ms = newest_table_file_ms(path);
-    let store = Store::open(path, &FAMILIES)?;
+    let store = match Store::open(path, &FAMILIES) {
+        Ok(store) => store,
+        // The local store is a cache of the changelogs: one RocksDB finds corrupt (a disk that
+        // lost a write, a file cut short when the disk filled up) is rebuilt from them, not a
+        // loop failing at every start (a crash loop until someone deletes it by hand).
+        Err(crate::runtime::store::StoreError::Rocks(e))
+            if e.kind() == rocksdb::ErrorKind::Corruption =>
+        {
+            tracing::warn!(
+                partition,
+                path = %path.display(),
+                error = %e,
+                "local state is corrupt: discarded, restoring from the changelogs' start"
+            );
+            metrics::counter!(STORES_CORRUPT_DISCARDED).increment(1);
+            return Ok((discard_store(path, partition)?, None));
+        }
+        Err(e) => return Err(e.into()),
+    };
     if store.changelog_offset(JOBS)?.is_none() {
         return Ok((store, None));
     }
@@ -1288,6 +1306,9 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
     );
     Ok((discard_store(path, partition)?, None))
 }
+
+/// Stores RocksDB found corrupt at open, discarded and restored from their changelogs.
+pub const STORES_CORRUPT_DISCARDED: &str = "streaming_hub_stores_corrupt_discarded_total";
 
 /// Stores found ahead of their changelog and discarded (see [`KafkaError::AheadOfChangelog`]).
 pub const STORES_AHEAD_DISCARDED: &str = "streaming_hub_stores_ahead_discarded_total";
@@ -3835,6 +3856,28 @@ mod tests {
             cancelled.err()
         );
         drop(again);
+    }
+
+    /// RocksDB finding a store corrupt at open (here its CURRENT file garbled) is not a loop
+    /// failing at every start: the store is discarded and restored from the changelogs' start.
+    #[test]
+    fn a_corrupt_store_is_discarded_to_be_restored_not_a_crash_loop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hub-3");
+        drop(Store::open(&path, &FAMILIES).unwrap());
+        std::fs::write(path.join("CURRENT"), b"no such manifest").unwrap();
+        let refused = Store::open(&path, &FAMILIES).err();
+        assert!(
+            refused
+                .as_ref()
+                .is_some_and(|e| matches!(e, crate::runtime::store::StoreError::Rocks(r) if r.kind() == rocksdb::ErrorKind::Corruption)),
+            "{refused:?}"
+        );
+        let (store, current_at) = open_current(&path, 3).unwrap();
+        assert_eq!(current_at, None, "restored from the start");
+        assert_eq!(store.changelog_offset(JOBS).unwrap(), None);
+        drop(store);
+        assert!(Store::open(&path, &FAMILIES).is_ok(), "a sound store now");
     }
 
     #[test]

@@ -74,9 +74,9 @@ pub enum IngestError {
     Stuck(String),
     /// Another instance with our transactional id took over: this one must stop.
     #[error(
-        "fenced: another instance has this one's transactional id (is STREAMING_HUB_INSTANCE_ID \
-         unique?), or the broker aborted a transaction open past its 60 s timeout (a broker \
-         that slow); the process restarts and its batch is read again: {0}"
+        "fenced: another process has this instance's transactional id or group instance id (a \
+         newer incarnation of it, or another instance with the same STREAMING_HUB_INSTANCE_ID), \
+         or the broker aborted a transaction open past its 60 s timeout (a broker that slow); the process restarts and its batch is read again: {0}"
     )]
     Fenced(String),
     /// A commit still running after its patience (`kafka::commit_undecided`): no abort may
