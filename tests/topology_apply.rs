@@ -246,14 +246,14 @@ async fn a_topic_with_fewer_replicas_than_asked_is_reported() {
     {
         r.unwrap();
     }
-    let apply = || {
+    let apply_with = |replicas: &str| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_streaming-hub"))
             .args(["topology", "apply"])
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("STREAMING_HUB_KAFKA_BROKERS", &bootstrap)
             .env("STREAMING_HUB_TOPIC_PREFIX", &prefix)
-            .env("STREAMING_HUB_REPLICATION_FACTOR", "3")
+            .env("STREAMING_HUB_REPLICATION_FACTOR", replicas)
             .env(
                 "STREAMING_HUB_TOPOLOGY_FILE",
                 concat!(env!("CARGO_MANIFEST_DIR"), "/topology/topics.toml"),
@@ -267,6 +267,7 @@ async fn a_topic_with_fewer_replicas_than_asked_is_reported() {
         );
         (out.status.code(), text)
     };
+    let apply = || apply_with("3");
     for round in 1..=2 {
         let (code, text) = apply();
         assert_eq!(code, Some(1), "round {round}: {text}");
@@ -282,8 +283,18 @@ async fn a_topic_with_fewer_replicas_than_asked_is_reported() {
                 text.contains(&format!("ok       {prefix}.subscriptions")),
                 "{text}"
             );
+            assert!(!text.contains("ONE REPLICA"), "{text}");
         }
     }
+    // The default of one replica, forgotten on a cluster of three: said, exit 1.
+    let (code, text) = apply_with("1");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains(
+            "ONE REPLICA: STREAMING_HUB_REPLICATION_FACTOR is 1 on a cluster of 3 brokers"
+        ),
+        "{text}"
+    );
 }
 
 /// Someone gave the inbox more partitions by hand, not the changelogs: the hub task of inbox

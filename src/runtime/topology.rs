@@ -189,6 +189,12 @@ pub enum Finding {
         topic: String,
         why: String,
     },
+    /// One replica asked for (`STREAMING_HUB_REPLICATION_FACTOR`, 1 by default for a local
+    /// broker) on a cluster of several brokers: a production deploy that forgot the setting
+    /// keeps its state on one disk, which one lost disk loses.
+    SingleReplica {
+        brokers: usize,
+    },
 }
 
 impl Finding {
@@ -197,7 +203,10 @@ impl Finding {
     pub fn needs_attention(&self) -> bool {
         matches!(
             self,
-            Finding::Differs { .. } | Finding::Unchecked { .. } | Finding::WouldCreate { .. }
+            Finding::Differs { .. }
+                | Finding::Unchecked { .. }
+                | Finding::WouldCreate { .. }
+                | Finding::SingleReplica { .. }
         )
     }
 }
@@ -211,6 +220,12 @@ impl std::fmt::Display for Finding {
             Finding::Unchecked { topic, why } => {
                 write!(f, "UNCHECKED {topic}: settings not compared ({why})")
             }
+            Finding::SingleReplica { brokers } => write!(
+                f,
+                "ONE REPLICA: STREAMING_HUB_REPLICATION_FACTOR is 1 on a cluster of {brokers} \
+                 brokers: the hub's topics keep their state on one disk, which one lost disk \
+                 loses (set it to 3)"
+            ),
             Finding::Differs {
                 topic,
                 setting,
@@ -393,6 +408,10 @@ impl Topology {
         }
         let opts = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
         let mut findings = Vec::new();
+        let brokers = metadata.brokers().len();
+        if self.replication_factor <= 1 && brokers >= 3 {
+            findings.push(Finding::SingleReplica { brokers });
+        }
         let mut to_create = Vec::new();
         let mut to_check = Vec::new();
         for t in &self.topics {
