@@ -181,13 +181,16 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 }
                 .into());
             }
+            let need = config.max_payload_bytes as u64
+                + crate::runtime::topology::RECORD_ROOM_PAST_PAYLOAD;
             if setting == "max.message.bytes"
-                && crate::runtime::topology::records_too_large_for(want, have)
+                && crate::runtime::topology::records_too_large_for(want, have, need)
             {
                 return Err(crate::runtime::topology::TopologyError::MaxMessageBytes {
                     topic: topic.clone(),
                     want: want.clone(),
                     have: have.clone(),
+                    need,
                 }
                 .into());
             }
@@ -409,22 +412,38 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         let forensics =
             crate::ops::forensics::Forensics::new(config.dlq_retention, Arc::new(SystemClock));
         {
-            let (forensics, config, codec, stop, down) = (
+            let (forensics, config, codec, stop) = (
                 forensics.clone(),
                 config.clone(),
                 codec.clone(),
                 stop.clone(),
-                stage_down.clone(),
             );
             std::thread::Builder::new()
                 .name("forensics".into())
                 .spawn(move || {
-                    // A stage as the others: an index that stopped (or panicked) would have
+                    // Started again when it fails or panics: an index that stopped had
                     // `/admin/dlq`, `/admin/quarantine` and `/admin/deliveries/dead` answer 200
-                    // with what it held then, for good, telling the operator nothing failed.
-                    let _end = StageEnd("forensics", stop.clone(), down);
-                    if let Err(e) = forensics.follow(&config, codec, stop) {
-                        tracing::error!(error = %e, "forensics index stopped");
+                    // with what it held then, for good, telling the operator nothing failed. Not
+                    // a stage whose end takes the process down: it is for looking only, and
+                    // ingest and delivery must not stop for it.
+                    while !stop.load(Ordering::SeqCst) {
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            forensics.follow(&config, codec.clone(), stop.clone())
+                        }));
+                        if stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        match run {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => tracing::error!(error = %e, "forensics index stopped; starting it again in 5 s"),
+                            Err(_) => tracing::error!("forensics index panicked; starting it again in 5 s"),
+                        }
+                        for _ in 0..50 {
+                            if stop.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(100));
+                        }
                     }
                 })
                 .map_err(|e| AppError::Http(e.to_string()))?;

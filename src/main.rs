@@ -377,12 +377,29 @@ fn main() -> ExitCode {
                         let back = moved
                             .iter()
                             .any(|(_, old, new)| old.is_some_and(|o| *new < o));
-                        let mut again = 0;
+                        let (mut again, mut skipped) = (0, 0);
                         for (p, old, new) in moved {
-                            let runs = old.map_or(0, |o| (o - new).max(0));
-                            again += runs;
+                            let what = match old {
+                                // Only --to-offsets moves forward: say what it leaves unread.
+                                Some(o) if new > o => {
+                                    skipped += new - o;
+                                    format!("SKIPS up to {} records", new - o)
+                                }
+                                Some(o) => {
+                                    again += o - new;
+                                    format!("up to {} records again", o - new)
+                                }
+                                None => "up to 0 records again".to_string(),
+                            };
                             let old = old.map_or("none".to_string(), |o| o.to_string());
-                            println!("inbox partition {p}: {old} -> {new} (up to {runs} records again)");
+                            println!("inbox partition {p}: {old} -> {new} ({what})");
+                        }
+                        if skipped > 0 {
+                            eprintln!(
+                                "streaming-hub replay: moved forward: up to {skipped} inbox \
+                                 records will not be processed (right only when undoing a replay \
+                                 with the offsets it printed)"
+                            );
                         }
                         if back {
                             eprintln!(

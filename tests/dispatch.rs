@@ -544,11 +544,13 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
     let old = olds(&moved);
     assert!(!old.is_empty(), "{moved}");
     let undo = replay(&env, &["--to-offsets", &old.join(",")]);
+    let undo_err = String::from_utf8_lossy(&undo.stderr);
+    assert!(undo.status.success(), "{undo_err}");
     assert!(
-        undo.status.success(),
-        "{}",
-        String::from_utf8_lossy(&undo.stderr)
+        String::from_utf8_lossy(&undo.stdout).contains("SKIPS up to"),
+        "a forward move says what it leaves unread"
     );
+    assert!(undo_err.contains("moved forward"), "{undo_err}");
     let check = replay(&env, &["--to-offset", "earliest", "--dry-run"]);
     let now = olds(&String::from_utf8_lossy(&check.stdout));
     assert!(

@@ -300,40 +300,60 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
     );
 }
 
-/// A receiver shedding load (`429` with `Retry-After: 60`) is sent nothing more until then, not
-/// one request per due delivery: its breaker opens on that one answer, its later deliveries are
-/// shed, and after the minute one probe goes and closes it.
+/// A receiver shedding load (`429` with `Retry-After: 60`) is sent nothing more of that
+/// subscription until then, not one request per due delivery: its later deliveries are held, no
+/// attempt spent. Another subscription on the same host (one host serving many webhooks, each
+/// rate-limited on its own) is not held, and the origin's breaker does not open. After the
+/// minute every held delivery goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_429_with_retry_after_holds_its_destinations_deliveries_until_then() {
+async fn a_429_with_retry_after_holds_its_subscriptions_deliveries_until_then() {
     let s = clock_hub("ra", &[]).await;
-    let (url, sink) = start_sink(429).await;
-    sink.retry_after.store(60, Ordering::SeqCst);
-    subscribe(&s, "tenant-r", &url).await;
+    let ((url_a, sink_a), (url_b, sink_b)) = start_sinks_on_one_origin(429).await;
+    sink_a.retry_after.store(60, Ordering::SeqCst);
+    sink_b.status.store(200, Ordering::SeqCst);
+    subscribe_with(
+        &s,
+        "tenant-r",
+        &url_a,
+        json!({"event_types": ["transaction.*"]}),
+    )
+    .await;
+    subscribe_with(
+        &s,
+        "tenant-r",
+        &url_b,
+        json!({"event_types": ["account.*"]}),
+    )
+    .await;
     let p = producer();
     let first = event("tenant-r", "ledger", "transaction", "posted");
     produce(&p, &s.topic, std::slice::from_ref(&first));
-    wait_for(&sink, 1).await;
-    s.wait_metric("streaming_hub_breaker_transitions_total", 1)
-        .await;
+    wait_for(&sink_a, 1).await;
+    // Its outcome committed: the hold is in place.
+    s.wait_metric("streaming_hub_attempts_total", 1).await;
 
-    // Later events come due at once and are shed, with no request.
+    // Later events of A come due at once and are held, with no request; B's goes.
     let later: Vec<Rec> = (0..3)
         .map(|_| event("tenant-r", "ledger", "transaction", "posted"))
         .collect();
     produce(&p, &s.topic, &later);
-    s.wait_metric("streaming_hub_breaker_shed_total", 3).await;
+    let to_b = event("tenant-r", "ledger", "account", "created");
+    produce(&p, &s.topic, std::slice::from_ref(&to_b));
+    s.wait_metric("streaming_hub_deliveries_held_retry_after_total", 3)
+        .await;
+    wait_for(&sink_b, 1).await;
     assert_eq!(
-        sink.got.lock().unwrap().len(),
+        sink_a.got.lock().unwrap().len(),
         1,
-        "nothing sent while the receiver asked to wait"
+        "nothing sent to A while its receiver asked to wait"
     );
 
-    // The minute passes: one probe, a success, and everything is delivered.
-    sink.status.store(200, Ordering::SeqCst);
+    // The minute passes: everything of A is delivered.
+    sink_a.status.store(200, Ordering::SeqCst);
     s.advance("61s").await;
     let all: BTreeSet<String> = std::iter::once(&first).chain(&later).map(Rec::id).collect();
     let delivered = || -> BTreeSet<String> {
-        let got = sink.got.lock().unwrap();
+        let got = sink_a.got.lock().unwrap();
         got.iter()
             .filter(|(_, st)| *st == 200)
             .map(|(id, _)| id.clone())
@@ -343,15 +363,14 @@ async fn a_429_with_retry_after_holds_its_destinations_deliveries_until_then() {
         if delivered() == all {
             break;
         }
-        // Those shed behind the probe wait a second of the test clock: move it along.
         s.advance("2s").await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(delivered(), all, "every event delivered after the wait");
     assert_eq!(
         s.metric("streaming_hub_breaker_transitions_total").await,
-        2,
-        "opened by the 429, closed by the probe"
+        0,
+        "the origin's breaker, which B shares, never opened"
     );
 }
 

@@ -288,7 +288,10 @@ fn supervise(
                 name: format!("restart of instance {} after it exited", i + 1),
                 at_ms: now_ms(),
             });
-            *hub = Hub::start(&envs[i]);
+            // Ready once its partitions' stores are restored, which waits for the transactions
+            // its previous incarnation left open: up to their 60 s timeout.
+            *hub = Hub::spawn(&envs[i]);
+            hub.wait_ready_within(Duration::from_secs(150));
         }
     }
 }

@@ -680,6 +680,85 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
     assert_no_eof_errors(&s.hub.log_text());
 }
 
+/// A replay started by mistake (a week to one receiver) can be stopped: `DELETE
+/// /admin/replay/{id}` while it runs answers 202 and the run ends `cancelled` before its next
+/// record, the redeliveries it requested before queued and no more after; on one already
+/// ended it answers 200 and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_replay_can_be_cancelled() {
+    let s = ApiHub::start("cancel", &[]).await;
+    let (url, _sink) = start_sink(200, Duration::ZERO).await;
+    let t0 = now_rfc3339();
+    let sub = s
+        .create_subscription(
+            "tenant-c",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}}),
+        )
+        .await;
+    let sub = sub["id"].as_str().unwrap().to_string();
+    let evs: Vec<Rec> = (0..3000)
+        .map(|_| event("tenant-c", "ledger", "transaction", "posted"))
+        .collect();
+    produce(&producer(), &s.topic, &evs);
+    s.wait_metric("streaming_hub_matches_total", 3000).await;
+    let admin = admin_token();
+    let addr = s.hub.addr();
+    let cancel = |id: String| {
+        s.http
+            .delete(format!("http://{addr}/admin/replay/{id}"))
+            .bearer_auth(&admin)
+            .send()
+    };
+    // A run may end before the DELETE reaches it: then 200, and another run is tried.
+    let mut cancelled = None;
+    for _ in 0..10 {
+        let (st, body) = post_json(
+            &s,
+            "/admin/replay",
+            &admin,
+            json!({"subscription_id": sub, "from": t0}),
+        )
+        .await;
+        assert_eq!(st, 202, "{body}");
+        let id = body["id"].as_str().unwrap().to_string();
+        let answer = cancel(id.clone()).await.unwrap();
+        let status = answer.status().as_u16();
+        let body: Value = serde_json::from_slice(&answer.bytes().await.unwrap()).unwrap();
+        let ended = wait_until(Duration::from_secs(60), "the replay ends", || {
+            let (_, p, _) =
+                futures_block(get_json(&s, &addr, &format!("/admin/replay/{id}"), &admin));
+            (p["state"] != "running").then_some(p)
+        });
+        match status {
+            202 => {
+                cancelled = Some(ended);
+                break;
+            }
+            200 => {
+                assert_eq!(body["state"], "done", "{body}");
+                assert_eq!(ended["state"], "done", "{ended}");
+            }
+            other => panic!("DELETE answered {other}: {body}"),
+        }
+    }
+    let ended = cancelled.expect("a DELETE reached a running replay");
+    assert_eq!(ended["state"], "cancelled", "{ended}");
+    assert!(
+        ended["error"].as_str().unwrap().contains("cancelled"),
+        "{ended}"
+    );
+    // Ended: a second DELETE changes nothing.
+    let id = ended["id"].as_str().unwrap().to_string();
+    let again = cancel(id.clone()).await.unwrap();
+    assert_eq!(again.status().as_u16(), 200);
+    let (st, body) = post_json(&s, "/admin/replay", &s.token("tenant-c"), json!({})).await;
+    assert_eq!(st, 403, "{body}");
+    let unknown = cancel("0190a000-0000-7000-8000-000000000000".into())
+        .await
+        .unwrap();
+    assert_eq!(unknown.status().as_u16(), 404);
+}
+
 /// An operation's read of a range whose start retention deleted after the range was taken (a
 /// long replay or recover of an old window) goes on from the oldest record kept. With
 /// librdkafka's default reset the position went to the partition's end without a word, and the

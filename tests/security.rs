@@ -1424,6 +1424,13 @@ async fn another_tenants_token_gets_404_on_every_subscription_route_and_403_on_a
             404,
         ),
         (
+            Method::DELETE,
+            "/admin/replay/{id}",
+            "/admin/replay/0190a000-0000-7000-8000-000000000000".to_string(),
+            None,
+            404,
+        ),
+        (
             Method::GET,
             "/admin/dlq",
             "/admin/dlq".to_string(),

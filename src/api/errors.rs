@@ -33,6 +33,7 @@ pub mod codes {
     pub const INTERNAL: &str = "internal";
     pub const RATE_LIMITED: &str = "rate_limited";
     pub const PROBE_BUSY: &str = "probe_busy";
+    pub const NOT_CANCELLABLE: &str = "not_cancellable";
 }
 
 /// An error answer: status, stable code, human message, optional field.

@@ -10,7 +10,7 @@
 //! | `POST /v1/subscriptions/{id}/rotate-secret`| [`secrets::rotate`]              |
 //! | `POST /v1/subscriptions/{id}/recover`      | [`ops::recover`]                 |
 //! | `GET /v1/events` (pull)                    | [`ops::pull_events`]             |
-//! | `POST /admin/replay`, `GET /admin/replay/{id}` | [`ops::start_replay`]        |
+//! | `POST /admin/replay`, `GET`/`DELETE /admin/replay/{id}` | [`ops::start_replay`] |
 //! | `GET /admin/dlq`, `/admin/quarantine`, `/admin/deliveries/dead` | [`ops`]     |
 //! | `POST /admin/deliveries/dead/redrive`      | [`ops::redrive`]                 |
 //! | `GET /openapi.json` (no token)             | [`openapi::serve`]               |
@@ -199,7 +199,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/subscriptions/{id}/recover", post(ops::recover))
         .route("/v1/events", get(ops::pull_events))
         .route("/admin/replay", post(ops::start_replay))
-        .route("/admin/replay/{id}", get(ops::replay_status))
+        .route(
+            "/admin/replay/{id}",
+            get(ops::replay_status).delete(ops::cancel_replay),
+        )
         .route("/admin/dlq", get(ops::producer_dlq))
         .route("/admin/quarantine", get(ops::quarantine))
         .route("/admin/deliveries/dead", get(ops::dead_deliveries))

@@ -255,8 +255,20 @@ fn stopped(progress: &Mutex<Progress>, e: RedeliverError) -> ApiError {
 /// `running` for good.
 fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
     let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
+    // Cancelled while it ran (the flag is set only then, under this lock): so it ends, even
+    // when the run had reached its end before it looked at the flag again.
+    let result = match result {
+        Ok(()) if g.cancel.load(std::sync::atomic::Ordering::SeqCst) => {
+            Err(RedeliverError::Cancelled)
+        }
+        r => r,
+    };
     match result {
         Ok(()) => g.state = "done".into(),
+        Err(RedeliverError::Cancelled) => {
+            g.state = "cancelled".into();
+            g.error = Some(RedeliverError::Cancelled.to_string());
+        }
         Err(e) => {
             g.state = "failed".into();
             g.error = Some(e.to_string());
@@ -521,16 +533,53 @@ pub async fn replay_status(
     _admin: Admin,
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Progress>, ApiError> {
-    let ops = ops(&state)?;
+    let run = run_of(ops(&state)?, &id)?;
+    let p = run.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    Ok(Json(p))
+}
+
+/// The run `id` of this instance (runs are kept where they ran).
+fn run_of(ops: &Ops, id: &str) -> Result<Arc<Mutex<Progress>>, ApiError> {
     let all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
-    let p = all.get(&id).ok_or_else(|| {
+    all.get(id).cloned().ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
             codes::NOT_FOUND,
             "no such replay on this instance",
         )
-    })?;
-    Ok(Json(p.lock().unwrap_or_else(|e| e.into_inner()).clone()))
+    })
+}
+
+#[utoipa::path(delete, path = "/admin/replay/{id}", tag = "admin", security(("bearer" = [])),
+    params(("id" = String, Path, description = "Replay id")),
+    responses(
+        (status = 202, description = "The replay was running: it stops before its next record (the redeliveries it requested before stay queued); poll GET /admin/replay/{id} for `cancelled`", body = Progress),
+        (status = 200, description = "It had already ended: nothing to cancel; its progress", body = Progress),
+        (status = 403, description = "Not an admin token", body = ErrorBody),
+        (status = 404, description = "Unknown to this instance", body = ErrorBody),
+        (status = 409, description = "A recover or redrive (`not_cancellable`): it answers its client when it ends", body = ErrorBody)))]
+pub async fn cancel_replay(
+    State(state): State<ApiState>,
+    _admin: Admin,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let run = run_of(ops(&state)?, &id)?;
+    let p = run.lock().unwrap_or_else(|e| e.into_inner());
+    if p.kind != "replay" {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            codes::NOT_CANCELLABLE,
+            "only a replay can be cancelled: a recover or redrive ends with its request",
+        ));
+    }
+    let status = if p.state == "running" {
+        p.cancel.store(true, std::sync::atomic::Ordering::SeqCst);
+        tracing::info!(id = %p.id, subscription_id = ?p.subscription_id, "per-subscription replay cancelled by an operator");
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(p.clone())).into_response())
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
@@ -756,7 +805,9 @@ pub async fn redrive(
     .await
     .map_err(|e| ApiError::internal("redrive panicked", &e))?;
     match result {
-        Err(e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped)) => Err(stopped(&progress, e)),
+        Err(
+            e @ (RedeliverError::Kafka(_) | RedeliverError::Stopped | RedeliverError::Cancelled),
+        ) => Err(stopped(&progress, e)),
         Err(e @ RedeliverError::Panicked) => Err(ApiError::internal("redrive", &e)),
         Err(RedeliverError::Invalid(msg)) => {
             Err(ApiError::bad_request(codes::NOT_FOUND, msg).with_field("ids"))

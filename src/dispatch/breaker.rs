@@ -2,8 +2,7 @@
 //! receiving requests for a while, and its due jobs are shed — rescheduled without an attempt,
 //! which costs them nothing on their retry curve.
 //!
-//! Closed → open after `OPEN_AFTER` consecutive failures, or at once on a 429 or 503 with a
-//! `Retry-After` (for as long as asked, up to `MAX_COOL_DOWN`); open for `COOL_DOWN` (on the injected
+//! Closed → open after `OPEN_AFTER` consecutive failures; open for `COOL_DOWN` (on the injected
 //! clock); then half-open: exactly one job goes through as a probe while the others keep being
 //! shed; its success closes the breaker, its failure opens it again for twice as long as the
 //! last time, up to `MAX_COOL_DOWN` (every shed job is written again each time it comes due: a
@@ -169,15 +168,11 @@ impl Breakers {
     }
 
     /// Records an attempt's result; returns a transition when the breaker opened or closed.
-    /// `retry_after_ms` is a failure's `Retry-After` (a 429 or 503): the destination asked the
-    /// hub to wait, so its breaker opens at once for that long (at most [`MAX_COOL_DOWN_MS`]),
-    /// or stays open at least that long, whatever the count of failures.
     pub fn record(
         &mut self,
         tenant: &str,
         origin: &str,
         success: bool,
-        retry_after_ms: Option<u64>,
         now: i64,
     ) -> Option<Transition> {
         if success && self.get_mut(tenant, origin).is_none() {
@@ -200,27 +195,18 @@ impl Breakers {
             .or_default();
         s.seen_at = now;
         s.consecutive += 1;
-        let was_open = s.open_until.is_some();
-        if s.probing.is_some() || (!was_open && s.consecutive >= OPEN_AFTER) {
-            s.cool_down = if was_open {
-                (s.cool_down * 2).clamp(COOL_DOWN_MS, MAX_COOL_DOWN_MS)
-            } else {
+        if s.probing.is_some() || (s.open_until.is_none() && s.consecutive >= OPEN_AFTER) {
+            let opened = s.open_until.is_none();
+            s.cool_down = if opened {
                 COOL_DOWN_MS
+            } else {
+                (s.cool_down * 2).clamp(COOL_DOWN_MS, MAX_COOL_DOWN_MS)
             };
             s.open_until = Some(now + s.cool_down);
             s.probing = None;
+            return opened.then_some(Transition::Opened);
         }
-        // Asked to wait: not before then, whatever the count (a receiver shedding load is sent
-        // nothing meanwhile, not one request per due job). Its probe then decides as any.
-        let asked = retry_after_ms.map_or(0, |ms| ms.min(MAX_COOL_DOWN_MS as u64) as i64);
-        if asked > 0 && s.open_until.is_none_or(|t| t < now + asked) {
-            if !was_open {
-                s.cool_down = COOL_DOWN_MS;
-            }
-            s.open_until = Some(now + asked);
-            s.probing = None;
-        }
-        (!was_open && s.open_until.is_some()).then_some(Transition::Opened)
+        None
     }
 
     /// An attempt admitted at `admitted_at` was never sent (it waited past its lease): if it was
@@ -268,6 +254,46 @@ impl Breakers {
     }
 }
 
+/// The longest a receiver's `Retry-After` holds its subscription's deliveries (ms).
+pub const MAX_HOLD_MS: i64 = MAX_COOL_DOWN_MS;
+
+/// Subscriptions whose receiver asked the hub to wait (a 429 or 503 with `Retry-After`): their
+/// due deliveries are postponed until then, no attempt spent, instead of each going out to be
+/// refused again. Held per subscription, not per origin as the breaker is: one host serving
+/// many webhooks (`hooks.slack.com`) rate-limits each on its own. Not journaled: a hold set by
+/// an outcome of a transaction that aborted is set again when it runs again, and one that stays
+/// is still what the receiver asked.
+#[derive(Debug, Default)]
+pub struct Holds {
+    until: HashMap<String, i64>,
+}
+
+impl Holds {
+    /// An attempt of `subscription` was answered with `retry_after_ms` (None: no ask).
+    pub fn hold(&mut self, subscription: &str, retry_after_ms: Option<u64>, now: i64) {
+        let asked = retry_after_ms.map_or(0, |ms| ms.min(MAX_HOLD_MS as u64) as i64);
+        if asked == 0 {
+            return;
+        }
+        if self.until.len() >= 100_000 {
+            self.until.retain(|_, t| *t > now);
+        }
+        let t = self.until.entry(subscription.to_string()).or_insert(0);
+        *t = (*t).max(now + asked);
+    }
+
+    /// Until when `subscription`'s deliveries wait, if they do. A hold further away than any
+    /// ask could set was set while the clock ran ahead: it is over.
+    pub fn held_until(&mut self, subscription: &str, now: i64) -> Option<i64> {
+        let t = *self.until.get(subscription)?;
+        if t > now && t <= now + MAX_HOLD_MS {
+            return Some(t);
+        }
+        self.until.remove(subscription);
+        None
+    }
+}
+
 /// `scheme://host:port` of a URL, the breaker's unit of destination. A URL that does not parse
 /// (the API refuses one; a record written straight to the control topic may hold one) shares
 /// one named origin: the URL itself may carry a credential, and the origin is logged and shown.
@@ -289,11 +315,11 @@ mod tests {
     fn a_success_forgets_the_destination_and_a_quiet_open_one_stops_counting() {
         let mut b = Breakers::default();
         for _ in 0..OPEN_AFTER {
-            b.record("t", "https://a", false, None, 0);
+            b.record("t", "https://a", false, 0);
         }
-        b.record("t", "https://b", false, None, 0);
+        b.record("t", "https://b", false, 0);
         assert_eq!((b.len(), b.open_count(0)), (2, 1));
-        assert_eq!(b.record("t", "https://b", true, None, 1), None);
+        assert_eq!(b.record("t", "https://b", true, 1), None);
         assert_eq!(b.len(), 1, "a success removes the entry");
         // Nobody asks about the open one (its subscription was deleted): not counted as open...
         assert_eq!(b.open_count(QUIET_MS), 0);
@@ -303,7 +329,7 @@ mod tests {
         assert_eq!(b.len(), 0);
         // Asked about, it counts again.
         for _ in 0..OPEN_AFTER {
-            b.record("t", "https://a", false, None, FORGET_MS);
+            b.record("t", "https://a", false, FORGET_MS);
         }
         b.admit("t", "https://a", FORGET_MS + QUIET_MS - 1);
         assert_eq!(b.open_count(FORGET_MS + QUIET_MS), 1);
@@ -316,19 +342,19 @@ mod tests {
         // are handled anew) and two more: five in all, open only at the fifth.
         b.begin();
         for _ in 0..3 {
-            b.record("t", "https://a", false, None, 0);
+            b.record("t", "https://a", false, 0);
         }
         b.rollback();
         assert_eq!(b.len(), 0, "the destination had no entry before");
         b.begin();
         for _ in 0..3 {
-            b.record("t", "https://a", false, None, 0);
+            b.record("t", "https://a", false, 0);
         }
         b.commit();
         b.begin();
-        assert_eq!(b.record("t", "https://a", false, None, 1), None);
+        assert_eq!(b.record("t", "https://a", false, 1), None);
         assert_eq!(
-            b.record("t", "https://a", false, None, 1),
+            b.record("t", "https://a", false, 1),
             Some(Transition::Opened)
         );
         b.commit();
@@ -347,7 +373,7 @@ mod tests {
         // A success rolled back leaves the breaker open.
         b.rollback();
         b.begin();
-        b.record("t", "https://a", true, None, half_open + 3);
+        b.record("t", "https://a", true, half_open + 3);
         b.rollback();
         assert!(b.is_open("t", "https://a"));
     }
@@ -368,7 +394,7 @@ mod tests {
     fn jobs_shed_behind_a_probe_wait_as_long_again_as_it_has_been_out() {
         let mut b = Breakers::default();
         for _ in 0..OPEN_AFTER {
-            b.record("t", "https://a", false, None, 0);
+            b.record("t", "https://a", false, 0);
         }
         let probe_at = COOL_DOWN_MS;
         assert_eq!(b.admit("t", "https://a", probe_at), Admit::Go, "the probe");
@@ -395,7 +421,7 @@ mod tests {
     fn a_probe_that_was_never_sent_lets_the_next_job_probe() {
         let mut b = Breakers::default();
         for i in 0..OPEN_AFTER as i64 {
-            b.record("t", "https://a", false, None, i);
+            b.record("t", "https://a", false, i);
         }
         let later = 10 + COOL_DOWN_MS;
         assert_eq!(b.admit("t", "https://a", later), Admit::Go, "the probe");
@@ -421,7 +447,7 @@ mod tests {
     fn a_probe_whose_outcome_never_comes_is_replaced_after_a_while() {
         let mut b = Breakers::default();
         for i in 0..OPEN_AFTER as i64 {
-            b.record("t", "https://a", false, None, i);
+            b.record("t", "https://a", false, i);
         }
         let t = 10 + COOL_DOWN_MS;
         assert_eq!(b.admit("t", "https://a", t), Admit::Go, "the probe");
@@ -445,7 +471,7 @@ mod tests {
         let week = 7 * 86_400_000;
         let mut b = Breakers::default();
         for i in 0..OPEN_AFTER as i64 {
-            b.record("t", "https://a", false, None, week + i);
+            b.record("t", "https://a", false, week + i);
         }
         assert!(matches!(
             b.admit("t", "https://a", week + 10),
@@ -456,7 +482,7 @@ mod tests {
         // A probe admitted while the clock was ahead counts as lost once it is set back.
         let mut b = Breakers::default();
         for i in 0..OPEN_AFTER as i64 {
-            b.record("t", "https://a", false, None, week + i);
+            b.record("t", "https://a", false, week + i);
         }
         assert_eq!(
             b.admit("t", "https://a", week + COOL_DOWN_MS + 10),
@@ -466,7 +492,7 @@ mod tests {
         // A cool-down of the ordinary kind still sheds.
         let mut b = Breakers::default();
         for i in 0..OPEN_AFTER as i64 {
-            b.record("t", "https://a", false, None, i);
+            b.record("t", "https://a", false, i);
         }
         assert!(matches!(b.admit("t", "https://a", 10), Admit::Shed { .. }));
     }
@@ -475,11 +501,11 @@ mod tests {
     fn opens_after_five_consecutive_failures_and_sheds_until_cool_down() {
         let mut b = Breakers::default();
         for i in 0..4 {
-            assert_eq!(b.record("t", "https://a", false, None, i), None);
+            assert_eq!(b.record("t", "https://a", false, i), None);
             assert_eq!(b.admit("t", "https://a", i), Admit::Go);
         }
         assert_eq!(
-            b.record("t", "https://a", false, None, 10),
+            b.record("t", "https://a", false, 10),
             Some(Transition::Opened)
         );
         assert_eq!(
@@ -504,11 +530,11 @@ mod tests {
     fn a_success_in_between_resets_the_count() {
         let mut b = Breakers::default();
         for i in 0..4 {
-            b.record("t", "o", false, None, i);
+            b.record("t", "o", false, i);
         }
-        b.record("t", "o", true, None, 5);
+        b.record("t", "o", true, 5);
         for i in 0..4 {
-            assert_eq!(b.record("t", "o", false, None, 10 + i), None);
+            assert_eq!(b.record("t", "o", false, 10 + i), None);
         }
         assert!(!b.is_open("t", "o"));
     }
@@ -517,7 +543,7 @@ mod tests {
     fn half_open_lets_one_probe_through_and_its_result_decides() {
         let mut b = Breakers::default();
         for i in 0..5 {
-            b.record("t", "o", false, None, i);
+            b.record("t", "o", false, i);
         }
         let after = 4 + COOL_DOWN_MS;
         assert_eq!(b.admit("t", "o", after), Admit::Go, "the probe");
@@ -529,7 +555,7 @@ mod tests {
             "only one probe"
         );
         assert_eq!(
-            b.record("t", "o", false, None, after + 1),
+            b.record("t", "o", false, after + 1),
             None,
             "probe failed: open again"
         );
@@ -537,10 +563,7 @@ mod tests {
         let later = after + 1 + 2 * COOL_DOWN_MS;
         assert_eq!(b.admit("t", "o", later - 1), Admit::Shed { until: later });
         assert_eq!(b.admit("t", "o", later), Admit::Go);
-        assert_eq!(
-            b.record("t", "o", true, None, later),
-            Some(Transition::Closed)
-        );
+        assert_eq!(b.record("t", "o", true, later), Some(Transition::Closed));
         assert_eq!(b.admit("t", "o", later), Admit::Go);
     }
 
@@ -549,7 +572,7 @@ mod tests {
         let mut b = Breakers::default();
         let mut now = 0;
         for _ in 0..OPEN_AFTER {
-            b.record("t", "o", false, None, now);
+            b.record("t", "o", false, now);
         }
         let mut waits = Vec::new();
         for _ in 0..6 {
@@ -559,7 +582,7 @@ mod tests {
             waits.push(until - now);
             now = until;
             assert_eq!(b.admit("t", "o", now), Admit::Go, "the probe");
-            b.record("t", "o", false, None, now);
+            b.record("t", "o", false, now);
         }
         let s = 1_000;
         assert_eq!(waits, [30 * s, 60 * s, 120 * s, 240 * s, 300 * s, 300 * s]);
@@ -574,9 +597,9 @@ mod tests {
             panic!("open")
         };
         b.admit("t", "o", until);
-        b.record("t", "o", true, None, until);
+        b.record("t", "o", true, until);
         for _ in 0..OPEN_AFTER {
-            b.record("t", "o", false, None, until);
+            b.record("t", "o", false, until);
         }
         assert_eq!(
             b.admit("t", "o", until),
@@ -587,46 +610,33 @@ mod tests {
     }
 
     #[test]
-    fn a_retry_after_opens_the_breaker_at_once_for_as_long_as_asked_up_to_its_bound() {
+    fn a_retry_after_holds_its_subscription_for_as_long_as_asked_up_to_its_bound() {
         let s = 1_000;
-        let mut b = Breakers::default();
-        // One 429 with `Retry-After: 20`: shed until then, then one probe.
+        let mut h = Holds::default();
+        h.hold("sub-a", Some(20 * s as u64), 0);
+        assert_eq!(h.held_until("sub-a", 1), Some(20 * s));
         assert_eq!(
-            b.record("t", "o", false, Some(20 * s as u64), 0),
-            Some(Transition::Opened)
+            h.held_until("sub-b", 1),
+            None,
+            "another subscription on the origin"
         );
-        assert_eq!(b.admit("t", "o", 1), Admit::Shed { until: 20 * s });
-        assert_eq!(b.admit("t", "o", 20 * s), Admit::Go, "the probe");
+        assert_eq!(h.held_until("sub-a", 20 * s), None, "over");
+        // A shorter ask does not shorten a hold; a longer one extends it; an hour is capped.
+        h.hold("sub-a", Some(100 * s as u64), 0);
+        h.hold("sub-a", Some(2 * s as u64), 1);
+        assert_eq!(h.held_until("sub-a", 2), Some(100 * s));
+        h.hold("sub-a", Some(3_600 * s as u64), 0);
+        assert_eq!(h.held_until("sub-a", 2), Some(MAX_HOLD_MS));
+        // None or zero asks nothing.
+        h.hold("sub-c", Some(0), 0);
+        h.hold("sub-d", None, 0);
         assert_eq!(
-            b.record("t", "o", true, None, 20 * s + 5),
-            Some(Transition::Closed)
+            (h.held_until("sub-c", 1), h.held_until("sub-d", 1)),
+            (None, None)
         );
-        // An hour asked: the longest cool-down, then a probe.
-        b.record("t", "o", false, Some(3_600 * s as u64), 0);
-        assert_eq!(
-            b.admit("t", "o", 1),
-            Admit::Shed {
-                until: MAX_COOL_DOWN_MS
-            }
-        );
-        b.record("t", "o", true, None, MAX_COOL_DOWN_MS);
-        // Already open for longer: a shorter ask changes nothing; a longer one extends it.
-        for _ in 0..OPEN_AFTER {
-            b.record("t", "o", false, None, 0);
-        }
-        assert_eq!(b.record("t", "o", false, Some(2 * s as u64), 1), None);
-        assert_eq!(
-            b.admit("t", "o", 2),
-            Admit::Shed {
-                until: COOL_DOWN_MS
-            }
-        );
-        b.record("t", "o", false, Some(100 * s as u64), 3);
-        assert_eq!(b.admit("t", "o", 4), Admit::Shed { until: 100 * s + 3 });
-        // A zero ask, or none, is an ordinary failure: the breaker stays closed.
-        let mut b = Breakers::default();
-        assert_eq!(b.record("t", "o", false, Some(0), 0), None);
-        assert_eq!(b.admit("t", "o", 1), Admit::Go);
+        // Set while the clock ran ahead, then set back: over, not held for as long.
+        h.hold("sub-e", Some(60 * s as u64), 7 * 24 * 3_600 * s);
+        assert_eq!(h.held_until("sub-e", 0), None);
     }
 
     #[test]

@@ -1279,14 +1279,26 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
         Err(crate::runtime::store::StoreError::Rocks(e))
             if e.kind() == rocksdb::ErrorKind::Corruption =>
         {
-            tracing::warn!(
+            // Kept aside (the last one only) for whoever looks into the disk, not deleted.
+            let aside = path.with_extension("corrupt");
+            tracing::error!(
                 partition,
                 path = %path.display(),
+                kept_at = %aside.display(),
                 error = %e,
-                "local state is corrupt: discarded, restoring from the changelogs' start"
+                "local state is corrupt: set aside, restoring from the changelogs' start (a disk losing writes?)"
             );
             metrics::counter!(STORES_CORRUPT_DISCARDED).increment(1);
-            return Ok((discard_store(path, partition)?, None));
+            let gone = |e: std::io::Error| HubError::Restore {
+                partition,
+                why: format!("setting corrupt local state aside: {e}"),
+            };
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside).map_err(gone)?;
+            }
+            std::fs::rename(path, &aside).map_err(gone)?;
+            std::fs::create_dir_all(path).map_err(gone)?;
+            return Ok((Store::open(path, &FAMILIES)?, None));
         }
         Err(e) => return Err(e.into()),
     };
@@ -1508,6 +1520,8 @@ pub struct Dispatch {
     in_flight_bytes: usize,
     max_in_flight_bytes: usize,
     breakers: breaker::Breakers,
+    /// Subscriptions whose receiver asked the hub to wait (`Retry-After`).
+    holds: breaker::Holds,
     /// Claim rounds so far (rotates which task claims first).
     round: usize,
     /// After a round that found nothing due, the next claim-only round waits until then (timers
@@ -1579,6 +1593,7 @@ impl Dispatch {
             in_flight_bytes: 0,
             max_in_flight_bytes: config.dispatch_claims_ahead_bytes,
             breakers: breaker::Breakers::default(),
+            holds: breaker::Holds::default(),
             round: 0,
             quiet_until: None,
             pending: Vec::new(),
@@ -1926,6 +1941,7 @@ impl HubStage {
         let mut rejoin = Rejoin::default();
         let mut aborts = kafka::AbortStreak::new(config.stall_timeout);
         let mut last_abort = String::new();
+        let mut lasting = false;
         let mut joining = self.joining.take();
 
         let mut backlog_at = Instant::now();
@@ -2038,6 +2054,7 @@ impl HubStage {
                     Err(e) => {
                         tracing::warn!(error = %e, records = batch.len(), "hub batch aborted; it will be read again");
                         last_abort = e.to_string();
+                        lasting = matches!(&e, HubError::Kafka(KafkaError::Call(k)) if kafka::never_clears(k.rdkafka_error_code()));
                         self.undo_aborted(producer, &mut guard.tasks, &batch)?;
                         // Refused because the group moved to the next generation while the
                         // offsets were on their way (by the coordinator, or by `member_metadata`
@@ -2085,7 +2102,7 @@ impl HubStage {
             drop(guard);
             if aborted {
                 rewind(&consumer, &batch);
-                aborts.pause_after_abort().map_err(|streak| {
+                aborts.pause_after_abort(lasting).map_err(|streak| {
                     HubError::Stuck(format!("{streak}; the last: {last_abort}"))
                 })?;
             } else {
@@ -2817,10 +2834,12 @@ fn record_outcomes(
         }
         if !sent_nothing && job.is_some() {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
-            if let Some(t) =
-                d.breakers
-                    .record(&o.tenant, &origin, !o.origin_down(), o.retry_after_ms, now)
-            {
+            // A receiver that asked to wait (`Retry-After`) gets nothing more of this
+            // subscription until then.
+            if let Some(j) = &job {
+                d.holds.hold(&j.subscription_id, o.retry_after_ms, now);
+            }
+            if let Some(t) = d.breakers.record(&o.tenant, &origin, !o.origin_down(), now) {
                 telemetry::BreakerChanged {
                     tenant: &o.tenant,
                     origin: &origin,
@@ -3262,6 +3281,16 @@ fn claim(
         telemetry::Held {
             subscription_id: &sub.id,
             why: telemetry::HeldFor::NoKey,
+        }
+        .emit();
+        return Ok(false);
+    }
+    if let Some(until) = d.holds.held_until(&sub.id, now) {
+        // Its receiver asked the hub to wait (`Retry-After`).
+        postpone(js, &key, job, until)?;
+        telemetry::Held {
+            subscription_id: &sub.id,
+            why: telemetry::HeldFor::RetryAfter,
         }
         .emit();
         return Ok(false);
@@ -3875,6 +3904,11 @@ mod tests {
         );
         let (store, current_at) = open_current(&path, 3).unwrap();
         assert_eq!(current_at, None, "restored from the start");
+        assert_eq!(
+            std::fs::read(path.with_extension("corrupt").join("CURRENT")).unwrap(),
+            b"no such manifest",
+            "the corrupt store kept aside"
+        );
         assert_eq!(store.changelog_offset(JOBS).unwrap(), None);
         drop(store);
         assert!(Store::open(&path, &FAMILIES).is_ok(), "a sound store now");

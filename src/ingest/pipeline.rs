@@ -346,6 +346,7 @@ impl Ingest {
                 Err(Failed::Undecided(e)) => return Err(IngestError::Undecided(e.to_string())),
                 Err(Failed::Kafka(e)) => {
                     let msg = e.to_string();
+                    let lasting = kafka::never_clears(e.rdkafka_error_code());
                     if let Some(code) = e.rdkafka_error_code() {
                         if is_fenced(code) {
                             return Err(IngestError::Fenced(msg));
@@ -363,7 +364,7 @@ impl Ingest {
                         return Err(fatal_or_kafka(abort));
                     }
                     rewind(&consumer, &batch);
-                    aborts.pause_after_abort().map_err(|streak| {
+                    aborts.pause_after_abort(lasting).map_err(|streak| {
                         IngestError::Stuck(format!("{streak}; the last: {msg}"))
                     })?;
                 }

@@ -54,6 +54,10 @@ pub enum RedeliverError {
     /// so far are written); running it again on a running instance does the rest.
     #[error("stopped: this instance is shutting down (run it again on a running instance)")]
     Stopped,
+    /// An operator cancelled the run (`DELETE /admin/replay/{id}`): the requests it queued
+    /// before are written, none after.
+    #[error("cancelled by an operator; the redeliveries requested before were queued")]
+    Cancelled,
     /// The run panicked (a bug): requests it had queued but not yet sent may be lost with it.
     #[error(
         "the run failed unexpectedly (see the instance's log); redeliveries it counted as \
@@ -88,7 +92,7 @@ pub struct Progress {
     pub id: String,
     pub kind: String,
     pub subscription_id: Option<String>,
-    /// `running`, `done` or `failed`.
+    /// `running`, `done`, `failed` or `cancelled` (a replay, `DELETE /admin/replay/{id}`).
     pub state: String,
     /// Records read (a recover: the tenant's dead letters read; a redrive: the dead letters
     /// named).
@@ -101,6 +105,10 @@ pub struct Progress {
     pub unrecoverable: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Set by `DELETE /admin/replay/{id}` (under this progress's lock, while it runs): the run
+    /// stops before its next record.
+    #[serde(skip)]
+    pub cancel: Arc<AtomicBool>,
 }
 
 /// Writes redelivery requests and reads the inbox and the DLQ (share it in an `Arc`).
@@ -279,6 +287,9 @@ impl Redeliverer {
         let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
         let scanned = scan(&consumer, &self.inbox, &ranges, &self.stop, |m| {
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+            if p.cancel.load(Ordering::SeqCst) {
+                return Err(RedeliverError::Cancelled);
+            }
             p.scanned += 1;
             drop(p);
             if m.key() != Some(sub.tenant_id.as_bytes()) {

@@ -320,9 +320,12 @@ pub fn push<C: rdkafka::client::ClientContext>(client: &rdkafka::client::Client<
 /// The batches a loop aborted in a row. A failure that comes back every run (a record the broker
 /// refuses, a write ACL missing, a topic gone) had the loop abort and run the same batch again
 /// every 200 ms for good, with only its lag to show it. The pause between runs now grows (up to
-/// [`MAX_ABORT_PAUSE`]), and a loop that has committed nothing for `limit`
-/// (`STREAMING_HUB_STALL_TIMEOUT`) while aborting ends, so the process exits to be restarted,
-/// or looked at.
+/// [`MAX_ABORT_PAUSE`]), and a loop whose batches have failed only in ways that do not clear by
+/// themselves ([`never_clears`]) for `limit` (`STREAMING_HUB_STALL_TIMEOUT`), committing
+/// nothing, ends, so the process exits to be restarted, or looked at. Other failures (too few
+/// in-sync replicas, a partition without a leader, a coordinator moving) clear when the cluster
+/// recovers: the loop keeps trying, as every instance restarting at once would only add a
+/// rejoin and a restore to the cluster's trouble.
 #[derive(Debug, Clone, Copy)]
 pub struct AbortStreak {
     since: Option<Instant>,
@@ -350,12 +353,14 @@ impl AbortStreak {
         self.runs = 0;
     }
 
-    /// One more aborted batch, at `now`: the pause before it runs again, or `None` when every
-    /// batch since the first of the streak aborted, for `limit` or longer.
-    pub fn aborted(&mut self, now: Instant) -> Option<Duration> {
-        let since = *self.since.get_or_insert(now);
+    /// One more aborted batch, at `now`, for a reason that does (`lasting`) or may not clear by
+    /// itself: the pause before it runs again, or `None` when every batch for `limit` or longer
+    /// aborted for lasting reasons.
+    pub fn aborted(&mut self, now: Instant, lasting: bool) -> Option<Duration> {
         self.runs = self.runs.saturating_add(1);
-        if now.saturating_duration_since(since) >= self.limit {
+        if !lasting {
+            self.since = None;
+        } else if now.saturating_duration_since(*self.since.get_or_insert(now)) >= self.limit {
             return None;
         }
         Some(
@@ -367,24 +372,59 @@ impl AbortStreak {
 
     /// One more aborted batch, now: sleeps the pause before it runs again, or answers what the
     /// loop ends with (see [`AbortStreak::aborted`]).
-    pub fn pause_after_abort(&mut self) -> Result<(), String> {
+    pub fn pause_after_abort(&mut self, lasting: bool) -> Result<(), String> {
         let now = Instant::now();
-        match self.aborted(now) {
+        match self.aborted(now, lasting) {
             Some(pause) => {
-                std::thread::sleep(pause);
+                // A pause chosen, not a loop stuck: the stall watchdog hears from it.
+                let until = now + pause;
+                while Instant::now() < until {
+                    crate::runtime::liveness::beat_current();
+                    std::thread::sleep(
+                        until
+                            .saturating_duration_since(Instant::now())
+                            .min(Duration::from_millis(100)),
+                    );
+                }
                 Ok(())
             }
             None => Err(self.describe(now)),
         }
     }
 
-    /// Batches aborted in this streak, and for how long.
+    /// Batches aborted in this streak, and for how long they failed for lasting reasons.
     pub fn describe(&self, now: Instant) -> String {
         let for_s = self
             .since
             .map_or(0, |s| now.saturating_duration_since(s).as_secs());
-        format!("{} batches aborted in a row over {for_s} s", self.runs)
+        format!(
+            "{} batches aborted in a row, for a reason that does not clear by itself over the \
+             last {for_s} s",
+            self.runs
+        )
     }
+}
+
+/// A failure that no retry clears, only an operator: a record larger than the topic takes,
+/// a permission missing, a topic gone or refused by a policy.
+pub fn never_clears(code: Option<RDKafkaErrorCode>) -> bool {
+    matches!(
+        code,
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::MessageBatchTooLarge
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::PolicyViolation
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::GroupAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+                | RDKafkaErrorCode::TransactionalIdAuthorizationFailed
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::UnknownPartition
+        )
+    )
 }
 
 /// How long a transaction's batch stays open: as long as the last transactions took (an average
@@ -1176,22 +1216,43 @@ mod tests {
         let limit = Duration::from_secs(60);
         let mut s = AbortStreak::new(limit);
         let pauses: Vec<u64> = (0..8)
-            .map(|i| s.aborted(t0 + Duration::from_secs(i)).unwrap().as_millis() as u64)
+            .map(|i| {
+                s.aborted(t0 + Duration::from_secs(i), true)
+                    .unwrap()
+                    .as_millis() as u64
+            })
             .collect();
         assert_eq!(pauses, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
-        assert_eq!(s.aborted(t0 + limit), None, "aborting for the whole limit");
-        assert!(
-            s.describe(t0 + limit)
-                .starts_with("9 batches aborted in a row over 60 s")
+        assert_eq!(
+            s.aborted(t0 + limit, true),
+            None,
+            "aborting for the whole limit"
         );
+        let said = s.describe(t0 + limit);
+        assert!(said.starts_with("9 batches aborted in a row"), "{said}");
+        assert!(said.ends_with("over the last 60 s"), "{said}");
         // A commit between aborts starts a new streak, from the shortest pause.
         s.committed();
-        assert_eq!(s.aborted(t0 + 2 * limit), Some(ABORT_PAUSE));
+        assert_eq!(s.aborted(t0 + 2 * limit, true), Some(ABORT_PAUSE));
         assert_eq!(
-            s.aborted(t0 + 3 * limit - Duration::from_millis(1)),
+            s.aborted(t0 + 3 * limit - Duration::from_millis(1), true),
             Some(2 * ABORT_PAUSE)
         );
-        assert_eq!(s.aborted(t0 + 3 * limit), None);
+        assert_eq!(s.aborted(t0 + 3 * limit, true), None);
+        // Failures that may clear (a cluster in trouble) never end the loop, however long;
+        // one between lasting ones starts their span again.
+        let mut s = AbortStreak::new(limit);
+        for i in 0..100 {
+            assert!(s.aborted(t0 + i * limit, false).is_some());
+        }
+        assert!(s.aborted(t0 + 100 * limit, true).is_some());
+        let just_before = t0 + 101 * limit - Duration::from_millis(1);
+        assert!(s.aborted(just_before, true).is_some());
+        assert!(s.aborted(t0 + 101 * limit, false).is_some());
+        assert!(s.aborted(t0 + 102 * limit, true).is_some(), "started again");
+        assert!(never_clears(Some(RDKafkaErrorCode::MessageSizeTooLarge)));
+        assert!(!never_clears(Some(RDKafkaErrorCode::NotEnoughReplicas)));
+        assert!(!never_clears(None));
     }
 
     #[test]

@@ -789,6 +789,8 @@ impl HeldUnverified<'_> {
 }
 
 pub const HELD_NO_KEY: &str = "streaming_hub_deliveries_held_no_key_total";
+/// Due deliveries postponed, no attempt spent, while their receiver's `Retry-After` runs.
+pub const HELD_RETRY_AFTER: &str = "streaming_hub_deliveries_held_retry_after_total";
 pub const HELD_UNREADABLE: &str = "streaming_hub_deliveries_held_unreadable_total";
 
 /// Why a due delivery was postponed with no attempt spent, besides its verification.
@@ -800,6 +802,8 @@ pub enum HeldFor {
     /// Its subscription's latest control record could not be read here (see
     /// `Table::read_unreadable`).
     Unreadable,
+    /// Its receiver answered a 429 or 503 with `Retry-After`, not yet over.
+    RetryAfter,
 }
 
 pub struct Held<'a> {
@@ -815,6 +819,7 @@ impl Held<'_> {
                 HELD_UNREADABLE,
                 "its subscription's latest control record could not be read",
             ),
+            HeldFor::RetryAfter => (HELD_RETRY_AFTER, "its receiver asked to wait (Retry-After)"),
         };
         on_commit(move || counter!(name).increment(1));
         tracing::debug!(

@@ -73,15 +73,16 @@ pub enum TopologyError {
     DeleteRetention { topic: String, have: String },
     #[error(
         "topic {topic} takes records of at most {have} bytes (max.message.bytes), less than the \
-         topology's {want}: the hub writes records that large there (a payload with its \
-         headers), and the broker would refuse each one, halting its partition's batches for \
-         good; set it (kafka-configs.sh --alter --add-config max.message.bytes={want}) and \
-         start again"
+         topology's {want}: the hub writes records up to {need} bytes there \
+         (STREAMING_HUB_MAX_PAYLOAD_BYTES and 128 KiB of headers), and the broker would refuse \
+         each larger one, halting its partition's batches for good; set it (kafka-configs.sh \
+         --alter --add-config max.message.bytes={want}) and start again"
     )]
     MaxMessageBytes {
         topic: String,
         want: String,
         have: String,
+        need: u64,
     },
 }
 
@@ -97,10 +98,17 @@ pub fn changelog_tombstones_too_short(topic: &str, have: &str) -> bool {
             .is_ok_and(|ms| ms < CHANGELOG_MIN_DELETE_RETENTION_MS)
 }
 
-/// Whether `have` (a topic's `max.message.bytes`) is less than the topology's `want`.
-pub fn records_too_large_for(want: &str, have: &str) -> bool {
+/// Room a record of the hub takes past its payload: the producer's headers it carries (up to
+/// 64 KiB), its own, a quarantined record's key (up to 16 KiB), the batch's framing.
+pub const RECORD_ROOM_PAST_PAYLOAD: u64 = 128 * 1024;
+
+/// Whether `have` (a topic's `max.message.bytes`) is less than the topology's `want` and than
+/// `need`, what the hub writes there (`STREAMING_HUB_MAX_PAYLOAD_BYTES` plus
+/// [`RECORD_ROOM_PAST_PAYLOAD`]): a deployment that lowered both the payload limit and its
+/// topics' is not refused.
+pub fn records_too_large_for(want: &str, have: &str, need: u64) -> bool {
     match (want.parse::<u64>(), have.parse::<u64>()) {
-        (Ok(want), Ok(have)) => have < want,
+        (Ok(want), Ok(have)) => have < want && have < need,
         _ => false,
     }
 }
@@ -656,10 +664,17 @@ mod tests {
 
     #[test]
     fn a_topic_taking_smaller_records_than_the_topology_is_told() {
-        assert!(records_too_large_for("2097152", "1048588"));
-        assert!(!records_too_large_for("2097152", "2097152"));
-        assert!(!records_too_large_for("2097152", "4194304"));
-        assert!(!records_too_large_for("2097152", "?"));
+        let need = 1_048_576 + RECORD_ROOM_PAST_PAYLOAD;
+        assert!(records_too_large_for("2097152", "1048588", need));
+        assert!(!records_too_large_for("2097152", "2097152", need));
+        assert!(!records_too_large_for("2097152", "4194304", need));
+        assert!(!records_too_large_for("2097152", "?", need));
+        // Payloads held to 256 KiB and topics to 512 KiB: what the hub writes fits.
+        assert!(!records_too_large_for(
+            "2097152",
+            "524288",
+            262_144 + RECORD_ROOM_PAST_PAYLOAD
+        ));
     }
 
     #[test]
