@@ -181,8 +181,7 @@ pub async fn run(config: Config) -> Result<(), AppError> {
                 }
                 .into());
             }
-            let need = config.max_payload_bytes as u64
-                + crate::runtime::topology::RECORD_ROOM_PAST_PAYLOAD;
+            let need = crate::runtime::topology::largest_write(config.max_payload_bytes as u64);
             if setting == "max.message.bytes"
                 && crate::runtime::topology::records_too_large_for(want, have, need)
             {

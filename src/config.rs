@@ -651,7 +651,9 @@ settings! {
     rebalance_wait: std::time::Duration = "5s";
     /// Liveness: the process exits (to be restarted) when its hub or ingest loop has not turned
     /// for this long, e.g. stuck in a Kafka call that never returns, also while it shuts down;
-    /// also (exit 1) when one has aborted every batch for this long.
+    /// also (exit 1) when one has aborted every batch for this long since one failed in a way no
+    /// retry clears (a record too large, an authorization refused, a topic gone), or for ten
+    /// times this long for any reason.
     /// The consumers' own poll limit (`max.poll.interval.ms`) is set above it: this exit comes
     /// first. At least 35s plus `STREAMING_HUB_EARLY_ATTEMPT_WAIT` (a Kafka transaction call may
     /// take 30s without the loop turning), at most 24h minus `STREAMING_HUB_SESSION_TIMEOUT`.

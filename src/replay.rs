@@ -129,12 +129,14 @@ pub fn run(
         let to = match target {
             Target::Exact(named) => match named.iter().find(|(q, _)| q == p) {
                 Some((_, o)) => {
-                    // Told exactly: forward too (undoing a replay).
+                    // Told exactly: forward too (undoing a replay). One never committed is
+                    // where the hub would start it, the log start: a move past it skips records,
+                    // and says so.
                     let new = (*o).min(high).max(low);
                     wanted
                         .add_partition_offset(&inbox, *p, Offset::Offset(new))
                         .map_err(kafka_err)?;
-                    out.push((*p, old, new));
+                    out.push((*p, old.or(Some(low)), new));
                     continue;
                 }
                 None => continue,

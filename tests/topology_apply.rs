@@ -217,7 +217,7 @@ async fn an_inbox_taking_smaller_records_than_the_hub_writes_stops_the_hub() {
     assert!(
         log.contains(&format!(
             "topic {name} takes records of at most 1048588 bytes (max.message.bytes), less than \
-             the topology's 2097152: the hub writes records up to 1179648 bytes there"
+             the topology's 2097152: the hub writes record batches up to 1179648 bytes there"
         )),
         "{log}"
     );

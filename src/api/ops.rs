@@ -255,14 +255,6 @@ fn stopped(progress: &Mutex<Progress>, e: RedeliverError) -> ApiError {
 /// `running` for good.
 fn finish(p: &Mutex<Progress>, result: Result<(), RedeliverError>) -> Progress {
     let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
-    // Cancelled while it ran (the flag is set only then, under this lock): so it ends, even
-    // when the run had reached its end before it looked at the flag again.
-    let result = match result {
-        Ok(()) if g.cancel.load(std::sync::atomic::Ordering::SeqCst) => {
-            Err(RedeliverError::Cancelled)
-        }
-        r => r,
-    };
     match result {
         Ok(()) => g.state = "done".into(),
         Err(RedeliverError::Cancelled) => {
@@ -553,7 +545,7 @@ fn run_of(ops: &Ops, id: &str) -> Result<Arc<Mutex<Progress>>, ApiError> {
 #[utoipa::path(delete, path = "/admin/replay/{id}", tag = "admin", security(("bearer" = [])),
     params(("id" = String, Path, description = "Replay id")),
     responses(
-        (status = 202, description = "The replay was running: it stops before its next record (the redeliveries it requested before stay queued); poll GET /admin/replay/{id} for `cancelled`", body = Progress),
+        (status = 202, description = "The replay was running: it stops before its next record (the redeliveries it requested before stay queued) and ends `cancelled`, or `done` if it had read its last one; poll GET /admin/replay/{id}", body = Progress),
         (status = 200, description = "It had already ended: nothing to cancel; its progress", body = Progress),
         (status = 403, description = "Not an admin token", body = ErrorBody),
         (status = 404, description = "Unknown to this instance", body = ErrorBody),

@@ -259,38 +259,79 @@ pub const MAX_HOLD_MS: i64 = MAX_COOL_DOWN_MS;
 
 /// Subscriptions whose receiver asked the hub to wait (a 429 or 503 with `Retry-After`): their
 /// due deliveries are postponed until then, no attempt spent, instead of each going out to be
-/// refused again. Held per subscription, not per origin as the breaker is: one host serving
-/// many webhooks (`hooks.slack.com`) rate-limits each on its own. Not journaled: a hold set by
-/// an outcome of a transaction that aborted is set again when it runs again, and one that stays
-/// is still what the receiver asked.
+/// refused again. Then one goes alone, as the breaker's probe does: an answer without an ask
+/// lets the others go, another ask holds them again (a receiver still limiting would otherwise
+/// get the whole backlog at once, and each refused one would spend an attempt). Held per
+/// subscription, not per origin as the breaker is: one host serving many webhooks
+/// (`hooks.slack.com`) rate-limits each on its own. Not journaled: a hold set by an outcome of
+/// a transaction that aborted is set again when it runs again, and one that stays is still what
+/// the receiver asked; a probe admitted there and never sent is given up after
+/// [`PROBE_LOST_MS`].
 #[derive(Debug, Default)]
 pub struct Holds {
-    until: HashMap<String, i64>,
+    held: HashMap<String, Hold>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    until: i64,
+    /// When the one delivery let through after `until` was admitted.
+    probe: Option<i64>,
 }
 
 impl Holds {
-    /// An attempt of `subscription` was answered with `retry_after_ms` (None: no ask).
+    /// An attempt of `subscription` was answered, with `retry_after_ms` (None: no ask).
     pub fn hold(&mut self, subscription: &str, retry_after_ms: Option<u64>, now: i64) {
         let asked = retry_after_ms.map_or(0, |ms| ms.min(MAX_HOLD_MS as u64) as i64);
         if asked == 0 {
+            // The hold was over and its one delivery went: the receiver takes them again.
+            if self
+                .held
+                .get(subscription)
+                .is_some_and(|h| h.probe.is_some())
+            {
+                self.held.remove(subscription);
+            }
             return;
         }
-        if self.until.len() >= 100_000 {
-            self.until.retain(|_, t| *t > now);
+        if self.held.len() >= 100_000 {
+            self.held
+                .retain(|_, h| h.until > now || h.probe.is_some_and(|p| now < p + PROBE_LOST_MS));
         }
-        let t = self.until.entry(subscription.to_string()).or_insert(0);
-        *t = (*t).max(now + asked);
+        let h = self.held.entry(subscription.to_string()).or_insert(Hold {
+            until: 0,
+            probe: None,
+        });
+        h.until = h.until.max(now + asked);
+        h.probe = None;
     }
 
-    /// Until when `subscription`'s deliveries wait, if they do. A hold further away than any
-    /// ask could set was set while the clock ran ahead: it is over.
+    /// Until when this due delivery of `subscription` waits, if it does (None: it goes). Times
+    /// further away than any ask could set, or a probe admitted in the future, were set while
+    /// the clock ran ahead: the hold is over.
     pub fn held_until(&mut self, subscription: &str, now: i64) -> Option<i64> {
-        let t = *self.until.get(subscription)?;
-        if t > now && t <= now + MAX_HOLD_MS {
-            return Some(t);
+        let h = self.held.get_mut(subscription)?;
+        if h.until > now + MAX_HOLD_MS || h.probe.is_some_and(|p| p > now) {
+            self.held.remove(subscription);
+            return None;
         }
-        self.until.remove(subscription);
-        None
+        if now < h.until {
+            return Some(h.until);
+        }
+        match h.probe {
+            // Its answer is awaited: as long again as it has been out, a second at least.
+            Some(since) if now < since + PROBE_LOST_MS => {
+                Some((now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS))
+            }
+            Some(_) => {
+                self.held.remove(subscription);
+                None
+            }
+            None => {
+                h.probe = Some(now);
+                None
+            }
+        }
     }
 }
 
@@ -610,7 +651,7 @@ mod tests {
     }
 
     #[test]
-    fn a_retry_after_holds_its_subscription_for_as_long_as_asked_up_to_its_bound() {
+    fn a_retry_after_holds_its_subscription_then_lets_one_through_first() {
         let s = 1_000;
         let mut h = Holds::default();
         h.hold("sub-a", Some(20 * s as u64), 0);
@@ -620,23 +661,45 @@ mod tests {
             None,
             "another subscription on the origin"
         );
-        assert_eq!(h.held_until("sub-a", 20 * s), None, "over");
-        // A shorter ask does not shorten a hold; a longer one extends it; an hour is capped.
-        h.hold("sub-a", Some(100 * s as u64), 0);
-        h.hold("sub-a", Some(2 * s as u64), 1);
-        assert_eq!(h.held_until("sub-a", 2), Some(100 * s));
-        h.hold("sub-a", Some(3_600 * s as u64), 0);
-        assert_eq!(h.held_until("sub-a", 2), Some(MAX_HOLD_MS));
-        // None or zero asks nothing.
-        h.hold("sub-c", Some(0), 0);
-        h.hold("sub-d", None, 0);
+        // Over: one goes; the others wait for its answer (a second at least).
+        assert_eq!(h.held_until("sub-a", 20 * s), None, "the one let through");
+        assert_eq!(h.held_until("sub-a", 20 * s + 1), Some(21 * s + 1));
+        // Asked again: held again, for as long.
+        h.hold("sub-a", Some(10 * s as u64), 21 * s);
+        assert_eq!(h.held_until("sub-a", 22 * s), Some(31 * s));
         assert_eq!(
-            (h.held_until("sub-c", 1), h.held_until("sub-d", 1)),
+            h.held_until("sub-a", 31 * s),
+            None,
+            "the next one let through"
+        );
+        // An answer without an ask (taken, or another failure): all go.
+        h.hold("sub-a", None, 32 * s);
+        assert_eq!(h.held_until("sub-a", 32 * s), None);
+        assert_eq!(h.held_until("sub-a", 32 * s), None);
+        // An answer without an ask to a delivery sent before the hold ends nothing.
+        h.hold("sub-a", Some(10 * s as u64), 40 * s);
+        h.hold("sub-a", None, 41 * s);
+        assert_eq!(h.held_until("sub-a", 42 * s), Some(50 * s));
+        // A probe whose answer never comes is given up.
+        assert_eq!(h.held_until("sub-a", 50 * s), None);
+        assert_eq!(h.held_until("sub-a", 50 * s + PROBE_LOST_MS), None);
+        assert_eq!(h.held_until("sub-a", 50 * s + PROBE_LOST_MS), None);
+        // A shorter ask does not shorten a hold; a longer one extends it; an hour is capped.
+        h.hold("sub-c", Some(100 * s as u64), 0);
+        h.hold("sub-c", Some(2 * s as u64), 1);
+        assert_eq!(h.held_until("sub-c", 2), Some(100 * s));
+        h.hold("sub-c", Some(3_600 * s as u64), 0);
+        assert_eq!(h.held_until("sub-c", 2), Some(MAX_HOLD_MS));
+        // None or zero asks nothing.
+        h.hold("sub-d", Some(0), 0);
+        h.hold("sub-e", None, 0);
+        assert_eq!(
+            (h.held_until("sub-d", 1), h.held_until("sub-e", 1)),
             (None, None)
         );
         // Set while the clock ran ahead, then set back: over, not held for as long.
-        h.hold("sub-e", Some(60 * s as u64), 7 * 24 * 3_600 * s);
-        assert_eq!(h.held_until("sub-e", 0), None);
+        h.hold("sub-f", Some(60 * s as u64), 7 * 24 * 3_600 * s);
+        assert_eq!(h.held_until("sub-f", 0), None);
     }
 
     #[test]

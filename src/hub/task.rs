@@ -1279,26 +1279,16 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
         Err(crate::runtime::store::StoreError::Rocks(e))
             if e.kind() == rocksdb::ErrorKind::Corruption =>
         {
-            // Kept aside (the last one only) for whoever looks into the disk, not deleted.
-            let aside = path.with_extension("corrupt");
+            // Deleted, not kept aside: a disk that filled up would have no room to restore.
+            // RocksDB's error names the file at fault.
             tracing::error!(
                 partition,
                 path = %path.display(),
-                kept_at = %aside.display(),
                 error = %e,
-                "local state is corrupt: set aside, restoring from the changelogs' start (a disk losing writes?)"
+                "local state is corrupt: deleted, restoring from the changelogs' start (a disk losing writes?)"
             );
             metrics::counter!(STORES_CORRUPT_DISCARDED).increment(1);
-            let gone = |e: std::io::Error| HubError::Restore {
-                partition,
-                why: format!("setting corrupt local state aside: {e}"),
-            };
-            if aside.exists() {
-                std::fs::remove_dir_all(&aside).map_err(gone)?;
-            }
-            std::fs::rename(path, &aside).map_err(gone)?;
-            std::fs::create_dir_all(path).map_err(gone)?;
-            return Ok((Store::open(path, &FAMILIES)?, None));
+            return Ok((discard_store(path, partition)?, None));
         }
         Err(e) => return Err(e.into()),
     };
@@ -2687,7 +2677,9 @@ fn commit_staged(
     phase_done("delivered");
     let (delivered, failed) = producer.context().take();
     if let Some(why) = failed {
-        return Err(KafkaError::Setup(format!("a changelog write failed: {why}")).into());
+        // As it came (its code says whether it can clear: `kafka::never_clears`).
+        tracing::warn!(error = %why, "a changelog or output write of the hub transaction failed");
+        return Err(KafkaError::Call(why).into());
     }
     kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE).map_err(undecided_or_kafka)?;
     phase_done("commit");
@@ -3904,11 +3896,6 @@ mod tests {
         );
         let (store, current_at) = open_current(&path, 3).unwrap();
         assert_eq!(current_at, None, "restored from the start");
-        assert_eq!(
-            std::fs::read(path.with_extension("corrupt").join("CURRENT")).unwrap(),
-            b"no such manifest",
-            "the corrupt store kept aside"
-        );
         assert_eq!(store.changelog_offset(JOBS).unwrap(), None);
         drop(store);
         assert!(Store::open(&path, &FAMILIES).is_ok(), "a sound store now");

@@ -29,7 +29,7 @@ use crate::runtime::kafka::{self, KafkaError};
 #[derive(Default)]
 pub struct TrackingContext {
     delivered: Mutex<HashMap<String, HashMap<i32, i64>>>,
-    failed: Mutex<Option<String>>,
+    failed: Mutex<Option<rdkafka::error::KafkaError>>,
 }
 
 impl ClientContext for TrackingContext {}
@@ -49,15 +49,21 @@ impl ProducerContext for TrackingContext {
                 *e = (*e).max(m.offset());
             }
             Err((e, _)) => {
-                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
             }
         }
     }
 }
 
 impl TrackingContext {
-    /// The delivered offsets since the last call, and the first delivery error, if any.
-    pub fn take(&self) -> (HashMap<String, HashMap<i32, i64>>, Option<String>) {
+    /// The delivered offsets since the last call, and the last delivery error, if any (its code
+    /// tells a record the broker will never take from a broker in trouble).
+    pub fn take(
+        &self,
+    ) -> (
+        HashMap<String, HashMap<i32, i64>>,
+        Option<rdkafka::error::KafkaError>,
+    ) {
         let d = std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|p| p.into_inner()));
         let f = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take();
         (d, f)

@@ -320,18 +320,27 @@ pub fn push<C: rdkafka::client::ClientContext>(client: &rdkafka::client::Client<
 /// The batches a loop aborted in a row. A failure that comes back every run (a record the broker
 /// refuses, a write ACL missing, a topic gone) had the loop abort and run the same batch again
 /// every 200 ms for good, with only its lag to show it. The pause between runs now grows (up to
-/// [`MAX_ABORT_PAUSE`]), and a loop whose batches have failed only in ways that do not clear by
-/// themselves ([`never_clears`]) for `limit` (`STREAMING_HUB_STALL_TIMEOUT`), committing
-/// nothing, ends, so the process exits to be restarted, or looked at. Other failures (too few
-/// in-sync replicas, a partition without a leader, a coordinator moving) clear when the cluster
-/// recovers: the loop keeps trying, as every instance restarting at once would only add a
-/// rejoin and a restore to the cluster's trouble.
+/// [`MAX_ABORT_PAUSE`]), and a loop that has committed nothing while its batches failed for
+/// `limit` (`STREAMING_HUB_STALL_TIMEOUT`) since the first that failed in a way no retry clears
+/// ([`never_clears`]), or for [`ANY_ABORTS_LIMIT_FACTOR`] times that for any reason, ends, so
+/// the process exits to be restarted, or looked at. Other failures (too few in-sync replicas,
+/// a partition without a leader, a coordinator moving) clear when the cluster recovers: the
+/// loop keeps trying that much longer, as every instance restarting at once would only add a
+/// rejoin and a restore to the cluster's trouble; past it, a restart is the last thing left to
+/// try (a client stuck in an error state).
 #[derive(Debug, Clone, Copy)]
 pub struct AbortStreak {
+    /// The first aborted batch of the streak.
+    first: Option<Instant>,
+    /// The first that failed for a lasting reason.
     since: Option<Instant>,
     runs: u32,
     limit: Duration,
 }
+
+/// How many times `STREAMING_HUB_STALL_TIMEOUT` a loop may abort every batch for reasons that
+/// may clear before it ends.
+pub const ANY_ABORTS_LIMIT_FACTOR: u32 = 10;
 
 /// The pause after a loop's first aborted batch, doubled by each one after it.
 pub const ABORT_PAUSE: Duration = Duration::from_millis(200);
@@ -341,6 +350,7 @@ pub const MAX_ABORT_PAUSE: Duration = Duration::from_secs(5);
 impl AbortStreak {
     pub fn new(limit: Duration) -> Self {
         AbortStreak {
+            first: None,
             since: None,
             runs: 0,
             limit,
@@ -349,18 +359,24 @@ impl AbortStreak {
 
     /// A batch committed (or there was none to commit): the streak is over.
     pub fn committed(&mut self) {
+        self.first = None;
         self.since = None;
         self.runs = 0;
     }
 
     /// One more aborted batch, at `now`, for a reason that does (`lasting`) or may not clear by
-    /// itself: the pause before it runs again, or `None` when every batch for `limit` or longer
-    /// aborted for lasting reasons.
+    /// itself: the pause before it runs again, or `None` when the loop should end (see the
+    /// type's doc).
     pub fn aborted(&mut self, now: Instant, lasting: bool) -> Option<Duration> {
         self.runs = self.runs.saturating_add(1);
-        if !lasting {
-            self.since = None;
-        } else if now.saturating_duration_since(*self.since.get_or_insert(now)) >= self.limit {
+        let first = *self.first.get_or_insert(now);
+        if lasting {
+            self.since.get_or_insert(now);
+        }
+        let lasting_for = self.since.map(|s| now.saturating_duration_since(s));
+        if lasting_for.is_some_and(|d| d >= self.limit)
+            || now.saturating_duration_since(first) >= self.limit * ANY_ABORTS_LIMIT_FACTOR
+        {
             return None;
         }
         Some(
@@ -392,15 +408,15 @@ impl AbortStreak {
         }
     }
 
-    /// Batches aborted in this streak, and for how long they failed for lasting reasons.
+    /// Batches aborted in this streak, and for how long.
     pub fn describe(&self, now: Instant) -> String {
-        let for_s = self
-            .since
-            .map_or(0, |s| now.saturating_duration_since(s).as_secs());
+        let secs = |t: Option<Instant>| t.map_or(0, |t| now.saturating_duration_since(t).as_secs());
         format!(
-            "{} batches aborted in a row, for a reason that does not clear by itself over the \
-             last {for_s} s",
-            self.runs
+            "{} batches aborted in a row over {} s, for a reason that does not clear by itself \
+             over the last {} s",
+            self.runs,
+            secs(self.first),
+            secs(self.since)
         )
     }
 }
@@ -1229,7 +1245,10 @@ mod tests {
             "aborting for the whole limit"
         );
         let said = s.describe(t0 + limit);
-        assert!(said.starts_with("9 batches aborted in a row"), "{said}");
+        assert!(
+            said.starts_with("9 batches aborted in a row over 60 s"),
+            "{said}"
+        );
         assert!(said.ends_with("over the last 60 s"), "{said}");
         // A commit between aborts starts a new streak, from the shortest pause.
         s.committed();
@@ -1239,17 +1258,22 @@ mod tests {
             Some(2 * ABORT_PAUSE)
         );
         assert_eq!(s.aborted(t0 + 3 * limit, true), None);
-        // Failures that may clear (a cluster in trouble) never end the loop, however long;
-        // one between lasting ones starts their span again.
+        // Failures that may clear (a cluster in trouble) end the loop only after ten times as
+        // long.
         let mut s = AbortStreak::new(limit);
-        for i in 0..100 {
+        for i in 0..10 {
             assert!(s.aborted(t0 + i * limit, false).is_some());
         }
-        assert!(s.aborted(t0 + 100 * limit, true).is_some());
-        let just_before = t0 + 101 * limit - Duration::from_millis(1);
-        assert!(s.aborted(just_before, true).is_some());
-        assert!(s.aborted(t0 + 101 * limit, false).is_some());
-        assert!(s.aborted(t0 + 102 * limit, true).is_some(), "started again");
+        assert_eq!(s.aborted(t0 + 10 * limit, false), None);
+        // A lasting one counts from itself, whatever came between.
+        let mut s = AbortStreak::new(limit);
+        assert!(s.aborted(t0, false).is_some());
+        assert!(s.aborted(t0 + limit, true).is_some());
+        assert!(
+            s.aborted(t0 + 2 * limit - Duration::from_millis(1), false)
+                .is_some()
+        );
+        assert_eq!(s.aborted(t0 + 2 * limit, false), None);
         assert!(never_clears(Some(RDKafkaErrorCode::MessageSizeTooLarge)));
         assert!(!never_clears(Some(RDKafkaErrorCode::NotEnoughReplicas)));
         assert!(!never_clears(None));

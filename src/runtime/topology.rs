@@ -73,9 +73,9 @@ pub enum TopologyError {
     DeleteRetention { topic: String, have: String },
     #[error(
         "topic {topic} takes records of at most {have} bytes (max.message.bytes), less than the \
-         topology's {want}: the hub writes records up to {need} bytes there \
-         (STREAMING_HUB_MAX_PAYLOAD_BYTES and 128 KiB of headers), and the broker would refuse \
-         each larger one, halting its partition's batches for good; set it (kafka-configs.sh \
+         topology's {want}: the hub writes record batches up to {need} bytes there (a batch \
+         of 1 MB or STREAMING_HUB_MAX_PAYLOAD_BYTES, and 128 KiB of headers), and the broker \
+         would refuse each larger one, halting its partition's batches for good; set it (kafka-configs.sh \
          --alter --add-config max.message.bytes={want}) and start again"
     )]
     MaxMessageBytes {
@@ -102,10 +102,19 @@ pub fn changelog_tombstones_too_short(topic: &str, have: &str) -> bool {
 /// 64 KiB), its own, a quarantined record's key (up to 16 KiB), the batch's framing.
 pub const RECORD_ROOM_PAST_PAYLOAD: u64 = 128 * 1024;
 
+/// librdkafka's `batch.size`, which the hub's producers keep: the broker holds a whole batch
+/// of records, not each record, to `max.message.bytes`, so many small records make one as
+/// large as this.
+pub const PRODUCER_BATCH_BYTES: u64 = 1_000_000;
+
+/// The largest record batch the hub may write to a topic holding payloads, for a payload limit
+/// of `max_payload_bytes`.
+pub fn largest_write(max_payload_bytes: u64) -> u64 {
+    max_payload_bytes.max(PRODUCER_BATCH_BYTES) + RECORD_ROOM_PAST_PAYLOAD
+}
+
 /// Whether `have` (a topic's `max.message.bytes`) is less than the topology's `want` and than
-/// `need`, what the hub writes there (`STREAMING_HUB_MAX_PAYLOAD_BYTES` plus
-/// [`RECORD_ROOM_PAST_PAYLOAD`]): a deployment that lowered both the payload limit and its
-/// topics' is not refused.
+/// `need`, what the hub writes there ([`largest_write`]).
 pub fn records_too_large_for(want: &str, have: &str, need: u64) -> bool {
     match (want.parse::<u64>(), have.parse::<u64>()) {
         (Ok(want), Ok(have)) => have < want && have < need,
@@ -664,16 +673,24 @@ mod tests {
 
     #[test]
     fn a_topic_taking_smaller_records_than_the_topology_is_told() {
-        let need = 1_048_576 + RECORD_ROOM_PAST_PAYLOAD;
+        let need = largest_write(1_048_576);
+        assert_eq!(need, 1_048_576 + 131_072);
         assert!(records_too_large_for("2097152", "1048588", need));
         assert!(!records_too_large_for("2097152", "2097152", need));
         assert!(!records_too_large_for("2097152", "4194304", need));
         assert!(!records_too_large_for("2097152", "?", need));
-        // Payloads held to 256 KiB and topics to 512 KiB: what the hub writes fits.
-        assert!(!records_too_large_for(
+        // Payloads held to 256 KiB: a batch of small records is still up to 1 MB, so a topic
+        // of 512 KiB is refused, one of 1.5 MiB is not.
+        assert_eq!(largest_write(262_144), 1_000_000 + 131_072);
+        assert!(records_too_large_for(
             "2097152",
             "524288",
-            262_144 + RECORD_ROOM_PAST_PAYLOAD
+            largest_write(262_144)
+        ));
+        assert!(!records_too_large_for(
+            "2097152",
+            "1572864",
+            largest_write(262_144)
         ));
     }
 
