@@ -494,7 +494,6 @@ async fn a_large_record_quarantined_for_its_headers_leaves_payload_and_key_out_a
 /// with only its lag to show it.
 #[tokio::test]
 async fn ingest_aborting_every_batch_for_the_stall_timeout_ends_the_process() {
-    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
     require_broker();
     let prefix = unique("ingstuck");
     let topic = format!("lerian.streaming.{prefix}");
@@ -504,30 +503,8 @@ async fn ingest_aborting_every_batch_for_the_stall_timeout_ends_the_process() {
     let mut hub = Hub::start(&env);
 
     let inbox = format!("{prefix}.inbox");
-    let a = admin();
-    for r in a
-        .alter_configs(
-            &[AlterConfig::new(ResourceSpecifier::Topic(&inbox)).set("max.message.bytes", "4096")],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
-    // Random bytes: the limit applies to compressed batches.
-    let mut big = event("tenant-a", "ledger", "transaction", "created");
-    let mut payload = vec![0u8; 16_384];
-    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
-    big.value = Some(payload);
-    produce(&producer(), &topic, &[big]);
-
-    let child = &mut hub.child;
-    let status = wait_until(Duration::from_secs(150), "the hub exits", || {
-        child.try_wait().unwrap()
-    });
-    let log = hub.log_text();
-    assert_eq!(status.code(), Some(1), "{log}");
+    let (code, log) = refused_writes_end_the_hub(&mut hub, &inbox, &topic, "tenant-a").await;
+    assert_eq!(code, Some(1), "{log}");
     assert!(
         log.contains("ingest committed nothing for the stall timeout"),
         "{log}"

@@ -687,7 +687,6 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
 /// the same batch for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hub_loop_whose_writes_the_broker_always_refuses_ends_the_process() {
-    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
     let mut s = ApiHub::start("hubstuck", &[("STREAMING_HUB_STALL_TIMEOUT", "36s")]).await;
     s.create_subscription(
         "tenant-s",
@@ -695,29 +694,9 @@ async fn a_hub_loop_whose_writes_the_broker_always_refuses_ends_the_process() {
     )
     .await;
     let pull = format!("{}.pull", s.prefix);
-    for r in admin()
-        .alter_configs(
-            &[AlterConfig::new(ResourceSpecifier::Topic(&pull)).set("max.message.bytes", "4096")],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
-    // Random bytes: the limit applies to compressed batches.
-    let mut big = event("tenant-s", "ledger", "transaction", "posted");
-    let mut payload = vec![0u8; 16_384];
-    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
-    big.value = Some(payload);
-    produce(&producer(), &s.topic, &[big]);
-
-    let child = &mut s.hub.child;
-    let status = wait_until(Duration::from_secs(150), "the hub exits", || {
-        child.try_wait().unwrap()
-    });
-    let log = s.hub.log_text();
-    assert_eq!(status.code(), Some(1), "{log}");
+    let topic = s.topic.clone();
+    let (code, log) = refused_writes_end_the_hub(&mut s.hub, &pull, &topic, "tenant-s").await;
+    assert_eq!(code, Some(1), "{log}");
     assert!(
         log.contains("the hub loop committed nothing for the stall timeout"),
         "{log}"

@@ -860,6 +860,38 @@ pub async fn post_subscription(
 }
 
 /// A running hub with its API on, its own producer topic, and an HTTP client to talk to it.
+/// Lowers `topic`'s `max.message.bytes` to 4 KiB under a running hub (an operator's change),
+/// sends `tenant`'s event of 16 KiB of random bytes (the limit applies to compressed batches)
+/// to `source_topic`, and waits for `hub` to exit: its exit code and log.
+pub async fn refused_writes_end_the_hub(
+    hub: &mut Hub,
+    topic: &str,
+    source_topic: &str,
+    tenant: &str,
+) -> (Option<i32>, String) {
+    use rdkafka::admin::{AlterConfig, ResourceSpecifier};
+    for r in admin()
+        .alter_configs(
+            &[AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", "4096")],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let mut big = event(tenant, "ledger", "transaction", "created");
+    let mut payload = vec![0u8; 16_384];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut payload);
+    big.value = Some(payload);
+    produce(&producer(), source_topic, &[big]);
+    let child = &mut hub.child;
+    let status = wait_until(Duration::from_secs(150), "the hub exits", || {
+        child.try_wait().unwrap()
+    });
+    (status.code(), hub.log_text())
+}
+
 pub struct ApiHub {
     pub prefix: String,
     pub topic: String,
