@@ -303,21 +303,26 @@ async fn open_breaker_sheds_deliveries_and_a_successful_probe_closes_it() {
 /// A receiver shedding load (`429` with `Retry-After: 60`) is sent nothing more of that
 /// subscription until then, not one request per due delivery: its later deliveries are held, no
 /// attempt spent. Another subscription on the same host (one host serving many webhooks, each
-/// rate-limited on its own) is not held, and the origin's breaker does not open. After the
-/// minute every held delivery goes.
+/// rate-limited on its own) is not held, and the origin's breaker does not open, even after five
+/// such answers in a row. After the minute every held delivery goes, one of each subscription
+/// first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_with_retry_after_holds_its_subscriptions_deliveries_until_then() {
     let s = clock_hub("ra", &[]).await;
     let ((url_a, sink_a), (url_b, sink_b)) = start_sinks_on_one_origin(429).await;
     sink_a.retry_after.store(60, Ordering::SeqCst);
     sink_b.status.store(200, Ordering::SeqCst);
-    subscribe_with(
-        &s,
-        "tenant-r",
-        &url_a,
-        json!({"event_types": ["transaction.*"]}),
-    )
-    .await;
+    // Five webhooks of the tenant at A's URL: five 429s in a row from one origin, which would
+    // open its breaker (shared with B) were they counted as the origin down.
+    for _ in 0..5 {
+        subscribe_with(
+            &s,
+            "tenant-r",
+            &url_a,
+            json!({"event_types": ["transaction.*"]}),
+        )
+        .await;
+    }
     subscribe_with(
         &s,
         "tenant-r",
@@ -328,9 +333,9 @@ async fn a_429_with_retry_after_holds_its_subscriptions_deliveries_until_then() 
     let p = producer();
     let first = event("tenant-r", "ledger", "transaction", "posted");
     produce(&p, &s.topic, std::slice::from_ref(&first));
-    wait_for(&sink_a, 1).await;
-    // Its outcome committed: the hold is in place.
-    s.wait_metric("streaming_hub_attempts_total", 1).await;
+    wait_for(&sink_a, 5).await;
+    // Their outcomes committed: the holds are in place.
+    s.wait_metric("streaming_hub_attempts_total", 5).await;
 
     // Later events of A come due at once and are held, with no request; B's goes.
     let later: Vec<Rec> = (0..3)
@@ -339,13 +344,13 @@ async fn a_429_with_retry_after_holds_its_subscriptions_deliveries_until_then() 
     produce(&p, &s.topic, &later);
     let to_b = event("tenant-r", "ledger", "account", "created");
     produce(&p, &s.topic, std::slice::from_ref(&to_b));
-    s.wait_metric("streaming_hub_deliveries_held_retry_after_total", 3)
+    s.wait_metric("streaming_hub_deliveries_held_retry_after_total", 15)
         .await;
     wait_for(&sink_b, 1).await;
     assert_eq!(
         sink_a.got.lock().unwrap().len(),
-        1,
-        "nothing sent to A while its receiver asked to wait"
+        5,
+        "nothing more sent to A while its receiver asked to wait"
     );
 
     // The minute passes: everything of A is delivered.

@@ -113,6 +113,8 @@ impl Outcome {
     /// refused connection), a 5xx, 408 or 429. Any other answer (a 2xx, a redirect, another 4xx
     /// such as 404 or 410) shows the origin up: it is the URL's own, and a tenant's other
     /// subscriptions on that origin (one host serving many webhooks) must not be shed for it.
+    /// A 429 or 503 with a `Retry-After` is left out of the breaker where outcomes are recorded:
+    /// its subscription's hold answers for it.
     pub fn origin_down(&self) -> bool {
         !self.success() && self.status.is_none_or(|s| s >= 500 || s == 408 || s == 429)
     }

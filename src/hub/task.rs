@@ -2831,7 +2831,15 @@ fn record_outcomes(
             if let Some(j) = &job {
                 d.holds.hold(&j.subscription_id, o.retry_after_ms, now);
             }
-            if let Some(t) = d.breakers.record(&o.tenant, &origin, !o.origin_down(), now) {
+            if o.retry_after_ms.is_some_and(|ms| ms > 0) {
+                // Its receiver asked to wait: the hold answers for it. Not counted against the
+                // origin, whose other webhooks may be taking deliveries (one host serving many,
+                // each rate-limited on its own); the breaker's probe answered so frees its slot.
+                if current {
+                    d.breakers
+                        .unsent(&o.tenant, &origin, o.lease_until - d.lease_ms);
+                }
+            } else if let Some(t) = d.breakers.record(&o.tenant, &origin, !o.origin_down(), now) {
                 telemetry::BreakerChanged {
                     tenant: &o.tenant,
                     origin: &origin,
