@@ -157,7 +157,7 @@ impl Breakers {
                 // whole backlog of its destination rewritten every second meanwhile; now a
                 // handful of times. A quick probe's answer comes within the first second.
                 Admit::Shed {
-                    until: (now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS),
+                    until: behind_probe(since, now),
                 }
             }
             (Some(_), _) => {
@@ -320,9 +320,7 @@ impl Holds {
         }
         match h.probe {
             // Its answer is awaited: as long again as it has been out, a second at least.
-            Some(since) if now < since + PROBE_LOST_MS => {
-                Some((now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS))
-            }
+            Some(since) if now < since + PROBE_LOST_MS => Some(behind_probe(since, now)),
             Some(_) => {
                 self.held.remove(subscription);
                 None
@@ -333,6 +331,13 @@ impl Holds {
             }
         }
     }
+}
+
+/// When a delivery due at `now`, waiting behind a probe admitted at `since`, is looked at
+/// again: as long again as the probe has been out ([`PROBE_WAIT_MS`] at least), until the probe
+/// counts as lost.
+fn behind_probe(since: i64, now: i64) -> i64 {
+    (now + PROBE_WAIT_MS.max(now - since)).min(since + PROBE_LOST_MS)
 }
 
 /// `scheme://host:port` of a URL, the breaker's unit of destination. A URL that does not parse
