@@ -15,7 +15,7 @@
 #   scripts/ab.sh latency=5000 /tmp/hub-before /tmp/hub-before:STREAMING_HUB_COMMIT_INTERVAL=10ms
 #   scripts/ab.sh throughput /tmp/hub /tmp/hub:LOAD_HUB_LOG=info   # the hub logging at info
 #
-# Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s --warmup 5s
+# Every run: STREAMING_HUB_LOG=warn <binary> load <scenario> --duration 15s (AB_DURATION) --warmup 5s
 # --out DIR/<variant>-r<round> (results.jsonl and the hub's metrics-*.prom there, the run's
 # output in run.log, the hub's log in hub.log, a `scale-out` run's second instance's in hub-2.log). After each run one line: variant, round, deliveries/s, p50 and p99 ms, hub
 # CPU s per 1,000 deliveries, peak RSS MiB, missing, duplicates, bad signatures, then the
@@ -71,7 +71,7 @@ for r in $(seq 1 "$rounds"); do
     # A `scale-out` run's second instance logs beside the first: none left from an earlier run.
     rm -f "${TMPDIR:-/tmp}/streaming-hub-load-hub-2.log"
     if ! env "${settings[@]}" STREAMING_HUB_LOG=warn "$bin" load "$scenario" \
-      --duration 15s --warmup 5s --out "$dir" >"$dir/run.log" 2>&1; then
+      --duration "${AB_DURATION:-15s}" --warmup 5s --out "$dir" >"$dir/run.log" 2>&1; then
       echo "ab.sh: $(name_of "$v") round $r failed; see $dir/run.log" >&2
       failed=$((failed + 1))
       continue

@@ -147,6 +147,12 @@ pub async fn run(config: Config) -> Result<(), AppError> {
             "STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS is on: one hub transaction's offsets are held until the group moves on, and refused. NEVER in production."
         );
     }
+    if !config.dangerous_test_control_lag.is_zero() {
+        tracing::warn!(
+            lag_ms = config.dangerous_test_control_lag.as_millis() as u64,
+            "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG is on: every subscription change is applied late. NEVER in production."
+        );
+    }
     let test_clock = config.dangerous_test_clock.then(|| {
         tracing::warn!("STREAMING_HUB_DANGEROUS_TEST_CLOCK is on: time moves only through POST /admin/clock/advance. NEVER in production.");
         ManualClock::new(SystemClock.now_ms())

@@ -417,6 +417,9 @@ macro_rules! upper {
     (dangerous_test_stale_offsets) => {
         "DANGEROUS_TEST_STALE_OFFSETS"
     };
+    (dangerous_test_control_lag) => {
+        "DANGEROUS_TEST_CONTROL_LAG"
+    };
     (autodisable_enabled) => {
         "AUTODISABLE_ENABLED"
     };
@@ -619,6 +622,10 @@ settings! {
     /// generation (another instance joined), so the broker refuses them as stale, as when a
     /// rebalance completes in the moment between the two.
     dangerous_test_stale_offsets: bool = "false";
+    /// DANGEROUS, tests only: once the subscription table has caught up, its control reader
+    /// applies each record this long after reading it, as a lagging instance's would (`0s` =
+    /// off).
+    dangerous_test_control_lag: std::time::Duration = "0s";
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included
     /// (at least 100ms).
     http_timeout: std::time::Duration = "15s";

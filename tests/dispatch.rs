@@ -673,6 +673,57 @@ async fn a_state_changelog_record_that_does_not_decode_is_skipped_at_restore_not
     assert_eq!(sent, 1, "the job without its payload was not sent again");
 }
 
+/// A pending job whose changelog record does not decode is restored as a stand-in named by its
+/// key, due at once: its event is delivered again (at least once), where before the job was
+/// dropped and the delivery lost, with only a counter to say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_record_that_does_not_decode_is_delivered_again_not_lost() {
+    let mut s = ApiHub::start("standin", &[]).await;
+    let (url, sink) = start_sink(vec![500]).await;
+    let (sub, _) = subscribe(&s, "tenant-j", &url, Some(vec!["1h"])).await;
+    let p = producer();
+    let ev = event("tenant-j", "ledger", "transaction", "created");
+    produce(&p, &s.topic, std::slice::from_ref(&ev));
+    wait_for_deliveries(&sink, 1, Duration::from_secs(60)); // failed; its retry up to 1 h away
+    s.hub.terminate();
+    // Its job record, written over on its own changelog partition with bytes that are no job.
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let key = [
+        &b"j/tenant-j\0"[..],
+        ev.id().as_bytes(),
+        b"\0",
+        sub.as_bytes(),
+    ]
+    .concat();
+    let found = read_until(&[&changelog], Duration::from_secs(30), |r| {
+        r.iter().any(|g| g.rec.key.as_deref() == Some(&key[..]))
+    });
+    let partition = found
+        .iter()
+        .find(|g| g.rec.key.as_deref() == Some(&key[..]))
+        .unwrap()
+        .partition;
+    produce(
+        &p,
+        &changelog,
+        &[Rec {
+            key: Some(key.clone()),
+            value: Some(b"not a hub record".to_vec()),
+            partition: Some(partition),
+            ..Default::default()
+        }],
+    );
+    let env = s.hub.env.clone();
+    s.hub = Hub::start(&env);
+    let got = wait_for_deliveries(&sink, 2, Duration::from_secs(60));
+    assert!(
+        got.iter()
+            .all(|d| d.headers["x-lerian-event-id"] == ev.id()),
+        "the same event, sent again"
+    );
+    assert_eq!(s.metric("streaming_hub_restore_skipped_total").await, 1);
+}
+
 /// Hub loops of one instance, and which inbox partitions each owns now (the
 /// `streaming_hub_inbox_partition_owned{partition,loop}` gauges at 1).
 async fn partitions_by_loop(s: &ApiHub) -> BTreeMap<String, Vec<String>> {

@@ -780,7 +780,8 @@ async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verif
     let ev = event(tenant, "ledger", "transaction", "posted");
     produce(&producer(), &s.topic, std::slice::from_ref(&ev));
     s.wait_metric("streaming_hub_attempts_total", 1).await; // attempt 1 failed; retry in ≤ 1h
-    // The tenant moves the subscription to a URL that does not answer the challenge (yet).
+    // The tenant moves the subscription to a URL that does not answer the challenge (yet):
+    // through the API, that is a 422 and nothing is written, the retry stays with the old URL.
     let (url_b, sink_b) = start_sink(200).await;
     sink_b.verifies.store(false, Ordering::SeqCst);
     let r = s
@@ -792,7 +793,23 @@ async fn a_retry_waits_while_its_new_url_is_unverified_and_goes_there_once_verif
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(r.status(), 422);
+    let v = s.get_subscription(tenant, &id).await;
+    assert_eq!(
+        (
+            v["verification_state"].as_str(),
+            v["destination"]["url"].as_str()
+        ),
+        (Some("active"), Some(url_a.as_str())),
+        "{v}"
+    );
+    // The same move written past the API (a producer of the control topic): pending.
+    let mut rec = control_records(&s.prefix)[&id].clone();
+    rec.destination.url = Some(url_b.clone());
+    rec.destination.sealed_target = None;
+    rec.verification_state = streaming_hub::runtime::records::VerificationState::Pending;
+    rec.version += 1;
+    write_control_record(&s, &rec).await;
     let v = s.get_subscription(tenant, &id).await;
     assert_eq!(v["verification_state"], "pending", "{v}");
     s.advance("2h").await;

@@ -1419,3 +1419,72 @@ async fn metrics_on_their_own_address_are_not_served_on_the_apis() {
         assert_eq!(get(addr.clone(), "/readyz").await.0, 200, "{addr}");
     }
 }
+
+/// A pull client that comes back after retention deleted what its cursor points at: the page
+/// starts at the oldest record kept, as before, and now says how many records of the partition
+/// were deleted past the cursor (`skipped_offsets`), so the client knows it missed events
+/// instead of reading on as if nothing had happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_cursor_older_than_retention_says_how_much_was_deleted_past_it() {
+    let s = ApiHub::start("pullgap", &[]).await;
+    let v = s
+        .create_subscription(
+            "tenant-g",
+            json!({"event_types": ["*"], "destination": {"type": "pull"}}),
+        )
+        .await;
+    let sub = v["id"].as_str().unwrap().to_string();
+    let (token, addr) = (s.token("tenant-g"), s.hub.addr());
+    let page = |cursor: Option<String>| {
+        let (s, token, addr, sub) = (&s, token.clone(), addr.clone(), sub.clone());
+        async move {
+            let at = cursor.map(|c| format!("&cursor={c}")).unwrap_or_default();
+            let path = format!("/v1/events?subscription_id={sub}&limit=10{at}");
+            let (st, body, _) = get_json(s, &addr, &path, &token).await;
+            assert_eq!(st, 200, "{body}");
+            body
+        }
+    };
+    let until = |want: usize, cursor: Option<String>| {
+        let page = &page;
+        async move {
+            for _ in 0..300 {
+                let body = page(cursor.clone()).await;
+                if body["events"].as_array().unwrap().len() >= want {
+                    return body;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("fewer than {want} events after 30 s");
+        }
+    };
+    let ev = || event("tenant-g", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, &[ev(), ev()]);
+    let first = until(2, None).await;
+    assert!(first.get("skipped_offsets").is_none(), "{first}");
+    let cursor = first["next_cursor"].as_str().unwrap().to_string();
+    // Two more reach the pull topic; retention then deletes everything it holds.
+    produce(&producer(), &s.topic, &[ev(), ev()]);
+    until(2, Some(cursor.clone())).await;
+    let pull = format!("{}.pull", s.prefix);
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..6 {
+        tpl.add_partition_offset(&pull, p, rdkafka::Offset::End)
+            .unwrap();
+    }
+    admin()
+        .delete_records(&tpl, &rdkafka::admin::AdminOptions::new())
+        .await
+        .unwrap();
+    let last = ev();
+    produce(&producer(), &s.topic, std::slice::from_ref(&last));
+    let gap = until(1, Some(cursor)).await;
+    assert_eq!(page_ids(&gap), [last.id()], "{gap}");
+    // The two events deleted past the cursor, and the transaction markers after them.
+    let skipped = gap["skipped_offsets"].as_u64().unwrap_or(0);
+    assert!(skipped >= 2, "{gap}");
+    let next = gap["next_cursor"].as_str().unwrap().to_string();
+    let after = page(Some(next)).await;
+    assert!(after.get("skipped_offsets").is_none(), "{after}");
+    assert!(s.metric("streaming_hub_pull_cursor_gaps_total").await >= 1);
+}

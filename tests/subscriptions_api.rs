@@ -5,7 +5,8 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -246,4 +247,200 @@ async fn a_caller_chosen_signing_secret_lets_a_strict_receiver_pass_verification
         let secret = body["signing_secret"].as_str().unwrap();
         assert!(!v.to_string().contains(&secret[6..]), "{v}");
     }
+}
+
+/// A receiver that answers the challenge only while `ready` is set (a new endpoint not deployed
+/// yet answers 503), and records the `webhook-id` (the `ce-id`) of every delivery it takes.
+async fn switchable_receiver(ready: bool) -> (String, Arc<AtomicBool>, Arc<Mutex<Vec<String>>>) {
+    let flag = Arc::new(AtomicBool::new(ready));
+    let ids = Arc::new(Mutex::new(Vec::new()));
+    let (f, got) = (flag.clone(), ids.clone());
+    let app = Router::new().route(
+        "/hook",
+        post(
+            move |headers: axum::http::HeaderMap, body: String| async move {
+                if !f.load(Ordering::SeqCst) {
+                    return (axum::http::StatusCode::SERVICE_UNAVAILABLE, String::new());
+                }
+                let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
+                if h("x-lerian-event-type") != Some("streaming_hub.verification") {
+                    got.lock()
+                        .unwrap()
+                        .push(h("webhook-id").unwrap_or("").to_string());
+                }
+                (axum::http::StatusCode::OK, body)
+            },
+        ),
+    );
+    (format!("http://{}/hook", serve(app).await), flag, ids)
+}
+
+/// Moving an active webhook to a new URL loses no event: the new URL is probed before anything
+/// is written, so while the new endpoint is not up the PATCH is a `422` and the old URL takes the
+/// events; once it passes, the change is written `active` at once and the next event goes to the
+/// new URL. Written `pending` first (as before), the subscription matched nothing until its
+/// probe passed, and every event in between was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moving_an_active_webhook_to_a_new_url_loses_no_event() {
+    let s = ApiHub::start("apimove", &[]).await;
+    let (old_url, _, old_got) = switchable_receiver(true).await;
+    let (new_url, new_ready, new_got) = switchable_receiver(false).await;
+    let created = s
+        .create_subscription(
+            "tenant-m",
+            json!({"event_types": ["*"], "destination": {"type": "webhook", "url": old_url}}),
+        )
+        .await;
+    assert_eq!(created["verification_state"], "active", "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let p = producer();
+    let send = |n: &str| {
+        let e = event("tenant-m", "ledger", "transaction", n);
+        let ce_id = e.id();
+        produce(&p, &s.topic, &[e]);
+        ce_id
+    };
+    let arrived = |got: &Arc<Mutex<Vec<String>>>, ce_id: &str| {
+        let got = got.clone();
+        let ce_id = ce_id.to_string();
+        move || got.lock().unwrap().contains(&ce_id).then_some(())
+    };
+    let first = send("created");
+    wait_until(
+        Duration::from_secs(60),
+        "the first event at the old URL",
+        arrived(&old_got, &first),
+    );
+
+    let (addr, token) = (s.hub.addr(), s.token("tenant-m"));
+    let path = format!("/v1/subscriptions/{id}");
+    let patch = |url: &str| {
+        let body = json!({"destination": {"type": "webhook", "url": url}});
+        let (http, addr, path, token) = (s.http.clone(), addr.clone(), path.clone(), token.clone());
+        async move {
+            call_json(
+                &http,
+                reqwest::Method::PATCH,
+                &addr,
+                &path,
+                &token,
+                Some(&body),
+            )
+            .await
+        }
+    };
+    let (status, v) = patch(&new_url).await;
+    assert_eq!(status, 422, "{v}");
+    assert_eq!(
+        (v["error"]["code"].as_str(), v["error"]["field"].as_str()),
+        (Some("bad_status"), Some("destination.url")),
+        "{v}"
+    );
+    let second = send("updated");
+    wait_until(
+        Duration::from_secs(60),
+        "the event sent while the new endpoint was down, at the old URL",
+        arrived(&old_got, &second),
+    );
+
+    new_ready.store(true, Ordering::SeqCst);
+    let (status, v) = patch(&new_url).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["verification_state"], "active", "{v}");
+    let third = send("settled");
+    wait_until(
+        Duration::from_secs(60),
+        "the next event at the new URL",
+        arrived(&new_got, &third),
+    );
+    assert!(!old_got.lock().unwrap().contains(&third));
+    assert!(
+        new_got.lock().unwrap().iter().all(|i| *i == third),
+        "only the event after the move"
+    );
+}
+
+/// Two instances behind one load balancer: what one wrote and acknowledged is what the next
+/// request finds on the other, even while the other's control reader lags (here by a second a
+/// record, `STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG`). Before, the lagging instance answered from
+/// its own table: `404` for a subscription just created on the first, and a PATCH made from an
+/// older version that undid a rotated secret without a word. A reader lagging past the 5 s
+/// wait is a `503 table_behind`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_on_one_instance_is_read_and_built_on_by_another_whose_reader_lags() {
+    let a = ApiHub::start("apisync", &[]).await;
+    let mut env_b = another_instance(&api_hub_env(&a.prefix, &a.topic), "b");
+    env_b.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
+    env_b.insert(
+        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
+        "1s".into(),
+    );
+    let b = Hub::start(&env_b);
+    b.wait_ready();
+    let (url, _) = echo_server().await;
+    let created = a
+        .create_subscription(
+            "tenant-y",
+            json!({"event_types": ["*"], "destination": {"type": "webhook", "url": url}}),
+        )
+        .await;
+    assert_eq!(created["verification_state"], "active", "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let token = a.token("tenant-y");
+    let call = |addr: String, method: reqwest::Method, path: String, body: Option<Value>| {
+        let (http, token) = (a.http.clone(), token.clone());
+        async move { call_json(&http, method, &addr, &path, &token, body.as_ref()).await }
+    };
+    let path = format!("/v1/subscriptions/{id}");
+    let (status, got) = call(b.addr(), reqwest::Method::GET, path.clone(), None).await;
+    assert_eq!(status, 200, "read on the lagging instance: {got}");
+    assert_eq!(got["version"], created["version"], "{got}");
+
+    let (status, rotated) = call(
+        a.hub.addr(),
+        reqwest::Method::POST,
+        format!("{path}/rotate-secret"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{rotated}");
+    let (status, patched) = call(
+        b.addr(),
+        reqwest::Method::PATCH,
+        path.clone(),
+        Some(json!({"event_types": ["account.*"]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{patched}");
+    let (status, now) = call(a.hub.addr(), reqwest::Method::GET, path.clone(), None).await;
+    assert_eq!(status, 200, "{now}");
+    assert_eq!(now["event_types"], json!(["account.*"]), "{now}");
+    assert_eq!(
+        now["version"].as_u64(),
+        Some(created["version"].as_u64().unwrap() + 2),
+        "the PATCH was made from the rotation's version, not the one before: {now}"
+    );
+    assert_eq!(patched["version"], now["version"], "{patched}");
+    drop(b);
+
+    // A reader further behind than the wait: a typed 503, not a stale answer.
+    let mut env_c = another_instance(&api_hub_env(&a.prefix, &a.topic), "c");
+    env_c.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
+    env_c.insert(
+        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
+        "8s".into(),
+    );
+    let c = Hub::start(&env_c);
+    c.wait_ready();
+    let (status, _) = call(
+        a.hub.addr(),
+        reqwest::Method::PATCH,
+        path.clone(),
+        Some(json!({"event_types": ["account.created"]})),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, behind) = call(c.addr(), reqwest::Method::GET, path, None).await;
+    assert_eq!(status, 503, "{behind}");
+    assert_eq!(behind["error"]["code"], "table_behind", "{behind}");
 }

@@ -34,6 +34,8 @@ pub mod codes {
     pub const RATE_LIMITED: &str = "rate_limited";
     pub const PROBE_BUSY: &str = "probe_busy";
     pub const NOT_CANCELLABLE: &str = "not_cancellable";
+    pub const CHANGED_MEANWHILE: &str = "changed_meanwhile";
+    pub const TABLE_BEHIND: &str = "table_behind";
 }
 
 /// An error answer: status, stable code, human message, optional field.

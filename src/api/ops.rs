@@ -16,7 +16,7 @@ use super::auth::{Admin, Caller};
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, JsonBody};
 use super::gate::{GateSlot, TenantGate};
-use super::subscriptions::{caught_up, load};
+use super::subscriptions::{caught_up, load, synced};
 use crate::ops::forensics::{DeadDelivery, Filter, ForensicRecord, Forensics};
 use crate::ops::pull::{Cursor, EventPage, PullError, PullReader};
 use crate::ops::ratelimit::RateLimiter;
@@ -404,7 +404,7 @@ pub struct TenantQuery {
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
         (status = 409, description = "The subscription is disabled or not verified: nothing would be redelivered (`subscription_inactive`); or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
-        (status = 503, description = "Kafka unavailable", body = ErrorBody)))]
+        (status = 503, description = "Kafka unavailable, or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn recover(
     State(state): State<ApiState>,
     caller: Caller,
@@ -415,6 +415,7 @@ pub async fn recover(
     // Named in the body or the query (ignored before: an admin token carrying a tenant of its own
     // acted for that one).
     let tenant = caller.tenant_for_either(body.tenant_id.as_deref(), query.tenant_id.as_deref())?;
+    synced(&state, false).await?;
     let sub = load(&state, &tenant, &id)?;
     check_redeliverable(&sub)
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;

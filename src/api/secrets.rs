@@ -19,7 +19,7 @@ use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, RawBody, SubscriptionQuery, parse_body};
 use super::responses::{RotateSecretRequest, RotatedSecret};
-use super::subscriptions::{load, view_of};
+use super::subscriptions::{load, synced, view_of};
 use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
 use crate::runtime::secret::Secret;
 use crate::subscriptions::control::RepoError;
@@ -155,7 +155,7 @@ fn grace_of(state: &ApiState, headers: &HeaderMap, body: &[u8]) -> Result<Durati
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 409, description = "A pull destination has no signing secret, or `too_many_secrets`: five are live, wait for the oldest grace to end; or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
-        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
+        (status = 503, description = "The control topic is unavailable, or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn rotate(
     State(state): State<ApiState>,
     caller: Caller,
@@ -165,6 +165,7 @@ pub async fn rotate(
     RawBody(body): RawBody,
 ) -> Result<Json<RotatedSecret>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
     load(&state, &tenant, &id)?;
     let grace = grace_of(&state, &headers, &body)?;

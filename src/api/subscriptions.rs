@@ -25,11 +25,11 @@ use super::responses::{
     CheckedSubscription, CreatedSubscription, SubscriptionPage, VerificationOutcome,
 };
 use super::secrets::{open_sensitive, request_url, seal_sensitive};
-use super::verification::{Probe, probe_and_record};
+use super::verification::{Probe, probe_and_record, probe_now};
 use crate::runtime::records::{
     DestinationRecord, DestinationType, SubscriptionRecord, VerificationState,
 };
-use crate::subscriptions::control::RepoError;
+use crate::subscriptions::control::{RepoError, SyncError};
 use crate::subscriptions::model::{
     CreateSubscription, DestinationPatch, FieldError, PatchSubscription, SubscriptionView,
     ValidDestination, check_schema_major, check_webhook_url, parse_retry_schedule, refuse_redacted,
@@ -52,6 +52,49 @@ pub fn caught_up(state: &ApiState) -> Result<(), ApiError> {
         "the subscription table is still loading; retry shortly",
     ))
 }
+
+/// How long a request waits for this instance's table to reach the control topic's end.
+pub const SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Before a request answers from this instance's table or writes over what it holds: the table
+/// reads the control topic up to where it ends now ([`Subscriptions::sync`]), so a write any
+/// instance acknowledged is seen here (read-your-writes through a load balancer, and no PATCH
+/// made from a version older than the latest). `503 table_behind` (`Retry-After`) when it does
+/// not get there within [`SYNC_WAIT`]. When the broker cannot say where the topic ends, a read
+/// answers from the table as it is (with a WARN), and a write, which needs the broker anyway,
+/// is a `503`.
+///
+/// [`Subscriptions::sync`]: crate::subscriptions::control::Subscriptions::sync
+pub async fn synced(state: &ApiState, writing: bool) -> Result<(), ApiError> {
+    caught_up(state)?;
+    match state.subs.sync(SYNC_WAIT).await {
+        Ok(()) => Ok(()),
+        Err(SyncError::Unavailable(e)) if !writing => {
+            tracing::warn!(error = %e, "control topic's end unknown; answered from this instance's table");
+            Ok(())
+        }
+        Err(e @ SyncError::Unavailable(_)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::UNAVAILABLE,
+            e.to_string(),
+        )),
+        Err(e @ SyncError::Behind(_)) => {
+            metrics::counter!(TABLE_BEHIND).increment(1);
+            tracing::warn!(error = %e, "answered 503 table_behind");
+            Err(ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    codes::TABLE_BEHIND,
+                    format!("{e}; retry (another instance may answer)"),
+                )
+            })
+        }
+    }
+}
+
+/// Requests answered `503 table_behind`: this instance's control reader lags the topic.
+pub const TABLE_BEHIND: &str = "streaming_hub_api_table_behind_total";
 
 /// The tenant's subscription `id`, or `404` (`503` while the table loads; `409
 /// record_unreadable` when its latest control record cannot be read here: what this instance
@@ -225,7 +268,7 @@ pub async fn create(
         (status = 200, description = "One page of the tenant's subscriptions", body = SubscriptionPage),
         (status = 400, description = "Bad `limit`, or an admin token without `tenant_id`", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
-        (status = 503, description = "The subscription table is still loading (a start)", body = ErrorBody)))]
+        (status = 503, description = "The subscription table is still loading (a start), or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn list(
     State(state): State<ApiState>,
     caller: Caller,
@@ -233,7 +276,7 @@ pub async fn list(
 ) -> Result<Json<SubscriptionPage>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
     let limit = query.limit()?;
-    caught_up(&state)?;
+    synced(&state, false).await?;
     let after = query.cursor.as_deref().unwrap_or("");
     let mut rest = state
         .subs
@@ -260,14 +303,16 @@ pub async fn list(
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
         (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
-        (status = 503, description = "The subscription table is still loading (a start)", body = ErrorBody)))]
+        (status = 503, description = "The subscription table is still loading (a start), or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn get_one(
     State(state): State<ApiState>,
     caller: Caller,
     ApiPath(id): ApiPath<String>,
     ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Response, ApiError> {
-    let sub = load(&state, &caller.tenant_for(query.tenant_id.as_deref())?, &id)?;
+    let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    synced(&state, false).await?;
+    let sub = load(&state, &tenant, &id)?;
     Ok((etag(sub.version), Json(view_of(&state, &sub))).into_response())
 }
 
@@ -448,16 +493,16 @@ fn receiver(url: &str) -> Option<String> {
         ("If-Match" = Option<String>, Header, description = "Apply only if the version is this one"), SubscriptionQuery),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "Updated; a new URL was probed before this answer, unless the tenant's or the instance's probes were all in use (`verification.error_code` `probe_deferred`: probed in the background)", body = CheckedSubscription),
-        (status = 202, description = "Written to the control topic but not yet visible to this instance (a new URL is probed in the background); the body is the version written", body = CheckedSubscription),
+        (status = 200, description = "Updated. A new URL of an `active` webhook was probed first and written `active` (the old URL took the events until then); a new URL of one not yet verified is written `pending` and probed before this answer, unless the tenant's or the instance's probes were all in use (`verification.error_code` `probe_deferred`: probed in the background)", body = CheckedSubscription),
+        (status = 202, description = "Written to the control topic but not yet visible to this instance (a new URL of a webhook not yet verified is probed in the background); the body is the version written", body = CheckedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version. Or `changed_meanwhile`: another write changed the subscription while its new URL was probed; nothing was written", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
-        (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again", body = ErrorBody),
-        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
-        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
+        (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again. Or the new URL of an `active` webhook failed its verification probe (the probe's code: `challenge_missing`, `bad_status`, `connect_failed`, `timeout`, …; field `destination.url`): nothing was written, the current URL keeps receiving", body = ErrorBody),
+        (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE), or, for a new URL of an `active` webhook, as many probes as the tenant (4) or the instance (32) runs at once are running (`probe_busy`); see Retry-After", body = ErrorBody),
+        (status = 503, description = "The control topic is unavailable; or, for a new URL of an `active` webhook, no live signing secret opens on this instance to sign its probe (`signing_secret_unavailable`), or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn patch(
     State(state): State<ApiState>,
     caller: Caller,
@@ -467,14 +512,55 @@ pub async fn patch(
     JsonBody(body): JsonBody<PatchSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
     let expected = if_match(&headers)?;
     load(&state, &tenant, &id)?;
     let valid = validate_patch(&state, body).await?;
-    let guard = state.writes.clone().lock_owned().await;
+    let mut guard = state.writes.clone().lock_owned().await;
     let current = load(&state, &tenant, &id)?;
     check_version(expected, &current)?;
     let (mut rec, url_changed) = apply(&state, &current, valid)?;
+    // A verified webhook moving to a new URL: the new URL is probed first and the change written
+    // only once it passed, `active` (see `verification`'s module doc). Until then the old URL
+    // keeps taking the events; written `pending` first, they matched nothing meanwhile.
+    let verified_first = url_changed && current.verification_state == VerificationState::Active;
+    if verified_first {
+        drop(guard); // the probe takes up to the HTTP timeout; other writes go on meanwhile
+        let result = match probe_now(&state, &rec).await {
+            // Refused before any probe: it costs the tenant none of its write rate.
+            Err(e) if e.code == codes::PROBE_BUSY => {
+                state.give_back_write(&caller, &tenant);
+                return Err(e);
+            }
+            other => other?,
+        };
+        if let Err(e) = result {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                e.code(),
+                format!(
+                    "the new URL's verification probe failed ({e}); nothing was changed and the \
+                     current URL keeps receiving the events: make the new endpoint answer the \
+                     challenge, then send the change again"
+                ),
+            )
+            .with_field("destination.url"));
+        }
+        // What other instances wrote while the probe ran (up to the HTTP timeout) is read
+        // first: the check below sees only this instance's table.
+        synced(&state, true).await?;
+        guard = state.writes.clone().lock_owned().await;
+        if load(&state, &tenant, &id)? != current {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                codes::CHANGED_MEANWHILE,
+                "the subscription was changed while the new URL was probed: nothing was \
+                 written; read it and send the change again",
+            ));
+        }
+        rec.verification_state = VerificationState::Active;
+    }
     if rec == *current {
         return Ok((
             etag(rec.version),
@@ -493,7 +579,13 @@ pub async fn patch(
         // The broker has it: a 503 would invite a retry that its own If-Match then refuses.
         Err(RepoError::NotSeen(waited)) => {
             tracing::warn!(subscription_id = %rec.id, waited_secs = waited.as_secs(), "subscription update written but not seen back; answered 202");
-            let verification = url_changed.then(VerificationOutcome::not_yet_visible);
+            // A new URL of an active webhook was probed and written `active`: nothing is left
+            // for the background.
+            let verification = if verified_first {
+                Some(VerificationOutcome::of_state(VerificationState::Active))
+            } else {
+                url_changed.then(VerificationOutcome::not_yet_visible)
+            };
             return Ok((
                 StatusCode::ACCEPTED,
                 etag(rec.version),
@@ -506,7 +598,12 @@ pub async fn patch(
         }
         Err(e) => return Err(e.into()),
     }
-    let (rec, verification) = if url_changed {
+    let (rec, verification) = if verified_first {
+        (
+            rec,
+            Some(VerificationOutcome::of_state(VerificationState::Active)),
+        )
+    } else if url_changed {
         let (rec, outcome) = probe_after_write(&state, rec).await;
         (rec, Some(outcome))
     } else {
@@ -547,7 +644,7 @@ fn check_version(expected: Option<u64>, current: &SubscriptionRecord) -> Result<
         (status = 409, description = "Written again after the deletion, by the hub (an auto-disable) or another client: not deleted (`written_again`); or `record_unreadable`: its latest control record cannot be read by this instance", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
-        (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
+        (status = 503, description = "The control topic is unavailable, or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn delete(
     State(state): State<ApiState>,
     caller: Caller,
@@ -556,6 +653,7 @@ pub async fn delete(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
     let expected = if_match(&headers)?;
     let guard = state.writes.clone().lock_owned().await;

@@ -2,8 +2,14 @@
 //! `POST /v1/subscriptions/{id}/verify` (the probe itself is [`crate::delivery::verify::probe`]).
 //!
 //! State changes, one place ([`probe_and_record`]):
-//! - create / URL change ([`Probe::OnChange`]): the subscription was written `pending`; a pass
-//!   writes `active`, a failure leaves it `pending` (the answer says why);
+//! - create, or a URL change of a subscription not yet verified ([`Probe::OnChange`]): the
+//!   subscription was written `pending`; a pass writes `active`, a failure leaves it `pending`
+//!   (the answer says why);
+//! - a URL change of an `active` subscription is probed before anything is written
+//!   ([`probe_now`], called by the PATCH handler): a pass writes the new URL `active` in one
+//!   record, a failure answers `422` and writes nothing. Written `pending` first, its events
+//!   matched nothing until the probe passed (only `active` subscriptions match): every event of
+//!   the gap was lost, for a quarter of an hour when the new endpoint was not up yet;
 //! - `/verify` ([`Probe::Requested`]): a pass writes `active` AND `enabled = true` and clears
 //!   `disabled_reason`/`disabled_at` (how an auto-disabled subscription comes back); a failure
 //!   answers `422` with the probe's code, and writes `failed` only over `pending` or `failed`: a
@@ -25,7 +31,7 @@ use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, SubscriptionQuery};
 use super::responses::{CheckedSubscription, VerificationOutcome};
 use super::secrets::{open_secrets, open_sensitive, request_url};
-use super::subscriptions::{load, view_of};
+use super::subscriptions::{load, synced, view_of};
 use crate::delivery::verify::{VerifyError, probe};
 use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
 use crate::subscriptions::control::RepoError;
@@ -85,14 +91,13 @@ async fn run(
     .await)
 }
 
-/// Probes `rec` and records the outcome (see the module doc). Returns the subscription as it now
-/// is and the outcome; the probe's error, if any, is in the outcome. `429 probe_busy` when the
-/// probe gate ([`ApiState::probes`]) has no place for it.
-pub async fn probe_and_record(
+/// Probes `rec`'s destination as it is given (written or not), in a place of the probe gate
+/// ([`ApiState::probes`]): `429 probe_busy` when it has none. The probe's own failure is the
+/// inner result; a secret or sealed value that does not open here is the outer error.
+pub async fn probe_now(
     state: &ApiState,
-    rec: SubscriptionRecord,
-    why: Probe,
-) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
+    rec: &SubscriptionRecord,
+) -> Result<Result<(), VerifyError>, ApiError> {
     let slot = state.probes.enter(&rec.tenant_id).ok_or_else(probes_busy)?;
     // The probe runs to its end (the HTTP timeout bounds it) holding its place, also when the
     // caller goes away: a client that hung up at once freed the place while its probe, and the
@@ -109,6 +114,18 @@ pub async fn probe_and_record(
     if let Err(e) = &result {
         tracing::info!(subscription_id = %rec.id, code = e.code(), error = %e, "verification probe failed");
     }
+    Ok(result)
+}
+
+/// Probes `rec` and records the outcome (see the module doc). Returns the subscription as it now
+/// is and the outcome; the probe's error, if any, is in the outcome. `429 probe_busy` when the
+/// probe gate ([`ApiState::probes`]) has no place for it.
+pub async fn probe_and_record(
+    state: &ApiState,
+    rec: SubscriptionRecord,
+    why: Probe,
+) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
+    let result = probe_now(state, &rec).await?;
     let guard = state.writes.clone().lock_owned().await;
     // Not written onto a record whose latest version turned unreadable here meanwhile: what
     // this instance has of it may be stale.
@@ -190,7 +207,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
             `timeout`, `redirect`, …); a subscription not yet verified is now `failed`, an `active` one stays `active`. Or no probe: the stored sealed headers or URL \
             do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),
         (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE), or as many probes as the tenant (4) or the instance (32) runs at once are running (`probe_busy`); see Retry-After", body = ErrorBody),
-        (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`)", body = ErrorBody)))]
+        (status = 503, description = "The control topic is unavailable, or no live signing secret opens on this instance (`signing_secret_unavailable`), or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn verify(
     State(state): State<ApiState>,
     caller: Caller,
@@ -198,6 +215,7 @@ pub async fn verify(
     ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Json<CheckedSubscription>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
+    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
     let current = load(&state, &tenant, &id)?;
     let (rec, outcome) = match probe_and_record(&state, (*current).clone(), Probe::Requested).await

@@ -314,6 +314,9 @@ struct Task {
     /// The newest ingest time of the records read since the task started or its last abort:
     /// how far the dedup purge may go (see [`purge_expired`]). None: nothing purged yet.
     read_through_ms: Option<i64>,
+    /// A dedup expiry key no live one sorts before, as of the last commit: the purge seeks here
+    /// (see [`purge_expired`]). Empty: from the start, as after a restore.
+    purged_to: Vec<u8>,
 }
 
 impl Task {
@@ -326,6 +329,7 @@ impl Task {
             careful_until: i64::MAX,
             recount: Recount::none(0),
             read_through_ms: None,
+            purged_to: Vec::new(),
         }
     }
 }
@@ -1366,6 +1370,7 @@ fn restore_one(
         JOBS => from_state_changelog(key),
         legacy => (legacy, key),
     };
+    let mut stand_in = None;
     let checked = match value.map(|v| check_state_record(codec, family, key, v)) {
         None => None,
         Some(Ok(c)) => Some(c),
@@ -1378,16 +1383,24 @@ fn restore_one(
         }
         Some(Err(e)) => {
             metrics::counter!(RESTORE_SKIPPED, "store" => family).increment(1);
-            tracing::error!(
-                store = family,
-                key = %String::from_utf8_lossy(&key[..key.len().min(256)]),
-                error = %e,
-                "a state changelog record that does not decode is skipped: its key is dropped"
-            );
-            None
+            let shown = String::from_utf8_lossy(&key[..key.len().min(256)]).into_owned();
+            match stand_in_job(codec, family, key) {
+                Some((job, bytes)) => {
+                    tracing::error!(store = family, key = %shown, error = %e, "a job record that does not decode is restored as a stand-in named by its key: pending, due now, from its first attempt (its tries so far are forgotten, so its receiver may get it again)");
+                    stand_in = Some(bytes);
+                    Some(Checked::Job(job))
+                }
+                None => {
+                    tracing::error!(store = family, key = %shown, error = %e, "a state changelog record that does not decode is skipped: its key is dropped");
+                    None
+                }
+            }
         }
     };
-    let value = checked.as_ref().and(value);
+    let value = match &stand_in {
+        Some(bytes) => Some(bytes.as_slice()),
+        None => checked.as_ref().and(value),
+    };
     let mut tenant = None;
     if family == JOBS && key.starts_with(b"j/") {
         if let Some(old) = staged.read(store, JOBS, key).map_err(|e| e.to_string())? {
@@ -1420,6 +1433,43 @@ fn restore_one(
 pub const RESTORE_SKIPPED: &str = "streaming_hub_restore_skipped_total";
 
 /// What a restored state record turned out to be.
+/// What stands in for a job whose changelog record does not decode: its key names the tenant,
+/// the event and the subscription, so the delivery is made again from its first attempt (or
+/// dead-lettered `poison` with `payload_missing` when its payload is gone too), instead of
+/// vanishing with only a counter to say so. None for any other key.
+fn stand_in_job(codec: &Codec, family: &str, key: &[u8]) -> Option<(JobRecord, Vec<u8>)> {
+    if family != JOBS {
+        return None;
+    }
+    let rest = key.strip_prefix(b"j/")?;
+    let mut parts = rest.splitn(3, |b| *b == 0);
+    let mut next = || {
+        parts
+            .next()
+            .and_then(|p| std::str::from_utf8(p).ok())
+            .filter(|p| !p.is_empty())
+            .map(str::to_string)
+    };
+    let (tenant_id, event_key, subscription_id) = (next()?, next()?, next()?);
+    let job = JobRecord {
+        event_key,
+        subscription_id,
+        tenant_id,
+        attempt: 1,
+        due_at: 0,
+        lease_until: None,
+        reclaims: 0,
+        last_status: None,
+        last_error: Some(JOB_UNDECODABLE.to_string()),
+        state: JobState::Pending,
+    };
+    let bytes = crate::runtime::fast_avro::encode_job(codec, &job).ok()?;
+    Some((job, bytes))
+}
+
+/// A restored job's `last_error` when its changelog record did not decode ([`stand_in_job`]).
+pub const JOB_UNDECODABLE: &str = "job_record_undecodable";
+
 enum Checked {
     Job(JobRecord),
     /// A dedup entry and its expiry.
@@ -2524,19 +2574,22 @@ impl HubStage {
                 .or_default()
                 .put(SEQUENCE, tenant.into_bytes(), bytes);
         }
+        let mut purged_to = Vec::new();
         for (p, task) in tasks.iter() {
             let Some(read_through) = task.read_through_ms else {
                 continue;
             };
             let st = staged.entry(*p).or_default();
-            purge_expired(
+            let mark = purge_expired(
                 env,
                 &task.store,
                 st,
                 &mut outputs,
                 *p,
                 (read_through - INGEST_SKEW_MS).min(now),
+                &task.purged_to,
             )?;
+            purged_to.push((*p, mark));
         }
         let mut attempts = Vec::new();
         let mut early = Vec::new();
@@ -2586,6 +2639,12 @@ impl HubStage {
             hold,
         )?;
         telemetry::committed();
+        // Its purges' deletions are committed: the next purge seeks past them.
+        for (p, mark) in purged_to {
+            if let Some(task) = tasks.get_mut(&p) {
+                task.purged_to = mark;
+            }
+        }
         // The claims are durable: their attempts start now, not after the stores below have
         // caught up (a few ms per batch on every delivery's latency). Their outcomes come back to
         // this thread, which handles them in a later transaction, after this one's writes.
@@ -3564,6 +3623,15 @@ const INGEST_SKEW_MS: i64 = 5 * 60_000;
 /// `now` is no later than the newest ingest time the task has read: a copy still in the inbox
 /// behind it, ingested before an entry's expiry, must find the entry (copies are judged at
 /// their ingest time).
+///
+/// The index is read from `from`, an expiry key no live one sorts before, and the key to read
+/// from next time is returned (for once this batch has committed). Each purge deletes the front
+/// of the index, and a RocksDB iterator steps over every deleted key until a compaction drops
+/// it: seeking from the start, as before, each batch stepped over the deletions of every batch
+/// since the last compaction (the timers' scans, which read the same way, spent 55% of the hub's
+/// CPU on that before they got a mark; see `TenantRing::marks`). A key sorts before the mark
+/// only if written with an expiry before the purge's `now`, which no batch writes (an entry
+/// expires a TTL after `now` at least); one written anyway lowers the mark.
 fn purge_expired(
     env: &Env,
     store: &Store,
@@ -3571,7 +3639,8 @@ fn purge_expired(
     out: &mut Outputs<'_>,
     partition: i32,
     now: i64,
-) -> Result<(), HubError> {
+    from: &[u8],
+) -> Result<Vec<u8>, HubError> {
     // Only the expired keys at the front are read (copying 500 live keys per task per
     // transaction was half of the hub's CPU under load). As many as the batch writes, and 500
     // more: a hot tenant's partition (batches of thousands of new ids) or a catch-up would
@@ -3580,7 +3649,7 @@ fn purge_expired(
     let mut candidates: Vec<Vec<u8>> = Vec::new();
     store.visit_from(
         DEDUP_EXPIRY,
-        &[],
+        from,
         budget,
         |ikey| match dedup::split_expiry_key(ikey) {
             Some((expires_at, _)) if expires_at > now => false,
@@ -3590,14 +3659,22 @@ fn purge_expired(
             }
         },
     )?;
+    // Past every candidate deleted, up to the first one this batch keeps.
+    let mut next = from.to_vec();
+    let mut kept = false;
     for ikey in candidates {
         let Some((expires_at, key)) = dedup::split_expiry_key(&ikey) else {
             continue;
         };
-        if st.get(DEDUP_EXPIRY, &ikey).is_some() {
-            continue; // touched in this batch
+        if let Some(written) = st.get(DEDUP_EXPIRY, &ikey) {
+            // Touched in this batch: a deletion goes anyway, a key written again stays.
+            kept |= written.is_some();
+            continue;
         }
         st.delete(DEDUP_EXPIRY, ikey.clone());
+        if !kept {
+            next.clone_from(&ikey);
+        }
         let current = st.read(store, DEDUP, key)?;
         let still = current
             .and_then(|b| {
@@ -3617,7 +3694,12 @@ fn purge_expired(
             telemetry::DedupExpired { partition }.emit();
         }
     }
-    Ok(())
+    if let Some(lowest) = st.puts_in(DEDUP_EXPIRY).min() {
+        if lowest < next.as_slice() {
+            next = lowest.to_vec();
+        }
+    }
+    Ok(next)
 }
 
 /// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
@@ -3910,7 +3992,7 @@ mod tests {
     }
 
     #[test]
-    fn restore_skips_a_state_record_that_does_not_decode_and_drops_its_key() {
+    fn restore_skips_a_state_record_that_does_not_decode_and_stands_in_for_a_job() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path(), &FAMILIES).unwrap();
         let codec = Codec::new().unwrap();
@@ -3935,11 +4017,12 @@ mod tests {
         let due = jobs::due_key("t1", 42, &key);
         assert!(store.get(DUE, &due).unwrap().is_some());
 
-        // The same key again, as bytes that are no job: skipped, the key and its timer gone.
+        // The same key again, as bytes that are no job: a stand-in named by the key takes its
+        // place, due at once from its first attempt, its old timer gone.
         let mut st = Staged::default();
         for garbage in [&b"not avro"[..], &good[..good.len() - 3]] {
             let t = restore_one(&store, &codec, &mut st, JOBS, &key, Some(garbage)).unwrap();
-            assert_eq!(t, None);
+            assert_eq!(t.as_deref(), Some("t1"));
         }
         let dedup_key = on_state_changelog(DEDUP_ON_STATE_CHANGELOG, b"t1\0e1");
         restore_one(&store, &codec, &mut st, JOBS, &dedup_key, Some(&good)).unwrap();
@@ -3954,8 +4037,41 @@ mod tests {
         store.apply(st, &[]).unwrap();
         assert_eq!(store.get(JOBS, b"p/t1\0e2").unwrap(), None);
         assert_eq!(store.get(JOBS, b"p/t1\0e3").unwrap(), Some(payload));
-        assert_eq!(store.get(JOBS, &key).unwrap(), None);
+        let stand_in =
+            crate::runtime::fast_avro::job(&codec, &store.get(JOBS, &key).unwrap().unwrap())
+                .unwrap();
+        assert_eq!(
+            (
+                stand_in.tenant_id.as_str(),
+                stand_in.event_key.as_str(),
+                stand_in.subscription_id.as_str(),
+                stand_in.attempt,
+                stand_in.due_at,
+                stand_in.state,
+                stand_in.last_error.as_deref()
+            ),
+            (
+                "t1",
+                "e1",
+                "s1",
+                1,
+                0,
+                JobState::Pending,
+                Some(JOB_UNDECODABLE)
+            )
+        );
         assert_eq!(store.get(DUE, &due).unwrap(), None);
+        assert!(
+            store
+                .get(DUE, &jobs::due_key("t1", 0, &key))
+                .unwrap()
+                .is_some()
+        );
+        // A key that names no job is dropped.
+        let mut st = Staged::default();
+        restore_one(&store, &codec, &mut st, JOBS, b"j/t1\0e9", Some(b"x")).unwrap();
+        store.apply(st, &[]).unwrap();
+        assert_eq!(store.get(JOBS, b"j/t1\0e9").unwrap(), None);
         assert_eq!(
             store.get(DEDUP, b"t1\0e1").unwrap(),
             None,
@@ -3969,6 +4085,103 @@ mod tests {
         let mut st = Staged::default();
         let e = restore_one(&store, &codec, &mut st, JOBS, &key, Some(&newer)).unwrap_err();
         assert!(e.contains("newer version"), "{e}");
+    }
+
+    /// The dedup purge reads its index from where the last committed purge got to, not over the
+    /// deletions of every purge since the last compaction (RocksDB's own count of the deleted
+    /// keys an iterator stepped over), and a key written below that point still gets purged.
+    #[test]
+    fn the_dedup_purge_seeks_past_what_it_purged_before() {
+        use rdkafka::config::ClientConfig;
+        use rocksdb::perf::{PerfContext, PerfMetric, PerfStatsLevel, set_perf_stats};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &FAMILIES).unwrap();
+        let codec = Arc::new(Codec::new().unwrap());
+        let env = Env {
+            config: Config::from_vars(std::iter::empty()).unwrap(),
+            codec: codec.clone(),
+            inbox: "t.inbox".into(),
+            dedup_changelog: "t.dedup".into(),
+            sequence_changelog: "t.sequence".into(),
+            jobs_changelog: "t.jobs".into(),
+            attempts: "t.attempts".into(),
+            dlq: "t.dlq".into(),
+            control: "t.control".into(),
+        };
+        // Nothing is sent: the records only queue.
+        let producer: BaseProducer<TrackingContext> = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .create_with_context(TrackingContext::default())
+            .unwrap();
+        let entry = |ce_id: &str, expires_at: i64| {
+            let e = DedupEntry {
+                tenant_id: "t1".into(),
+                ce_id: ce_id.into(),
+                inbox_partition: 0,
+                first_offset: 0,
+                sequence: 0,
+                expires_at,
+            };
+            codec.encode(RecordKind::DedupEntry, &e).unwrap()
+        };
+        let write = |st: &mut Staged, i: i64, expires_at: i64| {
+            let key = dedup::dedup_key("t1", &format!("e{i:05}"));
+            st.put(
+                DEDUP_EXPIRY,
+                dedup::expiry_key(expires_at, &key),
+                Vec::new(),
+            );
+            st.put(DEDUP, key, entry(&format!("e{i:05}"), expires_at));
+        };
+        const N: i64 = 5 * EXPIRY_PER_BATCH as i64;
+        let mut st = Staged::default();
+        for i in 0..N {
+            write(&mut st, i, 1_000 + i);
+        }
+        store.apply(st, &[]).unwrap();
+        set_perf_stats(PerfStatsLevel::EnableCount);
+        let mut perf = PerfContext::default();
+        let mut mark = Vec::new();
+        for round in 0..6 {
+            let mut st = Staged::default();
+            if round == 3 {
+                // A key below the mark (no batch writes one: its expiry is before the purge's
+                // `now`): the mark goes back to it.
+                write(&mut st, N, 1);
+            }
+            perf.reset();
+            let next = purge_expired(
+                &env,
+                &store,
+                &mut st,
+                &mut Outputs {
+                    producer: &producer,
+                },
+                0,
+                1_000_000,
+                &mark,
+            )
+            .unwrap();
+            let stepped_over = perf.metric(PerfMetric::InternalDeleteSkippedCount);
+            // Round 4 reads from the key written below the mark, over what rounds 0-3 deleted
+            // (at least 1,500 keys; every round without the mark would).
+            assert!(
+                stepped_over <= 2 || round == 4,
+                "round {round} stepped over {stepped_over} deleted keys"
+            );
+            assert!(
+                next >= mark || round == 3,
+                "round {round}: the mark went back"
+            );
+            mark = next;
+            store.apply(st, &[]).unwrap();
+        }
+        let left = store.scan_from(DEDUP, &[], usize::MAX).unwrap().len();
+        let index = store
+            .scan_from(DEDUP_EXPIRY, &[], usize::MAX)
+            .unwrap()
+            .len();
+        assert_eq!((left, index), (0, 0), "every expired entry purged");
     }
 
     fn outcome(partition: i32, lease_until: i64) -> Outcome {

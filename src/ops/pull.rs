@@ -74,7 +74,18 @@ pub struct EventPage {
     pub events: Vec<PulledEvent>,
     /// Pass it as `cursor` to read on; reading with an older cursor reads the same events again.
     pub next_cursor: String,
+    /// How far retention had moved past the cursor given: the offsets of the subscription's pull
+    /// partition deleted between it and the oldest record kept, where the page starts (the
+    /// events of every subscription sharing the partition count, and transaction markers). Some
+    /// of this subscription's events may have been among them, and are gone. Absent when
+    /// nothing was: a client that reads at least once per retention (`7d`) never sees it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_offsets: Option<u64>,
 }
+
+/// Pull reads whose cursor pointed before the oldest record kept (see
+/// [`EventPage::skipped_offsets`]).
+pub const CURSOR_GAPS: &str = "streaming_hub_pull_cursor_gaps_total";
 
 /// A position in `<prefix>.pull`, and whose it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,8 +208,23 @@ impl PullReader {
         let (low, high) = consumer
             .fetch_watermarks(&self.topic, partition, TIMEOUT)
             .map_err(k)?;
+        let mut skipped_offsets = None;
         let start = match cursor {
             Some(c) if !c.belongs_to(subscription, partition) => return Err(PullError::BadCursor),
+            Some(c) if c.offset < low => {
+                let gap = (low - c.offset) as u64;
+                metrics::counter!(CURSOR_GAPS).increment(1);
+                tracing::warn!(
+                    subscription_id = subscription,
+                    partition,
+                    cursor_offset = c.offset,
+                    oldest_kept = low,
+                    skipped_offsets = gap,
+                    "pull cursor older than the topic's retention: the records deleted past it are gone; the page starts at the oldest kept"
+                );
+                skipped_offsets = Some(gap);
+                low.min(high.max(low))
+            }
             // A cursor older than the topic's retention reads on from the oldest event kept
             // (what was deleted is gone; an empty page at the old cursor would never move on);
             // one past the end (a truncated log, a forged cursor) waits at the end.
@@ -263,6 +289,7 @@ impl PullReader {
                 subscription: Some(subscription_tag(subscription)),
             }
             .encode(),
+            skipped_offsets,
         })
     }
 }

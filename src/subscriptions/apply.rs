@@ -32,11 +32,15 @@
 //!      `disabled_reason`/`disabled_at`;
 //! 4. a new webhook, or a webhook whose URL changes, is probed ([`Prober`]) before its write and
 //!    written `active` when the probe passes, `pending` otherwise (the hub's
-//!    [`PendingRetrier`](super::pending::PendingRetrier) keeps trying). Writes go through
+//!    [`PendingRetrier`](super::pending::PendingRetrier) keeps trying); except that a new URL
+//!    for an `active` webhook that fails its probe is not written at all (exit 1 too): written
+//!    `pending`, the subscription would match none of its events until a probe passed, and
+//!    they would be lost, as the API's PATCH has it. Writes go through
 //!    [`Subscriptions::put`], in file order.
 //!
 //! Stdout, one line per entry (plus a webhook's secret line before its `created` line):
 //! `created <id> v1 active|pending[ <code>: <why>]`, `updated <id> v<N> <state>[ <code>: <why>]`,
+//! `unverified <id>: the new URL's probe failed, <code>: <why>; not written, …`,
 //! `unchanged <id>`. A summary and any error go to stderr. Exit codes are in [`exit`].
 //!
 //! Concurrency: like the API, apply reads version N and writes N + 1; another writer of the same
@@ -75,7 +79,8 @@ use crate::runtime::secret::Secret;
 pub mod exit {
     /// Every entry applied (created, updated or unchanged) and every probed webhook is active.
     pub const APPLIED: u8 = 0;
-    /// Every entry applied, but some webhook failed its verification probe (left `pending`).
+    /// Some webhook failed its verification probe: written `pending`, or, a new URL of an
+    /// `active` one, not written (its current URL stays). The other entries were applied.
     pub const UNVERIFIED: u8 = 1;
     /// The file or the configuration is invalid; nothing was written.
     pub const INVALID: u8 = 2;
@@ -650,7 +655,8 @@ pub struct Summary {
     pub created: usize,
     pub updated: usize,
     pub unchanged: usize,
-    /// Webhooks whose probe failed (left `pending`), with the probe's code.
+    /// Webhooks whose probe failed (written `pending`, or not written when a new URL of an
+    /// `active` one failed), with the probe's code.
     pub unverified: Vec<(String, String)>,
     /// Entries not written: another writer changed them after this run planned them.
     pub conflicts: Vec<String>,
@@ -678,7 +684,7 @@ impl std::fmt::Display for Summary {
         if !self.unverified.is_empty() {
             write!(
                 f,
-                "; {} webhook(s) failed verification and stay pending:",
+                "; {} webhook(s) failed verification (written pending, or a new URL of an active one not written):",
                 self.unverified.len()
             )?;
             for (id, code) in &self.unverified {
@@ -738,8 +744,19 @@ pub async fn execute(
         let mut why = String::new();
         // Counted once written: an entry not written (a conflict) stays whatever it was.
         let mut unverified = None;
+        // A new URL for a verified webhook that failed its probe: not written (below, once it is
+        // known to be no conflict), so the current URL keeps its events (written `pending`, the
+        // subscription matched none of them until a probe passed, and they were lost).
+        let mut refused = None;
         match &probe {
             Some(Ok(())) => rec.verification_state = VerificationState::Active,
+            Some(Err(e))
+                if base
+                    .as_ref()
+                    .is_some_and(|b| b.verification_state == VerificationState::Active) =>
+            {
+                refused = Some(e);
+            }
             Some(Err(e)) => {
                 rec.verification_state = VerificationState::Pending;
                 why = format!(" {}: {e}", e.code());
@@ -775,6 +792,17 @@ pub async fn execute(
                 ),
             )?;
             summary.conflicts.push(id);
+            continue;
+        }
+        if let Some(e) = refused {
+            emit(
+                out,
+                &format!(
+                    "unverified {id}: the new URL's probe failed, {}: {e}; not written, the current URL keeps receiving",
+                    e.code()
+                ),
+            )?;
+            summary.unverified.push((id, e.code().to_string()));
             continue;
         }
         let written = subs.put(rec).await;
@@ -1566,6 +1594,40 @@ mod tests {
         let v3 = t.subs.get(B).unwrap();
         assert_eq!(v3.destination.url.as_deref(), Some(url2.as_str()));
         assert_eq!(v3.signing_secrets, v1.signing_secrets);
+    }
+
+    /// A new URL for an active webhook that fails its probe is not written: the current URL
+    /// keeps its events (written pending, the subscription matched none of them). Exit 1.
+    #[tokio::test]
+    async fn a_new_url_of_an_active_webhook_that_fails_its_probe_is_not_written() {
+        let t = target();
+        let (url, hits) = echo().await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let down = format!("http://{}/hook", listener.local_addr().unwrap());
+        drop(listener); // nothing listens: connect_failed
+        let entry = |url: &str| {
+            json!([{"id": B, "tenant_id": "t1", "event_types": ["a.b"],
+                    "destination": {"type": "webhook", "url": url}}])
+        };
+        run(&t, &entry(&url)).await.0.unwrap();
+        let v1 = t.subs.get(B).unwrap();
+        assert_eq!(v1.verification_state, VerificationState::Active);
+        let (r, out) = run(&t, &entry(&down)).await;
+        let summary = r.unwrap();
+        assert_eq!(summary.exit_code(), exit::UNVERIFIED);
+        assert_eq!(
+            summary.unverified,
+            [(B.to_string(), "connect_failed".to_string())]
+        );
+        assert_eq!(summary.updated, 0);
+        assert!(
+            out.starts_with(&format!(
+                "unverified {B}: the new URL's probe failed, connect_failed: "
+            )),
+            "{out}"
+        );
+        assert_eq!(t.subs.get(B).unwrap(), v1, "nothing written");
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "the create's probe only");
     }
 
     /// Another writer (a PATCH through the API) changed the subscription while this run probed:

@@ -40,6 +40,19 @@ pub enum RepoError {
     Codec(String),
 }
 
+/// Why [`Subscriptions::sync`] did not end with the table at the control topic's end.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// The control topic's ends could not be asked (the broker unreachable).
+    #[error("the control topic's end could not be read: {0}")]
+    Unavailable(String),
+    /// This instance's reader had not got there within the wait.
+    #[error(
+        "this instance's subscription table did not reach the control topic's end within {0:?}"
+    )]
+    Behind(Duration),
+}
+
 impl RepoError {
     pub fn is_retryable(&self) -> bool {
         !matches!(self, RepoError::Codec(_) | RepoError::WrittenAgain)
@@ -88,9 +101,13 @@ pub fn follow(
     // never on a quiet spell, which a slow broker or a leader election also produces, and not
     // on the end a newly elected leader reports before its high watermark has caught up.
     let mut reading: BTreeMap<i32, Ends> = ends.into_iter().collect();
+    let lag = config.dangerous_test_control_lag;
     while !stop.load(Ordering::Relaxed) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
+                if !lag.is_zero() && table.is_caught_up() {
+                    std::thread::sleep(lag);
+                }
                 // Noted after the record's change (below): a write waiting to be read back is
                 // seen from either (`Subscriptions::put`).
                 let _noted = Noted(&table, m.partition(), m.offset());
@@ -162,9 +179,12 @@ pub fn follow(
                 }
             }
             Some(Err(RdKafkaError::PartitionEOF(p)))
-                if reading
-                    .get(&p)
-                    .is_some_and(|e| read_through(&consumer, &topic, p, e)) =>
+                if {
+                    note_end(&consumer, &topic, &table, p);
+                    reading
+                        .get(&p)
+                        .is_some_and(|e| read_through(&consumer, &topic, p, e))
+                } =>
             {
                 reading.remove(&p);
                 if reading.is_empty() {
@@ -206,6 +226,26 @@ impl Drop for Noted<'_> {
     fn drop(&mut self) {
         let Noted(table, partition, offset) = *self;
         table.apply(|t| t.note_read(partition, offset));
+    }
+}
+
+/// The reader reached the end of partition `p`: everything before its position, transaction
+/// markers included (which no record notes), is applied, so a [`Subscriptions::sync`] asking
+/// for that end is answered.
+fn note_end(
+    consumer: &BaseConsumer<kafka::ReaderContext>,
+    topic: &str,
+    table: &SharedTable,
+    p: i32,
+) {
+    if let Some(Offset::Offset(o)) = consumer
+        .position()
+        .ok()
+        .and_then(|pos| pos.find_partition(topic, p).map(|x| x.offset()))
+    {
+        if o > 0 {
+            table.apply(|t| t.note_read(p, o - 1));
+        }
     }
 }
 
@@ -290,7 +330,71 @@ enum Writer {
     Kafka {
         producer: FutureProducer,
         topic: String,
+        /// Asks the control partitions' ends ([`Subscriptions::sync`]).
+        ends: Arc<ControlEnds>,
     },
+}
+
+/// Where the control partitions end now, for [`Subscriptions::sync`].
+pub struct ControlEnds {
+    /// `read_committed`, so an end is the last stable offset, as the reader sees it.
+    consumer: BaseConsumer<kafka::ReaderContext>,
+    /// The control topic's partitions, once known (asked again every [`PARTITIONS_KEPT`]: an
+    /// operator may add some).
+    partitions: std::sync::Mutex<Option<(std::time::Instant, Vec<i32>)>>,
+    /// Lookups at once.
+    lookups: tokio::sync::Semaphore,
+}
+
+const PARTITIONS_KEPT: Duration = Duration::from_secs(60);
+/// Lookups of the control topic's end at once ([`Subscriptions::sync`]).
+const SYNC_LOOKUPS: usize = 8;
+
+impl ControlEnds {
+    /// The last offset of each non-empty control partition; blocking, within `left`.
+    fn wanted(&self, topic: &str, left: Duration) -> Result<Vec<(i32, i64)>, String> {
+        let deadline = std::time::Instant::now() + left;
+        let remaining = || deadline.saturating_duration_since(std::time::Instant::now());
+        // Nothing is assigned: this only serves the client's events, which pile up otherwise.
+        let _ = self.consumer.poll(Duration::ZERO);
+        let known = self
+            .partitions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|(at, _)| at.elapsed() < PARTITIONS_KEPT);
+        let parts = match known {
+            Some((_, parts)) => parts,
+            None => {
+                let md = self
+                    .consumer
+                    .fetch_metadata(Some(topic), remaining())
+                    .map_err(|e| e.to_string())?;
+                let parts: Vec<i32> = md
+                    .topics()
+                    .first()
+                    .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+                    .unwrap_or_default();
+                if parts.is_empty() {
+                    return Err(format!("{topic} has no partitions"));
+                }
+                *self.partitions.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((std::time::Instant::now(), parts.clone()));
+                parts
+            }
+        };
+        let mut wanted = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (low, high) = self
+                .consumer
+                .fetch_watermarks(topic, p, remaining())
+                .map_err(|e| e.to_string())?;
+            if high > low {
+                wanted.push((p, high - 1));
+            }
+        }
+        Ok(wanted)
+    }
 }
 
 /// A scripted write: what the reader applies, and where the write landed.
@@ -318,14 +422,63 @@ impl Subscriptions {
             )
             .create()
             .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(config)
+            .set("group.id", format!("{}.control", config.group_id))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .create_with_context(kafka::ReaderContext)
+            .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        let ends = ControlEnds {
+            consumer,
+            partitions: std::sync::Mutex::new(None),
+            lookups: tokio::sync::Semaphore::new(SYNC_LOOKUPS),
+        };
         Ok(Subscriptions {
             table,
             codec,
             writer: Writer::Kafka {
                 producer,
                 topic: topic(config),
+                ends: Arc::new(ends),
             },
         })
+    }
+
+    /// Waits, at most `timeout`, until this instance's table has read the control topic up to
+    /// where it ends now: every write any instance (or any producer) has had acknowledged is in
+    /// the table then. An instance answering from its own table alone answered `404` for a
+    /// subscription another instance had just created (one client's create, then read, through
+    /// a load balancer), and a PATCH made from its older version undid a newer write, a rotated
+    /// secret or a URL change, without a word.
+    pub async fn sync(&self, timeout: Duration) -> Result<(), SyncError> {
+        let Writer::Kafka { topic, ends, .. } = &self.writer else {
+            return Ok(()); // tests' writers: the table is all there is
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        // A few lookups at once, each on a blocking thread: during a broker outage every read
+        // waits out its deadline, and the blocking pool is the one deliveries' name lookups share.
+        let _permit = tokio::time::timeout_at(deadline, ends.lookups.acquire())
+            .await
+            .map_err(|_| {
+                SyncError::Unavailable("no lookup of the control topic's end free in time".into())
+            })?
+            .map_err(|e| SyncError::Unavailable(e.to_string()))?;
+        let (topic, ends) = (topic.clone(), ends.clone());
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let wanted = tokio::task::spawn_blocking(move || ends.wanted(&topic, left))
+            .await
+            .map_err(|e| SyncError::Unavailable(e.to_string()))?
+            .map_err(SyncError::Unavailable)?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let read = self
+            .table
+            .wait_for(left, |t| wanted.iter().all(|&(p, o)| t.has_read(p, o)))
+            .await;
+        if read {
+            Ok(())
+        } else {
+            Err(SyncError::Behind(timeout))
+        }
     }
 
     /// A table without a broker behind it: for the API's router tests.
@@ -469,7 +622,9 @@ impl Subscriptions {
                 self.table.apply(|t| t.upsert(rec.clone()));
                 None
             }
-            Writer::Kafka { producer, topic } => {
+            Writer::Kafka {
+                producer, topic, ..
+            } => {
                 let d = producer
                     .send(
                         FutureRecord::to(topic).key(&id).payload(&bytes),
@@ -557,7 +712,9 @@ impl Subscriptions {
                 });
                 None
             }
-            Writer::Kafka { producer, topic } => {
+            Writer::Kafka {
+                producer, topic, ..
+            } => {
                 let d = producer
                     .send(
                         FutureRecord::<str, [u8]>::to(topic).key(id),

@@ -2,8 +2,9 @@
 //! then `failed`"), and the [`Prober`] that sends the verification probe to a stored subscription
 //! (used here and by `streaming-hub subscriptions apply`).
 //!
-//! A webhook subscription is `pending` when its last probe (on create or on a URL change) did not
-//! pass. Every [`PASS_INTERVAL`] the [`PendingRetrier`] scans the table for pending webhooks and
+//! A webhook subscription is `pending` when its last probe (on create, or on a URL change made
+//! before it was ever verified: a new URL of an `active` one is written only once it passed) did
+//! not pass. Every [`PASS_INTERVAL`] the [`PendingRetrier`] scans the table for pending webhooks and
 //! probes those that are due:
 //! - a subscription is noticed on one pass and first probed on the next: the API writes `pending`
 //!   before its own create-time probe, so a subscription created a moment ago is not probed twice

@@ -831,14 +831,28 @@ pub async fn post_json_to(
     token: &str,
     body: &serde_json::Value,
 ) -> (u16, serde_json::Value) {
-    let r = http
-        .post(format!("http://{addr}{path}"))
-        .bearer_auth(token)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    call_json(http, reqwest::Method::POST, addr, path, token, Some(body)).await
+}
+
+/// `<method> <path>` to the hub at `addr` with `token` and a JSON body if given: (status, body
+/// as JSON, or null when it is not JSON).
+pub async fn call_json(
+    http: &reqwest::Client,
+    method: reqwest::Method,
+    addr: &str,
+    path: &str,
+    token: &str,
+    body: Option<&serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let mut r = http
+        .request(method, format!("http://{addr}{path}"))
+        .bearer_auth(token);
+    if let Some(body) = body {
+        r = r
+            .header("content-type", "application/json")
+            .body(body.to_string());
+    }
+    let r = r.send().await.unwrap();
     let status = r.status().as_u16();
     let bytes = r.bytes().await.unwrap();
     (

@@ -194,41 +194,66 @@ async fn a_failed_reprobe_of_an_active_subscription_answers_422_and_keeps_it_act
     assert_eq!(hook.requests().len(), 2, "create probe, verify probe");
 }
 
+/// A new URL for an `active` webhook is probed before anything is written: a failing one is a
+/// `422` that leaves the subscription as it was (its old URL still matched, so no event is lost
+/// to a `pending` gap), a passing one is written `active` in one record.
 #[tokio::test]
-async fn url_change_resets_verification_to_pending_and_probes_the_new_url() {
+async fn a_new_url_of_an_active_webhook_is_written_only_once_its_probe_passed() {
     let h = Harness::new();
     let good = Hook::start(true).await;
     let silent = Hook::start(false).await;
+    let other = Hook::start(true).await;
     let token = h.token("acme");
     let id = h.create_webhook(&token, &good.url).await;
+    let before = h.state.subs.get(&id).unwrap();
+    assert_eq!(before.verification_state, VerificationState::Active);
     let uri = format!("/v1/subscriptions/{id}");
     let to_silent = json!({"destination": {"type": "webhook", "url": silent.url}});
     let a = h
         .call(Method::PATCH, &uri, Some(&token), Some(to_silent), &[])
         .await;
-    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
-    assert_eq!(a.body["verification_state"], "pending");
-    assert_eq!(a.body["verification"]["error_code"], "challenge_missing");
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.text);
+    assert_eq!(
+        (
+            a.body["error"]["code"].as_str(),
+            a.body["error"]["field"].as_str()
+        ),
+        (Some("challenge_missing"), Some("destination.url"))
+    );
     assert_eq!(silent.requests().len(), 1, "the new URL was probed");
-    let back = json!({"destination": {"type": "webhook", "url": good.url}});
+    assert_eq!(
+        h.state.subs.get(&id).unwrap(),
+        before,
+        "nothing written: still active at its old URL"
+    );
+    let to_other = json!({"destination": {"type": "webhook", "url": other.url}});
     let a = h
         .call(
             Method::PATCH,
             &uri,
             Some(&token),
-            Some(back),
-            &[("if-match", "3")],
+            Some(to_other),
+            &[("if-match", &format!("\"{}\"", before.version))],
         )
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text);
     assert_eq!(
         (
             a.body["verification_state"].as_str(),
+            a.body["verification"]["state"].as_str(),
+            a.body["destination"]["url"].as_str(),
             a.body["version"].as_u64()
         ),
-        (Some("active"), Some(5))
+        (
+            Some("active"),
+            Some("active"),
+            Some(other.url.as_str()),
+            Some(before.version + 1)
+        ),
+        "one record, written active"
     );
-    let same = json!({"destination": {"type": "webhook", "url": good.url}});
+    assert_eq!(other.requests().len(), 1, "probed once, before the write");
+    let same = json!({"destination": {"type": "webhook", "url": other.url}});
     let a = h
         .call(Method::PATCH, &uri, Some(&token), Some(same), &[])
         .await;
@@ -236,7 +261,114 @@ async fn url_change_resets_verification_to_pending_and_probes_the_new_url() {
         a.body.get("verification").is_none(),
         "an unchanged URL is not probed again"
     );
-    assert_eq!(good.requests().len(), 2);
+    assert_eq!(other.requests().len(), 1);
+    assert_eq!(good.requests().len(), 1, "the create's probe only");
+}
+
+/// A new URL for a webhook not yet verified is written `pending` and probed then, as on create:
+/// it received nothing before, so nothing is lost, and the receiver may come up later.
+#[tokio::test]
+async fn a_new_url_of_a_pending_webhook_is_written_pending_then_probed() {
+    let h = Harness::new();
+    let silent = Hook::start(false).await;
+    let good = Hook::start(true).await;
+    let token = h.token("acme");
+    let a = h
+        .post("/v1/subscriptions", &token, webhook_body(&silent.url))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "pending");
+    let id = a.body["id"].as_str().unwrap();
+    let uri = format!("/v1/subscriptions/{id}");
+    let to_silent_again =
+        json!({"destination": {"type": "webhook", "url": format!("{}?v=2", silent.url)}});
+    let a = h
+        .call(
+            Method::PATCH,
+            &uri,
+            Some(&token),
+            Some(to_silent_again),
+            &[],
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(a.body["verification_state"], "pending");
+    assert_eq!(a.body["verification"]["error_code"], "challenge_missing");
+    let to_good = json!({"destination": {"type": "webhook", "url": good.url}});
+    let a = h
+        .call(Method::PATCH, &uri, Some(&token), Some(to_good), &[])
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert_eq!(
+        (
+            a.body["verification_state"].as_str(),
+            a.body["version"].as_u64()
+        ),
+        (Some("active"), Some(4)),
+        "written pending (3), then its verdict (4)"
+    );
+}
+
+/// Another write while a new URL's probe runs: it is not held up by the probe, and the change
+/// is not written over it (`409 changed_meanwhile`).
+#[tokio::test]
+async fn a_write_made_while_a_new_url_was_probed_is_not_written_over() {
+    use std::sync::Arc;
+    use tokio::sync::Notify;
+    let h = Harness::new();
+    let good = Hook::start(true).await;
+    let token = h.token("acme");
+    let id = h.create_webhook(&token, &good.url).await;
+    // A receiver that answers the challenge once the gate opens.
+    let (probed, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (p, g) = (probed.clone(), gate.clone());
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |body: String| async move {
+            p.notify_one();
+            g.notified().await;
+            body
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow_url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let uri = format!("/v1/subscriptions/{id}");
+    let moving = h.call(
+        Method::PATCH,
+        &uri,
+        Some(&token),
+        Some(json!({"destination": {"type": "webhook", "url": slow_url}})),
+        &[],
+    );
+    let meanwhile = async {
+        probed.notified().await;
+        let a = h
+            .call(
+                Method::PATCH,
+                &uri,
+                Some(&token),
+                Some(json!({"event_types": ["account.*"]})),
+                &[],
+            )
+            .await;
+        gate.notify_one();
+        a
+    };
+    let (moved, other) = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        tokio::join!(moving, meanwhile)
+    })
+    .await
+    .expect("the other write waited for the probe");
+    assert_eq!(other.status, StatusCode::OK, "{}", other.text);
+    assert_eq!(moved.status, StatusCode::CONFLICT, "{}", moved.text);
+    assert_eq!(moved.body["error"]["code"], "changed_meanwhile");
+    let now = h.state.subs.get(&id).unwrap();
+    assert_eq!(
+        (now.event_types.clone(), now.destination.url.clone()),
+        (vec!["account.*".to_string()], Some(good.url.clone())),
+        "the other write stands, the URL is the old one"
+    );
 }
 
 #[tokio::test]
@@ -264,13 +396,14 @@ async fn verify_of_a_pull_subscription_passes_without_a_probe() {
 /// the caller retry into its own `If-Match`.
 #[tokio::test]
 async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
-    // Versions 1-3 (create, its verdict, the PATCH) are read back; later ones are not.
+    // Versions 1-2 (the create, left pending, and the PATCH of its URL) are read back; the
+    // PATCH's verdict is not.
     let subs = crate::subscriptions::control::Subscriptions::scripted(
         std::sync::Arc::new(crate::runtime::avro::Codec::new().unwrap()),
         |table, _, rec| {
             let rec = rec.expect("no deletion here");
             let at = rec.version as i64;
-            if rec.version <= 3 {
+            if rec.version <= 2 {
                 let rec = rec.clone();
                 table.apply(|t| {
                     t.upsert(rec);
@@ -281,13 +414,19 @@ async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
         },
     );
     let h = Harness::with_subs(true, subs);
-    let (first, second) = (Hook::start(true).await, Hook::start(true).await);
+    let (first, second) = (Hook::start(false).await, Hook::start(true).await);
     let t = h.token("acme");
     let a = h
         .post("/v1/subscriptions", &t, webhook_body(&first.url))
         .await;
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
-    assert_eq!(a.body["version"], 2);
+    assert_eq!(
+        (
+            a.body["version"].as_u64(),
+            a.body["verification_state"].as_str()
+        ),
+        (Some(1), Some("pending"))
+    );
     let id = a.body["id"].as_str().unwrap();
     let patched = h
         .call(
@@ -295,15 +434,15 @@ async fn a_verdict_written_but_not_seen_back_is_answered_not_503() {
             &format!("/v1/subscriptions/{id}"),
             Some(&t),
             Some(json!({"destination": {"type": "webhook", "url": second.url}})),
-            &[("if-match", "\"2\"")],
+            &[("if-match", "\"1\"")],
         )
         .await;
     assert_eq!(patched.status, StatusCode::OK, "{}", patched.text);
     assert_eq!(patched.body["verification"], json!({"state": "active"}));
-    assert_eq!(patched.headers["etag"], "\"4\"", "{}", patched.text);
+    assert_eq!(patched.headers["etag"], "\"3\"", "{}", patched.text);
     assert_eq!(
         h.state.subs.get(id).unwrap().version,
-        4,
+        3,
         "this instance has it"
     );
 }
@@ -352,8 +491,33 @@ async fn probes_sign_with_the_secrets_that_open_and_a_write_is_answered_whatever
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
     assert_eq!(a.body["error"]["code"], "signing_secret_unavailable");
     assert_eq!(hook.requests().len(), before, "nothing sent unsigned");
-    // A URL change is written; its probe cannot sign here: 200 with the change, not a 5xx that
-    // would invite a retry its own If-Match refuses.
+    // A new URL for this active subscription is probed before it is written: a probe that
+    // cannot sign here writes nothing.
+    let version = h.state.subs.get(&id).unwrap().version;
+    let refused = h
+        .call(
+            Method::PATCH,
+            &format!("/v1/subscriptions/{id}"),
+            Some(&token),
+            Some(json!({"destination": {"type": "webhook", "url": other.url}})),
+            &[("if-match", &format!("\"{version}\""))],
+        )
+        .await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text
+    );
+    assert_eq!(refused.body["error"]["code"], "signing_secret_unavailable");
+    assert_eq!(h.state.subs.get(&id).unwrap().version, version);
+    assert!(other.requests().is_empty(), "nothing sent unsigned");
+    // Not verified yet: the URL change is written, and its probe cannot sign here: 200 with the
+    // change, not a 5xx that would invite a retry its own If-Match refuses.
+    let mut rec = (*h.state.subs.get(&id).unwrap()).clone();
+    rec.verification_state = VerificationState::Pending;
+    rec.version += 1;
+    h.state.subs.put(rec).await.unwrap();
     let version = h.state.subs.get(&id).unwrap().version;
     let patched = h
         .call(
