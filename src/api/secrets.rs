@@ -19,7 +19,7 @@ use super::auth::Caller;
 use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, RawBody, SubscriptionQuery, parse_body};
 use super::responses::{RotateSecretRequest, RotatedSecret};
-use super::subscriptions::{load, synced, view_of};
+use super::subscriptions::{load, synced_writing, view_of};
 use crate::runtime::records::{DestinationType, EncryptedBlob, SubscriptionRecord};
 use crate::runtime::secret::Secret;
 use crate::subscriptions::control::RepoError;
@@ -165,8 +165,8 @@ pub async fn rotate(
     RawBody(body): RawBody,
 ) -> Result<Json<RotatedSecret>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
-    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
+    synced_writing(&state, &caller, &tenant).await?;
     load(&state, &tenant, &id)?;
     let grace = grace_of(&state, &headers, &body)?;
     let guard = state.writes.clone().lock_owned().await;

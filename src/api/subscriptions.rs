@@ -60,9 +60,9 @@ pub const SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// reads the control topic up to where it ends now ([`Subscriptions::sync`]), so a write any
 /// instance acknowledged is seen here (read-your-writes through a load balancer, and no PATCH
 /// made from a version older than the latest). `503 table_behind` (`Retry-After`) when it does
-/// not get there within [`SYNC_WAIT`]. When the broker cannot say where the topic ends, a read
-/// answers from the table as it is (with a WARN), and a write, which needs the broker anyway,
-/// is a `503`.
+/// not get there within [`SYNC_WAIT`], or when this instance's lookups of the end were all in
+/// use that long. When the broker cannot say where the topic ends, a read answers from the
+/// table as it is (with a WARN), and a write, which needs the broker anyway, is a `503`.
 ///
 /// [`Subscriptions::sync`]: crate::subscriptions::control::Subscriptions::sync
 pub async fn synced(state: &ApiState, writing: bool) -> Result<(), ApiError> {
@@ -78,7 +78,7 @@ pub async fn synced(state: &ApiState, writing: bool) -> Result<(), ApiError> {
             codes::UNAVAILABLE,
             e.to_string(),
         )),
-        Err(e @ SyncError::Behind(_)) => {
+        Err(e @ (SyncError::Behind(_) | SyncError::Busy)) => {
             metrics::counter!(TABLE_BEHIND).increment(1);
             tracing::warn!(error = %e, "answered 503 table_behind");
             Err(ApiError {
@@ -91,6 +91,18 @@ pub async fn synced(state: &ApiState, writing: bool) -> Result<(), ApiError> {
             })
         }
     }
+}
+
+/// [`synced`] for a write whose rate token `caller` has taken: given back when it fails (no
+/// write was made).
+pub async fn synced_writing(
+    state: &ApiState,
+    caller: &Caller,
+    tenant: &str,
+) -> Result<(), ApiError> {
+    synced(state, true)
+        .await
+        .inspect_err(|_| state.give_back_write(caller, tenant))
 }
 
 /// Requests answered `503 table_behind`: this instance's control reader lags the topic.
@@ -512,8 +524,8 @@ pub async fn patch(
     JsonBody(body): JsonBody<PatchSubscription>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
-    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
+    synced_writing(&state, &caller, &tenant).await?;
     let expected = if_match(&headers)?;
     load(&state, &tenant, &id)?;
     let valid = validate_patch(&state, body).await?;
@@ -549,7 +561,7 @@ pub async fn patch(
         }
         // What other instances wrote while the probe ran (up to the HTTP timeout) is read
         // first: the check below sees only this instance's table.
-        synced(&state, true).await?;
+        synced_writing(&state, &caller, &tenant).await?;
         guard = state.writes.clone().lock_owned().await;
         if load(&state, &tenant, &id)? != current {
             return Err(ApiError::new(
@@ -653,8 +665,8 @@ pub async fn delete(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
-    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
+    synced_writing(&state, &caller, &tenant).await?;
     let expected = if_match(&headers)?;
     let guard = state.writes.clone().lock_owned().await;
     let sub = load(&state, &tenant, &id)?;

@@ -31,7 +31,7 @@ use super::errors::{ApiError, ErrorBody, codes};
 use super::extract::{ApiPath, ApiQuery, SubscriptionQuery};
 use super::responses::{CheckedSubscription, VerificationOutcome};
 use super::secrets::{open_secrets, open_sensitive, request_url};
-use super::subscriptions::{load, synced, view_of};
+use super::subscriptions::{load, synced, synced_writing, view_of};
 use crate::delivery::verify::{VerifyError, probe};
 use crate::runtime::records::{DestinationType, SubscriptionRecord, VerificationState};
 use crate::subscriptions::control::RepoError;
@@ -126,6 +126,9 @@ pub async fn probe_and_record(
     why: Probe,
 ) -> Result<(SubscriptionRecord, VerificationOutcome), ApiError> {
     let result = probe_now(state, &rec).await?;
+    // What other instances wrote while the probe ran (up to the HTTP timeout) is read first: the
+    // verdict is written onto the latest version, not over a rotation or a disable made there.
+    synced(state, true).await?;
     let guard = state.writes.clone().lock_owned().await;
     // Not written onto a record whose latest version turned unreadable here meanwhile: what
     // this instance has of it may be stale.
@@ -215,8 +218,8 @@ pub async fn verify(
     ApiQuery(query): ApiQuery<SubscriptionQuery>,
 ) -> Result<Json<CheckedSubscription>, ApiError> {
     let tenant = caller.tenant_for(query.tenant_id.as_deref())?;
-    synced(&state, true).await?;
     state.take_write(&caller, &tenant)?;
+    synced_writing(&state, &caller, &tenant).await?;
     let current = load(&state, &tenant, &id)?;
     let (rec, outcome) = match probe_and_record(&state, (*current).clone(), Probe::Requested).await
     {

@@ -1353,8 +1353,9 @@ pub fn restore_only(
 /// Applies one changelog record to the staging, keeping the expiry index in step.
 ///
 /// A record that is not what its key says (not Avro, a record of another kind, a job or dedup
-/// entry that does not decode) is skipped, loudly: its key leaves the store as if deleted, and
-/// `streaming_hub_restore_skipped_total` counts it. Failing instead kept the partition from
+/// entry that does not decode) is skipped, loudly: its key leaves the store as if deleted (a
+/// job's is given a stand-in, [`stand_in_job`]), and `streaming_hub_restore_skipped_total`
+/// counts it. Failing instead kept the partition from
 /// coming up anywhere, the process exiting on every instance that took it. A record of a schema
 /// this version does not know (written by a newer one, before a rollback) still fails the
 /// restore: skipping those would drop live jobs.
@@ -1432,7 +1433,6 @@ fn restore_one(
 /// Restore counter of state changelog records skipped because they do not decode.
 pub const RESTORE_SKIPPED: &str = "streaming_hub_restore_skipped_total";
 
-/// What a restored state record turned out to be.
 /// What stands in for a job whose changelog record does not decode: its key names the tenant,
 /// the event and the subscription, so the delivery is made again from its first attempt (or
 /// dead-lettered `poison` with `payload_missing` when its payload is gone too), instead of
@@ -1441,16 +1441,24 @@ fn stand_in_job(codec: &Codec, family: &str, key: &[u8]) -> Option<(JobRecord, V
     if family != JOBS {
         return None;
     }
-    let rest = key.strip_prefix(b"j/")?;
-    let mut parts = rest.splitn(3, |b| *b == 0);
-    let mut next = || {
-        parts
-            .next()
-            .and_then(|p| std::str::from_utf8(p).ok())
-            .filter(|p| !p.is_empty())
-            .map(str::to_string)
-    };
-    let (tenant_id, event_key, subscription_id) = (next()?, next()?, next()?);
+    // `j/<tenant>\0<ce-id>\0<subscription>`: none of the three holds a control character (ingest
+    // and the API refuse them), so each NUL is a separator; anything else names no job.
+    let rest = std::str::from_utf8(key.strip_prefix(b"j/")?).ok()?;
+    let mut parts = rest.split('\0');
+    let (tenant_id, event_key, subscription_id) = (parts.next()?, parts.next()?, parts.next()?);
+    let named = |p: &str| !p.is_empty() && !p.chars().any(char::is_control);
+    if parts.next().is_some()
+        || ![tenant_id, event_key, subscription_id]
+            .into_iter()
+            .all(named)
+    {
+        return None;
+    }
+    let (tenant_id, event_key, subscription_id) = (
+        tenant_id.to_string(),
+        event_key.to_string(),
+        subscription_id.to_string(),
+    );
     let job = JobRecord {
         event_key,
         subscription_id,
@@ -1470,6 +1478,7 @@ fn stand_in_job(codec: &Codec, family: &str, key: &[u8]) -> Option<(JobRecord, V
 /// A restored job's `last_error` when its changelog record did not decode ([`stand_in_job`]).
 pub const JOB_UNDECODABLE: &str = "job_record_undecodable";
 
+/// What a restored state record turned out to be.
 enum Checked {
     Job(JobRecord),
     /// A dedup entry and its expiry.

@@ -211,6 +211,7 @@ impl PullReader {
         let mut skipped_offsets = None;
         let start = match cursor {
             Some(c) if !c.belongs_to(subscription, partition) => return Err(PullError::BadCursor),
+            // Older than the topic's retention: told (see `EventPage::skipped_offsets`).
             Some(c) if c.offset < low => {
                 let gap = (low - c.offset) as u64;
                 metrics::counter!(CURSOR_GAPS).increment(1);
@@ -225,10 +226,11 @@ impl PullReader {
                 skipped_offsets = Some(gap);
                 low.min(high.max(low))
             }
-            // A cursor older than the topic's retention reads on from the oldest event kept
-            // (what was deleted is gone; an empty page at the old cursor would never move on);
-            // one past the end (a truncated log, a forged cursor) waits at the end.
-            Some(c) => c.offset.max(low).min(high.max(low)),
+            // One past the end (a truncated log, a forged cursor) waits at the end. (One older
+            // than the topic's retention, above, reads on from the oldest event kept: what was
+            // deleted is gone, and an empty page at the old cursor would never move on. Retention
+            // moving on between the ends asked above and the read goes unsaid.)
+            Some(c) => c.offset.min(high.max(low)),
             None => {
                 // Nothing of this subscription precedes its creation (a minute of margin for
                 // clocks). A creation time ahead of the wall clock (the test clock) proves

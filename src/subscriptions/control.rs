@@ -46,6 +46,11 @@ pub enum SyncError {
     /// The control topic's ends could not be asked (the broker unreachable).
     #[error("the control topic's end could not be read: {0}")]
     Unavailable(String),
+    /// Every place for a lookup of the ends was taken for the whole wait.
+    #[error(
+        "as many lookups of the control topic's end as this instance makes at once are running"
+    )]
+    Busy,
     /// This instance's reader had not got there within the wait.
     #[error(
         "this instance's subscription table did not reach the control topic's end within {0:?}"
@@ -339,32 +344,45 @@ enum Writer {
 pub struct ControlEnds {
     /// `read_committed`, so an end is the last stable offset, as the reader sees it.
     consumer: BaseConsumer<kafka::ReaderContext>,
-    /// The control topic's partitions, once known (asked again every [`PARTITIONS_KEPT`]: an
-    /// operator may add some).
-    partitions: std::sync::Mutex<Option<(std::time::Instant, Vec<i32>)>>,
+    /// The control topic's partitions, once known: the ones the reader assigned itself at start
+    /// (it follows no partition added later, so neither does this).
+    partitions: std::sync::Mutex<Option<Vec<i32>>>,
     /// Lookups at once.
-    lookups: tokio::sync::Semaphore,
+    lookups: Arc<tokio::sync::Semaphore>,
+    /// When a lookup last failed: for [`FAILED_FOR`] after, a read answers from the table at
+    /// once instead of waiting out its own lookup (a broker down made every read take 5 s).
+    failed_at: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
-const PARTITIONS_KEPT: Duration = Duration::from_secs(60);
 /// Lookups of the control topic's end at once ([`Subscriptions::sync`]).
 const SYNC_LOOKUPS: usize = 8;
+/// How long a failed lookup of the ends is taken as the answer for the next ones.
+const FAILED_FOR: Duration = Duration::from_secs(1);
 
 impl ControlEnds {
-    /// The last offset of each non-empty control partition; blocking, within `left`.
-    fn wanted(&self, topic: &str, left: Duration) -> Result<Vec<(i32, i64)>, String> {
-        let deadline = std::time::Instant::now() + left;
+    fn failed_recently(&self) -> bool {
+        self.failed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|at| at.elapsed() < FAILED_FOR)
+    }
+
+    fn note_failure(&self) {
+        *self.failed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+    }
+
+    /// The last offset of each non-empty control partition; blocking, until `deadline` at most.
+    fn wanted(&self, topic: &str, deadline: std::time::Instant) -> Result<Vec<(i32, i64)>, String> {
         let remaining = || deadline.saturating_duration_since(std::time::Instant::now());
         // Nothing is assigned: this only serves the client's events, which pile up otherwise.
-        let _ = self.consumer.poll(Duration::ZERO);
+        while self.consumer.poll(Duration::ZERO).is_some() {}
         let known = self
             .partitions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .filter(|(at, _)| at.elapsed() < PARTITIONS_KEPT);
+            .clone();
         let parts = match known {
-            Some((_, parts)) => parts,
+            Some(parts) => parts,
             None => {
                 let md = self
                     .consumer
@@ -378,8 +396,7 @@ impl ControlEnds {
                 if parts.is_empty() {
                     return Err(format!("{topic} has no partitions"));
                 }
-                *self.partitions.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((std::time::Instant::now(), parts.clone()));
+                *self.partitions.lock().unwrap_or_else(|p| p.into_inner()) = Some(parts.clone());
                 parts
             }
         };
@@ -431,7 +448,8 @@ impl Subscriptions {
         let ends = ControlEnds {
             consumer,
             partitions: std::sync::Mutex::new(None),
-            lookups: tokio::sync::Semaphore::new(SYNC_LOOKUPS),
+            lookups: Arc::new(tokio::sync::Semaphore::new(SYNC_LOOKUPS)),
+            failed_at: std::sync::Mutex::new(None),
         };
         Ok(Subscriptions {
             table,
@@ -445,30 +463,43 @@ impl Subscriptions {
     }
 
     /// Waits, at most `timeout`, until this instance's table has read the control topic up to
-    /// where it ends now: every write any instance (or any producer) has had acknowledged is in
-    /// the table then. An instance answering from its own table alone answered `404` for a
-    /// subscription another instance had just created (one client's create, then read, through
-    /// a load balancer), and a PATCH made from its older version undid a newer write, a rotated
-    /// secret or a URL change, without a word.
+    /// where it ends now (its last stable offset): every write acknowledged before the call and
+    /// not behind a transaction still open is in the table then (the API's own writes all are:
+    /// each is read back before it is answered). An instance answering from its own table alone
+    /// answered `404` for a subscription another instance had just created (one client's create,
+    /// then read, through a load balancer), and a PATCH made from its older version undid a
+    /// newer write, a rotated secret or a URL change, without a word.
     pub async fn sync(&self, timeout: Duration) -> Result<(), SyncError> {
         let Writer::Kafka { topic, ends, .. } = &self.writer else {
             return Ok(()); // tests' writers: the table is all there is
         };
         let deadline = tokio::time::Instant::now() + timeout;
+        if ends.failed_recently() {
+            return Err(SyncError::Unavailable(
+                "the control topic's end could not be read a moment ago".into(),
+            ));
+        }
         // A few lookups at once, each on a blocking thread: during a broker outage every read
-        // waits out its deadline, and the blocking pool is the one deliveries' name lookups share.
-        let _permit = tokio::time::timeout_at(deadline, ends.lookups.acquire())
+        // waits out its deadline, and the blocking pool is the one deliveries' name lookups
+        // share. The place goes with the lookup, also when the request is dropped meanwhile.
+        let permit = tokio::time::timeout_at(deadline, ends.lookups.clone().acquire_owned())
             .await
-            .map_err(|_| {
-                SyncError::Unavailable("no lookup of the control topic's end free in time".into())
-            })?
+            .map_err(|_| SyncError::Busy)?
             .map_err(|e| SyncError::Unavailable(e.to_string()))?;
-        let (topic, ends) = (topic.clone(), ends.clone());
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let wanted = tokio::task::spawn_blocking(move || ends.wanted(&topic, left))
-            .await
-            .map_err(|e| SyncError::Unavailable(e.to_string()))?
-            .map_err(SyncError::Unavailable)?;
+        let (topic, lookup) = (topic.clone(), ends.clone());
+        let until = deadline.into_std();
+        let wanted = tokio::time::timeout_at(
+            deadline,
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                lookup.wanted(&topic, until)
+            }),
+        )
+        .await
+        .map_err(|_| SyncError::Busy)?
+        .map_err(|e| SyncError::Unavailable(e.to_string()))?
+        .inspect_err(|_| ends.note_failure())
+        .map_err(SyncError::Unavailable)?;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let read = self
             .table
