@@ -629,8 +629,8 @@ settings! {
     /// Timeout of one outgoing HTTP request (delivery or verification), whole response included
     /// (at least 100ms).
     http_timeout: std::time::Duration = "15s";
-    /// Subscription writes through the API (create, PATCH, DELETE, rotate-secret, verify):
-    /// requests per second per tenant (per instance) before `429 rate_limited` with
+    /// Subscription writes through the API (create, PATCH, DELETE, rotate-secret, verify,
+    /// recover): requests per second per tenant (per instance) before `429 rate_limited` with
     /// `Retry-After`; `0` turns the limit off. Admin tokens are not held to it.
     api_write_rate: u32 = "5";
     /// Subscription writes a tenant may make in a burst (`0` counts as 1).

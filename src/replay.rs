@@ -67,19 +67,8 @@ pub fn run(
         .create()
         .map_err(kafka_err)?;
     let timeout = Duration::from_secs(30);
-    let md = consumer
-        .fetch_metadata(Some(&inbox), timeout)
-        .map_err(kafka_err)?;
-    let partitions: Vec<i32> = md
-        .topics()
-        .first()
-        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-        .unwrap_or_default();
-    if partitions.is_empty() {
-        return Err(ReplayError::Kafka(format!(
-            "{inbox} has no partitions (is the topology applied?)"
-        )));
-    }
+    let partitions = kafka::partition_ids(&consumer, &inbox, timeout)
+        .map_err(|e| ReplayError::Kafka(e.to_string()))?;
     if let Target::Exact(named) = target {
         if let Some((p, _)) = named.iter().find(|(p, _)| !partitions.contains(p)) {
             return Err(ReplayError::NoSuchPartition {

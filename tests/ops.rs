@@ -560,14 +560,23 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
     assert_eq!(dead[0]["redrivable"], true);
 
     // Recover: only A gets e1 again, now successfully. Another tenant's dead letter on the
-    // same topic is neither requested nor counted in the tenant's answer.
+    // same topic is neither requested nor counted in the tenant's answer; one that does not
+    // decode is skipped and counted for the operators, the recover going on past it.
     sink_a.status.store(200, Ordering::SeqCst);
     let codec = Codec::new().unwrap();
     let now_ms = chrono::Utc::now().timestamp_millis();
+    let unreadable = Rec {
+        key: Some(b"tenant-r".to_vec()),
+        value: Some(b"\xffnot a dead letter".to_vec()),
+        ..Rec::default()
+    };
     produce(
         &producer(),
         &format!("{}.dlq", s.prefix),
-        &[dead_letter_rec(&codec, "tenant-x", "sub-x", now_ms, 10)],
+        &[
+            dead_letter_rec(&codec, "tenant-x", "sub-x", now_ms, 10),
+            unreadable,
+        ],
     );
     let (st, _) = post_json(
         &s,
@@ -594,6 +603,8 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
         (Some("done"), Some(1), Some(1)),
         "{body}"
     );
+    s.wait_metric("streaming_hub_recover_dead_letters_unreadable_total", 1)
+        .await;
     sink_a.wait_count(&e1.id(), 3);
     s.wait_metric("streaming_hub_redeliveries_total{outcome=\"queued\"", 1)
         .await;

@@ -399,7 +399,7 @@ pub struct TenantQuery {
     params(("id" = String, Path, description = "Subscription id"), TenantQuery),
     responses(
         (status = 200, description = "Dead-lettered deliveries since then were queued again", body = Progress),
-        (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`Retry-After`)", body = ErrorBody),
+        (status = 429, description = "A recover or replay of this tenant, or as many as this instance runs at once, is running (`recover_running`), or over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription", body = ErrorBody),
@@ -421,8 +421,15 @@ pub async fn recover(
         .map_err(|e| ApiError::bad_request(codes::NOT_A_WEBHOOK, e.to_string()).with_field("id"))?;
     let since = body.since_ms()?;
     check_active(&sub)?;
-    let ops = ops(&state)?.clone();
+    // A recover queues deliveries again, each time it is asked: a write, held to the tenant's
+    // write rate like the others (before, nothing but the one-at-a-time gate bounded a loop of
+    // them requeueing every dead letter of the window). Given back when nothing runs.
+    state.take_write(&caller, &tenant)?;
+    let ops = ops(&state)
+        .inspect_err(|_| state.give_back_write(&caller, &tenant))?
+        .clone();
     let Some(slot) = ops.scans.enter(&tenant) else {
+        state.give_back_write(&caller, &tenant);
         return Ok(scans_busy());
     };
     let progress = remember(&ops, "recover", Some(&sub.id));

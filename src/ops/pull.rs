@@ -195,15 +195,9 @@ impl PullReader {
             .set("auto.offset.reset", "earliest")
             .create_with_context(kafka::ReaderContext)
             .map_err(k)?;
-        let metadata = consumer
-            .fetch_metadata(Some(&self.topic), TIMEOUT)
-            .map_err(k)?;
-        let partitions = metadata
-            .topics()
-            .first()
-            .map(|t| t.partitions().len() as i32)
-            .filter(|n| *n > 0)
-            .ok_or_else(|| PullError::Kafka(format!("topic {} not found", self.topic)))?;
+        let partitions = kafka::partition_ids(&consumer, &self.topic, TIMEOUT)
+            .map_err(|e| PullError::Kafka(e.to_string()))?
+            .len() as i32;
         let partition = super::partition_for(subscription.as_bytes(), partitions);
         let (low, high) = consumer
             .fetch_watermarks(&self.topic, partition, TIMEOUT)

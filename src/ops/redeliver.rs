@@ -38,6 +38,8 @@ pub const H_REDELIVER: &str = "x-streaming-hub-redeliver";
 /// Header of a redelivery request: the replay, recover or redrive that asked for it.
 pub const H_REQUEST: &str = "x-streaming-hub-request";
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// Dead letters a recover read and could not decode (skipped, with a WARN naming each).
+pub const DEAD_LETTERS_UNREADABLE: &str = "streaming_hub_recover_dead_letters_unreadable_total";
 /// The longest a scan waits for a record before it looks at the stop flag again.
 const POLL_SLICE: Duration = Duration::from_secs(1);
 
@@ -358,12 +360,28 @@ impl Redeliverer {
         // dead-lettered again that far apart is requested again.
         let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
         let scanned = scan(&consumer, &self.dlq, &ranges, &self.stop, |m| {
-            let Some(dl) = m.payload().and_then(|v| {
+            let decoded = m.payload().map(|v| {
                 self.codec
                     .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
-                    .ok()
-            }) else {
-                return Ok(());
+            });
+            let dl = match decoded {
+                Some(Ok(dl)) => dl,
+                // Whose it is cannot be told: the operators are, not the tenant (its count
+                // would tell it of others' dead letters). A record without a value is not one.
+                Some(Err(e)) => {
+                    metrics::counter!(DEAD_LETTERS_UNREADABLE).increment(1);
+                    tracing::warn!(
+                        topic = %self.dlq,
+                        partition = m.partition(),
+                        offset = m.offset(),
+                        error = %e,
+                        "a recover skipped a dead letter it cannot read (written by a newer \
+                         version of the hub, or damaged): redrive it by id from an instance \
+                         that reads it"
+                    );
+                    return Ok(());
+                }
+                None => return Ok(()),
             };
             // Only the tenant's own dead letters count as scanned: the answer goes to the
             // tenant, and the others' would tell it how many deliveries died hub-wide.
@@ -397,14 +415,10 @@ impl Redeliverer {
         admit: impl Fn(&DeadLetterRecord) -> Result<(), RedeliverError>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let metadata = consumer
-            .fetch_metadata(Some(&self.dlq), TIMEOUT)
-            .map_err(k)?;
-        let partitions: HashSet<i32> = metadata
-            .topics()
-            .first()
-            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-            .unwrap_or_default();
+        let partitions: HashSet<i32> = kafka::partition_ids(&consumer, &self.dlq, TIMEOUT)
+            .map_err(|e| RedeliverError::Kafka(e.to_string()))?
+            .into_iter()
+            .collect();
         for &(partition, offset) in positions {
             go_on(&self.stop)?;
             let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
@@ -604,19 +618,9 @@ fn ranges_for_times(
     to_ms: i64,
     stop: &AtomicBool,
 ) -> Result<Vec<(i32, i64, i64)>, RedeliverError> {
-    let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(k)?;
-    let partitions: Vec<i32> = match metadata.topics().first() {
-        // A topic the broker could not describe (its leaders moving, not there): not "no
-        // records".
-        Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
-            t.partitions().iter().map(|p| p.id()).collect()
-        }
-        _ => {
-            return Err(RedeliverError::Kafka(format!(
-                "topic {topic} could not be described"
-            )));
-        }
-    };
+    // A topic the broker could not describe (its leaders moving, not there): not "no records".
+    let partitions = kafka::partition_ids(consumer, topic, TIMEOUT)
+        .map_err(|e| RedeliverError::Kafka(e.to_string()))?;
     let at = |ms: i64| -> Result<TopicPartitionList, RedeliverError> {
         let mut tpl = TopicPartitionList::new();
         for p in &partitions {

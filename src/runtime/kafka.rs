@@ -621,6 +621,44 @@ pub fn admin(config: &Config) -> Result<AdminClient<DefaultClientContext>, Kafka
 /// The timeout for metadata and admin calls.
 pub const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Why [`partition_ids`] has no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionsError {
+    #[error("kafka call failed: {0}")]
+    Call(#[from] rdkafka::error::KafkaError),
+    /// The brokers answered, but not with this topic's partitions: it is not there (yet), or its
+    /// description came back with an error (its leaders moving).
+    #[error("{topic} could not be described: {why}")]
+    Undescribed { topic: String, why: String },
+}
+
+/// The ids of `topic`'s partitions, from the brokers' metadata; never an empty list.
+pub fn partition_ids<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, PartitionsError> {
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    let undescribed = |why: String| PartitionsError::Undescribed {
+        topic: topic.to_string(),
+        why,
+    };
+    let t = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(|| undescribed("not in the brokers' answer".into()))?;
+    if let Some(e) = t.error() {
+        return Err(undescribed(RDKafkaErrorCode::from(e).to_string()));
+    }
+    if t.partitions().is_empty() {
+        return Err(undescribed(
+            "no partitions (is the topology applied?)".into(),
+        ));
+    }
+    Ok(t.partitions().iter().map(|p| p.id()).collect())
+}
+
 fn millis(d: Duration) -> String {
     d.as_millis().to_string()
 }

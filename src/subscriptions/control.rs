@@ -284,23 +284,17 @@ fn start_positions(
     consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
 ) -> Result<(TopicPartitionList, Vec<(i32, Ends)>), KafkaError> {
-    let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-    let parts = md
-        .topics()
-        .first()
-        .map(|t| t.partitions())
-        .unwrap_or_default();
-    if parts.is_empty() {
-        return Err(KafkaError::Setup(format!(
-            "{topic} has no partitions (yet)"
-        )));
-    }
+    let parts =
+        kafka::partition_ids(consumer, topic, Duration::from_secs(10)).map_err(|e| match e {
+            kafka::PartitionsError::Call(e) => KafkaError::Call(e),
+            e => KafkaError::Setup(e.to_string()),
+        })?;
     let mut tpl = TopicPartitionList::new();
     let mut ends = Vec::new();
     for p in parts {
-        tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
-        let (low, high) = consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10))?;
-        ends.push((p.id(), Ends { low, high }));
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        ends.push((p, Ends { low, high }));
     }
     Ok((tpl, ends))
 }
@@ -384,18 +378,8 @@ impl ControlEnds {
         let parts = match known {
             Some(parts) => parts,
             None => {
-                let md = self
-                    .consumer
-                    .fetch_metadata(Some(topic), remaining())
+                let parts = kafka::partition_ids(&self.consumer, topic, remaining())
                     .map_err(|e| e.to_string())?;
-                let parts: Vec<i32> = md
-                    .topics()
-                    .first()
-                    .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-                    .unwrap_or_default();
-                if parts.is_empty() {
-                    return Err(format!("{topic} has no partitions"));
-                }
                 *self.partitions.lock().unwrap_or_else(|p| p.into_inner()) = Some(parts.clone());
                 parts
             }

@@ -56,6 +56,37 @@ async fn a_tenant_past_its_write_burst_is_429_with_retry_after_and_others_are_no
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
 }
 
+/// A recover queues every dead letter of its window again, each time it is asked: one of the
+/// tenant's writes (it was not, and nothing but the one-at-a-time gate bounded a loop of them).
+#[tokio::test]
+async fn a_recover_is_one_of_the_tenants_writes() {
+    let h = Harness::with_settings(&[
+        ("STREAMING_HUB_API_WRITE_RATE", "1"),
+        ("STREAMING_HUB_API_WRITE_BURST", "1"),
+    ]);
+    let hook = Hook::start(true).await;
+    // An admin's create is not held to the rate: the tenant's one write is left.
+    let id = h
+        .create_webhook(&h.admin_token_with_tenant("acme"), &hook.url)
+        .await;
+    let acme = h.token("acme");
+    let uri = format!("/v1/subscriptions/{id}/recover");
+    let since = serde_json::json!({"since": "2026-01-01T00:00:00Z"});
+    // This harness runs no operations (503): nothing ran, and the write is given back.
+    let a = h.post(&uri, &acme, since.clone()).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.text);
+    let a = h.post("/v1/subscriptions", &acme, pull_body()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    // That create spent it: the recover is refused before it would run.
+    let a = h.post(&uri, &acme, since).await;
+    assert_eq!(
+        (a.status, a.body["error"]["code"].as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("rate_limited")),
+        "{}",
+        a.text
+    );
+}
+
 #[tokio::test]
 async fn probes_past_the_tenants_share_are_refused_or_deferred_not_run() {
     let h = Harness::new();
