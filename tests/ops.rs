@@ -1178,6 +1178,64 @@ async fn producer_dead_letters_are_searchable_and_never_delivered() {
     assert_eq!(sink.count(&bad.id()), 0);
 }
 
+/// The index is read from its topics' start at each start, so its pages say whether it has read
+/// them up to where they ended: a page that says `complete` holds every record written before,
+/// a topic written in transactions (its last offset a commit marker, never a record) included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forensic_page_that_says_complete_holds_everything_written_before_the_start() {
+    use rdkafka::producer::Producer;
+    const N: usize = 300;
+    let source = unique("catchup");
+    let dlq = format!("lerian.streaming.{source}.dlq");
+    create_topic(&dlq, 1).await;
+    let p: TestProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", format!("{dlq}.test"))
+        .create_with_context(FailOnError::default())
+        .expect("transactional producer");
+    p.init_transactions(Duration::from_secs(30)).unwrap();
+    p.begin_transaction().unwrap();
+    let recs: Vec<Rec> = (0..N)
+        .map(|_| {
+            event("tenant-c", "ledger", "transaction", "created")
+                .add("x-lerian-dlq-source-topic", b"lerian.streaming.ledger")
+                .add("x-lerian-dlq-cause-kind", b"business")
+        })
+        .collect();
+    produce(&p, &dlq, &recs);
+    p.commit_transaction(Duration::from_secs(30)).unwrap();
+
+    let s = ApiHub::start("cu", &[]).await;
+    let (admin, addr) = (admin_token(), s.hub.addr());
+    let q = format!("/admin/dlq?source={source}&limit=1000");
+    let mut partial = 0;
+    wait_until(Duration::from_secs(60), "a complete page", || {
+        let (st, page, _) = futures_block(get_json(&s, &addr, &q, &admin));
+        assert_eq!(st, 200, "{page}");
+        let got = page["records"].as_array().map_or(0, Vec::len);
+        match page["complete"].as_bool() {
+            Some(true) => {
+                assert_eq!(got, N, "a page that says complete holds them all");
+                Some(())
+            }
+            Some(false) => {
+                partial += 1;
+                None
+            }
+            None => panic!("no `complete` in {page}"),
+        }
+    });
+    eprintln!("{partial} answers before the index was complete");
+    for path in ["/admin/quarantine", "/admin/deliveries/dead"] {
+        let (st, page, _) = get_json(&s, &addr, path, &admin).await;
+        assert_eq!(
+            (st, page["complete"].as_bool()),
+            (200, Some(true)),
+            "{path}: {page}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_deliveries_records_every_attempt_the_sink_saw() {
     let mut s = ApiHub::start("term", &[("STREAMING_HUB_SHUTDOWN_TIMEOUT", "20s")]).await;

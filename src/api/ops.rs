@@ -633,6 +633,11 @@ pub struct ForensicPage {
     /// Newest first; ends early (fewer than `limit`) after the record that brings the answer
     /// past 8 MiB of JSON.
     pub records: Vec<ForensicRecord>,
+    /// False while this instance's index has not yet read every partition it follows up to
+    /// where that partition ended when the index first saw it (after the instance started, a
+    /// rebalance of the index's group, a new producer `.dlq` topic): records may be missing from
+    /// the page; ask again.
+    pub complete: bool,
 }
 
 #[utoipa::path(get, path = "/admin/dlq", tag = "admin", params(ForensicQuery),
@@ -669,8 +674,12 @@ fn forensic_page(
     pick: fn(&Forensics, &Filter) -> Vec<ForensicRecord>,
 ) -> Result<Json<ForensicPage>, ApiError> {
     let f = q.filter()?;
+    let index = &ops(state)?.forensics;
+    // Read before the records: a page that says complete holds all that was read by then.
+    let complete = index.complete();
     Ok(Json(ForensicPage {
-        records: pick(&ops(state)?.forensics, &f),
+        records: pick(index, &f),
+        complete,
     }))
 }
 
@@ -701,6 +710,11 @@ pub struct DeadQuery {
 pub struct DeadPage {
     /// Newest first.
     pub deliveries: Vec<DeadDelivery>,
+    /// False while this instance's index has not yet read every partition it follows up to
+    /// where that partition ended when the index first saw it (after the instance started, a
+    /// rebalance of the index's group, a new producer `.dlq` topic): records may be missing from
+    /// the page; ask again.
+    pub complete: bool,
 }
 
 #[utoipa::path(get, path = "/admin/deliveries/dead", tag = "admin", params(DeadQuery),
@@ -732,8 +746,11 @@ pub async fn dead_deliveries(
         limit: parse_limit(q.limit.as_deref(), 100, 1000)?,
         ..Filter::default()
     };
+    let index = &ops(&state)?.forensics;
+    let complete = index.complete();
     Ok(Json(DeadPage {
-        deliveries: ops(&state)?.forensics.dead(&f),
+        deliveries: index.dead(&f),
+        complete,
     }))
 }
 

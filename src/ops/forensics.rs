@@ -377,6 +377,67 @@ pub struct Forensics {
     inner: Arc<Mutex<Inner>>,
     retention_ms: i64,
     clock: SharedClock,
+    /// See [`Forensics::complete`].
+    complete: Arc<AtomicBool>,
+}
+
+/// Whether the index is complete: 1 once it has read every partition it follows up to where that
+/// partition ended when the index first saw it, 0 before (after a start, a rebalance of its
+/// group, a new producer `.dlq` topic).
+pub const INDEX_COMPLETE: &str = "streaming_hub_forensics_index_complete";
+/// How often the index checks its positions against the ends it noted.
+const CATCH_UP_CHECK: Duration = Duration::from_millis(500);
+
+/// The index's reading against the ends of what it follows. Each partition's end is noted when
+/// the index first sees the partition in its assignment; a partition read up to it stays read
+/// while assigned (records after it are the live tail, not a backlog).
+#[derive(Default)]
+struct CatchUp {
+    /// Partitions not yet read up to their noted end (`low`, `high` when first seen).
+    ends: HashMap<(String, i32), i64>,
+    read: std::collections::HashSet<(String, i32)>,
+}
+
+impl CatchUp {
+    /// Given the assignment now with each partition's position (`None`: nothing fetched yet),
+    /// whether every assigned partition is read up to its noted end. `end_of` asks the brokers
+    /// for a partition first seen: `(low, high)`, or `None` when they did not answer (asked again
+    /// at the next check). No assignment (not in the group yet) is not complete.
+    fn check(
+        &mut self,
+        assigned: &[((String, i32), Option<i64>)],
+        mut end_of: impl FnMut(&str, i32) -> Option<(i64, i64)>,
+    ) -> bool {
+        let now: std::collections::HashSet<&(String, i32)> =
+            assigned.iter().map(|(tp, _)| tp).collect();
+        self.ends.retain(|tp, _| now.contains(tp));
+        self.read.retain(|tp| now.contains(tp));
+        let mut complete = !assigned.is_empty();
+        for (tp, position) in assigned {
+            if self.read.contains(tp) {
+                continue;
+            }
+            let end = match self.ends.get(tp) {
+                Some(&end) => Some(end),
+                None => end_of(&tp.0, tp.1).map(|(low, high)| {
+                    // Nothing to read (empty, or all of it deleted): read already.
+                    let end = if high <= low { i64::MIN } else { high };
+                    self.ends.insert(tp.clone(), end);
+                    end
+                }),
+            };
+            // librdkafka moves the position past transaction markers, so a partition whose last
+            // offset is a commit marker (the quarantine, the dead deliveries) is read to `high`.
+            match end {
+                Some(end) if end == i64::MIN || position.is_some_and(|p| p >= end) => {
+                    self.ends.remove(tp);
+                    self.read.insert(tp.clone());
+                }
+                _ => complete = false,
+            }
+        }
+        complete
+    }
 }
 
 impl Forensics {
@@ -385,6 +446,26 @@ impl Forensics {
             inner: Arc::default(),
             retention_ms: retention.as_millis() as i64,
             clock,
+            complete: Arc::default(),
+        }
+    }
+
+    /// Whether the index has read every partition it follows up to where that partition ended
+    /// when the index first saw it. False after a start (it reads its topics from their start),
+    /// a rebalance of its group, or a new producer `.dlq` topic, until it has: pages answered
+    /// meanwhile may lack records.
+    pub fn complete(&self) -> bool {
+        self.complete.load(Ordering::Relaxed)
+    }
+
+    fn set_complete(&self, complete: bool, started: std::time::Instant) {
+        let was = self.complete.swap(complete, Ordering::Relaxed);
+        metrics::gauge!(INDEX_COMPLETE).set(if complete { 1.0 } else { 0.0 });
+        if complete && !was {
+            tracing::info!(
+                took_ms = started.elapsed().as_millis() as u64,
+                "forensics index complete: every partition it follows read up to where it ended"
+            );
         }
     }
 
@@ -519,7 +600,17 @@ impl Forensics {
             .subscribe(&[PRODUCER_DLQ_PATTERN, &quarantine, &dead])
             .map_err(kafka::KafkaError::from)?;
         tracing::info!(%group, "forensics index following producers' DLQs, quarantine and dead deliveries");
+        // A new consumer reads its partitions over (the index skips what it holds).
+        let started = std::time::Instant::now();
+        self.set_complete(false, started);
+        let mut catch_up = CatchUp::default();
+        let mut checked = started;
         while !stop.load(Ordering::Relaxed) {
+            if checked.elapsed() >= CATCH_UP_CHECK {
+                checked = std::time::Instant::now();
+                let complete = self.caught_up(&consumer, &mut catch_up);
+                self.set_complete(complete, started);
+            }
             match consumer.poll(Duration::from_millis(200)) {
                 None => {}
                 Some(Ok(m)) => {
@@ -536,6 +627,35 @@ impl Forensics {
             }
         }
         Ok(())
+    }
+}
+
+impl Forensics {
+    /// [`CatchUp::check`] of `consumer`'s assignment and positions now.
+    fn caught_up(
+        &self,
+        consumer: &BaseConsumer<kafka::ReaderContext>,
+        catch_up: &mut CatchUp,
+    ) -> bool {
+        let Ok(positions) = consumer.position() else {
+            return false;
+        };
+        let assigned: Vec<((String, i32), Option<i64>)> = positions
+            .elements()
+            .iter()
+            .map(|e| {
+                let position = match e.offset() {
+                    rdkafka::Offset::Offset(o) => Some(o),
+                    _ => None,
+                };
+                ((e.topic().to_string(), e.partition()), position)
+            })
+            .collect();
+        catch_up.check(&assigned, |topic, partition| {
+            consumer
+                .fetch_watermarks(topic, partition, Duration::from_secs(2))
+                .ok()
+        })
     }
 }
 
@@ -714,6 +834,64 @@ fn record_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Complete once every assigned partition is read to where it ended when first seen: not
+    /// before the group assigns anything, not while a partition's end is unknown, and again not
+    /// when a new partition comes; the live tail after the noted end does not count.
+    #[test]
+    fn the_index_is_complete_once_each_partition_is_read_to_its_end_when_first_seen() {
+        let tp = |t: &str, p: i32| (t.to_string(), p);
+        let mut c = CatchUp::default();
+        let mut asked = Vec::new();
+        let mut ends = HashMap::from([(tp("q", 0), (0, 10)), (tp("d", 0), (5, 5))]);
+        type Part = (String, i32);
+        // The brokers answer `ends`; each question is noted in `asked`.
+        fn check(
+            c: &mut CatchUp,
+            assigned: &[(Part, Option<i64>)],
+            ends: &HashMap<Part, (i64, i64)>,
+            asked: &mut Vec<Part>,
+        ) -> bool {
+            c.check(assigned, |t, p| {
+                asked.push((t.to_string(), p));
+                ends.get(&(t.to_string(), p)).copied()
+            })
+        }
+        assert!(
+            !check(&mut c, &[], &ends, &mut asked),
+            "not in the group yet"
+        );
+        let assigned = |q: Option<i64>| vec![(tp("q", 0), q), (tp("d", 0), None)];
+        assert!(
+            !check(&mut c, &assigned(None), &ends, &mut asked),
+            "nothing fetched"
+        );
+        assert!(
+            !check(&mut c, &assigned(Some(9)), &ends, &mut asked),
+            "one short"
+        );
+        assert_eq!(asked.len(), 2, "each end noted once: {asked:?}");
+        assert!(check(&mut c, &assigned(Some(10)), &ends, &mut asked));
+        // The tail grows: read already.
+        ends.insert(tp("q", 0), (0, 50));
+        assert!(check(&mut c, &assigned(Some(12)), &ends, &mut asked));
+        assert_eq!(asked.len(), 2);
+        // A new producer DLQ whose end the brokers do not tell yet: not complete, asked again.
+        let mut more = assigned(Some(12));
+        more.push((tp("p", 1), Some(0)));
+        assert!(!check(&mut c, &more, &ends, &mut asked));
+        assert!(!check(&mut c, &more, &ends, &mut asked));
+        assert_eq!(asked[2..], [tp("p", 1), tp("p", 1)]);
+        ends.insert(tp("p", 1), (3, 7));
+        assert!(!check(&mut c, &more, &ends, &mut asked), "at 0 of 7");
+        more[2].1 = Some(7);
+        assert!(check(&mut c, &more, &ends, &mut asked));
+        // Taken away and given back (a rebalance): its end is noted again.
+        assert!(check(&mut c, &assigned(Some(12)), &ends, &mut asked));
+        more[2].1 = Some(7);
+        ends.insert(tp("p", 1), (3, 9));
+        assert!(!check(&mut c, &more, &ends, &mut asked), "7 of 9 now");
+    }
 
     #[test]
     fn a_record_is_filed_under_its_source_and_a_spoof_under_its_topics() {
