@@ -413,11 +413,15 @@ fn main() -> ExitCode {
                                 "streaming-hub replay: dry run: nothing committed (nor checked \
                                  that every hub instance is stopped)"
                             );
-                        } else if !back && !exact {
+                        }
+                        if !back && !exact {
+                            // A dry run says it too: it is where the operator checks the target.
                             eprintln!(
-                                "streaming-hub replay: no partition moved: each committed offset \
+                                "streaming-hub replay: no partition {}: each committed offset \
                                  is at or before the target already (a time after the last \
-                                 records?); nothing will be delivered again"
+                                 records?); nothing {} delivered again",
+                                if dry_run { "would move" } else { "moved" },
+                                if dry_run { "would be" } else { "will be" },
                             );
                         }
                         ExitCode::SUCCESS

@@ -512,6 +512,13 @@ async fn whole_hub_replay_by_offset_reset_redelivers_every_event() {
         "{refusals:?}"
     );
     assert!(nothing.contains("no partition moved"), "{nothing}");
+    // A dry run, where an operator checks the target first, says so too.
+    let dry = replay(
+        &env,
+        &["--to-datetime", "2999-01-01T00:00:00Z", "--dry-run"],
+    );
+    let dry_err = String::from_utf8_lossy(&dry.stderr);
+    assert!(dry_err.contains("no partition would move"), "{dry_err}");
     // A dry run says where each partition would go and commits nothing: the replay after it
     // finds the same committed offsets and moves them the same way.
     let dry = replay(&env, &["--to-offset", "earliest", "--dry-run"]);

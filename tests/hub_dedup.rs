@@ -433,3 +433,61 @@ async fn a_record_of_an_aborted_ingest_transaction_is_never_processed() {
         "only the committed event: {seen:?}"
     );
 }
+
+/// An inbox record ingest did not write (no key; no `ce-id`) is quarantined by the hub in its
+/// transaction, reason `inbox_record_invalid`, naming its inbox place, payload kept; the records
+/// around it are taken in. It was dropped with a counter only.
+#[tokio::test]
+async fn an_inbox_record_ingest_did_not_write_is_quarantined_not_dropped() {
+    let (cfg, _state, inbox) = topics("dedup-invalid").await;
+    let quarantine = format!("{}.quarantine", cfg.topic_prefix);
+    let clock = clock_at("2026-09-26T12:00:00Z");
+    let t0 = "2026-09-26T12:00:00.000Z";
+    let rec = Recorder::default();
+    let id = || uuid::Uuid::now_v7().to_string();
+    let (id_a, id_b) = (id(), id());
+    let at_0 = |r: Rec| Rec {
+        partition: Some(0),
+        ..r
+    };
+    let no_key = Rec {
+        key: None,
+        ..inbox_record("t1", &id(), t0)
+    };
+    let no_id = inbox_record("t1", &id(), t0).set("ce-id", None);
+    let records = [
+        inbox_record("t1", &id_a, t0),
+        no_key.clone(),
+        no_id.clone(),
+        inbox_record("t1", &id_b, t0),
+    ]
+    .map(at_0);
+    produce(&producer(), &inbox, &records);
+    let hub = start(&cfg, &clock, &rec);
+    let got = read_until(&[&quarantine], Duration::from_secs(60), |got| {
+        got.len() >= 2
+    });
+    wait_until(Duration::from_secs(60), "the events around them", || {
+        (rec.len() >= 2).then_some(())
+    });
+    hub.stop();
+    let seen: Vec<String> = rec.events().into_iter().map(|e| e.1).collect();
+    assert_eq!(seen, vec![id_a, id_b]);
+    assert_eq!(got.len(), 2, "{got:?}");
+    for (offset, original, why) in [(1, &no_key, "no key"), (2, &no_id, "ce-id")] {
+        // The quarantine has several partitions: found by the place each names.
+        let q = got
+            .iter()
+            .find(|q| q.rec.header("x-lerian-dlq-source-offset") == Some(&offset.to_string()))
+            .unwrap_or_else(|| panic!("offset {offset} not quarantined: {got:?}"));
+        let h = |name: &str| q.rec.header(name).unwrap_or_default().to_string();
+        assert_eq!(h("x-streaming-hub-reason"), "inbox_record_invalid");
+        assert_eq!(h("x-lerian-dlq-source-topic"), inbox);
+        assert_eq!(h("x-lerian-dlq-source-partition"), "0");
+        assert_eq!(h("x-lerian-dlq-producer-id"), cfg.hub_group_id());
+        assert!(h("x-lerian-dlq-error-message").contains(why), "{q:?}");
+        assert_eq!(q.rec.value, original.value);
+        assert_eq!(q.rec.key, original.key);
+        assert_eq!(q.rec.header("ce-type"), original.header("ce-type"));
+    }
+}

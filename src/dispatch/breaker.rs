@@ -331,6 +331,18 @@ impl Holds {
             }
         }
     }
+
+    /// A delivery of `subscription` let through at `admitted_at` was never sent (shed by its
+    /// origin's breaker, its payload gone, or it waited past its lease): if it was the one let
+    /// through after a hold, the next due delivery goes in its place. Before, the others waited
+    /// behind a probe that never went out, up to [`PROBE_LOST_MS`].
+    pub fn unsent(&mut self, subscription: &str, admitted_at: i64) {
+        if let Some(h) = self.held.get_mut(subscription) {
+            if h.probe == Some(admitted_at) {
+                h.probe = None;
+            }
+        }
+    }
 }
 
 /// When a delivery due at `now`, waiting behind a probe admitted at `since`, is looked at
@@ -653,6 +665,30 @@ mod tests {
                 until: until + COOL_DOWN_MS
             }
         );
+    }
+
+    /// The one delivery let through after a hold, never sent (its origin's breaker shed it, or
+    /// it waited past its lease), frees its place: the next due one goes, instead of all of them
+    /// waiting behind a probe that never went out until it counted as lost.
+    #[test]
+    fn a_hold_s_probe_never_sent_lets_the_next_one_through() {
+        let s = 1_000;
+        let mut h = Holds::default();
+        h.hold("sub-a", Some(20 * s as u64), 0);
+        assert_eq!(h.held_until("sub-a", 20 * s), None, "let through");
+        assert!(h.held_until("sub-a", 20 * s + 1).is_some(), "behind it");
+        // Another delivery's admission time frees nothing.
+        h.unsent("sub-a", 20 * s - 1);
+        assert!(h.held_until("sub-a", 20 * s + 2).is_some());
+        h.unsent("sub-a", 20 * s);
+        assert_eq!(h.held_until("sub-a", 20 * s + 3), None, "the next one goes");
+        assert!(
+            h.held_until("sub-a", 20 * s + 4).is_some(),
+            "behind that one"
+        );
+        // Nothing held: nothing to free.
+        h.unsent("sub-z", 5);
+        assert_eq!(h.held_until("sub-z", 6), None);
     }
 
     #[test]

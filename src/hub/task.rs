@@ -247,6 +247,11 @@ impl Outputs<'_> {
         }
         kafka::send_waiting(self.producer, r).map_err(|e| HubError::Kafka(e.into()))
     }
+
+    /// Sends `record` as it is into the open transaction.
+    pub fn send_record(&mut self, record: BaseRecord<'_, [u8], [u8]>) -> Result<(), HubError> {
+        kafka::send_waiting(self.producer, record).map_err(|e| HubError::Kafka(e.into()))
+    }
 }
 
 /// What a handler sees of its task inside the transaction.
@@ -380,6 +385,8 @@ struct Env {
     attempts: String,
     dlq: String,
     control: String,
+    /// Where an inbox record that is not an ingest output goes (see [`quarantine_invalid`]).
+    quarantine: String,
 }
 
 impl Env {
@@ -1300,17 +1307,44 @@ fn open_current(path: &std::path::Path, partition: i32) -> Result<(Store, Option
         return Ok((store, None));
     }
     let current_at = store.written_at()?.or(table_files_ms);
-    let age_ms = current_at.map(|at| now_ms().saturating_sub(at));
-    if age_ms.is_some_and(|a| a <= STALE_AFTER.as_millis() as i64) {
+    let now = now_ms();
+    if dated_current(current_at, now) {
         return Ok((store, current_at));
     }
     drop(store);
-    tracing::info!(
-        partition,
-        age_h = age_ms.map(|a| a / 3_600_000),
-        "local state older than tombstones are sure to stay on the changelog: discarded, restoring from the start"
-    );
+    let age_ms = current_at.map(|at| now.saturating_sub(at));
+    if age_ms.is_some_and(|a| a < 0) {
+        tracing::warn!(
+            partition,
+            ahead_s = age_ms.map(|a| -a / 1000),
+            "local state stamped ahead of this clock (a clock that ran ahead, or was set back): its \
+             age cannot be told, discarded, restoring from the start"
+        );
+    } else {
+        tracing::info!(
+            partition,
+            age_h = age_ms.map(|a| a / 3_600_000),
+            "local state older than tombstones are sure to stay on the changelog: discarded, restoring from the start"
+        );
+    }
     Ok((discard_store(path, partition)?, None))
+}
+
+/// How far ahead of this clock a store's stamp may be and still date it (a clock stepped back
+/// by a time sync).
+const STAMP_AHEAD_TOLERATED_MS: i64 = 5 * 60 * 1000;
+
+/// Whether a store last known current at `at` (this host's wall clock, ms) may be restored from
+/// its offsets at `now`: not older than [`STALE_AFTER`], and not stamped more than
+/// [`STAMP_AHEAD_TOLERATED_MS`] ahead. A stamp further ahead was written by a clock running
+/// ahead, so the store's true age is unknown: a store a day and a half old, stamped while the
+/// clock ran two days ahead, read as fresh, and tombstones compacted away since brought
+/// finished jobs back.
+fn dated_current(at: Option<i64>, now: i64) -> bool {
+    at.is_some_and(|at| {
+        let age = now.saturating_sub(at);
+        (-STAMP_AHEAD_TOLERATED_MS..=STALE_AFTER.as_millis() as i64).contains(&age)
+    })
 }
 
 /// Stores RocksDB found corrupt at open, discarded and restored from their changelogs.
@@ -1878,6 +1912,7 @@ impl HubStage {
                 attempts: format!("{p}.attempts"),
                 dlq: format!("{p}.dlq"),
                 control: format!("{p}.subscriptions"),
+                quarantine: format!("{p}.quarantine"),
             },
             clock,
             handler,
@@ -2437,6 +2472,7 @@ impl HubStage {
             let careful = !early_on || recount || m.offset() < task.careful_until;
             let st = staged.entry(p).or_default();
             let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
+                quarantine_invalid(env, &mut outputs, m, now)?;
                 HubEvent {
                     outcome: "invalid",
                     partition: p,
@@ -2853,11 +2889,12 @@ fn record_outcomes(
             codec: &env.codec,
         };
         if o.not_attempted() {
-            if js.get_job(&o.job_key)?.is_some() {
+            if let Some(job) = js.get_job(&o.job_key)? {
                 let origin = cached_origin(&mut d.origins, o.url.as_deref());
                 // Claimed (and admitted) a lease before its end.
-                d.breakers
-                    .unsent(&o.tenant, &origin, o.lease_until - d.lease_ms);
+                let admitted_at = o.lease_until - d.lease_ms;
+                d.breakers.unsent(&o.tenant, &origin, admitted_at);
+                d.holds.unsent(&job.subscription_id, admitted_at);
             }
             jobs::release_unattempted(&mut js, o, now)?;
             continue;
@@ -3366,6 +3403,7 @@ fn claim(
     let origin = cached_origin(&mut d.origins, sub.destination.url.as_deref());
     if let breaker::Admit::Shed { until } = d.breakers.admit(&job.tenant_id, &origin, now) {
         // The destination's breaker is open.
+        d.holds.unsent(&sub.id, now);
         let tenant = job.tenant_id.clone();
         postpone(js, &key, job, until)?;
         telemetry::Shed { tenant: &tenant }.emit();
@@ -3373,6 +3411,7 @@ fn claim(
     }
     let Some(payload_key) = jobs::payload_key_of(&key) else {
         d.breakers.unsent(&job.tenant_id, &origin, now);
+        d.holds.unsent(&sub.id, now);
         return Ok(false);
     };
     let (event, sole) = match fresh.and_then(|i| views.of(i)) {
@@ -3384,6 +3423,7 @@ fn claim(
                 // undecodable): it can never be sent. Dead-lettered, so the loss is on
                 // `<prefix>.dlq` with its ids and counted, not a job that vanished unseen.
                 d.breakers.unsent(&job.tenant_id, &origin, now);
+                d.holds.unsent(&sub.id, now);
                 job.last_error = Some(PAYLOAD_MISSING.to_string());
                 let dl = jobs::dead_letter_without_attempt(
                     js,
@@ -3711,6 +3751,50 @@ fn purge_expired(
     Ok(next)
 }
 
+/// An inbox record that is not an ingest output (someone else wrote to the inbox: ingest writes
+/// only records with a tenant key and a `ce-id`) goes to the quarantine in the batch's
+/// transaction, reason `inbox_record_invalid`, with the producers' forensic headers naming its
+/// inbox place, instead of being dropped with a counter only: an operator finds it in
+/// `GET /admin/quarantine` and the WARN line at commit.
+fn quarantine_invalid(
+    env: &Env,
+    out: &mut Outputs<'_>,
+    m: &BorrowedMessage<'_>,
+    now: i64,
+) -> Result<(), HubError> {
+    let why = match std::str::from_utf8(m.key().unwrap_or_default()) {
+        _ if m.key().is_none() => "the record has no key (ingest keys each by its tenant id)",
+        Ok(k) if !k.is_empty() && !crate::ingest::classify::has_control(k) => {
+            "the record has no usable ce-id header (missing, empty, not UTF-8, or with control \
+             characters)"
+        }
+        _ => "the record's key is not a tenant id (empty, not UTF-8, or with control characters)",
+    };
+    let (headers, oversized) = crate::ingest::pipeline::headers_of(m);
+    let omit = m.payload().map_or(0, <[u8]>::len) > env.config.max_payload_bytes;
+    let at = crate::ingest::pipeline::rfc3339_ms(now);
+    let group = env.config.hub_group_id();
+    let copy = crate::ingest::pipeline::QuarantineCopy::of(
+        m,
+        &headers,
+        oversized,
+        omit,
+        &crate::ingest::pipeline::Why {
+            reason: INBOX_RECORD_INVALID,
+            cause_kind: "codec",
+            message: why,
+            at: &at,
+            by: &group,
+        },
+    );
+    out.send_record(copy.record(&env.quarantine))?;
+    crate::runtime::telemetry::invalid_inbox_record(m.partition(), m.offset(), why);
+    Ok(())
+}
+
+/// The quarantine reason of an inbox record that is not an ingest output.
+pub const INBOX_RECORD_INVALID: &str = "inbox_record_invalid";
+
 /// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
 /// not an ingest output (someone else wrote to the inbox).
 fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<i64>)> {
@@ -3839,6 +3923,26 @@ fn forget_revoked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store is restored from its offsets only when its stamp dates it within the tombstones'
+    /// safe window, and a stamp from a clock that ran ahead does not pass for a fresh one.
+    #[test]
+    fn a_store_stamped_ahead_of_the_clock_is_not_taken_for_current() {
+        let now = 1_800_000_000_000;
+        let (h, m) = (3_600_000, 60_000);
+        assert!(!dated_current(None, now), "no stamp");
+        assert!(dated_current(Some(now), now));
+        assert!(dated_current(Some(now - 12 * h), now));
+        assert!(!dated_current(Some(now - 12 * h - 1), now), "stale");
+        assert!(dated_current(Some(now + 5 * m), now), "a time sync's step");
+        assert!(!dated_current(Some(now + 5 * m + 1), now));
+        assert!(
+            !dated_current(Some(now + 48 * h), now),
+            "a clock that ran ahead"
+        );
+        assert!(!dated_current(Some(i64::MIN), now));
+        assert!(!dated_current(Some(i64::MAX), now));
+    }
 
     fn attempt_to(url: &str, lease_until: i64) -> Attempt {
         let mut sub = crate::runtime::records::SubscriptionRecord::pull("s1", "t1", &["*"]);
@@ -4116,6 +4220,7 @@ mod tests {
             attempts: "t.attempts".into(),
             dlq: "t.dlq".into(),
             control: "t.control".into(),
+            quarantine: "t.quarantine".into(),
         };
         // Nothing is sent: the records only queue.
         let producer: BaseProducer<TrackingContext> = ClientConfig::new()

@@ -610,49 +610,20 @@ impl Ingest {
                 // (2 MiB) would refuse it and the transaction would fail again after every retry.
                 let omit = q.reason == Reason::PayloadTooLarge
                     || value.map_or(0, <[u8]>::len) > self.classify.max_payload_bytes;
-                let key = msg.key().filter(|k| k.len() <= MAX_QUARANTINE_KEY_BYTES);
-                let key_omitted = msg.key().is_some() && key.is_none();
-                let size = value.map_or(0, <[u8]>::len).to_string();
-                let carried = quarantine_carried(&headers, oversized_headers);
-                let mut out = OwnedHeaders::new_with_capacity(carried.len() + 13);
-                for (k, v) in carried {
-                    out = out.insert(Header { key: k, value: v });
-                }
-                let forensic: [(&str, &str); 13] = [
-                    ("x-lerian-dlq-source-topic", msg.topic()),
-                    ("x-lerian-dlq-source-partition", &partition),
-                    ("x-lerian-dlq-source-offset", &offset),
-                    ("x-lerian-dlq-error-class", "validation_error"),
-                    ("x-lerian-dlq-error-message", &q.message),
-                    ("x-lerian-dlq-cause-kind", q.reason.cause_kind()),
-                    ("x-lerian-dlq-retry-count", "0"),
-                    ("x-lerian-dlq-first-failure-at", ingest_time),
-                    ("x-lerian-dlq-producer-id", &self.config.group_id),
-                    (
-                        "x-lerian-dlq-payload-omitted",
-                        if omit { "true" } else { "false" },
-                    ),
-                    ("x-lerian-dlq-payload-bytes", &size),
-                    (
-                        "x-lerian-dlq-key-omitted",
-                        if key_omitted { "true" } else { "false" },
-                    ),
-                    (H_REASON, q.reason.code()),
-                ];
-                for (k, v) in forensic {
-                    out = out.insert(Header {
-                        key: k,
-                        value: Some(v),
-                    });
-                }
-                let mut record = BaseRecord::<[u8], [u8]>::to(&self.quarantine).headers(out);
-                if let Some(k) = key {
-                    record = record.key(k);
-                }
-                if let (Some(v), false) = (value, omit) {
-                    record = record.payload(v);
-                }
-                send(producer, record)
+                let copy = QuarantineCopy::of(
+                    msg,
+                    &headers,
+                    oversized_headers,
+                    omit,
+                    &Why {
+                        reason: q.reason.code(),
+                        cause_kind: q.reason.cause_kind(),
+                        message: &q.message,
+                        at: ingest_time,
+                        by: &self.config.group_id,
+                    },
+                );
+                send(producer, copy.record(&self.quarantine))
             }
         }
     }
@@ -735,6 +706,107 @@ const KEPT_ATTRIBUTES: [&str; 13] = [
 /// The longest value of a [`KEPT_ATTRIBUTES`] header on such a record: 13 of them stay far inside
 /// the quarantine topic's 2 MiB, whatever the headers that did not fit held.
 const MAX_KEPT_VALUE_BYTES: usize = 1024;
+
+/// A header as read from a record: its name, its value (`None`: null).
+pub type HeaderRef<'h> = (&'h str, Option<&'h [u8]>);
+
+/// Why and by whom a record is quarantined: its forensic headers' values.
+pub struct Why<'a> {
+    /// `x-streaming-hub-reason`.
+    pub reason: &'a str,
+    /// `x-lerian-dlq-cause-kind`.
+    pub cause_kind: &'a str,
+    /// `x-lerian-dlq-error-message`.
+    pub message: &'a str,
+    /// `x-lerian-dlq-first-failure-at` (RFC 3339).
+    pub at: &'a str,
+    /// `x-lerian-dlq-producer-id`: the group of the stage that quarantined it.
+    pub by: &'a str,
+}
+
+/// The quarantined copy of a record: the headers it carries, then the forensic ones; its key
+/// unless over [`MAX_QUARANTINE_KEY_BYTES`]; its payload unless omitted.
+pub struct QuarantineCopy<'m> {
+    headers: OwnedHeaders,
+    key: Option<&'m [u8]>,
+    payload: Option<&'m [u8]>,
+}
+
+impl<'m> QuarantineCopy<'m> {
+    /// `headers` are `msg`'s as read; `oversized_headers` keeps only the first of each of
+    /// [`KEPT_ATTRIBUTES`] (see [`quarantine_carried`]); `omit_payload` leaves the payload out.
+    pub fn of(
+        msg: &'m BorrowedMessage<'_>,
+        headers: &[(&str, Option<&[u8]>)],
+        oversized_headers: bool,
+        omit_payload: bool,
+        why: &Why<'_>,
+    ) -> QuarantineCopy<'m> {
+        let value = msg.payload();
+        let key = msg.key().filter(|k| k.len() <= MAX_QUARANTINE_KEY_BYTES);
+        let key_omitted = msg.key().is_some() && key.is_none();
+        let size = value.map_or(0, <[u8]>::len).to_string();
+        let (partition, offset) = (msg.partition().to_string(), msg.offset().to_string());
+        let carried = quarantine_carried(headers, oversized_headers);
+        let mut out = OwnedHeaders::new_with_capacity(carried.len() + 13);
+        for (k, v) in carried {
+            out = out.insert(Header { key: k, value: v });
+        }
+        let flag = |b: bool| if b { "true" } else { "false" };
+        let forensic: [(&str, &str); 13] = [
+            ("x-lerian-dlq-source-topic", msg.topic()),
+            ("x-lerian-dlq-source-partition", &partition),
+            ("x-lerian-dlq-source-offset", &offset),
+            ("x-lerian-dlq-error-class", "validation_error"),
+            ("x-lerian-dlq-error-message", why.message),
+            ("x-lerian-dlq-cause-kind", why.cause_kind),
+            ("x-lerian-dlq-retry-count", "0"),
+            ("x-lerian-dlq-first-failure-at", why.at),
+            ("x-lerian-dlq-producer-id", why.by),
+            ("x-lerian-dlq-payload-omitted", flag(omit_payload)),
+            ("x-lerian-dlq-payload-bytes", &size),
+            ("x-lerian-dlq-key-omitted", flag(key_omitted)),
+            (H_REASON, why.reason),
+        ];
+        for (k, v) in forensic {
+            out = out.insert(Header {
+                key: k,
+                value: Some(v),
+            });
+        }
+        QuarantineCopy {
+            headers: out,
+            key,
+            payload: value.filter(|_| !omit_payload),
+        }
+    }
+
+    /// The record to send to `topic` (the quarantine).
+    pub fn record<'t>(self, topic: &'t str) -> BaseRecord<'t, [u8], [u8]>
+    where
+        'm: 't,
+    {
+        let mut record = BaseRecord::<[u8], [u8]>::to(topic).headers(self.headers);
+        if let Some(k) = self.key {
+            record = record.key(k);
+        }
+        if let Some(v) = self.payload {
+            record = record.payload(v);
+        }
+        record
+    }
+}
+
+/// A record's headers as ingest reads them and whether they are over the bounds a copy carries
+/// whole ([`MAX_HEADERS`], [`MAX_HEADER_BYTES`]); a header whose name is not UTF-8 is left out.
+pub fn headers_of<'h>(msg: &'h BorrowedMessage<'_>) -> (Vec<HeaderRef<'h>>, bool) {
+    let read = match msg.headers() {
+        Some(h) => read_headers(h.count(), |idx| kafka::raw_header(h, idx)),
+        None => read_headers(0, |_| None),
+    };
+    let oversized = read.count > MAX_HEADERS || read.bytes > MAX_HEADER_BYTES;
+    (read.headers, oversized)
+}
 
 /// The producer's headers a quarantined record carries, in their order, before the forensic
 /// headers the hub writes. Most records carry them all but the forensic ones: a producer's own

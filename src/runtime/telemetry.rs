@@ -278,6 +278,20 @@ impl HubEvent<'_> {
     }
 }
 
+/// An inbox record that is not an ingest output, quarantined by the hub: a WARN line when its
+/// transaction commits (counted as `HubEvent` `invalid`).
+pub fn invalid_inbox_record(partition: i32, offset: i64, why: &'static str) {
+    on_commit(move || {
+        tracing::warn!(
+            partition,
+            offset,
+            why,
+            "an inbox record that is not an ingest output was quarantined (inbox_record_invalid): \
+             something other than ingest writes to the inbox"
+        )
+    });
+}
+
 pub const TXN_PHASE_SECONDS: &str = "streaming_hub_txn_phase_seconds";
 
 /// Where a committed transaction's time went, per stage (`ingest`, `hub`) and phase: `work`
