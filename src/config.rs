@@ -339,6 +339,9 @@ macro_rules! upper {
     (max_subscriptions_per_tenant) => {
         "MAX_SUBSCRIPTIONS_PER_TENANT"
     };
+    (max_pull_subscriptions_per_tenant) => {
+        "MAX_PULL_SUBSCRIPTIONS_PER_TENANT"
+    };
     (pull_burst) => {
         "PULL_BURST"
     };
@@ -643,6 +646,12 @@ settings! {
     /// subscription_limit` (every instance holds every subscription in memory). `0` = no
     /// limit. `subscriptions apply` and writers of the control topic are not held to it.
     max_subscriptions_per_tenant: u32 = "1000";
+    /// Most pull subscriptions a tenant may have, within the limit above: each keeps its own
+    /// copy of every event it matches on `<prefix>.pull`, so a tenant's N pull subscriptions on
+    /// `*` write each of its events N times. A create through the API past it answers `409
+    /// subscription_limit` naming `destination.type`. `0` = no limit of its own.
+    /// `subscriptions apply` and writers of the control topic are not held to it.
+    max_pull_subscriptions_per_tenant: u32 = "20";
     /// Consumer group of the forensics index (producers' `.dlq` topics, quarantine, dead
     /// deliveries), suffixed `-<instance>` so every instance indexes everything; empty =
     /// `<STREAMING_HUB_GROUP_ID>.forensics`.

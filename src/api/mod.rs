@@ -71,6 +71,8 @@ pub struct ApiState {
     pub rotation_grace: Duration,
     /// `STREAMING_HUB_MAX_SUBSCRIPTIONS_PER_TENANT` (`0` = no limit).
     pub max_subscriptions_per_tenant: usize,
+    /// `STREAMING_HUB_MAX_PULL_SUBSCRIPTIONS_PER_TENANT` (`0` = no limit of its own).
+    pub max_pull_subscriptions_per_tenant: usize,
     /// The virtual clock, when `STREAMING_HUB_DANGEROUS_TEST_CLOCK` is on (`/admin/clock/advance`).
     pub test_clock: Option<crate::runtime::clock::ManualClock>,
     /// Pull, replay, recover, forensics and redrive (absent in unit tests of the other routes).
@@ -116,6 +118,7 @@ impl ApiState {
             },
             rotation_grace: config.secret_rotation_grace,
             max_subscriptions_per_tenant: config.max_subscriptions_per_tenant as usize,
+            max_pull_subscriptions_per_tenant: config.max_pull_subscriptions_per_tenant as usize,
             test_clock: None,
             ops: None,
             writes: Arc::default(),

@@ -155,7 +155,7 @@ fn etag(version: u64) -> [(header::HeaderName, HeaderValue); 1] {
         (status = 202, description = "Written to the control topic but not yet visible to this instance (no probe yet: the background retrier probes it); the signing secret is in this answer all the same", body = CreatedSubscription),
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
-        (status = 409, description = "The tenant has as many subscriptions as the hub allows (`subscription_limit`)", body = ErrorBody),
+        (status = 409, description = "The tenant has as many subscriptions as the hub allows (`subscription_limit`), or as many pull subscriptions (`subscription_limit`, field `destination.type`: STREAMING_HUB_MAX_PULL_SUBSCRIPTIONS_PER_TENANT)", body = ErrorBody),
         (status = 415, description = "Body is not JSON", body = ErrorBody),
         (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE); see Retry-After", body = ErrorBody),
         (status = 503, description = "The control topic is unavailable", body = ErrorBody)))]
@@ -205,6 +205,26 @@ pub async fn create(
             (destination, Some(secret))
         }
         ValidDestination::Pull => {
+            // Each pull subscription keeps its own copy of what it matches on the pull topic.
+            let most = state.max_pull_subscriptions_per_tenant;
+            let pulls = || {
+                let subs = state.subs.list(&tenant);
+                subs.iter()
+                    .filter(|s| s.destination.kind == DestinationType::Pull)
+                    .count()
+            };
+            if most > 0 && pulls() >= most {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    codes::SUBSCRIPTION_LIMIT,
+                    format!(
+                        "the tenant has {most} pull subscriptions, the most this hub allows \
+                         (STREAMING_HUB_MAX_PULL_SUBSCRIPTIONS_PER_TENANT; each keeps its own \
+                         copy of the events it matches): delete one, or widen one's filter"
+                    ),
+                )
+                .with_field("destination.type"));
+            }
             let destination = DestinationRecord {
                 kind: DestinationType::Pull,
                 url: None,

@@ -281,6 +281,48 @@ async fn a_create_past_the_tenants_limit_is_409_and_a_delete_makes_room() {
     assert_eq!(a.status, StatusCode::CREATED, "0: no limit");
 }
 
+/// Each pull subscription keeps its own copy of the events it matches: a tenant's pull
+/// subscriptions have a limit of their own, which webhooks and other tenants do not count
+/// against.
+#[tokio::test]
+async fn a_pull_create_past_the_tenants_pull_limit_is_409_naming_the_type() {
+    let mut h = Harness::new();
+    assert_eq!(h.state.max_pull_subscriptions_per_tenant, 20, "the default");
+    h.state.max_pull_subscriptions_per_tenant = 2;
+    let token = h.token("acme");
+    let ids = [h.create_pull("acme").await, h.create_pull("acme").await];
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(
+        (
+            a.status,
+            a.body["error"]["code"].as_str(),
+            a.body["error"]["field"].as_str()
+        ),
+        (
+            StatusCode::CONFLICT,
+            Some("subscription_limit"),
+            Some("destination.type")
+        ),
+        "{}",
+        a.text
+    );
+    assert_eq!(h.state.subs.list("acme").len(), 2, "nothing written");
+    let hook = super::Hook::start(true).await;
+    h.create_webhook(&token, &hook.url).await;
+    let other = h
+        .post("/v1/subscriptions", &h.token("other"), pull_body())
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED, "{}", other.text);
+    let uri = format!("/v1/subscriptions/{}", ids[0]);
+    let a = h.call(Method::DELETE, &uri, Some(&token), None, &[]).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    h.state.max_pull_subscriptions_per_tenant = 0;
+    let a = h.post("/v1/subscriptions", &token, pull_body()).await;
+    assert_eq!(a.status, StatusCode::CREATED, "0: no limit of its own");
+}
+
 #[tokio::test]
 async fn an_admin_create_takes_the_tenant_its_query_names() {
     let h = Harness::new();
