@@ -125,7 +125,14 @@ from_var_number!(u16, u32, u64, usize, i32);
 /// The largest `STREAMING_HUB_MAX_PAYLOAD_BYTES`: an accepted payload is copied into the inbox,
 /// the payload changelog and the pull topic with headers around it, each topic taking at most
 /// 2 MiB a record (`topology/topics.toml`); a larger one would fail every transaction it is in.
-const MAX_PAYLOAD_BYTES: usize = 1_572_864;
+pub const MAX_PAYLOAD_BYTES: usize = 1_572_864;
+
+/// The most `STREAMING_HUB_DISPATCH_WORKERS`: the claim bounds are multiples of it, which a
+/// value near `usize::MAX` overflowed.
+const MAX_DISPATCH_WORKERS: usize = 100_000;
+/// The most `STREAMING_HUB_HTTP_MAX_CONNECTIONS`: more than a process's file descriptors, and a
+/// value past `usize::MAX >> 3` panicked the server at start instead of naming the setting.
+const MAX_HTTP_CONNECTIONS: usize = 1_000_000;
 
 /// The longest duration a setting takes: deadlines are `Instant::now() + setting`, which panics
 /// past the clock's range (e.g. `18446744073709551615s`).
@@ -488,7 +495,8 @@ settings! {
     metrics_listen_addr: Option<SocketAddr> = "";
     /// Most HTTP connections open at once on that address; past it, new ones wait in the
     /// kernel's accept queue until one closes (so clients that open connections and send nothing
-    /// cannot take the process's file descriptors, which deliveries and Kafka need too).
+    /// cannot take the process's file descriptors, which deliveries and Kafka need too). At most
+    /// 1,000,000.
     http_max_connections: usize = "1024";
     /// An HTTP request's headers, and then its body, must each arrive within this; a keep-alive
     /// connection idle this long is closed. `0s` = no limit (not for an address clients reach).
@@ -587,6 +595,7 @@ settings! {
     /// first to those holding less than their share (README, "Fairness").
     /// Also the idle keep-alive connections kept per destination host (at least 32). The design
     /// card (DESIGN.md) says 8: with 8, `throughput` delivered 1,974/s, with 64 4,516-4,618/s (BENCHMARKS.md).
+    /// At most 100,000.
     dispatch_workers: usize = "64";
     /// Most attempts claimed ahead of the workers (each holds its payload in memory until it
     /// ends); `0` = 64x `STREAMING_HUB_DISPATCH_WORKERS`, at most 4,096. Never below 4x the
@@ -794,10 +803,10 @@ impl Config {
                 ));
             }
         }
-        if self.dispatch_workers == 0 {
+        if self.dispatch_workers == 0 || self.dispatch_workers > MAX_DISPATCH_WORKERS {
             return Err(invalid(
                 "STREAMING_HUB_DISPATCH_WORKERS",
-                "must be at least 1",
+                "must be 1 to 100000",
             ));
         }
         if self.dispatch_claims_ahead_bytes == 0 {
@@ -824,10 +833,10 @@ impl Config {
         if self.hub_stages > MAX_HUB_STAGES {
             return Err(invalid("STREAMING_HUB_HUB_STAGES", "must be at most 8"));
         }
-        if self.http_max_connections == 0 {
+        if self.http_max_connections == 0 || self.http_max_connections > MAX_HTTP_CONNECTIONS {
             return Err(invalid(
                 "STREAMING_HUB_HTTP_MAX_CONNECTIONS",
-                "must be at least 1",
+                "must be 1 to 1000000",
             ));
         }
         if self.hub_batch_jobs == 0 {
@@ -1176,6 +1185,23 @@ mod tests {
         assert!(c.require_uuidv7);
         assert_eq!(c.max_payload_bytes, 1 << 20);
         assert_eq!(c.hub_group_id(), "streaming-hub.hub");
+    }
+
+    /// A count the process multiplies or hands to a semaphore is bounded: past it, the start
+    /// is refused naming the setting (a value near `usize::MAX` overflowed the claim bounds, or
+    /// panicked the HTTP server).
+    #[test]
+    fn counts_past_their_bounds_are_refused_naming_the_variable() {
+        for (name, most) in [
+            ("STREAMING_HUB_DISPATCH_WORKERS", MAX_DISPATCH_WORKERS),
+            ("STREAMING_HUB_HTTP_MAX_CONNECTIONS", MAX_HTTP_CONNECTIONS),
+        ] {
+            assert!(Config::from_vars(vars(&[(name, &most.to_string())])).is_ok());
+            for bad in [(most + 1).to_string(), usize::MAX.to_string()] {
+                let e = Config::from_vars(vars(&[(name, &bad)])).unwrap_err();
+                assert!(e.to_string().starts_with(name), "{e}");
+            }
+        }
     }
 
     #[test]

@@ -30,7 +30,9 @@ pub struct Gates {
 
 /// Both gates hold for a span that opened at `first`, last failed at `last`, seen at `now`.
 pub fn should_disable(g: &Gates, first: i64, last: i64, now: i64) -> bool {
-    g.enabled && now - first >= g.window_ms && last - first >= g.spread_ms
+    g.enabled
+        && now.saturating_sub(first) >= g.window_ms
+        && last.saturating_sub(first) >= g.spread_ms
 }
 
 pub fn health_key(subscription_id: &str) -> Vec<u8> {
@@ -64,7 +66,9 @@ pub fn span_start(
     window_ms: i64,
 ) -> i64 {
     match stored {
-        Some((first, last)) if first >= changed_at && now - last.unwrap_or(first) <= window_ms => {
+        Some((first, last))
+            if first >= changed_at && now.saturating_sub(last.unwrap_or(first)) <= window_ms =>
+        {
             first
         }
         _ => now,

@@ -2471,16 +2471,19 @@ impl HubStage {
             let recount = task.recount.take(m.offset());
             let careful = !early_on || recount || m.offset() < task.careful_until;
             let st = staged.entry(p).or_default();
-            let Some((tenant, ce_id, ingest_ms)) = identity(m) else {
-                quarantine_invalid(env, &mut outputs, m, now)?;
-                HubEvent {
-                    outcome: "invalid",
-                    partition: p,
-                    offset: m.offset(),
-                    ce_id: "",
+            let (tenant, ce_id, ingest_ms) = match identity(m) {
+                Ok(identity) => identity,
+                Err(why) => {
+                    quarantine_invalid(env, &mut outputs, m, why, now)?;
+                    HubEvent {
+                        outcome: "invalid",
+                        partition: p,
+                        offset: m.offset(),
+                        ce_id: "",
+                    }
+                    .emit();
+                    continue;
                 }
-                .emit();
-                continue;
             };
             // A copy is judged at its ingest time, not at when the hub reads it: a hub behind its
             // inbox still drops a copy ingested within the TTL of the first (a producer's retry
@@ -2928,6 +2931,11 @@ fn record_outcomes(
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
             d.breakers
                 .unsent(&o.tenant, &origin, o.lease_until - d.lease_ms);
+            // Nor does a receiver's hold: the one let through after it went nowhere.
+            if let Some(j) = &job {
+                d.holds
+                    .unsent(&j.subscription_id, o.lease_until - d.lease_ms);
+            }
         }
         if !sent_nothing && job.is_some() {
             let origin = cached_origin(&mut d.origins, o.url.as_deref());
@@ -3629,7 +3637,7 @@ fn sample_backlog(stage: usize, tasks: &HashMap<i32, Task>, now: i64) {
     let total = per_tenant.values().map(|(n, _)| n).sum();
     let mut ranked: Vec<(String, usize, f64)> = per_tenant
         .into_iter()
-        .map(|(t, (n, oldest))| (t, n, (now - oldest).max(0) as f64 / 1000.0))
+        .map(|(t, (n, oldest))| (t, n, now.saturating_sub(oldest).max(0) as f64 / 1000.0))
         .collect();
     ranked.sort_by(|a, b| b.2.total_cmp(&a.2));
     ranked.truncate(telemetry::BACKLOG_TENANTS);
@@ -3760,16 +3768,9 @@ fn quarantine_invalid(
     env: &Env,
     out: &mut Outputs<'_>,
     m: &BorrowedMessage<'_>,
+    why: &'static str,
     now: i64,
 ) -> Result<(), HubError> {
-    let why = match std::str::from_utf8(m.key().unwrap_or_default()) {
-        _ if m.key().is_none() => "the record has no key (ingest keys each by its tenant id)",
-        Ok(k) if !k.is_empty() && !crate::ingest::classify::has_control(k) => {
-            "the record has no usable ce-id header (missing, empty, not UTF-8, or with control \
-             characters)"
-        }
-        _ => "the record's key is not a tenant id (empty, not UTF-8, or with control characters)",
-    };
     let (headers, oversized) = crate::ingest::pipeline::headers_of(m);
     let omit = m.payload().map_or(0, <[u8]>::len) > env.config.max_payload_bytes;
     let at = crate::ingest::pipeline::rfc3339_ms(now);
@@ -3795,20 +3796,56 @@ fn quarantine_invalid(
 /// The quarantine reason of an inbox record that is not an ingest output.
 pub const INBOX_RECORD_INVALID: &str = "inbox_record_invalid";
 
-/// Tenant (the key), `ce-id` and the ingest time of an inbox record; None for a record that is
-/// not an ingest output (someone else wrote to the inbox).
-fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<i64>)> {
+/// The most headers an ingest output carries: the producer's, within ingest's limits, 4 of
+/// ingest's own, and a redelivery request's few, with room to spare.
+const INBOX_MAX_HEADERS: usize = crate::ingest::pipeline::MAX_HEADERS + 16;
+/// The most header bytes an ingest output carries, counted as ingest counts them.
+const INBOX_MAX_HEADER_BYTES: usize = crate::ingest::pipeline::MAX_HEADER_BYTES + 16 * 1024;
+/// The longest `ce-id` ingest takes.
+const MAX_CE_ID_BYTES: usize = 256;
+
+/// Tenant (the key), `ce-id` and the ingest time of an inbox record; or why it is not an ingest
+/// output (someone else wrote to the inbox). Ingest's bounds are checked again: a record past
+/// them (a `ce-id` of 600 KiB, a payload near the inbox's 2 MiB) made the hub's own records of
+/// it (dedup, attempts, payload, dead letter) larger than their topics take, and a write the
+/// broker refuses never clears: every batch aborted on it, the loop stopped, the process
+/// restarted and met it again, the partition stalled for every tenant on it. The payload is held
+/// to the largest `STREAMING_HUB_MAX_PAYLOAD_BYTES` takes, not the one set now: a record ingest
+/// took before the setting was lowered is still its output.
+fn identity<'m>(
+    m: &'m BorrowedMessage<'_>,
+) -> Result<(&'m str, &'m str, Option<i64>), &'static str> {
     // No control character (ingest quarantines them): a NUL ends the tenant in the store's
     // keys, and the jobs of `a\0b` were timed under `a`, never coming due.
     let usable = |s: &&str| !s.is_empty() && !crate::ingest::classify::has_control(s);
-    let tenant = std::str::from_utf8(m.key()?).ok().filter(usable)?;
-    let headers = m.headers()?;
+    let key = m
+        .key()
+        .ok_or("the record has no key (ingest keys each by its tenant id)")?;
+    let tenant = std::str::from_utf8(key).ok().filter(usable).ok_or(
+        "the record's key is not a tenant id (empty, not UTF-8, or with control characters)",
+    )?;
+    if tenant.len() > crate::ingest::tenant::MAX_TENANT_BYTES {
+        return Err("the record's key is over 256 bytes, longer than any tenant id ingest takes");
+    }
+    if m.payload().map_or(0, <[u8]>::len) > crate::config::MAX_PAYLOAD_BYTES {
+        return Err("the record's payload is larger than ingest takes at any setting");
+    }
+    use rdkafka::message::Headers;
+    let headers = m.headers().ok_or("the record has no headers (no ce-id)")?;
+    if headers.count() > INBOX_MAX_HEADERS {
+        return Err("the record has more headers than ingest carries");
+    }
+    let mut bytes = 0;
     let mut ce_id = None;
     let mut ingest = None;
-    for (key, value) in kafka::utf8_headers(headers) {
-        match key {
-            "ce-id" => ce_id = value.and_then(|v| std::str::from_utf8(v).ok()),
-            crate::ingest::pipeline::H_INGEST_TIME => {
+    for idx in 0..headers.count() {
+        let Some((name, value)) = kafka::raw_header(headers, idx) else {
+            continue;
+        };
+        bytes += name.len() + value.map_or(0, <[u8]>::len);
+        match name {
+            b"ce-id" => ce_id = value.and_then(|v| std::str::from_utf8(v).ok()),
+            n if n == crate::ingest::pipeline::H_INGEST_TIME.as_bytes() => {
                 ingest = value
                     .and_then(|v| std::str::from_utf8(v).ok())
                     .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
@@ -3817,7 +3854,17 @@ fn identity<'m>(m: &'m BorrowedMessage<'_>) -> Option<(&'m str, &'m str, Option<
             _ => {}
         }
     }
-    Some((tenant, ce_id.filter(usable)?, ingest))
+    if bytes > INBOX_MAX_HEADER_BYTES {
+        return Err("the record's headers are larger than ingest carries");
+    }
+    let ce_id = ce_id.filter(usable).ok_or(
+        "the record has no usable ce-id header (missing, empty, not UTF-8, or with control \
+         characters)",
+    )?;
+    if ce_id.len() > MAX_CE_ID_BYTES {
+        return Err("the record's ce-id is over 256 bytes, longer than ingest takes");
+    }
+    Ok((tenant, ce_id, ingest))
 }
 
 /// The subscription id of a redelivery request (`x-streaming-hub-redeliver`), if the record is one.

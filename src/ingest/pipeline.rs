@@ -47,9 +47,9 @@ pub const H_INGEST_TIME: &str = "x-streaming-hub-ingest-time";
 pub const H_REASON: &str = "x-streaming-hub-reason";
 
 /// Largest number of headers a record may carry; a record over it is quarantined without them.
-const MAX_HEADERS: usize = 256;
+pub const MAX_HEADERS: usize = 256;
 /// Largest total size of a record's headers we copy to an output record.
-const MAX_HEADER_BYTES: usize = 64 * 1024;
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// The largest producer key a quarantined record keeps (a larger one is left out, and
 /// `x-lerian-dlq-key-omitted` says so): with the payload (at most `max_payload_bytes`) and the
 /// headers (at most `MAX_HEADER_BYTES`) it stays inside the quarantine topic's 2 MiB.

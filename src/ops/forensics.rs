@@ -385,58 +385,96 @@ pub struct Forensics {
 /// partition ended when the index first saw it, 0 before (after a start, a rebalance of its
 /// group, a new producer `.dlq` topic).
 pub const INDEX_COMPLETE: &str = "streaming_hub_forensics_index_complete";
-/// How often the index checks its positions against the ends it noted.
+/// How often the index checks its positions against the ends it noted, at least.
 const CATCH_UP_CHECK: Duration = Duration::from_millis(500);
+/// How long the index waits before it asks the brokers about a partition again: one whose end
+/// they did not tell (no leader), or of which nothing has been read (its records may have been
+/// deleted under the noted end since).
+const ASK_AGAIN_MS: i64 = 30_000;
+/// The most partitions one check asks about: the index reads no record while it asks.
+const ASKS_PER_CHECK: usize = 4;
+/// How long one ask waits for the brokers.
+const ASK_TIMEOUT: Duration = Duration::from_secs(1);
+
+type Part = (String, i32);
 
 /// The index's reading against the ends of what it follows. Each partition's end is noted when
 /// the index first sees the partition in its assignment; a partition read up to it stays read
 /// while assigned (records after it are the live tail, not a backlog).
 #[derive(Default)]
 struct CatchUp {
-    /// Partitions not yet read up to their noted end (`low`, `high` when first seen).
-    ends: HashMap<(String, i32), i64>,
-    read: std::collections::HashSet<(String, i32)>,
+    /// The noted end (`high` when first told) of each assigned partition not yet read to it.
+    ends: HashMap<Part, i64>,
+    read: std::collections::HashSet<Part>,
+    /// When each partition not yet read was last asked about (ms, the caller's clock).
+    asked: HashMap<Part, i64>,
 }
 
 impl CatchUp {
     /// Given the assignment now with each partition's position (`None`: nothing fetched yet),
     /// whether every assigned partition is read up to its noted end. `end_of` asks the brokers
-    /// for a partition first seen: `(low, high)`, or `None` when they did not answer (asked again
-    /// at the next check). No assignment (not in the group yet) is not complete.
+    /// for a partition's `(low, high)` (`None`: no answer): for one whose end is not noted yet,
+    /// and again every [`ASK_AGAIN_MS`] for one of which nothing has been read, at most
+    /// [`ASKS_PER_CHECK`] a check. A partition whose `low` is at or past its noted end has
+    /// nothing left to read (empty, or deleted under it). No assignment (not in the group yet)
+    /// is not complete.
     fn check(
         &mut self,
-        assigned: &[((String, i32), Option<i64>)],
+        assigned: &[(Part, Option<i64>)],
+        now_ms: i64,
         mut end_of: impl FnMut(&str, i32) -> Option<(i64, i64)>,
     ) -> bool {
-        let now: std::collections::HashSet<&(String, i32)> =
-            assigned.iter().map(|(tp, _)| tp).collect();
+        let now: std::collections::HashSet<&Part> = assigned.iter().map(|(tp, _)| tp).collect();
         self.ends.retain(|tp, _| now.contains(tp));
         self.read.retain(|tp| now.contains(tp));
+        self.asked.retain(|tp, _| now.contains(tp));
         let mut complete = !assigned.is_empty();
+        let mut asks = 0;
         for (tp, position) in assigned {
             if self.read.contains(tp) {
                 continue;
             }
-            let end = match self.ends.get(tp) {
-                Some(&end) => Some(end),
-                None => end_of(&tp.0, tp.1).map(|(low, high)| {
-                    // Nothing to read (empty, or all of it deleted): read already.
-                    let end = if high <= low { i64::MIN } else { high };
-                    self.ends.insert(tp.clone(), end);
-                    end
-                }),
-            };
+            let due = self
+                .asked
+                .get(tp)
+                .is_none_or(|&at| now_ms.saturating_sub(at) >= ASK_AGAIN_MS);
+            let unknown = !self.ends.contains_key(tp);
+            if due && (unknown || position.is_none()) && asks < ASKS_PER_CHECK {
+                asks += 1;
+                self.asked.insert(tp.clone(), now_ms);
+                if let Some((low, high)) = end_of(&tp.0, tp.1) {
+                    let end = *self.ends.entry(tp.clone()).or_insert(high);
+                    if low >= end {
+                        self.read.insert(tp.clone());
+                        continue;
+                    }
+                }
+            }
             // librdkafka moves the position past transaction markers, so a partition whose last
             // offset is a commit marker (the quarantine, the dead deliveries) is read to `high`.
-            match end {
-                Some(end) if end == i64::MIN || position.is_some_and(|p| p >= end) => {
-                    self.ends.remove(tp);
+            match self.ends.get(tp) {
+                Some(&end) if position.is_some_and(|p| p >= end) => {
                     self.read.insert(tp.clone());
                 }
                 _ => complete = false,
             }
         }
+        if complete {
+            self.ends.clear();
+            self.asked.clear();
+        }
         complete
+    }
+}
+
+/// Sets the index incomplete when its reader ends, however it ends (a failed start of the next
+/// one would otherwise leave pages saying `complete` of an index nothing feeds).
+struct IncompleteOnExit<'a>(&'a Forensics);
+
+impl Drop for IncompleteOnExit<'_> {
+    fn drop(&mut self) {
+        self.0.complete.store(false, Ordering::Relaxed);
+        metrics::gauge!(INDEX_COMPLETE).set(0.0);
     }
 }
 
@@ -582,6 +620,9 @@ impl Forensics {
         codec: Arc<Codec>,
         stop: Arc<AtomicBool>,
     ) -> Result<(), kafka::KafkaError> {
+        let started = std::time::Instant::now();
+        self.set_complete(false, started);
+        let _incomplete = IncompleteOnExit(self);
         let group = format!("{}-{}", config.dlq_group(), config.instance());
         let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(config)
             .set("group.id", &group)
@@ -601,15 +642,16 @@ impl Forensics {
             .map_err(kafka::KafkaError::from)?;
         tracing::info!(%group, "forensics index following producers' DLQs, quarantine and dead deliveries");
         // A new consumer reads its partitions over (the index skips what it holds).
-        let started = std::time::Instant::now();
-        self.set_complete(false, started);
         let mut catch_up = CatchUp::default();
-        let mut checked = started;
+        let mut next_check = started;
         while !stop.load(Ordering::Relaxed) {
-            if checked.elapsed() >= CATCH_UP_CHECK {
-                checked = std::time::Instant::now();
-                let complete = self.caught_up(&consumer, &mut catch_up);
+            if std::time::Instant::now() >= next_check {
+                let began = std::time::Instant::now();
+                let now_ms = began.duration_since(started).as_millis() as i64;
+                let complete = self.caught_up(&consumer, &mut catch_up, now_ms);
                 self.set_complete(complete, started);
+                // Asks that wait on the brokers take at most a fifth of the reader's time.
+                next_check = std::time::Instant::now() + CATCH_UP_CHECK.max(began.elapsed() * 4);
             }
             match consumer.poll(Duration::from_millis(200)) {
                 None => {}
@@ -636,11 +678,12 @@ impl Forensics {
         &self,
         consumer: &BaseConsumer<kafka::ReaderContext>,
         catch_up: &mut CatchUp,
+        now_ms: i64,
     ) -> bool {
         let Ok(positions) = consumer.position() else {
             return false;
         };
-        let assigned: Vec<((String, i32), Option<i64>)> = positions
+        let assigned: Vec<(Part, Option<i64>)> = positions
             .elements()
             .iter()
             .map(|e| {
@@ -651,9 +694,9 @@ impl Forensics {
                 ((e.topic().to_string(), e.partition()), position)
             })
             .collect();
-        catch_up.check(&assigned, |topic, partition| {
+        catch_up.check(&assigned, now_ms, |topic, partition| {
             consumer
-                .fetch_watermarks(topic, partition, Duration::from_secs(2))
+                .fetch_watermarks(topic, partition, ASK_TIMEOUT)
                 .ok()
         })
     }
@@ -844,53 +887,74 @@ mod tests {
         let mut c = CatchUp::default();
         let mut asked = Vec::new();
         let mut ends = HashMap::from([(tp("q", 0), (0, 10)), (tp("d", 0), (5, 5))]);
-        type Part = (String, i32);
-        // The brokers answer `ends`; each question is noted in `asked`.
+        // The brokers answer `ends` (none for a partition not in it); each ask is noted.
         fn check(
             c: &mut CatchUp,
             assigned: &[(Part, Option<i64>)],
+            at: i64,
             ends: &HashMap<Part, (i64, i64)>,
             asked: &mut Vec<Part>,
         ) -> bool {
-            c.check(assigned, |t, p| {
+            c.check(assigned, at, |t, p| {
                 asked.push((t.to_string(), p));
                 ends.get(&(t.to_string(), p)).copied()
             })
         }
         assert!(
-            !check(&mut c, &[], &ends, &mut asked),
-            "not in the group yet"
+            !check(&mut c, &[], 0, &ends, &mut asked),
+            "not in the group"
         );
         let assigned = |q: Option<i64>| vec![(tp("q", 0), q), (tp("d", 0), None)];
-        assert!(
-            !check(&mut c, &assigned(None), &ends, &mut asked),
-            "nothing fetched"
-        );
-        assert!(
-            !check(&mut c, &assigned(Some(9)), &ends, &mut asked),
-            "one short"
-        );
+        // `d` is empty: read at once. `q` ends at 10.
+        assert!(!check(&mut c, &assigned(None), 0, &ends, &mut asked));
+        assert!(!check(&mut c, &assigned(Some(9)), 500, &ends, &mut asked));
         assert_eq!(asked.len(), 2, "each end noted once: {asked:?}");
-        assert!(check(&mut c, &assigned(Some(10)), &ends, &mut asked));
+        assert!(check(&mut c, &assigned(Some(10)), 1_000, &ends, &mut asked));
         // The tail grows: read already.
         ends.insert(tp("q", 0), (0, 50));
-        assert!(check(&mut c, &assigned(Some(12)), &ends, &mut asked));
+        assert!(check(&mut c, &assigned(Some(12)), 1_500, &ends, &mut asked));
         assert_eq!(asked.len(), 2);
-        // A new producer DLQ whose end the brokers do not tell yet: not complete, asked again.
+        // A new producer DLQ whose end the brokers do not tell (no leader): not complete, and
+        // asked again only after a while, not at every check.
         let mut more = assigned(Some(12));
-        more.push((tp("p", 1), Some(0)));
-        assert!(!check(&mut c, &more, &ends, &mut asked));
-        assert!(!check(&mut c, &more, &ends, &mut asked));
-        assert_eq!(asked[2..], [tp("p", 1), tp("p", 1)]);
+        more.push((tp("p", 1), None));
+        assert!(!check(&mut c, &more, 2_000, &ends, &mut asked));
+        assert!(!check(&mut c, &more, 2_500, &ends, &mut asked));
+        assert_eq!(asked.len(), 3, "{asked:?}");
         ends.insert(tp("p", 1), (3, 7));
-        assert!(!check(&mut c, &more, &ends, &mut asked), "at 0 of 7");
+        let t = 2_000 + ASK_AGAIN_MS;
+        assert!(!check(&mut c, &more, t, &ends, &mut asked), "at none of 7");
+        assert_eq!(asked.len(), 4);
         more[2].1 = Some(7);
-        assert!(check(&mut c, &more, &ends, &mut asked));
+        assert!(check(&mut c, &more, t + 500, &ends, &mut asked));
         // Taken away and given back (a rebalance): its end is noted again.
-        assert!(check(&mut c, &assigned(Some(12)), &ends, &mut asked));
-        more[2].1 = Some(7);
+        assert!(check(
+            &mut c,
+            &assigned(Some(12)),
+            t + 1_000,
+            &ends,
+            &mut asked
+        ));
         ends.insert(tp("p", 1), (3, 9));
-        assert!(!check(&mut c, &more, &ends, &mut asked), "7 of 9 now");
+        assert!(
+            !check(&mut c, &more, t + 1_500, &ends, &mut asked),
+            "7 of 9"
+        );
+        // Records deleted under the noted end before any was read: nothing left to read, told
+        // at the next ask.
+        let mut gone = assigned(Some(12));
+        gone.push((tp("r", 0), None));
+        ends.insert(tp("r", 0), (0, 4));
+        let t = t + 2_000;
+        assert!(!check(&mut c, &gone, t, &ends, &mut asked));
+        ends.insert(tp("r", 0), (4, 4));
+        assert!(!check(&mut c, &gone, t + 500, &ends, &mut asked));
+        assert!(check(&mut c, &gone, t + ASK_AGAIN_MS, &ends, &mut asked));
+        // A check asks about a few partitions at most: the index reads nothing meanwhile.
+        let many: Vec<(Part, Option<i64>)> = (0..10).map(|i| (tp("m", i), None)).collect();
+        let before = asked.len();
+        assert!(!check(&mut c, &many, 0, &ends, &mut asked));
+        assert_eq!(asked.len() - before, ASKS_PER_CHECK);
     }
 
     #[test]

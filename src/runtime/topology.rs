@@ -610,13 +610,20 @@ fn satisfies(key: &str, have: &str, want: &str) -> bool {
     }
 }
 
+/// The longest retention the topology file takes as a duration (100 of humantime's years, of
+/// 365.25 days).
+const MAX_RETENTION_MS: i64 = 100 * 31_557_600_000;
+
 fn retention_ms(text: &str) -> Result<i64, String> {
     if text == "forever" {
         return Ok(-1);
     }
-    humantime::parse_duration(text)
-        .map(|d| d.as_millis() as i64)
-        .map_err(|e| e.to_string())
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    // Wrapped by a cast, a retention of centuries came out negative or a few hundred ms.
+    i64::try_from(d.as_millis())
+        .ok()
+        .filter(|&ms| ms <= MAX_RETENTION_MS)
+        .ok_or_else(|| format!("{text} is longer than 100 years (write \"forever\")"))
 }
 
 /// Whether a topic the topology compacts (`want`) would lose records under the policy it has
@@ -640,6 +647,17 @@ mod tests {
     use super::*;
 
     const FILE: &str = include_str!("../../topology/topics.toml");
+
+    #[test]
+    fn a_retention_past_a_century_is_refused_not_wrapped() {
+        assert_eq!(retention_ms("7d"), Ok(7 * 24 * 3_600_000));
+        assert_eq!(retention_ms("forever"), Ok(-1));
+        assert_eq!(retention_ms("100years").map(|ms| ms > 0), Ok(true));
+        for long in ["101years", "100000000years"] {
+            let e = retention_ms(long).unwrap_err();
+            assert!(e.contains("longer than 100 years"), "{long}: {e}");
+        }
+    }
 
     #[test]
     fn a_compacted_topic_that_also_deletes_by_retention_is_refused() {

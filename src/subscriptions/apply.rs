@@ -1026,7 +1026,10 @@ fn resealed(
     for s in &sub.signing_secrets {
         if s.key_id == current {
             rec.signing_secrets.push(s.clone());
-        } else if s.expires_at.is_none_or(|t| t + EXPIRED_KEPT_MS > now) {
+        } else if s
+            .expires_at
+            .is_none_or(|t| t.saturating_add(EXPIRED_KEPT_MS) > now)
+        {
             rec.signing_secrets.push(kek.reseal_secret(s, &sub.id)?);
         }
     }
