@@ -5,6 +5,7 @@
 #   scripts/fuzz.sh              # 20 s per target (CI)
 #   scripts/fuzz.sh 600          # 10 min per target, by hand
 #   FUZZ_TARGETS="avro_decode" scripts/fuzz.sh 60
+#   FUZZ_BUILD_ONLY=1 scripts/fuzz.sh   # install and build only
 #
 # Builds go to fuzz/ under the main crate's cargo target dir ($CARGO_TARGET_DIR, else
 # $HOME/.cache/streaming-hub/target), so whatever keeps that directory between runs keeps them
@@ -76,6 +77,9 @@ echo "== cargo fuzz build" >&2
 start=$(date +%s)
 cargo +nightly fuzz build -s none --target-dir "$target_dir"
 echo "built in $(($(date +%s) - start)) s" >&2
+if [[ -n "${FUZZ_BUILD_ONLY:-}" ]]; then
+  exit 0 # scripts/test.sh builds them beside the tests, and runs them after
+fi
 
 failed=()
 for target in $targets; do

@@ -36,6 +36,14 @@ cargo test --no-run "$@"
 
 export TEST_KAFKA_CLUSTER_PORT="${TEST_KAFKA_CLUSTER_PORT:-19192}"
 export TEST_KAFKA_SASL_BROKER_PORT="${TEST_KAFKA_SASL_BROKER_PORT:-29092}"
+# The fuzz targets' build, started beside the tests (see below); stopped if the run ends first.
+fuzz_build_pid=""
+stop_fuzz_build() {
+  if [[ -n "$fuzz_build_pid" ]]; then
+    kill -- "-$fuzz_build_pid" 2>/dev/null || true
+  fi
+}
+trap stop_fuzz_build EXIT
 # In CI the brokers started here are stopped at the end (a developer's stay up for the next run).
 if [[ "${CI:-}" == "true" ]]; then
   stop_brokers() {
@@ -44,7 +52,7 @@ if [[ "${CI:-}" == "true" ]]; then
       KAFKA_PORT="$port" scripts/kafka.sh stop >/dev/null 2>&1 || true
     done
   }
-  trap stop_brokers EXIT
+  trap 'stop_fuzz_build; stop_brokers' EXIT
 fi
 scripts/kafka.sh start --fresh >/dev/null
 # The brokers just started, not whatever an inherited TEST_KAFKA_* names (another machine's, a
@@ -59,6 +67,16 @@ KAFKA_PORT="$TEST_KAFKA_SASL_BROKER_PORT" KAFKA_HEAP=384m scripts/kafka.sh start
 export TEST_KAFKA_SASL_PORT="$((TEST_KAFKA_SASL_BROKER_PORT + 2))"
 export TEST_KAFKA_SASL_CA="$HOME/.cache/streaming-hub/kafka-data-$TEST_KAFKA_SASL_BROKER_PORT/tls/ca.pem"
 
+if [[ $# -eq 0 ]]; then
+  # The fuzz targets' build keeps one core busy for minutes after a change under src/ (both,
+  # and for most of an hour, on a first run), while the tests mostly wait on the brokers: it
+  # runs beside them, at the lowest priority, in a process group of its own; the fuzz run after
+  # the demo finds it done.
+  fuzz_build_log="$(mktemp)"
+  echo "== FUZZ_BUILD_ONLY=1 scripts/fuzz.sh (beside the tests)" >&2
+  FUZZ_BUILD_ONLY=1 setsid -w nice -n 19 scripts/fuzz.sh >"$fuzz_build_log" 2>&1 &
+  fuzz_build_pid=$!
+fi
 echo "== cargo test" >&2
 cargo test "$@"
 if [[ $# -eq 0 ]]; then
@@ -72,5 +90,13 @@ if [[ $# -eq 0 ]]; then
   scripts/api-fuzz.sh
   # cargo fuzz targets (header classifier, Avro decoders, API bodies), 20 s each.
   echo "== scripts/fuzz.sh 20" >&2
+  if ! wait "$fuzz_build_pid"; then
+    fuzz_build_pid=""
+    cat "$fuzz_build_log" >&2
+    echo "test.sh: the fuzz targets' build failed (its log above)" >&2
+    exit 1
+  fi
+  fuzz_build_pid=""
+  grep -E '^built in' "$fuzz_build_log" | sed 's/^/fuzz targets /' >&2 || true
   scripts/fuzz.sh 20
 fi
