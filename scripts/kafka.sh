@@ -30,6 +30,7 @@
 #   KAFKA_DATA_DIR   log dirs, configs, pid files, logs      (default $HOME/.cache/streaming-hub/kafka-data-$KAFKA_PORT)
 #   KAFKA_CACHE_DIR  where the jars are cached               (default $HOME/.cache/streaming-hub/kafka-$KAFKA_VERSION)
 #   KAFKA_HEAP       JVM heap per broker                     (default 640m)
+#   KAFKA_RESTART_TIMEOUT_S  restart-node: seconds to wait for the broker to answer (default 180)
 #   KAFKA_EXTRA_CONFIG  more server.properties lines, one per line (default none; for experiments,
 #                    e.g. KAFKA_EXTRA_CONFIG='num.io.threads=2')
 #   KAFKA_SASL_PORT  --sasl: the SASL_PLAINTEXT port         (default $KAFKA_PORT+2; SASL_SSL is +1)
@@ -74,7 +75,16 @@ install_kafka() {
     -DoutputDirectory="$KAFKA_CACHE_DIR/libs" >"$work/mvn.log" 2>&1 || { cat "$work/mvn.log" >&2; die "maven resolution failed"; }
   # Both SLF4J bindings must not be on the path at once.
   rm -f "$KAFKA_CACHE_DIR"/libs/log4j-slf4j2-impl-*.jar
-  cat >"$KAFKA_CACHE_DIR/log4j2.yaml" <<'EOF'
+  touch "$KAFKA_CACHE_DIR/.complete"
+  rm -rf "$work"
+}
+
+# The brokers' logging, written at each start so that a cache installed by an older script takes
+# a change. WARN and up, plus the start-up phases of a broker (metadata catch-up and log recovery,
+# unfencing): a broker slow to come back says where it waits.
+write_log_config() {
+  local want
+  want="$(cat <<'EOF'
 Configuration:
   Properties:
     Property:
@@ -96,9 +106,17 @@ Configuration:
         level: INFO
       - name: kafka.Kafka
         level: INFO
+      - name: kafka.server.ControllerServer
+        level: INFO
+      - name: kafka.server.BrokerServer
+        level: INFO
+      - name: kafka.server.BrokerLifecycleManager
+        level: INFO
 EOF
-  touch "$KAFKA_CACHE_DIR/.complete"
-  rm -rf "$work"
+)"
+  if [[ "$(cat "$KAFKA_CACHE_DIR/log4j2.yaml" 2>/dev/null)" != "$want" ]]; then
+    printf '%s\n' "$want" >"$KAFKA_CACHE_DIR/log4j2.yaml"
+  fi
 }
 
 write_pom() {
@@ -306,6 +324,7 @@ cmd_start() {
     fi
   fi
   install_kafka
+  write_log_config
   if [[ "$(running_nodes)" -eq 0 ]]; then
     # Nothing of ours runs: a port in use is someone else's broker (or any server), and its
     # answers would pass for ours.
@@ -404,16 +423,23 @@ cmd_kill() {
 }
 
 cmd_restart_node() {
+  write_log_config
   start_node "$1"
-  local deadline=$((SECONDS + 60))
+  # A broker killed under load recovers its logs, catches up with the metadata and waits to be
+  # unfenced before its port answers: seconds on a quiet machine, longer on a busy one.
+  local started=$SECONDS deadline=$((SECONDS + ${KAFKA_RESTART_TIMEOUT_S:-180}))
   until metadata_ok "$(client_port "$1")" 1; do
     if ! node_alive "$1"; then
       tail -n 40 "$(node_dir "$1")/logs/stdout.log" "$(node_dir "$1")/logs/server.log" >&2 2>/dev/null || true
       die "node $1 exited while restarting (logs in $(node_dir "$1")/logs)"
     fi
-    ((SECONDS < deadline)) || die "node $1 did not come back"
+    if ((SECONDS >= deadline)); then
+      tail -n 60 "$(node_dir "$1")/logs/server.log" >&2 2>/dev/null || true
+      die "node $1 did not come back within $((SECONDS - started)) s (logs in $(node_dir "$1")/logs)"
+    fi
     sleep 0.3
   done
+  log "node $1 back after $((SECONDS - started)) s"
 }
 
 case "${1:-}" in

@@ -486,7 +486,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         (!ps.is_empty() && ps.iter().all(|p| p.isr().len() == 3)).then_some(())
     };
     wait_until(
-        Duration::from_secs(90),
+        Duration::from_secs(180),
         "the broker back in sync",
         all_in_sync,
     );
