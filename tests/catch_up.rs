@@ -139,7 +139,7 @@ async fn a_restarted_hub_waits_for_its_subscription_table_before_matching_or_cla
     let inbox = format!("{prefix}.inbox");
     let want = fresh.id();
     tokio::task::spawn_blocking(move || {
-        read_until(&[&inbox], Duration::from_secs(60), |got| {
+        read_until(&[&inbox], Duration::from_secs(180), |got| {
             got.iter().any(|g| g.rec.id() == want)
         })
     })

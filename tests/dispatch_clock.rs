@@ -419,7 +419,7 @@ async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables()
     fail_every_11h(&s, "tenant-x", 11).await;
     s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
     let mut v = s.get_subscription("tenant-x", &id).await;
-    for _ in 0..300 {
+    for _ in 0..1500 {
         if v["enabled"] == false {
             break;
         }
@@ -573,7 +573,7 @@ async fn five_kills_mid_attempt(
         })
     };
     for k in 1..=5u32 {
-        for _ in 0..600 {
+        for _ in 0..3000 {
             if hung.load(Ordering::SeqCst) >= k {
                 break;
             }

@@ -291,7 +291,7 @@ fn supervise(
             // Ready once its partitions' stores are restored, which waits for the transactions
             // its previous incarnation left open: up to their 60 s timeout.
             *hub = Hub::spawn(&envs[i]);
-            hub.wait_ready_within(Duration::from_secs(150));
+            hub.wait_ready_within(Duration::from_secs(240));
         }
     }
 }
@@ -426,23 +426,25 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     };
 
     // 1. SIGKILL an instance, start it again.
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     faults.push(Fault {
         name: "sigkill instance 2".into(),
         at_ms: now_ms(),
     });
     hubs[1].kill();
     wait_until(
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         "load",
         reached(mark + RATE_PER_SEC * 2),
     );
-    hubs[1] = Hub::start(&envs[1]);
+    // Ready as in `supervise`: its restores may wait for what the killed one left open.
+    hubs[1] = Hub::spawn(&envs[1]);
+    hubs[1].wait_ready_within(Duration::from_secs(240));
 
     // 2. SIGSTOP an instance for twice the session timeout: the group moves its partitions,
     //    and when it resumes, its transactions are fenced.
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     faults.push(Fault {
         name: "sigstop instance 3 (zombie)".into(),
         at_ms: now_ms(),
@@ -453,7 +455,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
 
     // 3. Kill the broker that leads inbox partition 0, restart it.
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     let inbox = format!("{prefix}.inbox");
     let leader_of = |topic: &str| {
         let md = admin()
@@ -471,19 +473,27 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
         at_ms: now_ms(),
     });
     let down = BrokerDown::kill(leader);
-    wait_until(Duration::from_secs(60), "a new inbox leader", || {
+    wait_until(Duration::from_secs(120), "a new inbox leader", || {
         leader_of(&inbox).filter(|l| *l != leader)
     });
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     down.restart();
+    // Every partition of the cluster, the transaction and offset topics' included: step 5 kills
+    // another broker, and a partition the restarted one has not caught up on would be left
+    // under its minimum in-sync replicas.
     let all_in_sync = || {
         let md = admin()
             .inner()
-            .fetch_metadata(Some(&inbox), Duration::from_secs(5))
+            .fetch_metadata(None, Duration::from_secs(5))
             .ok()?;
-        let ps = md.topics().first()?.partitions();
-        (!ps.is_empty() && ps.iter().all(|p| p.isr().len() == 3)).then_some(())
+        let ps: Vec<_> = md.topics().iter().flat_map(|t| t.partitions()).collect();
+        let inbox_back = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == inbox)
+            .is_some_and(|t| t.partitions().iter().all(|p| p.isr().len() == 3));
+        (inbox_back && ps.iter().all(|p| p.isr().len() == p.replicas().len())).then_some(())
     };
     wait_until(
         Duration::from_secs(180),
@@ -493,7 +503,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
 
     // 4. Restart a sink.
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     faults.push(Fault {
         name: "restart t1's sink".into(),
         at_ms: now_ms(),
@@ -504,7 +514,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
 
     // 5. Mixed: SIGKILL an instance while a broker is down.
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     let victim = if leader == 1 { 2 } else { 1 };
     faults.push(Fault {
         name: "sigkill instance 1 while a broker is down".into(),
@@ -513,7 +523,7 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     let down = BrokerDown::kill(victim);
     hubs[0].kill();
     wait_until(
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         "load",
         reached(mark + RATE_PER_SEC * 3),
     );
@@ -523,11 +533,11 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
     // after the transaction timeout (60 s) and the coordinator's next check (10 s). CI saw the
     // coordinator answer CONCURRENT_TRANSACTIONS past 60 s here.
     hubs[0] = Hub::spawn(&envs[0]);
-    hubs[0].wait_ready_within(Duration::from_secs(150));
+    hubs[0].wait_ready_within(Duration::from_secs(240));
     down.restart();
 
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
-    wait_until(Duration::from_secs(60), "load", reached(next(&mut mark)));
+    wait_until(Duration::from_secs(120), "load", reached(next(&mut mark)));
     stop.store(true, Ordering::Relaxed);
     supervise(&mut hubs, &envs, &mut faults, &mut exited);
     let sent = producer.join().unwrap();
@@ -552,7 +562,6 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
             .collect()
     };
     let converged = Instant::now();
-    let mut tries = 0;
     let (mut last_missing, mut last_change, mut explained) = (usize::MAX, Instant::now(), false);
     loop {
         let missing_pairs: Vec<(String, String)> =
@@ -568,9 +577,11 @@ async fn faults_under_load_lose_nothing_leak_nothing_and_keep_sequences() {
             explain_stall(&prefix, &missing_pairs, &sub_names, &hubs).await;
         }
         supervise(&mut hubs, &envs, &mut faults, &mut exited);
-        tries += 1;
+        // Failed when nothing arrives for 3 minutes (the backlog the faults left grows with
+        // how slow the machine was), or after 15 in all.
         assert!(
-            tries < 240 * 20,
+            last_change.elapsed() < Duration::from_secs(180)
+                && converged.elapsed() < Duration::from_secs(900),
             "{missing} of {} matched deliveries never arrived",
             expected.len()
         );

@@ -84,8 +84,13 @@ impl Run {
     }
 
     fn caught_up(&self) -> bool {
+        // The inbox to the end ingest wrote: its last transaction's offsets may show before its
+        // records do.
         group_caught_up(&format!("{}-group", self.prefix), &self.topic)
-            && group_caught_up(&format!("{}-group.hub", self.prefix), &self.inbox())
+            && group_caught_up_with_all_written(
+                &format!("{}-group.hub", self.prefix),
+                &self.inbox(),
+            )
     }
 
     fn wait_caught_up(&self, timeout: Duration) {
@@ -107,6 +112,32 @@ impl Run {
             state.insert((g.partition, key.to_vec()), (g.rec.value.clone(), g.offset));
         }
         state
+    }
+
+    /// Where events missing from the committed state are: on the source topic and the inbox
+    /// (partition, offset), against what the ingest and hub groups committed.
+    fn where_are(&self, missing: &[&(String, String)]) -> String {
+        let mut out = String::new();
+        for (topic, group) in [
+            (self.topic.clone(), format!("{}-group", self.prefix)),
+            (self.inbox(), format!("{}-group.hub", self.prefix)),
+        ] {
+            let found = read_all(&[&topic], Duration::from_secs(60));
+            let committed = committed_offsets(&group, &topic);
+            out += &format!(
+                "{topic}: {} records, {group} committed {committed:?}\n",
+                found.len()
+            );
+            for (tenant, id) in missing {
+                let at: Vec<(i32, i64)> = found
+                    .iter()
+                    .filter(|g| g.rec.id() == *id)
+                    .map(|g| (g.partition, g.offset))
+                    .collect();
+                out += &format!("  {tenant} {id}: at {at:?}\n");
+            }
+        }
+        out
     }
 
     /// Checks the committed state: each unique event once, contiguous sequences per tenant.
@@ -131,12 +162,19 @@ impl Run {
             ids.insert((e.tenant_id.clone(), e.ce_id.clone()));
             seqs.entry(e.tenant_id).or_default().push(e.sequence);
         }
-        assert_eq!(
-            ids.len(),
-            self.unique.len(),
-            "every unique event exactly once in the committed state"
-        );
-        assert_eq!(ids, self.unique);
+        if ids != self.unique {
+            let missing: Vec<&(String, String)> = self.unique.difference(&ids).collect();
+            let extra: Vec<&(String, String)> = ids.difference(&self.unique).collect();
+            panic!(
+                "every unique event exactly once in the committed state: {} of {} there, \
+                 {} missing, {} not produced\n{}",
+                ids.len(),
+                self.unique.len(),
+                missing.len(),
+                extra.len(),
+                self.where_are(&missing)
+            );
+        }
         for (tenant, mut s) in seqs {
             s.sort_unstable();
             let want: Vec<u64> = (0..s.len() as u64).collect();
@@ -147,6 +185,31 @@ impl Run {
         }
         state
     }
+}
+
+/// `group`'s committed offsets on `topic`, by partition (what the broker answers, else why not).
+fn committed_offsets(group: &str, topic: &str) -> Result<Vec<(i32, Offset)>, String> {
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let md = probe
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    let mut tpl = TopicPartitionList::new();
+    for p in md.topics()[0].partitions() {
+        tpl.add_partition(topic, p.id());
+    }
+    let committed = probe
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    Ok(committed
+        .elements()
+        .iter()
+        .map(|e| (e.partition(), e.offset()))
+        .collect())
 }
 
 /// Every store directory under `state` equals the changelog up to the offset it records.

@@ -159,24 +159,31 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     let token = s.token("tenant-p");
     let addr = s.hub.addr();
 
-    // Page 1: the first three, in order, once they are there.
-    let mut page1 = Value::Null;
-    for _ in 0..200 {
-        let (st, body, _) = get_json(
-            &s,
-            &addr,
-            &format!("/v1/events?subscription_id={sub}&limit=3"),
-            &token,
-        )
-        .await;
-        assert_eq!(st, 200, "{body}");
-        if body["events"].as_array().unwrap().len() == 3 {
-            page1 = body;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Page 1: the first three, in order, once all five are on the pull topic (waited for there:
+    // each read of the API spends a token of the 30 this test's limit allows).
     let want: Vec<String> = evs.iter().map(Rec::id).collect();
+    let pull_topic = format!("{}.pull", s.prefix);
+    {
+        let (pull_topic, want) = (pull_topic.clone(), want.clone());
+        tokio::task::spawn_blocking(move || {
+            read_until(&[&pull_topic], Duration::from_secs(120), |got| {
+                want.iter().all(|id| {
+                    got.iter()
+                        .any(|g| g.rec.header("ce-id") == Some(id.as_str()))
+                })
+            })
+        })
+        .await
+        .unwrap();
+    }
+    let (st, page1, _) = get_json(
+        &s,
+        &addr,
+        &format!("/v1/events?subscription_id={sub}&limit=3"),
+        &token,
+    )
+    .await;
+    assert_eq!(st, 200, "{page1}");
     assert_eq!(page_ids(&page1), want[..3], "first page in arrival order");
     let first = &page1["events"][0];
     assert_eq!(first["type"], "studio.lerian.ledger.transaction.created");
@@ -256,7 +263,6 @@ async fn pull_reads_in_order_resumes_anywhere_and_is_rate_limited() {
     // Retention took the events the cursor points at (the 4th event and everything before it):
     // the next page starts at the oldest event kept, instead of an empty page that never moves
     // on.
-    let pull_topic = format!("{}.pull", s.prefix);
     let fourth = read_all(&[&pull_topic], Duration::from_secs(30))
         .into_iter()
         .find(|g| g.rec.header("ce-id") == Some(want[3].as_str()))

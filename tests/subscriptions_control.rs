@@ -91,9 +91,19 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
     assert!(matches(&table, "t2").is_empty());
 
     // Garbage, then a valid record: the garbage is skipped and the reader goes on. So is a
-    // record whose version has no successor (no later write of it could be encoded), and one
-    // whose id has a NUL (it would end the hub's job keys, whose separator it is).
+    // record whose version has no successor (no later write of it could be encoded), one
+    // whose id has a NUL (it would end the hub's job keys, whose separator it is), and one
+    // larger than a control record may be (the hub could not write it back, as an
+    // auto-disable does, under the topic's limit).
     let second = record(&uuid::Uuid::now_v7().to_string(), "t2", &["*"], 1);
+    let types: Vec<String> = (0..2_000)
+        .map(|i| format!("transaction.created{i:0>140}"))
+        .collect();
+    let types: Vec<&str> = types.iter().map(String::as_str).collect();
+    let big = record(&uuid::Uuid::now_v7().to_string(), "t2", &types, 1);
+    let big_bytes = codec.encode(RecordKind::Subscription, &big).unwrap();
+    assert!(big_bytes.len() > control::MAX_RECORD_BYTES);
+    assert!(big_bytes.len() < 2 * control::MAX_RECORD_BYTES);
     let nul = record("sub\0one", "t2", &["*"], 1);
     let frozen = record(
         &uuid::Uuid::now_v7().to_string(),
@@ -122,6 +132,11 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
                 ..Default::default()
             },
             Rec {
+                key: Some(big.id.clone().into_bytes()),
+                value: Some(big_bytes),
+                ..Default::default()
+            },
+            Rec {
                 key: Some(second.id.clone().into_bytes()),
                 value: Some(codec.encode(RecordKind::Subscription, &second).unwrap()),
                 ..Default::default()
@@ -143,7 +158,8 @@ async fn control_topic_drives_the_table_and_skips_garbage() {
         table.read().get(&nul.id).is_none(),
         "an id with a NUL skipped"
     );
-    for id in ["junk", frozen.id.as_str(), nul.id.as_str()] {
+    assert!(table.read().get(&big.id).is_none(), "too large: skipped");
+    for id in ["junk", frozen.id.as_str(), nul.id.as_str(), big.id.as_str()] {
         assert!(table.read().is_unreadable(id), "{id}");
     }
     assert!(!table.read().is_unreadable(&second.id));

@@ -129,6 +129,16 @@ pub fn follow(
                         table.apply(|t| t.read_record(id, None, m.partition(), m.offset()));
                         tracing::info!(subscription_id = id, "subscription deleted");
                     }
+                    Some(bytes) if bytes.len() > MAX_RECORD_BYTES => {
+                        tracing::warn!(
+                            subscription_id = id,
+                            offset = m.offset(),
+                            bytes = bytes.len(),
+                            max = MAX_RECORD_BYTES,
+                            "control record larger than a subscription can be skipped: its deliveries are held"
+                        );
+                        unreadable(&table, "too_large", id, &m);
+                    }
                     Some(bytes) => {
                         match codec.decode::<SubscriptionRecord>(RecordKind::Subscription, bytes) {
                             // A version with no successor (the next write would not encode as
@@ -222,6 +232,14 @@ fn unreadable(
 }
 
 pub const CONTROL_SKIPPED: &str = "streaming_hub_control_records_skipped_total";
+
+/// The largest control record the reader takes, 256 KiB; a larger one is skipped (`too_large`)
+/// as an unreadable one is. The API's bounds keep a subscription's record under a fifth of it.
+/// Only a write past the API makes one, and the hub rewrites the records it reads (an
+/// auto-disable adds its reason and times): one close to the control topic's 1 MiB would be
+/// refused at every try, aborting its hub loop's transaction each time, which stalled that inbox
+/// partition for every tenant on it.
+pub const MAX_RECORD_BYTES: usize = 256 * 1024;
 
 /// Notes a control record as read when dropped: after its change, on every path out of its
 /// handling.
@@ -606,6 +624,13 @@ impl Subscriptions {
             .codec
             .encode(RecordKind::Subscription, &rec)
             .map_err(|e| RepoError::Codec(e.to_string()))?;
+        if bytes.len() > MAX_RECORD_BYTES {
+            // No reader would take it.
+            return Err(RepoError::Codec(format!(
+                "the record is {} bytes, more than the {MAX_RECORD_BYTES} a control record may be",
+                bytes.len()
+            )));
+        }
         let (id, version) = (rec.id.clone(), rec.version);
         let wait = match &self.writer {
             // Taken, never shown back by a reader: the NotSeen path below, at once.
@@ -890,6 +915,18 @@ mod tests {
         });
         assert!(matches!(subs.put(v2()).await, Err(RepoError::NotSeen(_))));
         assert_eq!(subs.get("sub-1").map(|s| s.version), Some(2));
+    }
+
+    /// A record no reader would take is not written: the broker is never asked.
+    #[tokio::test]
+    async fn a_record_larger_than_a_control_record_may_be_is_not_written() {
+        let subs = scripted(|_, _, _| panic!("written"));
+        let types: Vec<String> = (0..2_000).map(|i| format!("t{i:0>140}.*")).collect();
+        let types: Vec<&str> = types.iter().map(String::as_str).collect();
+        let mut big = SubscriptionRecord::pull("sub-1", "acme", &types);
+        big.version = 2;
+        assert!(matches!(subs.put(big).await, Err(RepoError::Codec(_))));
+        assert!(subs.get("sub-1").is_none());
     }
 
     /// A write landing at control offset 3 and read there at once.
