@@ -80,8 +80,9 @@ install_kafka() {
 }
 
 # The brokers' logging, written at each start so that a cache installed by an older script takes
-# a change. WARN and up, plus the start-up phases of a broker (metadata catch-up and log recovery,
-# unfencing): a broker slow to come back says where it waits.
+# a change. WARN and up, plus the start-up phases of a node (the controller's, then the broker's:
+# metadata catch-up, which takes in loading its logs, and unfencing): a broker slow to come back
+# says where it waits.
 write_log_config() {
   local want
   want="$(cat <<'EOF'
@@ -115,7 +116,10 @@ Configuration:
 EOF
 )"
   if [[ "$(cat "$KAFKA_CACHE_DIR/log4j2.yaml" 2>/dev/null)" != "$want" ]]; then
-    printf '%s\n' "$want" >"$KAFKA_CACHE_DIR/log4j2.yaml"
+    # Renamed into place: a broker of another setup starting meanwhile reads the old file or
+    # the new one, never a half-written one.
+    printf '%s\n' "$want" >"$KAFKA_CACHE_DIR/log4j2.yaml.$$"
+    mv -f "$KAFKA_CACHE_DIR/log4j2.yaml.$$" "$KAFKA_CACHE_DIR/log4j2.yaml"
   fi
 }
 

@@ -78,7 +78,8 @@ if [[ $# -eq 0 ]]; then
   fuzz_build_log="$(mktemp)"
   echo "== FUZZ_BUILD_ONLY=1 scripts/fuzz.sh (beside the tests)" >&2
   FUZZ_BUILD_ONLY=1 setsid -w bash -c \
-    'echo 19 2>/dev/null >/proc/self/autogroup || true; exec nice -n 19 scripts/fuzz.sh' \
+    'for _ in 1 2 3; do echo 19 2>/dev/null >/proc/self/autogroup && break; sleep 0.2; done
+     exec nice -n 19 scripts/fuzz.sh' \
     >"$fuzz_build_log" 2>&1 &
   fuzz_build_pid=$!
 fi

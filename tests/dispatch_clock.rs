@@ -892,6 +892,47 @@ async fn a_record_that_cannot_make_a_request_never_opens_the_breaker_but_auto_di
     s.wait_metric("streaming_hub_auto_disabled_total", 1).await;
 }
 
+/// A record written past the API a few bytes under the largest control record: its
+/// auto-disable, which adds its reason and time, would be past that bound, and every instance
+/// would skip it as unreadable, holding the subscription's deliveries instead of disabling it.
+/// It is not written: a WARN says so, and the subscription stays as it was, readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auto_disable_that_would_make_its_record_too_large_is_not_written() {
+    let s = clock_hub("adbig", &[]).await;
+    let (url, _sink) = start_sink(500).await;
+    let tenant = "tenant-b";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1s"]})).await;
+    let mut rec = control_records(&s.prefix)[&id].clone();
+    rec.version += 1;
+    // Padded with an event type no event has, to 50 bytes under the bound.
+    let codec = Codec::new().unwrap();
+    let size = |r: &streaming_hub::runtime::records::SubscriptionRecord| {
+        codec.encode(RecordKind::Subscription, r).unwrap().len() as i64
+    };
+    let target = streaming_hub::subscriptions::control::MAX_RECORD_BYTES as i64 - 50;
+    rec.event_types.push(String::new());
+    for _ in 0..4 {
+        let pad = rec.event_types.last().unwrap().len() as i64 + target - size(&rec);
+        *rec.event_types.last_mut().unwrap() = "x".repeat(pad as usize);
+    }
+    assert_eq!(size(&rec), target);
+    write_control_record(&s, &rec).await;
+    fail_every_11h(&s, tenant, 11).await; // 121h of failures
+    s.hub.wait_logged(
+        Duration::from_secs(60),
+        "auto-disable not written: the record would be larger than a control record may be",
+        &[],
+    );
+    assert_eq!(s.metric("streaming_hub_auto_disabled_total").await, 0);
+    let v = s.get_subscription(tenant, &id).await;
+    assert_eq!(
+        (v["enabled"].clone(), v["version"].clone()),
+        (json!(true), json!(rec.version)),
+        "{}",
+        v["error"]
+    );
+}
+
 /// A subscription whose latest control record cannot be read (a newer version's schema, a bad
 /// write past the API): its pending retry is held, no attempt spent, neither sent on the version
 /// before it (which may be stale) nor dropped as a deleted subscription's would be, and goes out

@@ -122,8 +122,10 @@ pub fn load(state: &ApiState, tenant: &str, id: &str) -> Result<Sub, ApiError> {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             codes::RECORD_UNREADABLE,
-            "this subscription's latest record cannot be read by this instance (written by a \
-             newer version of the hub, or past the API): use an instance that runs that version",
+            "this subscription's latest record cannot be read by this instance: written by a \
+             newer version of the hub (use an instance that runs that version), or an unreadable \
+             one written past the API, too large or undecodable (write a readable one; \
+             streaming_hub_control_records_skipped_total has the reason)",
         ));
     }
     Ok(sub)
@@ -334,7 +336,7 @@ pub async fn list(
         (status = 200, description = "The subscription; `ETag` is its version", body = SubscriptionView),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub: use an instance that runs that version; or an unreadable one written past the API: write a readable one)", body = ErrorBody),
         (status = 503, description = "The subscription table is still loading (a start), or behind (`table_behind`, `Retry-After`: this instance's subscription table did not reach the control topic's end within 5 s)", body = ErrorBody)))]
 pub async fn get_one(
     State(state): State<ApiState>,
@@ -530,7 +532,7 @@ fn receiver(url: &str) -> Option<String> {
         (status = 400, description = "Invalid input; `field` names it", body = ErrorBody),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version. Or `changed_meanwhile`: another write changed the subscription while its new URL was probed; nothing was written", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub: use an instance that runs that version; or an unreadable one written past the API: write a readable one). Or `changed_meanwhile`: another write changed the subscription while its new URL was probed; nothing was written", body = ErrorBody),
         (status = 412, description = "`If-Match` names another version", body = ErrorBody),
         (status = 422, description = "A webhook `destination` sent without `sensitive_headers` while the stored ones do not open here (`sealed_headers`, field `destination.sensitive_headers`): send them again. Or the new URL of an `active` webhook failed its verification probe (the probe's code: `challenge_missing`, `bad_status`, `connect_failed`, `timeout`, …; field `destination.url`): nothing was written, the current URL keeps receiving", body = ErrorBody),
         (status = 429, description = "Over the tenant's subscription write rate (`rate_limited`, STREAMING_HUB_API_WRITE_RATE), or, for a new URL of an `active` webhook, as many probes as the tenant (4) or the instance (32) runs at once are running (`probe_busy`); see Retry-After", body = ErrorBody),

@@ -205,7 +205,7 @@ fn outcome(state: VerificationState, result: &Result<(), VerifyError>) -> Verifi
             body = CheckedSubscription),
         (status = 401, description = "Missing, forged or expired token", body = ErrorBody),
         (status = 404, description = "No such subscription for this tenant", body = ErrorBody),
-        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub); use an instance that runs that version", body = ErrorBody),
+        (status = 409, description = "`record_unreadable`: its latest control record cannot be read by this instance (written by a newer version of the hub: use an instance that runs that version; or an unreadable one written past the API: write a readable one)", body = ErrorBody),
         (status = 422, description = "Probe failed (code: `challenge_missing`, `bad_status`, `connect_failed`, \
             `timeout`, `redirect`, …); a subscription not yet verified is now `failed`, an `active` one stays `active`. Or no probe: the stored sealed headers or URL \
             do not open here (`sealed_headers`, `sealed_url`): send them again", body = ErrorBody),

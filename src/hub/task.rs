@@ -2985,13 +2985,25 @@ fn record_outcomes(
                         .codec
                         .encode(RecordKind::Subscription, &disabled)
                         .map_err(|e| HubError::Codec(e.to_string()))?;
-                    out.send(&env.control, None, disabled.id.as_bytes(), Some(&bytes))?;
-                    telemetry::AutoDisabled {
-                        subscription_id: &sub.id,
-                        tenant: &sub.tenant_id,
-                        reason: &reason,
+                    if bytes.len() > crate::subscriptions::control::MAX_RECORD_BYTES {
+                        // Written, no reader would take it: the subscription would be held as
+                        // unreadable rather than disabled. Only a record written past the API
+                        // within a few hundred bytes of the bound grows past it.
+                        tracing::warn!(
+                            subscription_id = %sub.id,
+                            tenant = %sub.tenant_id,
+                            bytes = bytes.len(),
+                            "auto-disable not written: the record would be larger than a control record may be"
+                        );
+                    } else {
+                        out.send(&env.control, None, disabled.id.as_bytes(), Some(&bytes))?;
+                        telemetry::AutoDisabled {
+                            subscription_id: &sub.id,
+                            tenant: &sub.tenant_id,
+                            reason: &reason,
+                        }
+                        .emit();
                     }
-                    .emit();
                 }
             }
         }
