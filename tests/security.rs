@@ -1061,6 +1061,56 @@ async fn a_record_written_past_the_api_forges_no_hub_header_and_an_unopenable_se
     );
 }
 
+/// A webhook URL with a credential in its path and query, kept as given (written past the API,
+/// or from before URLs were sealed, not yet resealed): the receiver's answer echoing the request
+/// line is kept on the attempt without that credential, as it is for a sealed URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsealed_url_s_credential_echoed_by_its_receiver_is_not_kept_on_the_attempts() {
+    let api = ApiHub::start("unsealed", &[("STREAMING_HUB_KEK_ID", "k1")]).await;
+    let tenant = "tenant-unsealed";
+    let (url, sink) = Sink::start().await;
+    let (id, _) = subscribe_webhook(&api, tenant, &url, json!({})).await;
+    let (path_credential, query_credential) = (unique("pcred"), unique("qcred"));
+    let mut plain = control_records(&api.prefix)[&id].clone();
+    plain.destination.url = Some(format!("{url}/{path_credential}?code={query_credential}"));
+    plain.destination.sealed_target = None;
+    plain.version += 1;
+    write_control_record(&api, &plain).await;
+
+    let ev = event(tenant, "ledger", "transaction", "created");
+    produce(&producer(), &api.topic, std::slice::from_ref(&ev));
+    let d = sink.wait_for(&ev.id());
+    assert!(
+        d.path.contains(&path_credential),
+        "sent to the URL as given"
+    );
+    let attempts = format!("{}.attempts", api.prefix);
+    let id = ev.id();
+    let of_event =
+        move |g: &Got| contains(g.rec.value.as_deref().unwrap_or_default(), id.as_bytes());
+    let kept = tokio::task::spawn_blocking(move || {
+        read_until(&[&attempts], Duration::from_secs(60), |got| {
+            got.iter().any(&of_event)
+        })
+    })
+    .await
+    .unwrap();
+    let record = kept
+        .iter()
+        .find(|g| {
+            contains(
+                g.rec.value.as_deref().unwrap_or_default(),
+                ev.id().as_bytes(),
+            )
+        })
+        .unwrap();
+    let answer = String::from_utf8_lossy(record.rec.value.as_deref().unwrap()).to_string();
+    assert!(answer.contains("POST "), "the answer is kept: {answer}");
+    for needle in [&path_credential, &query_credential] {
+        assert!(!answer.contains(needle.as_str()), "{needle} kept: {answer}");
+    }
+}
+
 /// A webhook URL is sealed past its host, bound to its subscription and the URL as shown: a record
 /// written past the API that points the sealed part at another host sends nothing anywhere
 /// (a hub-side failure, counted), so the credential in it never leaves for that host.
