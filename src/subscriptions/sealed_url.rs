@@ -22,7 +22,9 @@
 //!
 //! What reads as words is a guess: a path segment of letters only, in runs of at most 16 between
 //! `-`, `_`, `.` or `~`, is shown as given, so a credential of that shape (rare among random
-//! tokens, which carry digits or are longer) is stored in plaintext. The host is always shown.
+//! tokens, which carry digits or are longer) is stored in plaintext. The host is always shown;
+//! a user name and password before it never are (the API refuses them; a record written past it
+//! may hold them, and nothing is ever sent to such a URL).
 use std::borrow::Cow;
 
 use crate::runtime::records::{DestinationRecord, EncryptedBlob};
@@ -71,7 +73,10 @@ enum Piece<'a> {
 
 /// Hands out `url` in order, as pieces shown or hidden (see the module doc): each path segment
 /// by [`shown_segment`], every query value (a nameless piece when not empty) and a non-empty
-/// fragment hidden; what separates them, the query's names and the part up to the host shown.
+/// fragment hidden; what separates them, the query's names and the part up to the host shown,
+/// but a user name and password before it hidden. The API and `subscriptions apply` refuse a URL
+/// with those (no request goes to one); a record written past them may hold one, which the API
+/// must not show nor a reseal keep.
 fn walk<'a>(url: &'a str, mut on: impl FnMut(Piece<'a>)) {
     let (base, rest) = split(url);
     let (path, rest) = rest.split_at(rest.find(['?', '#']).unwrap_or(rest.len()));
@@ -79,7 +84,16 @@ fn walk<'a>(url: &'a str, mut on: impl FnMut(Piece<'a>)) {
         Some(i) => (&rest[..i], Some(&rest[i + 1..])),
         None => (rest, None),
     };
-    on(Piece::Shown(base));
+    let after_scheme = base.find("://").map_or(0, |i| i + 3);
+    match base[after_scheme..].rfind('@') {
+        Some(at) => {
+            let at = after_scheme + at;
+            on(Piece::Shown(&base[..after_scheme]));
+            on(Piece::Hidden(&base[after_scheme..at]));
+            on(Piece::Shown(&base[at..]));
+        }
+        None => on(Piece::Shown(base)),
+    }
     for (i, segment) in path.split('/').enumerate() {
         if i > 0 {
             on(Piece::Shown("/"));
@@ -267,6 +281,19 @@ mod tests {
             sensitive_headers: None,
             sealed_target: stored.sealed_target,
         }
+    }
+
+    /// A user name and password (refused by the API, possible in a record written past it) are
+    /// never shown, nor kept by a seal, and are scrubbed from kept answers.
+    #[test]
+    fn a_user_name_and_password_are_hidden() {
+        let url = "https://user:pa55word@h.example:8443/hook";
+        assert_eq!(redacted(url), "https://***@h.example:8443/hook");
+        assert!(hidden_pieces(url).contains(&"user:pa55word"));
+        let stored = seal(&kek(1), "sub-1", url);
+        assert_eq!(stored.url, "https://***@h.example:8443/hook");
+        assert!(!format!("{stored:?}").contains("pa55word"));
+        assert_eq!(redacted("https://h.example/a@b"), "https://h.example/a@b");
     }
 
     #[test]
