@@ -379,7 +379,7 @@ impl Workers {
                 // The URL's hidden pieces are scrubbed whether it is sealed or not: one kept as
                 // given (a record from before URLs were sealed, or written past the API, not yet
                 // resealed) has its credential on the control topic already, not on the attempts.
-                out.response_body = Some(kept_answer(&body, Some(&*target), &sensitive));
+                out.response_body = Some(kept_answer(&body, &target, &sensitive));
                 if !status.is_success() {
                     out.error_kind = Some(
                         if status.is_redirection() {
@@ -462,13 +462,13 @@ const WORDS_SCRUBBED: usize = 4;
 /// What of an answer is kept for `<prefix>.attempts`: its first [`KEPT_IN_RECORD`] bytes, with
 /// what of the request is secret and may come back in it (an error page naming the request's
 /// path, a debug endpoint echoing its headers) shown as [`sealed_url::REDACTED`]: the pieces of
-/// `sealed` (a URL whose path or query is sealed, as requested) that its shown form hides, and
+/// `target` (the URL as requested, sealed or not) that its shown form hides, and
 /// the sensitive headers' values (and their first words of 8 or more characters: a bearer
 /// token), each as sent, percent-decoded, and with `/` escaped as JSON may (`\/`). The whole
 /// answer read is scrubbed before it is cut, in one pass, so no secret is cut in two.
-fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u8> {
+fn kept_answer(body: &[u8], target: &str, sensitive: &[String]) -> Vec<u8> {
     let cut = |b: &[u8]| b[..b.len().min(KEPT_IN_RECORD)].to_vec();
-    if body.is_empty() || (sealed.is_none() && sensitive.is_empty()) {
+    if body.is_empty() {
         return cut(body);
     }
     let mut secrets: Vec<Vec<u8>> = Vec::new();
@@ -481,7 +481,7 @@ fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u
             }
         }
     };
-    for piece in sealed.map(sealed_url::hidden_pieces).unwrap_or_default() {
+    for piece in sealed_url::hidden_pieces(target) {
         add(piece);
     }
     for value in sensitive {
@@ -521,6 +521,9 @@ fn kept_answer(body: &[u8], sealed: Option<&str>, sensitive: &[String]) -> Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A webhook URL whose shown form hides nothing.
+    const PLAIN: &str = "https://h.example/hook";
 
     /// One attempt of an event with `headers` to a local sink, the subscription carrying
     /// `custom` headers as a record written past the API may; the request the sink saw.
@@ -632,8 +635,7 @@ mod tests {
         let body = "<pre>Cannot POST /hooks/catch/1234567/abc1de2/?code=s3cr3t%2Fc0de&v=1</pre> \
                     segment 1234567, code decoded s3cr3t/c0de, \
                     header Bearer tok-0123456789, token tok-0123456789, v=1 kept";
-        let kept =
-            String::from_utf8(kept_answer(body.as_bytes(), Some(target), &sensitive)).unwrap();
+        let kept = String::from_utf8(kept_answer(body.as_bytes(), target, &sensitive)).unwrap();
         for secret in ["1234567", "abc1de2", "s3cr3t", "c0de", "tok-0123456789"] {
             assert!(!kept.contains(secret), "{secret} in {kept}");
         }
@@ -643,8 +645,8 @@ mod tests {
             kept.contains("segment ***,") && kept.ends_with("v=1 kept"),
             "{kept}"
         );
-        // Nothing sealed, nothing sensitive: the answer as it came.
-        assert_eq!(kept_answer(body.as_bytes(), None, &[]), body.as_bytes());
+        // Nothing hidden, nothing sensitive: the answer as it came.
+        assert_eq!(kept_answer(body.as_bytes(), PLAIN, &[]), body.as_bytes());
     }
 
     #[test]
@@ -654,12 +656,12 @@ mod tests {
         let mut body = format!("Cannot POST {rest}\n").into_bytes();
         body.resize(KEPT_IN_RECORD + 10, b'.');
         body.extend_from_slice(format!(" again {rest}").as_bytes());
-        let kept = kept_answer(&body, Some(target), &[]);
+        let kept = kept_answer(&body, target, &[]);
         let text = String::from_utf8_lossy(&kept);
         assert!(!text.contains("Zq9x"), "{text}");
         // And escaped as JSON may, and decoded.
         let echo = br#"{"url":"\/hooks\/catch\/Zq9xW2mP4kLm7Nb3\/in","h":"a b%2Fc"}"#;
-        let kept = kept_answer(echo, Some(target), &["tok a/b%2Fc".into()]);
+        let kept = kept_answer(echo, target, &["tok a/b%2Fc".into()]);
         let text = String::from_utf8_lossy(&kept);
         assert!(!text.contains("Zq9x"), "{text}");
     }
@@ -669,13 +671,13 @@ mod tests {
         let secret = "0123456789abcdef0123".to_string();
         let mut body = vec![b'x'; KEPT_IN_RECORD - 5];
         body.extend_from_slice(secret.as_bytes());
-        let kept = kept_answer(&body, None, &[secret]);
+        let kept = kept_answer(&body, PLAIN, &[secret]);
         assert_eq!(kept.len(), KEPT_IN_RECORD - 5 + 3);
         assert!(kept.ends_with(b"x***"));
         // A long answer is still cut to the length kept.
         let long = vec![b'y'; 3 * KEPT_IN_RECORD];
         assert_eq!(
-            kept_answer(&long, None, &["zzzzzzzz".into()]).len(),
+            kept_answer(&long, PLAIN, &["zzzzzzzz".into()]).len(),
             KEPT_IN_RECORD
         );
     }
