@@ -50,15 +50,29 @@ fn refused_saying(prefix: &str, want: &str, code: i32) {
     assert!(text.contains(want), "{text}");
 }
 
-/// Creates a topic as an operator would, past the topology.
+/// Creates a topic as an operator would, past the topology, and waits until the broker lists
+/// it with its partitions (until then, no client can know of it).
 async fn by_hand(t: NewTopic<'_>) {
-    for r in admin()
-        .create_topics(&[t], &AdminOptions::new())
-        .await
-        .unwrap()
-    {
+    let (name, partitions) = (t.name.to_string(), t.num_partitions as usize);
+    let a = admin();
+    for r in a.create_topics(&[t], &AdminOptions::new()).await.unwrap() {
         r.unwrap();
     }
+    wait_until(Duration::from_secs(30), "the topic is listed", || {
+        let md = a
+            .inner()
+            .fetch_metadata(None, Duration::from_secs(5))
+            .ok()?;
+        md.topics()
+            .iter()
+            .any(|t| {
+                t.name() == name
+                    && t.error().is_none()
+                    && t.partitions().len() == partitions
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            })
+            .then_some(())
+    });
 }
 
 #[tokio::test]

@@ -376,16 +376,61 @@ impl Topology {
     }
 
     /// Creates missing topics (unless `dry_run`) and reports differences of existing ones.
+    ///
+    /// A topic created elsewhere moments before (by hand, by another instance) can still be
+    /// missing from the metadata a broker answers: creating it then answers that it exists.
+    /// Such a topic is not taken as matching: the pass runs again on fresh metadata, so it is
+    /// compared like any existing topic and counts in the partition check.
     pub async fn apply(
         &self,
         config: &Config,
         dry_run: bool,
     ) -> Result<Vec<Finding>, TopologyError> {
         let admin = kafka::admin(config)?;
-        let metadata = admin
-            .inner()
-            .fetch_metadata(None, ADMIN_TIMEOUT)
-            .map_err(KafkaError::from)?;
+        let mut created: Vec<String> = Vec::new();
+        let mut pass = 1;
+        loop {
+            let last = pass == APPLY_PASSES;
+            match self.apply_pass(&admin, dry_run, last).await? {
+                Pass::Done(mut findings) => {
+                    // Created by an earlier pass, found by this one.
+                    for f in &mut findings {
+                        if let Finding::Matches { topic } = f {
+                            if created.contains(topic) {
+                                *f = Finding::Created {
+                                    topic: std::mem::take(topic),
+                                };
+                            }
+                        }
+                    }
+                    return Ok(findings);
+                }
+                Pass::Raced {
+                    created: now,
+                    existed,
+                } => {
+                    created.extend(now);
+                    wait_for_topics(&admin, existed.iter().map(String::as_str)).await?;
+                    pass += 1;
+                }
+            }
+        }
+    }
+
+    /// One pass of [`Topology::apply`]: [`Pass::Raced`] when a topic it created already
+    /// existed (unless `last`, when that topic is reported unchecked).
+    async fn apply_pass(
+        &self,
+        admin: &Admin,
+        dry_run: bool,
+        last: bool,
+    ) -> Result<Pass, TopologyError> {
+        let names: Vec<String> = self
+            .topics
+            .iter()
+            .map(|t| self.full_name(&t.name))
+            .collect();
+        let metadata = settled_metadata(admin, &names).await?;
         let existing: BTreeMap<String, usize> = metadata
             .topics()
             .iter()
@@ -547,13 +592,23 @@ impl Topology {
                 .create_topics(&new_topics, &opts)
                 .await
                 .map_err(KafkaError::from)?;
+            let mut created = Vec::new();
+            let mut existed = Vec::new();
             for r in results {
                 match r {
-                    Ok(topic) => findings.push(Finding::Created { topic }),
-                    // Another instance created it between our metadata read and now: fine.
-                    Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => {
-                        findings.push(Finding::Matches { topic })
+                    Ok(topic) => {
+                        created.push(topic.clone());
+                        findings.push(Finding::Created { topic });
                     }
+                    // Created elsewhere, and not in the metadata read: compared by the next
+                    // pass, or reported as not compared by the last.
+                    Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) if last => {
+                        findings.push(Finding::Unchecked {
+                            topic,
+                            why: "created elsewhere while this ran; run apply again".into(),
+                        })
+                    }
+                    Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => existed.push(topic),
                     Err((topic, code)) => {
                         return Err(TopologyError::Create {
                             topic,
@@ -562,40 +617,87 @@ impl Topology {
                     }
                 }
             }
-            wait_for_topics(config, configs.iter().map(|c| c.0.as_str())).await?;
+            wait_for_topics(admin, created.iter().map(String::as_str)).await?;
+            if !existed.is_empty() {
+                return Ok(Pass::Raced { created, existed });
+            }
         }
-        Ok(findings)
+        Ok(Pass::Done(findings))
     }
+}
+
+/// How many times [`Topology::apply`] looks again after finding a topic created elsewhere.
+const APPLY_PASSES: u32 = 3;
+
+/// The outcome of one pass of [`Topology::apply`].
+enum Pass {
+    Done(Vec<Finding>),
+    /// Some topics it meant to create already existed: look again once they show.
+    Raced {
+        created: Vec<String>,
+        existed: Vec<String>,
+    },
+}
+
+type Admin = rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>;
+
+/// The cluster's metadata, once each of `names` it lists is whole: a topic created moments
+/// before can be listed with an error or no partitions yet, which would read as a topic with
+/// none. After [`ADMIN_TIMEOUT`], the metadata as it is.
+async fn settled_metadata(
+    admin: &Admin,
+    names: &[String],
+) -> Result<rdkafka::metadata::Metadata, TopologyError> {
+    let (md, _) = metadata_once(admin, |md| {
+        !md.topics().iter().any(|t| {
+            names.iter().any(|n| n == t.name())
+                && (t.error().is_some() || t.partitions().is_empty())
+        })
+    })
+    .await?;
+    Ok(md)
 }
 
 /// Waits until freshly created topics show up with leaders in the metadata.
 async fn wait_for_topics<'a>(
-    config: &Config,
+    admin: &Admin,
     names: impl Iterator<Item = &'a str>,
 ) -> Result<(), TopologyError> {
     let names: Vec<&str> = names.collect();
-    let admin = kafka::admin(config)?;
-    let deadline = std::time::Instant::now() + ADMIN_TIMEOUT;
-    loop {
-        let md = admin
-            .inner()
-            .fetch_metadata(None, ADMIN_TIMEOUT)
-            .map_err(KafkaError::from)?;
-        let ready = names.iter().all(|n| {
+    let (_, ready) = metadata_once(admin, |md| {
+        names.iter().all(|n| {
             md.topics().iter().any(|t| {
                 t.name() == *n
                     && t.error().is_none()
                     && !t.partitions().is_empty()
                     && t.partitions().iter().all(|p| p.leader() >= 0)
             })
-        });
-        if ready {
-            return Ok(());
+        })
+    })
+    .await?;
+    if !ready {
+        return Err(KafkaError::Setup("created topics did not get leaders in time".into()).into());
+    }
+    Ok(())
+}
+
+/// The cluster's metadata once `ready` holds of it, or as it is after [`ADMIN_TIMEOUT`]; and
+/// whether `ready` held.
+async fn metadata_once(
+    admin: &Admin,
+    ready: impl Fn(&rdkafka::metadata::Metadata) -> bool,
+) -> Result<(rdkafka::metadata::Metadata, bool), TopologyError> {
+    let deadline = std::time::Instant::now() + ADMIN_TIMEOUT;
+    loop {
+        let md = admin
+            .inner()
+            .fetch_metadata(None, ADMIN_TIMEOUT)
+            .map_err(KafkaError::from)?;
+        if ready(&md) {
+            return Ok((md, true));
         }
         if std::time::Instant::now() > deadline {
-            return Err(
-                KafkaError::Setup("created topics did not get leaders in time".into()).into(),
-            );
+            return Ok((md, false));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
