@@ -1186,8 +1186,9 @@ fn dirs_kafka_data() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
-/// Counts the load producer's records the broker did not take (failed delivery reports): an
-/// event counted as produced but never written would otherwise read as a delivery the hub lost.
+/// Counts the load producer's records the broker did not take (failed delivery reports, and
+/// those reported delivered without an offset): an event counted as produced but never written
+/// would otherwise read as a delivery the hub lost.
 #[derive(Default)]
 struct Acks {
     failed: AtomicU64,
@@ -1199,7 +1200,11 @@ impl rdkafka::producer::ProducerContext for Acks {
     type DeliveryOpaque = ();
 
     fn delivery(&self, report: &rdkafka::message::DeliveryResult<'_>, _: ()) {
-        if report.is_err() {
+        // Reported delivered without an offset: maybe never written (see `kafka::placed`).
+        let written = report
+            .as_ref()
+            .is_ok_and(|m| kafka::placed(rdkafka::Message::offset(m)));
+        if !written {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -1290,7 +1295,8 @@ fn produce_loop(
     match p.context().failed.load(Ordering::Relaxed) {
         0 => Ok(()),
         n => Err(format!(
-            "the load producer could not write {n} of its records: this run's counts are void"
+            "the load producer could not write {n} of its records (or was not told where they \
+             are): this run's counts are void"
         )),
     }
 }

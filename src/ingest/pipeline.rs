@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
@@ -269,10 +269,10 @@ impl Ingest {
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
-        let producer: ThreadedProducer<DefaultProducerContext> =
+        let producer: ThreadedProducer<kafka::PlacedOnly> =
             kafka::transactional_producer(&self.config, &txn_id)
                 .set("message.max.bytes", "4194304")
-                .create()
+                .create_with_context(kafka::PlacedOnly::default())
                 .map_err(|e| KafkaError::Setup(e.to_string()))?;
         producer
             .init_transactions(TXN_TIMEOUT)
@@ -451,10 +451,12 @@ impl Ingest {
     /// once it has committed.
     fn commit_batch<'b>(
         &self,
-        producer: &ThreadedProducer<DefaultProducerContext>,
+        producer: &ThreadedProducer<kafka::PlacedOnly>,
         consumer: &BaseConsumer<IngestContext>,
         batch: &'b [BorrowedMessage<'_>],
     ) -> Result<IngestTally<'b>, Failed> {
+        // Left from an aborted transaction: this one counts its own.
+        producer.context().take();
         producer.begin_transaction()?;
         // Checked again where the offsets go; this saves the work of a batch that could not.
         if !kafka::may_commit_now(consumer, &consumer.context().membership) {
@@ -489,6 +491,11 @@ impl Ingest {
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
+        // Reported delivered without an offset: maybe never written (see `kafka::placed`).
+        let unplaced = producer.context().take();
+        if unplaced > 0 {
+            return Err(Failed::Kafka(kafka::unplaced(unplaced)));
+        }
         if let Err(e) = kafka::commit_waiting(producer, TXN_TIMEOUT, COMMIT_PATIENCE) {
             if kafka::commit_undecided(&e) {
                 // The process stops and librdkafka most likely completes the commit; if it
@@ -507,7 +514,7 @@ impl Ingest {
     /// verdict goes into `tally`.
     fn route<'b>(
         &self,
-        producer: &ThreadedProducer<DefaultProducerContext>,
+        producer: &ThreadedProducer<kafka::PlacedOnly>,
         msg: &'b BorrowedMessage<'_>,
         (now_ms, ingest_time): (i64, &str),
         tally: &mut IngestTally<'b>,
@@ -883,7 +890,7 @@ fn clip_id(id: &str) -> &str {
 
 /// Sends into the open transaction, waiting while the local queue is full.
 fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
-    producer: &ThreadedProducer<DefaultProducerContext>,
+    producer: &ThreadedProducer<kafka::PlacedOnly>,
     mut record: BaseRecord<'_, K, P>,
 ) -> Result<(), RdKafkaError> {
     loop {

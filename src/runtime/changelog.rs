@@ -39,6 +39,10 @@ impl ProducerContext for TrackingContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         match result {
+            // Reported delivered, but with no offset: not surely written (see `kafka::placed`).
+            Ok(m) if !kafka::placed(m.offset()) => {
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(kafka::unplaced(1));
+            }
             Ok(m) => {
                 let mut d = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
                 let per_topic = match d.get_mut(m.topic()) {
