@@ -30,6 +30,8 @@ use crate::runtime::kafka::{self, KafkaError};
 pub struct TrackingContext {
     delivered: Mutex<HashMap<String, HashMap<i32, i64>>>,
     failed: Mutex<Option<rdkafka::error::KafkaError>>,
+    /// Reported delivered without an offset: not surely written (see `kafka::placed`).
+    unplaced: std::sync::atomic::AtomicU64,
 }
 
 impl ClientContext for TrackingContext {}
@@ -39,9 +41,9 @@ impl ProducerContext for TrackingContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         match result {
-            // Reported delivered, but with no offset: not surely written (see `kafka::placed`).
             Ok(m) if !kafka::placed(m.offset()) => {
-                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(kafka::unplaced(1));
+                self.unplaced
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             Ok(m) => {
                 let mut d = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
@@ -61,7 +63,8 @@ impl ProducerContext for TrackingContext {
 
 impl TrackingContext {
     /// The delivered offsets since the last call, and the last delivery error, if any (its code
-    /// tells a record the broker will never take from a broker in trouble).
+    /// tells a record the broker will never take from a broker in trouble), else the error of
+    /// records reported delivered without an offset (`kafka::unplaced`).
     pub fn take(
         &self,
     ) -> (
@@ -70,7 +73,11 @@ impl TrackingContext {
     ) {
         let d = std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|p| p.into_inner()));
         let f = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take();
-        (d, f)
+        let unplaced = self.unplaced.swap(0, std::sync::atomic::Ordering::Relaxed);
+        (
+            d,
+            f.or_else(|| (unplaced > 0).then(|| kafka::unplaced(unplaced))),
+        )
     }
 }
 
