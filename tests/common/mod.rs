@@ -677,8 +677,17 @@ pub fn send_signal(pid: u32, signal: libc::c_int) {
     }
 }
 
+/// How long [`read_all`] waits for the last stable offsets to reach the high watermarks.
+/// A transaction's commit returns before the coordinator has written its markers to every
+/// partition; until it has, a `read_committed` client is told an end before the transaction's
+/// records. A transaction left open (its producer killed and not replaced) keeps the two apart
+/// until it times out: after this wait, the end before it is read, as it was without the wait.
+const SETTLE: Duration = Duration::from_secs(15);
+
 /// Reads every committed record of `topics` up to their current end (a settled topic: nobody is
-/// writing). Positions move past transaction markers, so "end" is the high watermark.
+/// writing). The end a `read_committed` client is told is the last stable offset: it is waited
+/// for (at most [`SETTLE`]) to reach the high watermark, so the last transaction committed is
+/// read whole. Positions move past transaction markers.
 pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
@@ -688,8 +697,16 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
         .set("enable.partition.eof", "false")
         .create()
         .expect("consumer");
+    // Asks for the high watermark.
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("isolation.level", "read_uncommitted")
+        .create()
+        .expect("consumer");
     let mut tpl = TopicPartitionList::new();
     let mut ends = Vec::new();
+    // One wait for all the partitions: a transaction left open holds several back.
+    let settled = Instant::now() + SETTLE.min(timeout);
     for t in topics {
         // A topic that does not exist has no partition: it must not read as an empty one, or
         // a check that something was never written passes for a misspelt name.
@@ -704,12 +721,29 @@ pub fn read_all(topics: &[&str], timeout: Duration) -> Vec<Got> {
             tpl.add_partition_offset(t, p.id(), Offset::Beginning)
                 .unwrap();
             // A topic created a moment ago may not have its leader yet.
-            let (_, high) = wait_until(timeout, &format!("the end of {t}/{}", p.id()), || {
-                consumer
-                    .fetch_watermarks(t, p.id(), Duration::from_secs(10))
-                    .ok()
-            });
-            ends.push((t.to_string(), p.id(), high));
+            let end_of = |c: &BaseConsumer| {
+                wait_until(timeout, &format!("the end of {t}/{}", p.id()), || {
+                    c.fetch_watermarks(t, p.id(), Duration::from_secs(10)).ok()
+                })
+                .1
+            };
+            let high = end_of(&probe);
+            let stable = loop {
+                let stable = end_of(&consumer);
+                if stable >= high {
+                    break stable;
+                }
+                if Instant::now() > settled {
+                    eprintln!(
+                        "read_all: {t}/{} has a transaction open from {stable} to {high}: read \
+                         to {stable}",
+                        p.id()
+                    );
+                    break stable;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            ends.push((t.to_string(), p.id(), stable));
         }
     }
     consumer.assign(&tpl).expect("assign");
