@@ -704,6 +704,19 @@ async fn recover_redrive_and_replay_redeliver_to_one_subscription_only() {
         a_before,
         "replay of B never reaches A"
     );
+    // Six deliveries: e1 and e2 to B, then four redeliveries (the recover, the redrive, the
+    // replay's two). The latency histogram times the first two from their ingest, not the
+    // redeliveries, which an operator asked for later (counted at the same commit as each
+    // attempt; an event sent twice around an abort adds one to both counts).
+    s.wait_metric("streaming_hub_attempts_total{outcome=\"delivered\"", 6)
+        .await;
+    let text = s.metrics_text().await;
+    let delivered = metric_sum(&text, "streaming_hub_attempts_total{outcome=\"delivered\"");
+    let timed = metric_sum(&text, "streaming_hub_delivery_latency_seconds_count");
+    assert!(
+        timed >= 2 && timed + 4 <= delivered,
+        "{timed} deliveries timed of {delivered}: the four redeliveries are not"
+    );
     assert_no_eof_errors(&s.hub.log_text());
 }
 

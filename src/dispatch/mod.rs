@@ -280,6 +280,9 @@ pub struct EventView {
     pub trace: trace_context::TraceContext,
     pub body: bytes::Bytes,
     /// When ingest accepted the event (hub clock, ms): the delivery latency histogram's origin.
+    /// None for a redelivery (a recover, a redrive, a replay): its time since ingest is when an
+    /// operator asked for it again, not the hub's latency, and a replay of last week's events
+    /// would fill the histogram's top with days.
     pub ingest_ms: Option<i64>,
 }
 
@@ -291,6 +294,7 @@ impl EventView {
         let mut ce_headers = Vec::new();
         let mut content_type = None;
         let (mut resource, mut event, mut ingest) = (None, None, None);
+        let mut redelivery = false;
         let mut trace = trace_context::TraceHeaders::default();
         for (key, value) in headers {
             trace.add(key, value);
@@ -305,6 +309,7 @@ impl EventView {
                 crate::ingest::pipeline::H_INGEST_TIME => {
                     ingest.get_or_insert(text);
                 }
+                crate::ops::redeliver::H_REDELIVER => redelivery = true,
                 _ => {}
             }
             let (true, Some(v)) = (key.starts_with("ce-"), text) else {
@@ -344,6 +349,7 @@ impl EventView {
             trace: trace.forwarded(),
             body,
             ingest_ms: ingest
+                .filter(|_| !redelivery)
                 .flatten()
                 .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
                 .map(|t| t.timestamp_millis()),
@@ -452,6 +458,16 @@ mod tests {
             assert_eq!(v.body.as_ref(), b"{\"amount\":1}");
             assert_eq!(v.ingest_ms, Some(1_796_119_200_250));
         }
+        // A redelivery keeps the event's headers, its ingest time too, but is not timed from it.
+        let mut redelivered = headers.clone();
+        redelivered.push(header(crate::ops::redeliver::H_REDELIVER, Some(b"sub-1")));
+        let v = EventView::new(
+            redelivered
+                .iter()
+                .map(|h| (h.key.as_str(), h.value.as_deref())),
+            bytes::Bytes::new(),
+        );
+        assert_eq!(v.ingest_ms, None);
         let bare = EventView::new(std::iter::empty(), bytes::Bytes::new());
         assert_eq!(bare.event_type, ".");
         assert_eq!(bare.content_type, "application/json");
