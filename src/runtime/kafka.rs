@@ -184,14 +184,15 @@ pub fn placed(offset: i64) -> bool {
     offset >= 0
 }
 
-/// The error a transaction ends with when a record of it was reported delivered without a place
-/// (see [`placed`]): a retriable one ([`never_clears`] says no), as the batch done again writes
-/// it.
+/// The error a write ends with when a record of it was reported delivered without a place (see
+/// [`placed`]): a retriable one ([`never_clears`] says no). A transaction is aborted and its
+/// batch done again, which writes it; a redelivery run fails, to be run again.
 pub fn unplaced(records: u64) -> rdkafka::error::KafkaError {
     tracing::warn!(
         records,
         "records reported delivered without an offset (acknowledged only by a later batch of \
-         their partition): they may not be written, so the transaction is aborted and done again"
+         their partition): they may not be written, so their write is taken as failed (a \
+         transaction is aborted and done again)"
     );
     rdkafka::error::KafkaError::MessageProduction(RDKafkaErrorCode::Inconsistent)
 }
