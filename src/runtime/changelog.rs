@@ -31,7 +31,7 @@ pub struct TrackingContext {
     delivered: Mutex<HashMap<String, HashMap<i32, i64>>>,
     failed: Mutex<Option<rdkafka::error::KafkaError>>,
     /// Reported delivered without an offset: not surely written (see `kafka::placed`).
-    unplaced: std::sync::atomic::AtomicU64,
+    unplaced: kafka::PlacedOnly,
 }
 
 impl ClientContext for TrackingContext {}
@@ -41,10 +41,7 @@ impl ProducerContext for TrackingContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         match result {
-            Ok(m) if !kafka::placed(m.offset()) => {
-                self.unplaced
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
+            Ok(m) if !self.unplaced.check(m.offset()) => {}
             Ok(m) => {
                 let mut d = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
                 let per_topic = match d.get_mut(m.topic()) {
@@ -73,7 +70,7 @@ impl TrackingContext {
     ) {
         let d = std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|p| p.into_inner()));
         let f = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let unplaced = self.unplaced.swap(0, std::sync::atomic::Ordering::Relaxed);
+        let unplaced = self.unplaced.take();
         (
             d,
             f.or_else(|| (unplaced > 0).then(|| kafka::unplaced(unplaced))),

@@ -210,15 +210,22 @@ impl rdkafka::producer::ProducerContext for PlacedOnly {
     type DeliveryOpaque = ();
     fn delivery(&self, result: &rdkafka::producer::DeliveryResult<'_>, _: ()) {
         if let Ok(m) = result {
-            if !placed(rdkafka::Message::offset(m)) {
-                self.unplaced
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
+            self.check(rdkafka::Message::offset(m));
         }
     }
 }
 
 impl PlacedOnly {
+    /// Whether a record reported delivered at `offset` has its place; counts it if not.
+    pub fn check(&self, offset: i64) -> bool {
+        let ok = placed(offset);
+        if !ok {
+            self.unplaced
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        ok
+    }
+
     /// How many records were reported delivered without a place since the last call.
     pub fn take(&self) -> u64 {
         self.unplaced.swap(0, std::sync::atomic::Ordering::Relaxed)
