@@ -1022,9 +1022,9 @@ impl Config {
             use crate::subscriptions::secrets::{Kek, SecretError};
             Kek::from_config(self).map_err(|e| {
                 let var = match e {
-                    SecretError::BadKekList(_) | SecretError::DuplicateKekId(_) => {
-                        "STREAMING_HUB_KEK_PREVIOUS"
-                    }
+                    SecretError::BadKekList(_)
+                    | SecretError::BadPreviousKek(_)
+                    | SecretError::DuplicateKekId(_) => "STREAMING_HUB_KEK_PREVIOUS",
                     _ => "STREAMING_HUB_KEK",
                 };
                 invalid(var, &e.to_string())

@@ -390,21 +390,6 @@ async fn a_lagging_hub_still_drops_a_copy_ingested_within_the_ttl() {
     );
 }
 
-/// A transactional producer, as ingest writes the inbox, that has written `rec` to `inbox` in a
-/// transaction it leaves open.
-fn open_transaction_with(inbox: &str, rec: Rec) -> TestProducer {
-    use rdkafka::producer::Producer;
-    let p: TestProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("transactional.id", format!("{inbox}.test-ingest"))
-        .create_with_context(FailOnError::default())
-        .expect("transactional producer");
-    p.init_transactions(Duration::from_secs(30)).unwrap();
-    p.begin_transaction().unwrap();
-    produce(&p, inbox, &[rec]);
-    p
-}
-
 /// The hub reads its inbox `read_committed`: a record of an aborted ingest transaction (a batch
 /// that failed, a killed instance's open one after it is fenced) is never processed.
 #[tokio::test]

@@ -968,6 +968,63 @@ async fn a_run_whose_request_is_refused_fails_alone() {
     assert_eq!(requests.len(), 9, "one request per run of offset 0");
 }
 
+/// A recover and a redrive read the dead letters committed behind a transaction still open on
+/// the DLQ (another instance's, in flight or stuck): they wait for it to end. A `read_committed`
+/// reader is told the last stable offset as the partition's end, so the recover ended its range
+/// before that transaction and answered `done` without the dead letters after it, and the
+/// redrive answered "no dead letter" for one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_and_redrive_read_dead_letters_committed_behind_an_open_transaction() {
+    require_broker();
+    let prefix = unique("ops-lso");
+    let config = Config::from_vars(hub_env(&prefix, "^unused$")).unwrap();
+    let inbox = format!("{prefix}.inbox");
+    let dlq = format!("{prefix}.dlq");
+    create_topic(&inbox, 1).await;
+    create_topic(&dlq, 1).await;
+    let codec = Arc::new(Codec::new().unwrap());
+    let (tenant, sub_id) = ("tenant-lso", "sub-lso");
+    let dead = || dead_letter_rec(&codec, tenant, sub_id, 1, 100);
+    // Offset 0 committed; 1 in a transaction left open; 2, 3 and 4 committed after it began.
+    produce(&producer(), &dlq, &[dead()]);
+    let open = open_transaction_with(&dlq, dead());
+    produce(&producer(), &dlq, &[dead(), dead(), dead()]);
+    let sub = streaming_hub::runtime::records::SubscriptionRecord::pull(sub_id, tenant, &[]);
+    let r = Arc::new(Redeliverer::new(&config, codec.clone()).unwrap());
+    let progress = |id: &str| {
+        Arc::new(Mutex::new(Progress {
+            id: id.into(),
+            ..Progress::default()
+        }))
+    };
+    let (redriven, recovered) = (progress("redrive"), progress("recover"));
+    let redrive = {
+        let (r, p) = (r.clone(), redriven.clone());
+        std::thread::spawn(move || r.redrive(&[(0, 3)], Some(tenant), &p, |_| Ok(())))
+    };
+    let recover = {
+        let (r, p) = (r.clone(), recovered.clone());
+        std::thread::spawn(move || r.recover(&sub, 0, &p))
+    };
+    // The recover has read the dead letter before the open transaction: its range was taken.
+    wait_until(
+        Duration::from_secs(30),
+        "the recover reads offset 0",
+        || (recovered.lock().unwrap().scanned >= 1).then_some(()),
+    );
+    rdkafka::producer::Producer::abort_transaction(&open, Duration::from_secs(30)).unwrap();
+    redrive.join().unwrap().expect("the redrive");
+    recover.join().unwrap().expect("the recover");
+    let done = |p: &Mutex<Progress>| {
+        let p = p.lock().unwrap();
+        (p.scanned, p.matched, p.requested)
+    };
+    assert_eq!(done(&recovered), (4, 4, 4), "every committed dead letter");
+    assert_eq!(done(&redriven), (1, 1, 1));
+    let requests = read_all(&[&inbox], Duration::from_secs(5));
+    assert_eq!(requests.len(), 5, "four recovered, one redriven");
+}
+
 /// A sink that takes each event delivery and answers 200 only once the test opens its gate
 /// (verification probes pass at once).
 async fn start_gated_sink() -> (String, Arc<Mutex<Vec<String>>>, Arc<tokio::sync::Semaphore>) {

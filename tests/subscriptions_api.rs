@@ -364,8 +364,8 @@ async fn moving_an_active_webhook_to_a_new_url_loses_no_event() {
 /// request finds on the other, even while the other's control reader lags (here by a second a
 /// record, `STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG`). Before, the lagging instance answered from
 /// its own table: `404` for a subscription just created on the first, and a PATCH made from an
-/// older version that undid a rotated secret without a word. A reader lagging past the 5 s
-/// wait is a `503 table_behind`.
+/// older version that undid a rotated secret without a word; so was a pull subscription's first
+/// read there. A reader lagging past the 5 s wait is a `503 table_behind`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_on_one_instance_is_read_and_built_on_by_another_whose_reader_lags() {
     let a = ApiHub::start("apisync", &[]).await;
@@ -395,6 +395,24 @@ async fn a_write_on_one_instance_is_read_and_built_on_by_another_whose_reader_la
     let (status, got) = call(b.addr(), reqwest::Method::GET, path.clone(), None).await;
     assert_eq!(status, 200, "read on the lagging instance: {got}");
     assert_eq!(got["version"], created["version"], "{got}");
+    // A pull subscription's first read, on the lagging instance: an empty page, not a 404 that
+    // tells the client its subscription is gone.
+    let pull = a
+        .create_subscription(
+            "tenant-y",
+            json!({"event_types": ["*"], "destination": {"type": "pull"}}),
+        )
+        .await;
+    let pull_id = pull["id"].as_str().expect("a pull subscription's id");
+    let (status, page) = call(
+        b.addr(),
+        reqwest::Method::GET,
+        format!("/v1/events?subscription_id={pull_id}"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "a pull read on the lagging instance: {page}");
+    assert_eq!(page["events"], json!([]), "{page}");
 
     let (status, rotated) = call(
         a.hub.addr(),

@@ -170,13 +170,33 @@ fn remember(ops: &Ops, kind: &str, subscription: Option<&str>) -> Arc<Mutex<Prog
         ..Progress::default()
     }));
     let mut all = ops.progress.lock().unwrap_or_else(|e| e.into_inner());
-    if all.len() >= MAX_PROGRESS {
-        if let Some(oldest) = all.keys().min().cloned() {
-            all.remove(&oldest); // ids are UUIDv7: the smallest is the oldest
-        }
-    }
+    make_room(&mut all, MAX_PROGRESS);
     all.insert(id, p.clone());
     p
+}
+
+/// Forgets runs until one more fits under `most`: the oldest finished first (ids are UUIDv7: the
+/// smallest is the oldest). A running one is kept, so its progress can still be read and a
+/// replay cancelled (`DELETE /admin/replay/{id}`) however many short runs come after it (a long
+/// replay was forgotten behind a thousand recovers and could no longer be stopped); only when
+/// every one kept is running, more than the gates let run at once, does the oldest go.
+fn make_room(all: &mut HashMap<String, Arc<Mutex<Progress>>>, most: usize) {
+    while all.len() >= most.max(1) {
+        let running = |p: &Arc<Mutex<Progress>>| {
+            p.lock().unwrap_or_else(|e| e.into_inner()).state == "running"
+        };
+        let oldest = all
+            .iter()
+            .filter(|(_, p)| !running(p))
+            .map(|(id, _)| id)
+            .min()
+            .or_else(|| all.keys().min())
+            .cloned();
+        match oldest {
+            Some(id) => all.remove(&id),
+            None => return,
+        };
+    }
 }
 
 /// A recover, replay or redrive to a subscription that is disabled or not verified: `409`. The
@@ -319,7 +339,17 @@ pub async fn pull_events(
         ApiError::bad_request("required", "subscription_id is required")
             .with_field("subscription_id")
     })?;
-    let sub = load(&state, &tenant, id)?;
+    // Not found here: it may have been created through another instance a moment ago (a client
+    // behind a load balancer reads right after its create), so this instance reads the control
+    // topic to its end first, as a read of the subscription does, and looks again. Only then is
+    // it `404`; a found one costs no wait.
+    let sub = match load(&state, &tenant, id) {
+        Err(e) if e.status == StatusCode::NOT_FOUND => {
+            synced(&state, false).await?;
+            load(&state, &tenant, id)?
+        }
+        found => found?,
+    };
     if sub.destination.kind != DestinationType::Pull {
         return Err(ApiError::bad_request(
             "not_a_pull_subscription",
@@ -878,6 +908,36 @@ mod tests {
         let a3 = gate.enter("a", Duration::from_secs(30)).await;
         assert!(a3.is_some(), "a has one running: another is let in");
         drop((a2, c1));
+    }
+
+    #[test]
+    fn a_running_run_is_kept_while_finished_ones_are_forgotten_oldest_first() {
+        let run = |id: &str, state: &str| {
+            let p = Progress {
+                id: id.into(),
+                state: state.into(),
+                ..Progress::default()
+            };
+            (id.to_string(), Arc::new(Mutex::new(p)))
+        };
+        // Ids sort by age, as UUIDv7s do.
+        let mut all: HashMap<_, _> = [
+            run("1-replay", "running"),
+            run("2-recover", "done"),
+            run("3-recover", "failed"),
+        ]
+        .into_iter()
+        .collect();
+        make_room(&mut all, 3);
+        let mut kept: Vec<_> = all.keys().cloned().collect();
+        kept.sort();
+        assert_eq!(kept, ["1-replay", "3-recover"], "the oldest finished goes");
+        make_room(&mut all, 2);
+        assert_eq!(all.keys().collect::<Vec<_>>(), ["1-replay"]);
+        // Every one running: the oldest goes after all.
+        all.extend([run("4-replay", "running")]);
+        make_room(&mut all, 2);
+        assert_eq!(all.keys().collect::<Vec<_>>(), ["4-replay"]);
     }
 
     #[test]

@@ -42,6 +42,10 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEAD_LETTERS_UNREADABLE: &str = "streaming_hub_recover_dead_letters_unreadable_total";
 /// The longest a scan waits for a record before it looks at the stop flag again.
 const POLL_SLICE: Duration = Duration::from_secs(1);
+/// How long a scan waits at a transaction still open before the end of its range: the hub's
+/// producers' transaction timeout (60 s), after which the broker aborts it (it looks every
+/// 10 s), and a margin.
+const OPEN_TRANSACTION_PATIENCE: Duration = Duration::from_secs(90);
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RedeliverError {
@@ -195,6 +199,20 @@ impl Redeliverer {
             .map_err(k)
     }
 
+    /// Where a run's ranges end: a `read_uncommitted` client, told the log's end (a
+    /// `read_committed` one is told the last stable offset, which stops short of a transaction
+    /// still open and of everything committed after it: a recover took those dead letters for
+    /// not there yet, and answered `done` without them). The scan then waits for that open
+    /// transaction to end (see [`scan`]).
+    fn ends(&self) -> Result<BaseConsumer<kafka::ReaderContext>, RedeliverError> {
+        kafka::base(&self.config)
+            .set("group.id", format!("{}.ops-reader", self.config.group_id))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_uncommitted")
+            .create_with_context(kafka::ReaderContext)
+            .map_err(k)
+    }
+
     /// Reads each `(partition, start, end)` range of `topic` as the operations read theirs
     /// (`read_committed`; a start retention has deleted reads from the oldest record kept),
     /// calling `f` for each record.
@@ -283,7 +301,7 @@ impl Redeliverer {
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let ranges = ranges_for_times(&consumer, &self.inbox, from_ms, to_ms, &self.stop)?;
+        let ranges = ranges_for_times(&self.ends()?, &self.inbox, from_ms, to_ms, &self.stop)?;
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         let mut seen = RecentIds::new(REPLAY_IDS_KEPT);
@@ -351,7 +369,7 @@ impl Redeliverer {
         progress: &Mutex<Progress>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
-        let ranges = ranges_for_times(&consumer, &self.dlq, since_ms, i64::MAX, &self.stop)?;
+        let ranges = ranges_for_times(&self.ends()?, &self.dlq, since_ms, i64::MAX, &self.stop)?;
         let producer = producer(&self.config)?;
         let request_id = request_id_of(progress);
         // Each dead letter is requested as the scan reaches it: only the ids seen are kept, not
@@ -415,13 +433,14 @@ impl Redeliverer {
         admit: impl Fn(&DeadLetterRecord) -> Result<(), RedeliverError>,
     ) -> Result<(), RedeliverError> {
         let consumer = self.consumer()?;
+        let ends = self.ends()?;
         let partitions: HashSet<i32> = kafka::partition_ids(&consumer, &self.dlq, TIMEOUT)
             .map_err(|e| RedeliverError::Kafka(e.to_string()))?
             .into_iter()
             .collect();
         for &(partition, offset) in positions {
             go_on(&self.stop)?;
-            let dl = self.dead_at(&consumer, &partitions, partition, offset, tenant)?;
+            let dl = self.dead_at(&consumer, &ends, &partitions, partition, offset, tenant)?;
             progress.lock().unwrap_or_else(|p| p.into_inner()).scanned += 1;
             let named = |m: String| format!("dead letter {partition}-{offset}: {m}");
             admit(&dl).map_err(|e| match e {
@@ -437,7 +456,7 @@ impl Redeliverer {
             // Checked above: one gone since (retention) or unreadable now fails the run, with
             // the requests before it queued.
             let dl = self
-                .dead_at(&consumer, &partitions, partition, offset, tenant)
+                .dead_at(&consumer, &ends, &partitions, partition, offset, tenant)
                 .map_err(|e| match e {
                     RedeliverError::Invalid(m) => {
                         RedeliverError::Kafka(format!("{m} any more (deleted while the run went)"))
@@ -449,10 +468,12 @@ impl Redeliverer {
         Self::finish(&producer, requested)
     }
 
-    /// The dead letter at `partition`-`offset` of the DLQ (of `tenant`, when given).
+    /// The dead letter at `partition`-`offset` of the DLQ (of `tenant`, when given). One behind a
+    /// transaction still open (committed after it began) is waited for, as a scan waits.
     fn dead_at(
         &self,
         consumer: &BaseConsumer<kafka::ReaderContext>,
+        ends: &BaseConsumer<kafka::ReaderContext>,
         partitions: &HashSet<i32>,
         partition: i32,
         offset: i64,
@@ -462,32 +483,31 @@ impl Redeliverer {
         if !partitions.contains(&partition) {
             return Err(missing());
         }
-        let (low, high) = consumer
+        let (low, high) = ends
             .fetch_watermarks(&self.dlq, partition, TIMEOUT)
             .map_err(k)?;
         if offset < low || offset >= high {
             return Err(missing());
         }
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&self.dlq, partition, Offset::Offset(offset))
-            .map_err(k)?;
-        consumer.assign(&tpl).map_err(k)?;
-        let found = match consumer.poll(TIMEOUT) {
-            Some(Ok(m)) if m.offset() == offset => m.payload().and_then(|v| {
-                self.codec
-                    .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
-                    .ok()
-            }),
-            // That offset holds no record (a transaction marker, an aborted write).
-            Some(Ok(_)) | Some(Err(RdKafkaError::PartitionEOF(_))) => None,
-            Some(Err(e)) => return Err(k(e)),
-            None => {
-                return Err(RedeliverError::Kafka(format!(
-                    "no record from {}/{partition} within {TIMEOUT:?}",
-                    self.dlq
-                )));
-            }
-        };
+        // That offset may hold no record (a transaction marker, an aborted write): then the scan
+        // reads nothing there.
+        let mut found = None;
+        scan(
+            consumer,
+            &self.dlq,
+            &[(partition, offset, offset + 1)],
+            &self.stop,
+            |m| {
+                if m.offset() == offset {
+                    found = m.payload().and_then(|v| {
+                        self.codec
+                            .decode::<DeadLetterRecord>(RecordKind::DeadLetter, v)
+                            .ok()
+                    });
+                }
+                Ok(())
+            },
+        )?;
         match found {
             Some(dl) if tenant.is_none_or(|t| t == dl.tenant_id) => Ok(dl),
             _ => Err(missing()),
@@ -610,7 +630,9 @@ fn owned_headers(
 }
 
 /// For each partition of `topic`: the offsets of the first record at or after `from_ms` and of the
-/// first at or after `to_ms` (the high watermark when none), as half-open ranges; empty ones left out.
+/// first at or after `to_ms` (the high watermark when none), as half-open ranges; empty ones left
+/// out. `consumer` is `read_uncommitted` ([`Redeliverer::ends`]): ranges end where the log ends,
+/// not at the last stable offset.
 fn ranges_for_times(
     consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
@@ -658,6 +680,13 @@ fn ranges_for_times(
 
 /// Reads each `(partition, start, end)` range of `topic`, calling `f` for each record, until
 /// `stop` is set (then `Err(Stopped)`).
+///
+/// A range is read once the consumer's position has reached its end. A `read_committed` reader
+/// stops at the last stable offset: short of `end` while a transaction begun before it is still
+/// open, though records after it may be committed (another instance's dead letters). When no
+/// record comes for [`TIMEOUT`] and that is why, the scan waits on for that transaction to end,
+/// up to [`OPEN_TRANSACTION_PATIENCE`] in all, then reads what it committed and what others
+/// committed after it. Transaction markers and aborted records move the position unread.
 fn scan(
     consumer: &BaseConsumer<kafka::ReaderContext>,
     topic: &str,
@@ -672,11 +701,14 @@ fn scan(
         consumer.assign(&tpl).map_err(k)?;
         // Polled a second at a time, so a stop is seen while the brokers are slow to answer.
         let mut idle = Duration::ZERO;
+        // The last stable offset, once a wait found it short of `end`.
+        let mut held_at: Option<i64> = None;
         loop {
             go_on(stop)?;
             match consumer.poll(POLL_SLICE) {
                 Some(Ok(m)) => {
                     idle = Duration::ZERO;
+                    held_at = None;
                     if m.offset() >= end {
                         break;
                     }
@@ -685,19 +717,61 @@ fn scan(
                         break;
                     }
                 }
-                // read_committed: the range may end in an aborted transaction's records.
-                Some(Err(RdKafkaError::PartitionEOF(_))) => break,
+                // At the end of what it may read: the range's end once markers and aborted
+                // records are stepped over; short of it while a transaction is open.
+                Some(Err(RdKafkaError::PartitionEOF(_))) => {
+                    if position(consumer, topic, partition)?.is_some_and(|o| o >= end) {
+                        break;
+                    }
+                }
                 Some(Err(e)) => return Err(k(e)),
-                None if idle + POLL_SLICE < TIMEOUT => idle += POLL_SLICE,
                 None => {
-                    return Err(RedeliverError::Kafka(format!(
-                        "no record from {topic}/{partition} within {TIMEOUT:?}"
-                    )));
+                    idle += POLL_SLICE;
+                    if idle >= TIMEOUT && held_at.is_none() {
+                        let (_, stable) = consumer
+                            .fetch_watermarks(topic, partition, TIMEOUT)
+                            .map_err(k)?;
+                        if stable >= end {
+                            return Err(RedeliverError::Kafka(format!(
+                                "no record from {topic}/{partition} within {TIMEOUT:?}"
+                            )));
+                        }
+                        tracing::info!(
+                            topic,
+                            partition,
+                            open_at = stable,
+                            end,
+                            "a scan waits for a transaction still open before the end of its range"
+                        );
+                        held_at = Some(stable);
+                    }
+                    if let Some(at) = held_at.filter(|_| idle >= OPEN_TRANSACTION_PATIENCE) {
+                        return Err(RedeliverError::Kafka(format!(
+                            "{topic}/{partition} stays behind a transaction open at offset {at} \
+                             (the range ends at {end}) after {OPEN_TRANSACTION_PATIENCE:?}"
+                        )));
+                    }
                 }
             }
         }
     }
     Ok(())
+}
+
+/// The consumer's position on `topic`/`partition`: the offset after the last record, marker or
+/// aborted record it stepped over (None before it read anything there).
+fn position(
+    consumer: &BaseConsumer<kafka::ReaderContext>,
+    topic: &str,
+    partition: i32,
+) -> Result<Option<i64>, RedeliverError> {
+    let positions = consumer.position().map_err(k)?;
+    Ok(positions
+        .find_partition(topic, partition)
+        .and_then(|e| match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        }))
 }
 
 #[cfg(test)]

@@ -340,6 +340,10 @@ enum Writer {
     /// timeout after the send); otherwise writes go as [`Writer::Memory`]'s.
     #[cfg(test)]
     Failing(Arc<std::sync::atomic::AtomicBool>),
+    /// While the flag is set, every write lands (as [`Writer::Memory`]'s) and is then reported
+    /// failed, as a send that timed out after the broker had taken it; otherwise as Memory's.
+    #[cfg(test)]
+    LandedButFailed(Arc<std::sync::atomic::AtomicBool>),
     /// Each write waits for the gate to open once, then goes as [`Writer::Memory`]'s (a broker
     /// slow to take it).
     #[cfg(test)]
@@ -365,6 +369,10 @@ pub struct ControlEnds {
     /// once instead of waiting out its own lookup (a broker down made every read take 5 s).
     failed_at: std::sync::Mutex<Option<std::time::Instant>>,
 }
+
+/// How long a write reported failed waits for the table to reach the control topic's end, to
+/// see whether it landed ([`Subscriptions::landed_or`]).
+const LANDED_CHECK_WAIT: Duration = Duration::from_secs(5);
 
 /// Lookups of the control topic's end at once ([`Subscriptions::sync`]).
 const SYNC_LOOKUPS: usize = 8;
@@ -548,6 +556,19 @@ impl Subscriptions {
         }
     }
 
+    /// [`Subscriptions::in_memory`] whose writes land and are reported failed while `failing`
+    /// is set (a send that timed out after the broker took it).
+    #[cfg(test)]
+    pub fn landed_but_failed(
+        codec: Arc<Codec>,
+        failing: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Subscriptions {
+        Subscriptions {
+            writer: Writer::LandedButFailed(failing),
+            ..Subscriptions::in_memory(codec)
+        }
+    }
+
     /// [`Subscriptions::in_memory`] whose writes each wait for one `gate.notify_one()`.
     #[cfg(test)]
     pub fn gated(codec: Arc<Codec>, gate: Arc<tokio::sync::Notify>) -> Subscriptions {
@@ -651,9 +672,17 @@ impl Subscriptions {
             #[cfg(test)]
             Writer::Failing(failing) => {
                 if failing.load(std::sync::atomic::Ordering::SeqCst) {
-                    return Err(RepoError::Write("Message timed out".into()));
+                    return self.landed_or(&rec, "Message timed out".into()).await;
                 }
                 self.table.apply(|t| t.upsert(rec.clone()));
+                None
+            }
+            #[cfg(test)]
+            Writer::LandedButFailed(failing) => {
+                self.table.apply(|t| t.upsert(rec.clone()));
+                if failing.load(std::sync::atomic::Ordering::SeqCst) {
+                    return self.landed_or(&rec, "Message timed out".into()).await;
+                }
                 None
             }
             #[cfg(test)]
@@ -665,14 +694,16 @@ impl Subscriptions {
             Writer::Kafka {
                 producer, topic, ..
             } => {
-                let d = producer
+                match producer
                     .send(
                         FutureRecord::to(topic).key(&id).payload(&bytes),
                         Duration::from_secs(10),
                     )
                     .await
-                    .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
-                Some((d.partition, d.offset))
+                {
+                    Ok(d) => Some((d.partition, d.offset)),
+                    Err((e, _)) => return self.landed_or(&rec, e.to_string()).await,
+                }
             }
         };
         // Seen: the table shows this version (or a later one), or the reader has gone past the
@@ -698,6 +729,26 @@ impl Subscriptions {
             }
         });
         Err(RepoError::NotSeen(wait))
+    }
+
+    /// A write the producer reported failed, `error`: it may have landed all the same (a send
+    /// that timed out after the broker took it, as in a leader's failover). This instance reads
+    /// the control topic to its end, and the write counts as made when the table then holds
+    /// this very record: its sealed secrets' random nonces tell it from another writer's of the
+    /// same version. A created subscription's or a rotated secret's answer then carries the
+    /// secret, which a `503` lost while the record was on the topic and signing with it.
+    /// Otherwise it failed, as far as this instance can tell (one overwritten by a later write
+    /// meanwhile is not told apart).
+    async fn landed_or(&self, rec: &SubscriptionRecord, error: String) -> Result<(), RepoError> {
+        let synced = self.sync(LANDED_CHECK_WAIT).await;
+        if self.table.read().get(&rec.id).is_some_and(|s| *s == *rec) {
+            tracing::warn!(subscription_id = %rec.id, version = rec.version, error = %error, "a control write reported failed is on the control topic: taken as written");
+            return Ok(());
+        }
+        Err(RepoError::Write(match synced {
+            Ok(()) => error,
+            Err(e) => format!("{error} (whether it landed could not be read: {e})"),
+        }))
     }
 
     /// Deletes a subscription (a tombstone) and returns once the table no longer has it.
@@ -742,6 +793,16 @@ impl Subscriptions {
                 self.table.apply(|t| {
                     t.remove(id);
                 });
+                None
+            }
+            #[cfg(test)]
+            Writer::LandedButFailed(failing) => {
+                self.table.apply(|t| {
+                    t.remove(id);
+                });
+                if failing.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(RepoError::Write("Message timed out".into()));
+                }
                 None
             }
             #[cfg(test)]

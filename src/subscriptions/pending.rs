@@ -59,6 +59,9 @@ pub const PASS_INTERVAL: Duration = Duration::from_secs(30);
 pub const MAX_ATTEMPTS: u32 = 5;
 /// Probes in flight at once during a pass.
 const PROBES_AT_ONCE: usize = 16;
+/// How long a verdict's write waits for this instance's table to reach the control topic's end
+/// (the API's reads and writes wait as long).
+const VERDICT_SYNC_WAIT: Duration = Duration::from_secs(5);
 /// Most probes of one tenant in a pass; its other due ones wait for the next pass (no try
 /// counted). A pass ends when its last probe does, so a tenant with a thousand pending webhooks
 /// at hosts that never answer made every pass last 1,000 / 16 x the HTTP timeout (16 minutes),
@@ -465,6 +468,16 @@ impl PendingRetrier {
         probed: &SubscriptionRecord,
         state: VerificationState,
     ) -> Result<bool, RepoError> {
+        // First this instance reads the control topic to its end, as the API does before it
+        // writes: a change another instance acknowledged while the probe ran (a rotated secret,
+        // a PATCH) is then the latest here, and the verdict is not written onto the version
+        // before it. The table takes records in the log's order, so that write would have come
+        // last and undone the change on every instance. Not caught up: written on a later pass.
+        if let Err(e) = self.subs.sync(VERDICT_SYNC_WAIT).await {
+            return Err(RepoError::Write(format!(
+                "not attempted, this instance's table is behind: {e}"
+            )));
+        }
         let guard = self.writes.clone().lock_owned().await;
         let Some(latest) = self.subs.get(&probed.id) else {
             return Ok(false);

@@ -32,6 +32,10 @@ pub enum SecretError {
     BadKek,
     #[error("malformed key list entry {0} (expected <id>:<base64>)")]
     BadKekList(usize),
+    /// A `STREAMING_HUB_KEK_PREVIOUS` entry (1-based) whose key is not base64 of 32 bytes (it
+    /// was reported as the current key's fault, mid-way through a key rotation).
+    #[error("key list entry {0}: its key must be base64 of exactly 32 bytes")]
+    BadPreviousKek(usize),
     #[error("no key-encryption key with id {0:?} is configured")]
     UnknownKeyId(String),
     /// A `STREAMING_HUB_KEK_PREVIOUS` entry (1-based) reuses the current key's id or an earlier
@@ -101,7 +105,8 @@ impl Kek {
             if kek.keys.contains_key(id) {
                 return Err(SecretError::DuplicateKekId(i + 1));
             }
-            kek.keys.insert(id.to_string(), decode_key(key)?);
+            let key = decode_key(key).map_err(|_| SecretError::BadPreviousKek(i + 1))?;
+            kek.keys.insert(id.to_string(), key);
         }
         kek.send_unbound = config.send_unbound_headers;
         Ok(kek)
@@ -563,6 +568,14 @@ mod tests {
             e.contains("STREAMING_HUB_KEK_PREVIOUS") && e.contains("entry 1: its key id"),
             "the current key's id: {e}"
         );
+        // A key that is not 32 bytes names the entry, not the current key.
+        let short = "c2hvcnQ=";
+        let e = refused(format!("k1:{},k0:{short}", key(1)));
+        assert!(
+            e.contains("STREAMING_HUB_KEK_PREVIOUS") && e.contains("entry 2: its key must be"),
+            "{e}"
+        );
+        assert!(!e.contains(short), "{e}");
         let e = refused(format!("k1:{},k1:{}", key(1), key(3)));
         assert!(
             e.contains("entry 2: its key id"),

@@ -111,6 +111,21 @@ pub fn producer() -> TestProducer {
         .expect("producer")
 }
 
+/// A transactional producer (as ingest writes the inbox, or the hub its outputs) that has
+/// written `rec` to `topic` in a transaction it leaves open: `read_committed` readers stop short
+/// of it until it is committed or aborted.
+pub fn open_transaction_with(topic: &str, rec: Rec) -> TestProducer {
+    let p: TestProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", format!("{topic}.test-ingest"))
+        .create_with_context(FailOnError::default())
+        .expect("transactional producer");
+    p.init_transactions(Duration::from_secs(30)).unwrap();
+    p.begin_transaction().unwrap();
+    produce(&p, topic, &[rec]);
+    p
+}
+
 /// One record to produce: key, headers in order (a value of None is a null header), value.
 #[derive(Clone, Debug, Default)]
 pub struct Rec {

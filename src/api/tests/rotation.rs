@@ -70,6 +70,70 @@ async fn signing_secret_is_shown_on_create_only_and_is_sealed_at_rest() {
     );
 }
 
+/// A create and a rotation whose write the producer reports failed though the broker took it
+/// (a send that timed out during a leader's failover) are in force: their answers carry the
+/// secret, as for any write. A `503` lost it while the record was on the control topic: a
+/// duplicate create, and deliveries signed only with a secret nobody held once the old one's
+/// grace ended. A write that did not land is still a `503`.
+#[tokio::test]
+async fn a_write_reported_failed_that_landed_answers_its_secret() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use crate::runtime::avro::Codec;
+    use crate::subscriptions::control::Subscriptions;
+    let failing = Arc::new(AtomicBool::new(true));
+    let codec = Arc::new(Codec::new().unwrap());
+    let h = Harness::with_subs(
+        true,
+        Subscriptions::landed_but_failed(codec.clone(), failing.clone()),
+    );
+    let hook = Hook::start(true).await;
+    let token = h.token("acme");
+    let created = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    let id = created.body["id"].as_str().unwrap().to_string();
+    let first = created.body["signing_secret"].as_str().unwrap();
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+    let rotated = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(rotated.status, StatusCode::OK, "{}", rotated.text);
+    let second = rotated.body["signing_secret"].as_str().unwrap();
+    assert_ne!(second, first);
+    let stored = h.state.subs.get(&id).unwrap();
+    let current = h
+        .kek()
+        .open_secret(&stored.signing_secrets[0], &id)
+        .unwrap();
+    assert_eq!(
+        current.expose(),
+        second,
+        "the answer's secret is the one that signs"
+    );
+
+    // Not landed: refused, and nothing changed.
+    let h = Harness::with_subs(true, Subscriptions::failing(codec, failing.clone()));
+    failing.store(false, Ordering::SeqCst);
+    let created = h
+        .post("/v1/subscriptions", &token, webhook_body(&hook.url))
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    let id = created.body["id"].as_str().unwrap().to_string();
+    let before = h.state.subs.get(&id).unwrap();
+    failing.store(true, Ordering::SeqCst);
+    let uri = format!("/v1/subscriptions/{id}/rotate-secret");
+    let refused = h.call(Method::POST, &uri, Some(&token), None, &[]).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text
+    );
+    assert!(!refused.text.contains("whsec_"), "{}", refused.text);
+    assert_eq!(h.state.subs.get(&id).unwrap(), before);
+}
+
 #[tokio::test]
 async fn rotate_puts_the_new_secret_first_and_keeps_the_old_one_until_its_grace_ends() {
     let h = Harness::new();
