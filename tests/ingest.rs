@@ -747,13 +747,26 @@ async fn records_of_producers_own_topics_a_wide_pattern_matches_are_dropped() {
     for t in [&main, &dlq, &commands] {
         produce(&p, t, &[event("t1", "ledger", "transaction", "created")]);
     }
+    // Dead letters whose headers the quarantine would refuse: more than 256 of them (a dead
+    // letter adds eleven to its event's), and a name that is not UTF-8.
+    let mut crowded = event("t1", "ledger", "transaction", "created");
+    for i in 0..260 {
+        crowded = crowded.add(&format!("x-lerian-dlq-note-{i}"), b"x");
+    }
+    produce(&p, &dlq, &[crowded]);
+    produce_with_raw_header_name(
+        &dlq,
+        &event("t1", "ledger", "transaction", "created"),
+        b"\xff-name",
+    );
     let http = hub_http();
     let dropped = |t: &str| {
         format!(
             "streaming_hub_ingest_records_total{{topic=\"{t}\",verdict=\"drop\",reason=\"producer_own_topic\""
         )
     };
-    hub.metrics_when(&http, &dropped(&dlq), 1).await;
+    let text = hub.metrics_when(&http, &dropped(&dlq), 3).await;
+    assert_eq!(metric_sum(&text, &dropped(&dlq)), 3, "{text}");
     hub.metrics_when(&http, &dropped(&commands), 1).await;
     let accepted =
         format!("streaming_hub_ingest_records_total{{topic=\"{main}\",verdict=\"accept\"");
@@ -762,6 +775,11 @@ async fn records_of_producers_own_topics_a_wide_pattern_matches_are_dropped() {
     let inbox = format!("{prefix}.inbox");
     let all = read_all(&[&inbox], Duration::from_secs(30));
     assert_eq!(all.len(), 1, "only the producer topic's event is ingested");
+    let quarantine = format!("{prefix}.quarantine");
+    assert!(
+        read_all(&[&quarantine], Duration::from_secs(5)).is_empty(),
+        "nothing of a producer's own topics is quarantined"
+    );
 }
 
 #[tokio::test]

@@ -968,6 +968,83 @@ async fn a_run_whose_request_is_refused_fails_alone() {
     assert_eq!(requests.len(), 9, "one request per run of offset 0");
 }
 
+/// A replay answered by one instance while the instance whose hub loop owns the tenant's
+/// partition has not yet read the record that enabled the subscription again (its control
+/// reader lags, here 4 s a record): the hub holds the redelivery and judges it when due, by then
+/// on the record it lacked, and delivers it. Before, it dropped it as `inactive`, though the
+/// replay had been accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_read_before_the_hub_has_its_subscription_enabled_is_delivered() {
+    let s = ApiHub::start("lagredo", &[("STREAMING_HUB_ROLE", "ingest")]).await;
+    let b = lagging_instance(&s, "b", "delivery", "4s");
+    let (url, sink) = start_sink(200, Duration::ZERO).await;
+    let created = s
+        .create_subscription(
+            "tenant-l",
+            json!({"event_types": ["transaction.*"], "destination": {"type": "webhook", "url": url}}),
+        )
+        .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let token = s.token("tenant-l");
+    let path = format!("/v1/subscriptions/{id}");
+    // B's table, read through B's API (which waits for its reader), has what A wrote.
+    let b_has = |check: fn(&Value) -> bool| {
+        let (http, addr, path, token) = (s.http.clone(), b.addr(), path.clone(), token.clone());
+        wait_until(
+            Duration::from_secs(90),
+            "B's table has the change",
+            move || {
+                let (status, got) = futures_block(call_json(
+                    &http,
+                    reqwest::Method::GET,
+                    &addr,
+                    &path,
+                    &token,
+                    None,
+                ));
+                (status == 200 && check(&got)).then_some(())
+            },
+        )
+    };
+    b_has(|g| g["verification_state"] == "active" && g["enabled"] == true);
+    let t0 = now_rfc3339();
+    let e1 = event("tenant-l", "ledger", "transaction", "created");
+    produce(&producer(), &s.topic, std::slice::from_ref(&e1));
+    sink.wait_count(&e1.id(), 1);
+    let patch = |enabled: bool| {
+        let (http, addr, path, token) = (s.http.clone(), s.hub.addr(), path.clone(), token.clone());
+        async move {
+            let body = json!({ "enabled": enabled });
+            let (status, got) = call_json(
+                &http,
+                reqwest::Method::PATCH,
+                &addr,
+                &path,
+                &token,
+                Some(&body),
+            )
+            .await;
+            assert_eq!(status, 200, "{got}");
+        }
+    };
+    patch(false).await;
+    b_has(|g| g["enabled"] == false);
+    // Enabled again and replayed at once, through A: B reads the request 4 s before the record.
+    patch(true).await;
+    let (status, run) = post_json(
+        &s,
+        "/admin/replay",
+        &admin_token(),
+        json!({"subscription_id": id, "from": t0}),
+    )
+    .await;
+    assert_eq!(status, 202, "{run}");
+    let deferred = "streaming_hub_redeliveries_total{outcome=\"deferred\"";
+    let text = b.metrics_when(&s.http, deferred, 1).await;
+    assert_eq!(metric_sum(&text, deferred), 1, "{text}");
+    sink.wait_count(&e1.id(), 2);
+}
+
 /// A recover and a redrive read the dead letters committed behind a transaction still open on
 /// the DLQ (another instance's, in flight or stuck): they wait for it to end. A `read_committed`
 /// reader is told the last stable offset as the partition's end, so the recover ended its range

@@ -369,14 +369,7 @@ async fn moving_an_active_webhook_to_a_new_url_loses_no_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_on_one_instance_is_read_and_built_on_by_another_whose_reader_lags() {
     let a = ApiHub::start("apisync", &[]).await;
-    let mut env_b = another_instance(&api_hub_env(&a.prefix, &a.topic), "b");
-    env_b.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
-    env_b.insert(
-        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
-        "1s".into(),
-    );
-    let b = Hub::start(&env_b);
-    b.wait_ready();
+    let b = lagging_instance(&a, "b", "ingest", "1s");
     let (url, _) = echo_server().await;
     let created = a
         .create_subscription(
@@ -442,14 +435,7 @@ async fn a_write_on_one_instance_is_read_and_built_on_by_another_whose_reader_la
     drop(b);
 
     // A reader further behind than the wait: a typed 503, not a stale answer.
-    let mut env_c = another_instance(&api_hub_env(&a.prefix, &a.topic), "c");
-    env_c.insert("STREAMING_HUB_ROLE".into(), "ingest".into());
-    env_c.insert(
-        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
-        "8s".into(),
-    );
-    let c = Hub::start(&env_c);
-    c.wait_ready();
+    let c = lagging_instance(&a, "c", "ingest", "8s");
     let (status, _) = call(
         a.hub.addr(),
         reqwest::Method::PATCH,

@@ -200,8 +200,8 @@ fn make_room(all: &mut HashMap<String, Arc<Mutex<Progress>>>, most: usize) {
 }
 
 /// A recover, replay or redrive to a subscription that is disabled or not verified: `409`. The
-/// hub drops redeliveries to it (`streaming_hub_redeliveries_total{outcome="inactive"}`), so
-/// queueing them would answer success for nothing.
+/// hub would not send the redeliveries (it holds them, and dead-letters them again while the
+/// subscription stays disabled), so queueing them would answer success for nothing.
 fn check_active(sub: &SubscriptionRecord) -> Result<(), ApiError> {
     inactive_why(sub).map_err(|why| {
         ApiError::new(
@@ -215,7 +215,7 @@ fn check_active(sub: &SubscriptionRecord) -> Result<(), ApiError> {
     })
 }
 
-/// Why the hub would drop a redelivery to `sub`, if it would.
+/// Why the hub would not send a redelivery to `sub`, if it would not.
 fn inactive_why(sub: &SubscriptionRecord) -> Result<(), &'static str> {
     if !sub.enabled {
         return Err("it is disabled");

@@ -26,6 +26,22 @@ const DRAIN: Duration = Duration::from_secs(10);
 /// requests and never reads the answers (pipelined, so the read timeout never runs) held its
 /// connection, and its place under the cap, for good.
 pub const WRITE_STALL: Duration = Duration::from_secs(30);
+/// The most a request's head (its line and headers) may take while it is read: a token is at
+/// most 8 KiB and a URL 2 KiB. hyper's default, about 400 KiB a connection, let a client with no
+/// token hold that much per connection, up to the connection cap, by never ending its headers.
+/// Past it the answer is `431`.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Answers up to this size are not counted against [`ANSWER_BUDGET_KIB`]: the connection cap
+/// bounds them.
+const SMALL_ANSWER: usize = 64 * 1024;
+/// KiB of larger answers (subscription lists, pull pages, `/metrics`) built and not yet sent,
+/// over every connection: 128 MiB. An answer waits on its client for up to [`WRITE_STALL`], so a
+/// client that asks for large answers on many connections and reads none held them all, gigabytes
+/// at the connection cap. Past the budget a large answer is replaced by a `503` with
+/// `Retry-After` (counted in [`ANSWERS_REFUSED`]).
+const ANSWER_BUDGET_KIB: usize = 128 * 1024;
+/// Large answers replaced by a `503` because [`ANSWER_BUDGET_KIB`] was spent.
+pub const ANSWERS_REFUSED: &str = "streaming_hub_http_answers_refused_total";
 
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -45,10 +61,12 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let budget = Budget::new(ANSWER_BUDGET_KIB);
     let (stopping, stop_seen) = watch::channel(false);
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.read_timeout)
+        .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
     let mut at_limit_said = false;
     tokio::pin!(shutdown);
@@ -88,12 +106,17 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let read_timeout = limits.read_timeout;
+        let budget = budget.clone();
         let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
             let req = req.map(|body| match read_timeout {
                 Some(limit) => Body::new(BodyDeadline::new(body, limit)),
                 None => Body::new(body),
             });
-            router.clone().oneshot(req)
+            let (router, budget) = (router.clone(), budget.clone());
+            async move {
+                let answer = router.oneshot(req).await;
+                answer.map(|a| budgeted(a, &budget))
+            }
         });
         let stream = WriteStall::new(stream, limits.write_stall);
         let conn = http.serve_connection(TokioIo::new(stream), service);
@@ -115,6 +138,83 @@ pub async fn serve(
     // Every connection task holds a permit: all of them back = all connections closed.
     let all = u32::try_from(limits.max_connections.max(1)).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(DRAIN + Duration::from_secs(1), permits.acquire_many(all)).await;
+}
+
+/// KiB of large answers that may wait to be sent ([`ANSWER_BUDGET_KIB`]), shared by connections.
+#[derive(Clone)]
+struct Budget {
+    kib: Arc<Semaphore>,
+    total: usize,
+}
+
+impl Budget {
+    fn new(total: usize) -> Budget {
+        Budget {
+            kib: Arc::new(Semaphore::new(total)),
+            total,
+        }
+    }
+}
+
+/// `answer` as it goes out: one larger than [`SMALL_ANSWER`] holds its size of `budget` until its
+/// body is sent or dropped (the connection closed), or, when the budget is spent, is replaced by
+/// a `503 unavailable` with `Retry-After: 1`. One larger than the whole budget takes all of it.
+fn budgeted(answer: axum::response::Response, budget: &Budget) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Some(len) = hyper::body::Body::size_hint(answer.body()).exact() else {
+        return answer; // streamed: none of ours
+    };
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    if len <= SMALL_ANSWER {
+        return answer;
+    }
+    let kib = len.div_ceil(1024).min(budget.total);
+    let kib = u32::try_from(kib).unwrap_or(u32::MAX);
+    match budget.kib.clone().try_acquire_many_owned(kib) {
+        Ok(held) => answer.map(|body| Body::new(Held { body, _held: held })),
+        Err(_) => {
+            metrics::counter!(ANSWERS_REFUSED).increment(1);
+            tracing::warn!(
+                bytes = len,
+                "a large answer refused: the answers waiting on their clients fill the budget"
+            );
+            super::errors::ApiError {
+                retry_after: Some(1),
+                ..super::errors::ApiError::new(
+                    hyper::StatusCode::SERVICE_UNAVAILABLE,
+                    super::errors::codes::UNAVAILABLE,
+                    "this instance is busy sending other large answers; retry",
+                )
+            }
+            .into_response()
+        }
+    }
+}
+
+/// An answer's body with its share of the answer budget, given back when the body is dropped.
+struct Held {
+    body: Body,
+    _held: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl hyper::body::Body for Held {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.body)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        hyper::body::Body::size_hint(&self.body)
+    }
 }
 
 /// A connection whose writes may wait on the client at most [`WRITE_STALL`] in a row; past it
@@ -382,6 +482,56 @@ mod tests {
         });
         // The only place is the hog's until its answers stall; then another client is served.
         assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"));
+    }
+
+    #[tokio::test]
+    async fn a_request_head_past_its_bound_is_refused_at_once() {
+        let limits = limits(8, Some(30_000), 30_000);
+        let (addr, _stop) = start(limits).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        // 100 KiB of one header, never ended: under hyper's default bound the server would wait
+        // for the rest until the read timeout, 30 s.
+        let mut head = b"GET /ok HTTP/1.1\r\nhost: x\r\nx-filler: ".to_vec();
+        head.extend(std::iter::repeat_n(b'a', 100 * 1024));
+        let _ = s.write_all(&head).await; // the server may close before it has read it all
+        let answer = read_to_close(&mut s, Duration::from_secs(10))
+            .await
+            .expect("the connection was not closed at once");
+        assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+        assert!(get_ok(addr).await.starts_with("HTTP/1.1 200"));
+    }
+
+    #[tokio::test]
+    async fn large_answers_past_the_budget_are_refused_until_one_is_sent() {
+        use axum::response::IntoResponse;
+        // A budget of 1 MiB; answers of a little over half of it.
+        let budget = Budget::new(1024);
+        let half = 512 * 1024 + 1;
+        let large = || vec![b'x'; half].into_response();
+        let first = budgeted(large(), &budget);
+        assert_eq!(first.status(), 200);
+        // Small answers are not counted.
+        let small = budgeted("ok".into_response(), &budget);
+        assert_eq!(budget.kib.available_permits(), 1024 - 513);
+        drop(small);
+        // The second large one does not fit beside the first, unsent.
+        let refused = budgeted(large(), &budget);
+        assert_eq!(refused.status(), 503);
+        assert_eq!(refused.headers()["retry-after"], "1");
+        // The first sent (its body read to the end and dropped): room again.
+        let body = axum::body::to_bytes(first.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        assert_eq!(body.len(), half);
+        assert_eq!(budget.kib.available_permits(), 1024);
+        let second = budgeted(large(), &budget);
+        assert_eq!(second.status(), 200);
+        // A connection closed before its answer went out gives it back too.
+        drop(second);
+        // One larger than the whole budget takes all of it, and is sent.
+        let huge = budgeted(vec![b'x'; 4 << 20].into_response(), &budget);
+        assert_eq!(huge.status(), 200);
+        assert_eq!(budget.kib.available_permits(), 0);
     }
 
     #[tokio::test]

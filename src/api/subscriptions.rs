@@ -73,11 +73,15 @@ pub async fn synced(state: &ApiState, writing: bool) -> Result<(), ApiError> {
             tracing::warn!(error = %e, "control topic's end unknown; answered from this instance's table");
             Ok(())
         }
-        Err(e @ SyncError::Unavailable(_)) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            codes::UNAVAILABLE,
-            e.to_string(),
-        )),
+        // The broker's words go to the log, not to the tenant.
+        Err(e @ SyncError::Unavailable(_)) => {
+            tracing::warn!(error = %e, "control topic's end unknown; a write answered 503");
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                codes::UNAVAILABLE,
+                "the subscription store is unavailable; retry later",
+            ))
+        }
         Err(e @ (SyncError::Behind(_) | SyncError::Busy)) => {
             metrics::counter!(TABLE_BEHIND).increment(1);
             tracing::warn!(error = %e, "answered 503 table_behind");

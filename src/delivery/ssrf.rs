@@ -31,7 +31,8 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 /// IPv4: `0.0.0.0/8` (unspecified included), `10/8`, `100.64/10` (CGNAT), `127/8`, `169.254/16`,
 /// `172.16/12`, `192.0.0/24` (IETF protocol assignments), `192.0.2/24`, `198.51.100/24`,
 /// `203.0.113/24` (documentation), `192.168/16`, `198.18/15` (benchmarking), `224/4` (multicast),
-/// `240/4` (reserved, broadcast included).
+/// `240/4` (reserved, broadcast included), and `168.63.129.16`, a public address every Azure VM
+/// reaches as its platform's agent endpoint (WireServer: what a metadata address is elsewhere).
 /// IPv6: `::`, `::1`, `fc00::/7` (unique local), `fe80::/10` (link-local), `fec0::/10` (old
 /// site-local), `ff00::/8` (multicast), `2001:db8::/32` (documentation), `100::/64` (discard),
 /// `64:ff9b:1::/48` (local NAT64), and every IPv6 form that embeds an IPv4 address — mapped
@@ -58,6 +59,7 @@ fn is_forbidden_v4(ip: Ipv4Addr) -> bool {
         || (a == 198 && b == 51 && c == 100)
         || (a == 203 && b == 0 && c == 113)
         || a >= 224
+        || ip == Ipv4Addr::new(168, 63, 129, 16)
 }
 
 fn is_forbidden_v6(ip: Ipv6Addr) -> bool {
@@ -279,6 +281,8 @@ mod tests {
             "127.0.0.1",
             "127.8.9.10",
             "169.254.169.254",
+            "168.63.129.16",
+            "::ffff:168.63.129.16",
             "172.16.0.1",
             "172.31.255.255",
             "192.0.0.8",

@@ -114,7 +114,7 @@ impl EventHandler for DispatchJobs {
                     )?;
                 }
                 DestinationType::Webhook => {
-                    if create_job(ctx, event, &sub.id, !unseen)? {
+                    if create_job(ctx, event, &sub.id, !unseen, ctx.now)? {
                         created += 1;
                     }
                 }
@@ -154,21 +154,34 @@ impl EventHandler for DispatchJobs {
         ctx: &mut TaskCtx<'_, '_>,
     ) -> Result<(), HubError> {
         let sub = self.table.read().get(subscription_id);
-        let outcome = match sub {
-            None => "unknown_subscription",
-            Some(s) if s.tenant_id != event.tenant => "other_tenant",
-            Some(s) if s.destination.kind != DestinationType::Webhook => "not_a_webhook",
-            Some(s) if !s.enabled || s.verification_state != VerificationState::Active => {
-                "inactive"
-            }
-            Some(_) => {
-                if create_job(ctx, event, subscription_id, true)? {
+        let skipped = match &sub {
+            Some(s) if s.tenant_id != event.tenant => Some("other_tenant"),
+            Some(s) if s.destination.kind != DestinationType::Webhook => Some("not_a_webhook"),
+            _ => None,
+        };
+        // Unknown here, or not enabled and active: the API took the request because its table,
+        // read to the control topic's end, had the subscription active, and this loop's table
+        // may not have read that record yet (a verify, then a recover, each answered a moment
+        // ago by another instance); dropped, the recover was lost though answered. So the job is
+        // made due a little later and judged then as any due job is: sent if the subscription is
+        // active by then, held while its verification is pending, dead-lettered again
+        // (`subscription_disabled`) if it is still disabled, dropped if it was deleted.
+        let active = sub
+            .as_ref()
+            .is_some_and(|s| s.enabled && s.verification_state == VerificationState::Active);
+        let due_at = match active {
+            true => ctx.now,
+            false => ctx.now.saturating_add(REDELIVERY_RECHECK_MS),
+        };
+        let outcome = match skipped {
+            Some(why) => why,
+            None => match create_job(ctx, event, subscription_id, true, due_at)? {
+                false => "pending",
+                true => {
                     hold_payload(ctx, event, 1, None)?;
-                    "queued"
-                } else {
-                    "pending"
+                    if active { "queued" } else { "deferred" }
                 }
-            }
+            },
         };
         Redelivery {
             ce_id: event.ce_id,
@@ -180,14 +193,20 @@ impl EventHandler for DispatchJobs {
     }
 }
 
-/// A new job for (event, subscription), due now; false when that job exists already (a replay
-/// or redelivery while the first delivery is still pending). `check`: look for it first (false
-/// only when the event has no stored payload, so no job either).
+/// How long a redelivery for a subscription this loop's table does not show active waits before
+/// it is judged (see `on_redeliver`): the API waits up to 5 s for its own table, and a reader
+/// that lags more than that is an outage of its own.
+const REDELIVERY_RECHECK_MS: i64 = 10_000;
+
+/// A new job for (event, subscription), due at `due_at`; false when that job exists already (a
+/// replay or redelivery while the first delivery is still pending). `check`: look for it first
+/// (false only when the event has no stored payload, so no job either).
 fn create_job(
     ctx: &mut TaskCtx<'_, '_>,
     event: &SequencedEvent<'_>,
     subscription_id: &str,
     check: bool,
+    due_at: i64,
 ) -> Result<bool, HubError> {
     let key = jobs::job_key(event.tenant, event.ce_id, subscription_id);
     let now = ctx.now;
@@ -203,7 +222,7 @@ fn create_job(
         subscription_id: subscription_id.to_string(),
         tenant_id: event.tenant.to_string(),
         attempt: 1,
-        due_at: now,
+        due_at,
         lease_until: None,
         reclaims,
         last_status: None,
@@ -211,6 +230,9 @@ fn create_job(
         state: JobState::Pending,
     };
     js.put_job(&key, &job, None).map_err(HubError::from)?;
+    if due_at > now {
+        return Ok(true); // its timer brings it
+    }
     ctx.fresh.push(Fresh {
         key,
         batch_index: event.batch_index,

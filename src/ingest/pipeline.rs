@@ -531,7 +531,12 @@ impl Ingest {
         } = read;
         let oversized_headers = count > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES;
         let value = msg.payload();
-        let verdict = if oversized_headers {
+        let verdict = if crate::ingest::classify::is_producers_own_topic(msg.topic()) {
+            // A producer's dead-letter or command topic, whatever its records carry: dropped
+            // before any check of their headers (a dead letter adds eleven to its event's, and
+            // was quarantined as `headers_too_large`, a forensic record filed as the hub's own).
+            Verdict::Drop
+        } else if oversized_headers {
             // Its headers are left out of the quarantined copy (they are what does not fit), but
             // for the first of each CloudEvents attribute, cut short; its payload is kept when it
             // is within the limit.

@@ -53,7 +53,7 @@ pub enum RedeliverError {
     Kafka(String),
     #[error("{0}")]
     Invalid(String),
-    /// A redelivery the hub would drop (its subscription disabled or not verified).
+    /// A redelivery the hub would not send (its subscription disabled or not verified).
     #[error("{0}")]
     Inactive(String),
     /// The instance began shutting down: the run stopped where it was (the requests it queued

@@ -423,8 +423,10 @@ pub const REDELIVERIES: &str = "streaming_hub_redeliveries_total";
 pub struct Redelivery<'a> {
     pub ce_id: &'a str,
     pub subscription_id: &'a str,
-    /// `queued` (a job was created), `pending` (its job is still pending), or why it was skipped:
-    /// `unknown_subscription`, `other_tenant`, `not_a_webhook`, `inactive`.
+    /// `queued` (a job was created), `deferred` (a job was created, due in 10 s: the subscription
+    /// was unknown or inactive in this loop's table, which may not have read the record the API
+    /// found it active in), `pending` (its job is still pending), or why it was skipped:
+    /// `other_tenant`, `not_a_webhook`.
     pub outcome: &'static str,
 }
 

@@ -980,6 +980,21 @@ pub struct ApiHub {
     pub http: reqwest::Client,
 }
 
+/// Another instance of `s`'s hub (its own member of the groups, its own state) in `role`, whose
+/// control reader, once caught up, waits `lag` before each record
+/// (`STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG`); started, and ready.
+pub fn lagging_instance(s: &ApiHub, suffix: &str, role: &str, lag: &str) -> Hub {
+    let mut env = another_instance(&api_hub_env(&s.prefix, &s.topic), suffix);
+    env.insert("STREAMING_HUB_ROLE".into(), role.into());
+    env.insert(
+        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
+        lag.into(),
+    );
+    let hub = Hub::start(&env);
+    hub.wait_ready();
+    hub
+}
+
 impl ApiHub {
     /// Starts a hub following a fresh `lerian.streaming.<prefix>` topic, with `extra` settings.
     pub async fn start(tag: &str, extra: &[(&str, &str)]) -> ApiHub {
