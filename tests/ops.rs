@@ -970,13 +970,13 @@ async fn a_run_whose_request_is_refused_fails_alone() {
 
 /// A replay answered by one instance while the instance whose hub loop owns the tenant's
 /// partition has not yet read the record that enabled the subscription again (its control
-/// reader lags, here 4 s a record): the hub holds the redelivery and judges it when due, by then
+/// reader lags, here 6 s a record): the hub holds the redelivery and judges it when due, by then
 /// on the record it lacked, and delivers it. Before, it dropped it as `inactive`, though the
 /// replay had been accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivery_read_before_the_hub_has_its_subscription_enabled_is_delivered() {
     let s = ApiHub::start("lagredo", &[("STREAMING_HUB_ROLE", "ingest")]).await;
-    let b = lagging_instance(&s, "b", "delivery", "4s");
+    let b = lagging_instance(&s, "b", "delivery", "6s");
     let (url, sink) = start_sink(200, Duration::ZERO).await;
     let created = s
         .create_subscription(
@@ -1029,7 +1029,8 @@ async fn a_redelivery_read_before_the_hub_has_its_subscription_enabled_is_delive
     };
     patch(false).await;
     b_has(|g| g["enabled"] == false);
-    // Enabled again and replayed at once, through A: B reads the request 4 s before the record.
+    // Enabled again and replayed at once, through A: B reads the request before the record,
+    // which its reader holds 6 s (the replay's scan and B's batch take well under that).
     patch(true).await;
     let (status, run) = post_json(
         &s,

@@ -659,6 +659,38 @@ mod tests {
         }
     }
 
+    /// A retry step below zero, which only a record written past the API holds (the schema's
+    /// steps are `long`s), makes the schedule malformed, so the hub's curve is followed: the
+    /// record stays readable. Refused by the decoder, the subscription's deliveries were held.
+    #[test]
+    fn a_negative_retry_step_reads_as_a_malformed_schedule_not_an_unreadable_record() {
+        use crate::dispatch::curve::{DEFAULT_DELAYS_MS, MAX_STEP_MS, delays};
+        let mut rec = subscription();
+        rec.retry_schedule = Some(vec![5_000]);
+        let bytes = CODEC.encode_record(&rec).unwrap();
+        // The schedule's array: one item (count 1), 5000, end; written again with -100.
+        let [one, end] = [avro_long(1), avro_long(0)];
+        let find = [one.clone(), avro_long(5_000), end.clone()].concat();
+        let with = [one, avro_long(-100), end].concat();
+        let at = bytes
+            .windows(find.len())
+            .position(|w| w == find.as_slice())
+            .expect("the schedule's bytes");
+        assert_eq!(find.len(), with.len(), "same length, nothing else moves");
+        let mut patched = bytes.clone();
+        patched[at..at + find.len()].copy_from_slice(&with);
+        let back: SubscriptionRecord = CODEC.decode_record(&patched).expect("readable");
+        assert_eq!(back.retry_schedule, Some(vec![MALFORMED_STEP_MS]));
+        const { assert!(MALFORMED_STEP_MS > MAX_STEP_MS) };
+        assert_eq!(delays(back.retry_schedule.as_deref()), DEFAULT_DELAYS_MS);
+        assert_eq!(back.id, rec.id, "the rest as written");
+        // Written again (an auto-disable), it reads the same.
+        let again: SubscriptionRecord = CODEC
+            .decode_record(&CODEC.encode_record(&back).unwrap())
+            .unwrap();
+        assert_eq!(again, back);
+    }
+
     #[test]
     fn every_kind_round_trips_exactly() {
         round_trip(subscription());

@@ -32,6 +32,23 @@ pub trait AvroRecord: Serialize + DeserializeOwned {
     const KIND: RecordKind;
 }
 
+/// What a negative retry step reads as: one past the longest step a schedule may have (10 h), so
+/// the schedule is malformed (see `dispatch::curve::delays`), and still a `long` when the record
+/// is written again (an auto-disable rewrites the record it read).
+pub const MALFORMED_STEP_MS: u64 = 10 * 3600 * 1000 + 1;
+
+fn steps_or_malformed<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<u64>>, D::Error> {
+    let steps: Option<Vec<i64>> = Option::deserialize(d)?;
+    Ok(steps.map(|steps| {
+        steps
+            .into_iter()
+            .map(|ms| u64::try_from(ms).unwrap_or(MALFORMED_STEP_MS))
+            .collect()
+    }))
+}
+
 /// `schemas/subscription.avsc`: value of `<prefix>.subscriptions` (key = `id`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubscriptionRecord {
@@ -43,7 +60,12 @@ pub struct SubscriptionRecord {
     pub destination: DestinationRecord,
     pub enabled: bool,
     pub verification_state: VerificationState,
-    /// Delays in milliseconds before attempt 2, 3, ...
+    /// Delays in milliseconds before attempt 2, 3, ... A negative one, which only a record
+    /// written past the API holds (the schema's steps are `long`s), reads as
+    /// [`MALFORMED_STEP_MS`], so the schedule is malformed and the hub's curve is followed, as
+    /// for any malformed schedule. Refused, it made the whole record unreadable: the
+    /// subscription's deliveries were held until another record.
+    #[serde(default, deserialize_with = "steps_or_malformed")]
     pub retry_schedule: Option<Vec<u64>>,
     pub disabled_reason: Option<String>,
     pub disabled_at: Option<TimestampMillis>,
