@@ -145,6 +145,9 @@ pub async fn serve(
 struct Budget {
     kib: Arc<Semaphore>,
     total: usize,
+    /// Refusing since the last large answer admitted: the WARN is said once per such spell, not
+    /// once per request of a client flooding the instance.
+    refusing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Budget {
@@ -152,6 +155,7 @@ impl Budget {
         Budget {
             kib: Arc::new(Semaphore::new(total)),
             total,
+            refusing: Arc::default(),
         }
     }
 }
@@ -170,14 +174,22 @@ fn budgeted(answer: axum::response::Response, budget: &Budget) -> axum::response
     }
     let kib = len.div_ceil(1024).min(budget.total);
     let kib = u32::try_from(kib).unwrap_or(u32::MAX);
+    use std::sync::atomic::Ordering;
     match budget.kib.clone().try_acquire_many_owned(kib) {
-        Ok(held) => answer.map(|body| Body::new(Held { body, _held: held })),
+        Ok(held) => {
+            budget.refusing.store(false, Ordering::Relaxed);
+            answer.map(|body| Body::new(Held { body, _held: held }))
+        }
         Err(_) => {
             metrics::counter!(ANSWERS_REFUSED).increment(1);
-            tracing::warn!(
-                bytes = len,
-                "a large answer refused: the answers waiting on their clients fill the budget"
-            );
+            if !budget.refusing.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    bytes = len,
+                    "large answers refused (503) until some are sent: those waiting on their \
+                     clients fill the 128 MiB budget (streaming_hub_http_answers_refused_total \
+                     counts them)"
+                );
+            }
             super::errors::ApiError {
                 retry_after: Some(1),
                 ..super::errors::ApiError::new(
@@ -518,6 +530,7 @@ mod tests {
         let refused = budgeted(large(), &budget);
         assert_eq!(refused.status(), 503);
         assert_eq!(refused.headers()["retry-after"], "1");
+        assert!(budget.refusing.load(std::sync::atomic::Ordering::Relaxed));
         // The first sent (its body read to the end and dropped): room again.
         let body = axum::body::to_bytes(first.into_body(), usize::MAX)
             .await
@@ -526,6 +539,7 @@ mod tests {
         assert_eq!(budget.kib.available_permits(), 1024);
         let second = budgeted(large(), &budget);
         assert_eq!(second.status(), 200);
+        assert!(!budget.refusing.load(std::sync::atomic::Ordering::Relaxed));
         // A connection closed before its answer went out gives it back too.
         drop(second);
         // One larger than the whole budget takes all of it, and is sent.
