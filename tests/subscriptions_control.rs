@@ -336,3 +336,69 @@ async fn the_table_catches_up_past_transaction_markers_with_every_committed_reco
     stop.store(true, Ordering::Relaxed);
     reader.join().unwrap().unwrap();
 }
+
+/// Every read of the API asks where the control topic ends ([`Subscriptions::sync`]). Two hundred
+/// reads at once share a few lookups instead of making one each (one tenant reading in a loop
+/// took every lookup place of the instance, and the other tenants' reads answered 503), and each
+/// still sees a write acknowledged before it began, with the reader lagging behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_at_once_share_lookups_of_the_end_and_each_sees_what_was_written_before_it() {
+    let (prefix, _, codec, topic) = fresh_control("ctlr").await;
+    let mut vars = hub_env(&prefix, "^unused$");
+    vars.insert(
+        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
+        "300ms".into(),
+    );
+    let lagging = Config::from_vars(vars).unwrap();
+    assert_eq!(control::topic(&lagging), topic);
+    let table = SharedTable::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (config, codec, table, stop) =
+            (lagging.clone(), codec.clone(), table.clone(), stop.clone());
+        std::thread::spawn(move || control::follow(&config, codec, table, stop))
+    };
+    wait_until(Duration::from_secs(30), "table caught up", || {
+        table.is_caught_up().then_some(())
+    });
+    let subs = Subscriptions::kafka(&lagging, codec.clone(), table.clone()).unwrap();
+    let p = producer();
+    for wave in 0..2 {
+        // Acknowledged before the reads begin; the reader applies it 300 ms after it reads it.
+        let written = record(&uuid::Uuid::now_v7().to_string(), "t1", &["*"], 1);
+        produce(
+            &p,
+            &topic,
+            &[Rec {
+                key: Some(written.id.clone().into_bytes()),
+                value: Some(codec.encode(RecordKind::Subscription, &written).unwrap()),
+                ..Default::default()
+            }],
+        );
+        p.flush(Duration::from_secs(30)).unwrap();
+        assert!(subs.get(&written.id).is_none(), "the reader lags");
+        let before = subs.end_lookups();
+        let reads: Vec<_> = (0..200)
+            .map(|_| {
+                let (subs, id) = (subs.clone(), written.id.clone());
+                tokio::spawn(async move {
+                    subs.sync(Duration::from_secs(20)).await?;
+                    Ok::<bool, control::SyncError>(subs.get(&id).is_some())
+                })
+            })
+            .collect();
+        for r in reads {
+            assert!(
+                r.await.unwrap().unwrap(),
+                "wave {wave}: a read saw the table without the write acknowledged before it"
+            );
+        }
+        let made = subs.end_lookups() - before;
+        assert!(
+            (1..=20).contains(&made),
+            "wave {wave}: 200 reads made {made} lookups of the control topic's end"
+        );
+    }
+    stop.store(true, Ordering::SeqCst);
+    reader.join().unwrap().unwrap();
+}

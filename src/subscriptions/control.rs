@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::SubscriptionRecord;
+use crate::subscriptions::rounds::Rounds;
 use crate::subscriptions::table::{SharedTable, Sub, Table};
 
 /// How long a write waits to see itself in the table before it reports a timeout.
@@ -46,10 +47,8 @@ pub enum SyncError {
     /// The control topic's ends could not be asked (the broker unreachable).
     #[error("the control topic's end could not be read: {0}")]
     Unavailable(String),
-    /// Every place for a lookup of the ends was taken for the whole wait.
-    #[error(
-        "as many lookups of the control topic's end as this instance makes at once are running"
-    )]
+    /// No lookup of the ends answered within the wait (the broker slow to).
+    #[error("the control topic's end was not told within the wait")]
     Busy,
     /// This instance's reader had not got there within the wait.
     #[error(
@@ -351,8 +350,10 @@ enum Writer {
     Kafka {
         producer: FutureProducer,
         topic: String,
-        /// Asks the control partitions' ends ([`Subscriptions::sync`]).
+        /// Asks the control partitions' ends ([`Subscriptions::sync`]), in rounds that every
+        /// read waiting meanwhile shares.
         ends: Arc<ControlEnds>,
+        rounds: Arc<Rounds>,
     },
 }
 
@@ -363,8 +364,6 @@ pub struct ControlEnds {
     /// The control topic's partitions, once known: the ones the reader assigned itself at start
     /// (it follows no partition added later, so neither does this).
     partitions: std::sync::Mutex<Option<Vec<i32>>>,
-    /// Lookups at once.
-    lookups: Arc<tokio::sync::Semaphore>,
     /// When a lookup last failed: for [`FAILED_FOR`] after, a read answers from the table at
     /// once instead of waiting out its own lookup (a broker down made every read take 5 s).
     failed_at: std::sync::Mutex<Option<std::time::Instant>>,
@@ -374,8 +373,8 @@ pub struct ControlEnds {
 /// see whether it landed ([`Subscriptions::landed_or`]).
 const LANDED_CHECK_WAIT: Duration = Duration::from_secs(5);
 
-/// Lookups of the control topic's end at once ([`Subscriptions::sync`]).
-const SYNC_LOOKUPS: usize = 8;
+/// How long one lookup of the control topic's end may take ([`Rounds`]).
+const LOOKUP_WAIT: Duration = Duration::from_secs(5);
 /// How long a failed lookup of the ends is taken as the answer for the next ones.
 const FAILED_FOR: Duration = Duration::from_secs(1);
 
@@ -458,16 +457,24 @@ impl Subscriptions {
         let ends = ControlEnds {
             consumer,
             partitions: std::sync::Mutex::new(None),
-            lookups: Arc::new(tokio::sync::Semaphore::new(SYNC_LOOKUPS)),
             failed_at: std::sync::Mutex::new(None),
         };
+        let (ends, topic) = (Arc::new(ends), topic(config));
+        let rounds = Rounds::new({
+            let (ends, topic) = (ends.clone(), topic.clone());
+            Arc::new(move || {
+                ends.wanted(&topic, std::time::Instant::now() + LOOKUP_WAIT)
+                    .inspect_err(|_| ends.note_failure())
+            })
+        });
         Ok(Subscriptions {
             table,
             codec,
             writer: Writer::Kafka {
                 producer,
-                topic: topic(config),
-                ends: Arc::new(ends),
+                topic,
+                ends,
+                rounds,
             },
         })
     }
@@ -480,7 +487,7 @@ impl Subscriptions {
     /// then read, through a load balancer), and a PATCH made from its older version undid a
     /// newer write, a rotated secret or a URL change, without a word.
     pub async fn sync(&self, timeout: Duration) -> Result<(), SyncError> {
-        let Writer::Kafka { topic, ends, .. } = &self.writer else {
+        let Writer::Kafka { ends, rounds, .. } = &self.writer else {
             return Ok(()); // tests' writers: the table is all there is
         };
         let deadline = tokio::time::Instant::now() + timeout;
@@ -489,27 +496,13 @@ impl Subscriptions {
                 "the control topic's end could not be read a moment ago".into(),
             ));
         }
-        // A few lookups at once, each on a blocking thread: during a broker outage every read
-        // waits out its deadline, and the blocking pool is the one deliveries' name lookups
-        // share. The place goes with the lookup, also when the request is dropped meanwhile.
-        let permit = tokio::time::timeout_at(deadline, ends.lookups.clone().acquire_owned())
+        // One lookup at a time, on a blocking thread (the pool deliveries' name lookups share),
+        // its answer taken by every read that came before it started: one tenant reading in a
+        // loop neither takes the lookups from the others nor costs the broker a request per read.
+        let wanted = tokio::time::timeout_at(deadline, rounds.next())
             .await
             .map_err(|_| SyncError::Busy)?
-            .map_err(|e| SyncError::Unavailable(e.to_string()))?;
-        let (topic, lookup) = (topic.clone(), ends.clone());
-        let until = deadline.into_std();
-        let wanted = tokio::time::timeout_at(
-            deadline,
-            tokio::task::spawn_blocking(move || {
-                let _permit = permit;
-                lookup.wanted(&topic, until)
-            }),
-        )
-        .await
-        .map_err(|_| SyncError::Busy)?
-        .map_err(|e| SyncError::Unavailable(e.to_string()))?
-        .inspect_err(|_| ends.note_failure())
-        .map_err(SyncError::Unavailable)?;
+            .map_err(SyncError::Unavailable)?;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let read = self
             .table
@@ -519,6 +512,15 @@ impl Subscriptions {
             Ok(())
         } else {
             Err(SyncError::Behind(timeout))
+        }
+    }
+
+    /// Lookups of the control topic's end this instance has made ([`Subscriptions::sync`]); 0 for
+    /// the tests' writers.
+    pub fn end_lookups(&self) -> u64 {
+        match &self.writer {
+            Writer::Kafka { rounds, .. } => rounds.made(),
+            _ => 0,
         }
     }
 
