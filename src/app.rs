@@ -90,6 +90,29 @@ struct Health {
     served: Arc<AtomicBool>,
 }
 
+/// Runs the task `start` makes until it returns, making and running it again 10 s after it
+/// panicked (a bug would otherwise end it for good, silently), until `stop`.
+fn supervised<F, T>(what: &'static str, stop: Arc<AtomicBool>, start: F)
+where
+    F: Fn(Arc<AtomicBool>) -> T + Send + 'static,
+    T: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        loop {
+            match tokio::spawn(start(stop.clone())).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, "{what} failed; it starts again in 10 s")
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+    });
+}
+
 /// Asks the brokers for metadata every 5 s and records whether they answered (`/readyz`).
 fn watch_broker(
     config: &Config,
@@ -473,30 +496,29 @@ pub async fn run(config: Config) -> Result<(), AppError> {
         );
         // Supervised: a panic in a pass (a bug) would otherwise end it for good, silently, and
         // no pending subscription of this instance would be probed again (their deliveries held).
-        tokio::spawn({
-            let (subs, clock, writes, stop) = (
+        {
+            let (subs, clock, writes) = (state.subs.clone(), clock.clone(), state.write_lock());
+            supervised(
+                "the pending-verification retrier",
+                stop.clone(),
+                move |stop| {
+                    PendingRetrier::new(subs.clone(), prober.clone(), clock.clone())
+                        .with_write_lock(writes.clone())
+                        .run(stop)
+                },
+            );
+        }
+        // What an auto-disable of this instance's hub loops went over is written again.
+        if matches!(config.role, Role::All | Role::Delivery) {
+            let reasserter = crate::subscriptions::reassert::Reasserter::new(
                 state.subs.clone(),
                 clock.clone(),
                 state.write_lock(),
-                stop.clone(),
             );
-            async move {
-                loop {
-                    let retrier = PendingRetrier::new(subs.clone(), prober.clone(), clock.clone())
-                        .with_write_lock(writes.clone());
-                    match tokio::spawn(retrier.run(stop.clone())).await {
-                        Ok(()) => return,
-                        Err(e) => {
-                            tracing::error!(error = %e, "the pending-verification retrier failed; it starts again in 10 s")
-                        }
-                    }
-                    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
-                    if stop.load(Ordering::SeqCst) {
-                        return;
-                    }
-                }
-            }
-        });
+            supervised("the auto-disable checker", stop.clone(), move |stop| {
+                reasserter.clone().run(stop)
+            });
+        }
         router = router.merge(
             api::router(state).layer(axum::middleware::from_fn_with_state(
                 stop.clone(),

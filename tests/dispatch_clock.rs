@@ -460,6 +460,148 @@ async fn failing_for_120h_with_a_12h_spread_auto_disables_and_verify_reenables()
     );
 }
 
+/// The hub plans an auto-disable from its own table, inside its transaction, where it cannot wait
+/// for the table to reach the control topic's end. A PATCH another instance acknowledged while
+/// this one's reader lagged was undone by it on every instance (the table takes records in the
+/// log's order), though that change restarts the failure span. Now the instance that wrote the
+/// auto-disable writes the PATCH again once it reads one over the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patch_an_auto_disable_planned_from_an_older_version_went_over_is_made_again() {
+    let (s, b, id, patched) = auto_disable_over(
+        "arace",
+        reqwest::Method::PATCH,
+        Some(json!({"event_types": ["transaction.*"]})),
+    )
+    .await;
+    let mut v = s.get_subscription("tenant-r", &id).await;
+    for _ in 0..1200 {
+        if v["version"].as_u64() > patched["version"].as_u64() && v["enabled"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        v = s.get_subscription("tenant-r", &id).await;
+    }
+    assert_eq!(
+        v["version"].as_u64(),
+        Some(patched["version"].as_u64().unwrap() + 1),
+        "the PATCH, the auto-disable under the same version, the PATCH again: {v}"
+    );
+    assert_eq!(v["enabled"], true, "{v}");
+    assert_eq!(v["disabled_reason"], json!(null), "{v}");
+    assert_eq!(v["event_types"], json!(["transaction.*"]), "{v}");
+    undone_once(&s, &b).await;
+}
+
+/// As above for a deletion: the auto-disable brought the subscription back, disabled, and the
+/// instance that wrote it deletes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_an_auto_disable_planned_before_it_went_over_is_made_again() {
+    let (s, b, id, _) = auto_disable_over("adrace", reqwest::Method::DELETE, None).await;
+    let path = format!("/v1/subscriptions/{id}");
+    let token = s.token("tenant-r");
+    let mut last = (0, json!(null));
+    for _ in 0..1200 {
+        last = call_json(
+            &s.http,
+            reqwest::Method::GET,
+            &s.hub.addr(),
+            &path,
+            &token,
+            None,
+        )
+        .await;
+        if last.0 == 404 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last.0, 404, "deleted again: {}", last.1);
+    undone_once(&s, &b).await;
+}
+
+/// Counted once the broker has acknowledged the write, which A's reader may beat.
+async fn undone_once(s: &ApiHub, b: &Hub) {
+    let text = b
+        .metrics_when(&s.http, "streaming_hub_auto_disables_undone_total", 1)
+        .await;
+    assert_eq!(
+        metric_sum(&text, "streaming_hub_auto_disables_undone_total"),
+        1
+    );
+}
+
+/// Instance A takes the API's writes and ingest; B delivers, its control reader 6 s behind each
+/// record. A webhook of `tenant-r` fails at B for 110 virtual hours; then the tenant's `method`
+/// (`body`) goes through A, and the next failure at B, 121 h into the span, before B's table
+/// shows that write, disables the subscription from the version before. Returns A, B, the
+/// subscription's id and the answer to the write.
+async fn auto_disable_over(
+    tag: &str,
+    method: reqwest::Method,
+    body: Option<serde_json::Value>,
+) -> (ApiHub, Hub, String, serde_json::Value) {
+    let s = clock_hub(tag, &[("STREAMING_HUB_ROLE", "ingest")]).await;
+    let mut env = another_instance(&s.hub.env, "2");
+    env.insert("STREAMING_HUB_ROLE".into(), "delivery".into());
+    env.insert(
+        "STREAMING_HUB_DANGEROUS_TEST_CONTROL_LAG".into(),
+        "6s".into(),
+    );
+    let b = Hub::start(&env);
+    b.wait_ready();
+    // The server keeps its own handle on the sink's state.
+    let (url, _) = start_sink(500).await;
+    let tenant = "tenant-r";
+    let id = subscribe_with(&s, tenant, &url, json!({"retry_schedule": ["1s"]})).await;
+    let token = s.token(tenant);
+    let path = format!("/v1/subscriptions/{id}");
+    // B reads the create (6 s late) before any event is sent: its table matches on it.
+    for tries in 0.. {
+        let (status, _) = call_json(
+            &s.http,
+            reqwest::Method::GET,
+            &b.addr(),
+            &path,
+            &token,
+            None,
+        )
+        .await;
+        if status == 200 {
+            break;
+        }
+        assert!(tries < 300, "B never read the create (last {status})");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let p = producer();
+    for round in 0..=10 {
+        if round > 0 {
+            advance_clock(&s.http, &b, "11h").await;
+        }
+        produce(
+            &p,
+            &s.topic,
+            &[event(tenant, "ledger", "transaction", "posted")],
+        );
+        b.metrics_when(&s.http, "streaming_hub_attempts_total", round + 1)
+            .await;
+    }
+    let text = b.metrics_text(&s.http).await.unwrap();
+    assert_eq!(metric_sum(&text, "streaming_hub_auto_disabled_total"), 0);
+
+    let (status, answer) =
+        call_json(&s.http, method, &s.hub.addr(), &path, &token, body.as_ref()).await;
+    assert!(status == 200 || status == 204, "{status} {answer}");
+    advance_clock(&s.http, &b, "11h").await;
+    produce(
+        &p,
+        &s.topic,
+        &[event(tenant, "ledger", "transaction", "posted")],
+    );
+    b.metrics_when(&s.http, "streaming_hub_auto_disabled_total", 1)
+        .await;
+    (s, b, id, answer)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_switch_keeps_a_failing_subscription_enabled() {
     let s = clock_hub("akill", &[("STREAMING_HUB_AUTODISABLE_ENABLED", "false")]).await;

@@ -543,9 +543,21 @@ impl JobStore<'_> {
                 }
                 for (job_key, due) in found {
                     match self.get_job(&job_key)? {
-                        Some(job) => {
+                        Some(job) if job.due_at == due => {
                             taken.insert(job_key.clone());
                             out.push((job_key, job));
+                        }
+                        // A timer its job no longer names (every writer moves the timer with
+                        // the job; a job written again as new over one whose timer stayed, as
+                        // when a replayed event finds its payload skipped at restore, leaves
+                        // one): deleted like a gone job's. Taken, it returned the job while it
+                        // was leased or waiting out a retry, and each round reclaimed it.
+                        Some(_) => {
+                            tracing::warn!(
+                                tenant = %tenant,
+                                "a due timer its job no longer names was found and is deleted"
+                            );
+                            self.staged.delete(DUE, due_key(&tenant, due, &job_key));
                         }
                         // A timer whose job is gone (no writer leaves one; a store edited or
                         // restored by other means could): deleted with this transaction (timers
@@ -954,6 +966,36 @@ mod tests {
         assert!(ring.not_before.is_empty());
         commit_jobs(&store, &codec, &mut ring, &[job("t", "b", 5)]);
         assert_eq!(due_ids(&store, &codec, &mut ring, 10), ["b"]);
+    }
+
+    #[test]
+    fn a_timer_its_job_no_longer_names_is_deleted_not_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), &[JOBS, DUE]).unwrap();
+        let codec = Codec::new().unwrap();
+        let mut ring = TenantRing::default();
+        // The job is due at 1,000 (a retry's wait); a timer at 1 stayed from before.
+        commit_jobs(&store, &codec, &mut ring, &[job("t", "waiting", 1_000)]);
+        let key = job_key("t", "waiting", "s");
+        let stale = due_key("t", 1, &key);
+        let mut staged = Staged::default();
+        staged.put(DUE, stale.clone(), Vec::new());
+        store.apply(staged, &[]).unwrap();
+        let mut staged = Staged::default();
+        let mut js = JobStore {
+            store: &store,
+            staged: &mut staged,
+            codec: &codec,
+        };
+        assert!(
+            js.due_jobs(&mut ring, 10, 10).unwrap().is_empty(),
+            "not due before 1,000"
+        );
+        assert_eq!(staged.get(DUE, &stale), Some(None), "its deletion staged");
+        store.apply(staged, &[]).unwrap();
+        assert_eq!(store.get(DUE, &stale).unwrap(), None);
+        ring.committed();
+        assert_eq!(due_ids(&store, &codec, &mut ring, 1_000), ["waiting"]);
     }
 
     #[test]

@@ -2996,6 +2996,9 @@ fn record_outcomes(
                             "auto-disable not written: the record would be larger than a control record may be"
                         );
                     } else {
+                        // Planned from this table, which may lag a write made meanwhile: the
+                        // table keeps it should it be read back over one (`reassert`).
+                        d.table.apply(|t| t.expect_auto_disable(&disabled));
                         out.send(&env.control, None, disabled.id.as_bytes(), Some(&bytes))?;
                         telemetry::AutoDisabled {
                             subscription_id: &sub.id,

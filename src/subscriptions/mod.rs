@@ -13,6 +13,7 @@ pub mod apply;
 pub mod control;
 pub mod model;
 pub mod pending;
+pub mod reassert;
 pub mod rounds;
 pub mod sealed_url;
 pub mod secrets;

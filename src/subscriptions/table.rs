@@ -33,6 +33,33 @@ pub struct Table {
     /// their deliveries are held, neither sent on a version that may be stale nor dropped as a
     /// deleted subscription's are, and the API does not write over them.
     unreadable: HashSet<String>,
+    /// Auto-disables this instance's hub loops wrote, not read back yet (see
+    /// [`Table::expect_auto_disable`]), and the ones read over a newer record.
+    auto_disables: AutoDisables,
+}
+
+/// See [`Table::expect_auto_disable`].
+#[derive(Default)]
+struct AutoDisables {
+    /// Subscription id → the version and `updated_at` of the auto-disable written for it.
+    expected: HashMap<String, (u64, i64)>,
+    over_newer: Vec<OverNewer>,
+}
+
+/// At most this many auto-disables are remembered at once (each is a subscription failing for
+/// 120 h; one whose transaction aborted is never read back, and is forgotten at the next
+/// auto-disable of its subscription).
+const MAX_AUTO_DISABLES: usize = 10_000;
+
+/// An auto-disable of this instance's that the reader applied over a record at least as new as
+/// it: the hub planned it from a version before a write another writer made meanwhile (a PATCH,
+/// a rotation), and it undid that write on every instance.
+#[derive(Debug, Clone)]
+pub struct OverNewer {
+    pub disable: Sub,
+    /// The record it went over; `None`, a deletion (the hub planned from a table that had it,
+    /// so one the table no longer has was deleted since).
+    pub newer: Option<Sub>,
 }
 
 /// What an event offers to matching.
@@ -76,11 +103,61 @@ impl Table {
         if self.under_local_write(id, partition, offset) {
             return;
         }
+        if let Some(rec) = &rec {
+            self.note_auto_disable_read(rec);
+        }
         self.remove(id);
         self.unreadable.remove(id);
         if let Some(rec) = rec {
             self.insert(rec);
         }
+    }
+
+    /// Before the hub writes an auto-disable (`disabled`, planned from this table): when the
+    /// reader reads it back over a record as new as it or newer, written meanwhile by another
+    /// writer (the hub's table lagged behind it), it is kept for [`Table::take_over_newer`], so
+    /// that write can be made again: the auto-disable would not have been made had the hub seen
+    /// it (a change restarts the failure span), and the table takes records in the log's order.
+    pub fn expect_auto_disable(&mut self, disabled: &SubscriptionRecord) {
+        let expected = &mut self.auto_disables.expected;
+        if expected.len() >= MAX_AUTO_DISABLES && !expected.contains_key(&disabled.id) {
+            tracing::warn!(
+                subscription_id = %disabled.id,
+                "too many auto-disables not read back yet: this one is not checked for a newer write it went over"
+            );
+            return;
+        }
+        expected.insert(disabled.id.clone(), (disabled.version, disabled.updated_at));
+    }
+
+    fn note_auto_disable_read(&mut self, rec: &SubscriptionRecord) {
+        let ours = self.auto_disables.expected.get(&rec.id) == Some(&(rec.version, rec.updated_at));
+        if !ours {
+            return;
+        }
+        self.auto_disables.expected.remove(&rec.id);
+        let newer = match self.by_id.get(&rec.id) {
+            Some(cur) if cur.version >= rec.version => Some(cur.clone()),
+            Some(_) => return,
+            None if self.unreadable.contains(&rec.id) => return,
+            None => None,
+        };
+        let over = &mut self.auto_disables.over_newer;
+        if over.len() < MAX_AUTO_DISABLES {
+            over.push(OverNewer {
+                disable: Arc::new(rec.clone()),
+                newer,
+            });
+        }
+    }
+
+    /// The auto-disables of this instance read over a newer record since the last call.
+    pub fn take_over_newer(&mut self) -> Vec<OverNewer> {
+        std::mem::take(&mut self.auto_disables.over_newer)
+    }
+
+    pub fn has_over_newer(&self) -> bool {
+        !self.auto_disables.over_newer.is_empty()
     }
 
     /// A control record for `id` the reader could not read, in log order: [`Table::is_unreadable`]
@@ -347,6 +424,73 @@ mod tests {
         let mut v: Vec<String> = v.iter().map(|s| s.id.clone()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn an_auto_disable_of_ours_read_over_a_newer_record_is_kept_with_it() {
+        let mut t = Table::default();
+        let mut v1 = sub("a", "t1", &["*"]);
+        v1.updated_at = 10;
+        t.read_record("a", Some(v1.clone()), 0, 0);
+        // The hub planned from version 1; a PATCH made version 2 meanwhile.
+        let mut disable = v1.clone();
+        disable.enabled = false;
+        disable.version = 2;
+        disable.updated_at = 50;
+        t.expect_auto_disable(&disable);
+        let mut patch = v1.clone();
+        patch.version = 2;
+        patch.updated_at = 40;
+        patch.event_types = vec!["transaction.*".into()];
+        t.read_record("a", Some(patch.clone()), 0, 1);
+        assert!(!t.has_over_newer(), "the PATCH alone is no conflict");
+        t.read_record("a", Some(disable.clone()), 0, 2);
+        assert!(
+            !t.get("a").unwrap().enabled,
+            "log order: the auto-disable is in force"
+        );
+        let over = t.take_over_newer();
+        assert_eq!(over.len(), 1);
+        assert_eq!(over[0].newer.as_deref(), Some(&patch));
+        assert_eq!(*over[0].disable, disable);
+        assert!(t.take_over_newer().is_empty(), "taken once");
+
+        // Planned from the latest version: nothing kept.
+        let mut next = disable.clone();
+        next.enabled = true;
+        next.version = 3;
+        t.read_record("a", Some(next.clone()), 0, 3);
+        let mut again = next.clone();
+        again.enabled = false;
+        again.version = 4;
+        again.updated_at = 90;
+        t.expect_auto_disable(&again);
+        t.read_record("a", Some(again), 0, 4);
+        assert!(!t.has_over_newer());
+
+        // Another writer's stale record, not an auto-disable of this instance's: not kept.
+        let mut stale = next.clone();
+        stale.version = 4;
+        stale.updated_at = 91;
+        t.read_record("a", Some(stale.clone()), 0, 5);
+        assert!(!t.has_over_newer());
+
+        // Planned before a deletion the reader read first: kept as one.
+        let mut last = stale.clone();
+        last.enabled = false;
+        last.version = 5;
+        last.updated_at = 99;
+        t.expect_auto_disable(&last);
+        t.read_record("a", None, 0, 6);
+        t.read_record("a", Some(last.clone()), 0, 7);
+        let over = t.take_over_newer();
+        assert_eq!(over.len(), 1);
+        assert!(over[0].newer.is_none(), "over a deletion");
+        assert_eq!(
+            t.get("a").as_deref(),
+            Some(&last),
+            "back, disabled, in log order"
+        );
     }
 
     #[test]

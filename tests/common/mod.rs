@@ -1075,23 +1075,27 @@ impl ApiHub {
 
     /// Moves the hub's dangerous test clock (`POST /admin/clock/advance`).
     pub async fn advance(&self, by: &str) {
-        let admin = streaming_hub::api::mint(
-            &streaming_hub::runtime::secret::Secret::new(JWT),
-            None,
-            true,
-            Duration::from_secs(7 * 86_400),
-        );
-        let r = self
-            .http
-            .post(format!("http://{}/admin/clock/advance", self.hub.addr()))
-            .bearer_auth(admin)
-            .header("content-type", "application/json")
-            .body(serde_json::json!({ "by": by }).to_string())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+        advance_clock(&self.http, &self.hub, by).await;
     }
+}
+
+/// Moves the dangerous test clock of `hub` (`POST /admin/clock/advance`).
+pub async fn advance_clock(http: &reqwest::Client, hub: &Hub, by: &str) {
+    let admin = streaming_hub::api::mint(
+        &streaming_hub::runtime::secret::Secret::new(JWT),
+        None,
+        true,
+        Duration::from_secs(7 * 86_400),
+    );
+    let r = http
+        .post(format!("http://{}/admin/clock/advance", hub.addr()))
+        .bearer_auth(admin)
+        .header("content-type", "application/json")
+        .body(serde_json::json!({ "by": by }).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
 }
 
 /// Sums the values of Prometheus text lines that start with `name`.
