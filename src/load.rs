@@ -67,6 +67,9 @@ struct Spec {
     slow_tenants: usize,
     slow_delay: Duration,
     sink_delay: Duration,
+    /// The share (percent) of events whose first delivery to each subscription the sink
+    /// answers 500; the hub's retry (5 s on its curve, full jitter) must then bring it.
+    refuse_first_percent: u8,
     workers: Option<usize>,
     /// SIGKILL the hub this long into the measured window, then restart it.
     kill_after: Option<Duration>,
@@ -94,6 +97,8 @@ pub struct RunResult {
     pub unexpected: u64,
     pub duplicates: u64,
     pub bad_signatures: u64,
+    /// First deliveries the sink answered 500 on purpose (`flaky=<percent>`), each expected again.
+    pub sink_refused: Option<u64>,
     pub deliveries_per_s: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
@@ -137,7 +142,22 @@ struct Sink {
     delay: Duration,
     slow: Arc<Mutex<std::collections::HashSet<String>>>,
     slow_delay: Duration,
+    /// The payload size the producer writes: each body must be exactly what it wrote.
+    size: usize,
     bad: Arc<AtomicU64>,
+    /// Percent of events whose first delivery to a subscription is answered 500.
+    refuse_first_percent: u8,
+    /// The (event, subscription) pairs refused so far: each is refused once.
+    refused: Arc<Mutex<std::collections::HashSet<(String, String)>>>,
+}
+
+/// Whether an event is one of the `percent` in 100 whose first delivery the sink refuses:
+/// a hash of its id (FNV-1a), so the choice is the same at every attempt and spread evenly.
+fn refused_first(event: &str, percent: u8) -> bool {
+    let hash = event.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    hash % 100 < u64::from(percent)
 }
 
 #[derive(Clone)]
@@ -171,9 +191,14 @@ async fn sink_handler(
             .is_ok_and(|want| h("webhook-signature").split(' ').any(|sig| sig == want))
     });
     // The event is named by the signed `webhook-id`; `X-Lerian-Event-Id` must say the same
-    // (DESIGN.md §4), or a delivery could be counted for an event it does not carry.
+    // (DESIGN.md §4), or a delivery could be counted for an event it does not carry. The body
+    // must be the producer's, byte for byte (signed, a garbled one would still verify), and the
+    // timestamp within the 5 minutes receivers allow (Standard Webhooks).
     let event = h("webhook-id");
-    if !ok || h("x-lerian-event-id") != event {
+    let produced_us = produced_at(&body);
+    let as_produced = produced_us > 0 && body[..] == payload(s.size, produced_us)[..];
+    let fresh = (received_us / 1_000_000 - ts).abs() <= SIGNATURE_TOLERANCE_S;
+    if !ok || !fresh || !as_produced || h("x-lerian-event-id") != event {
         s.bad.fetch_add(1, Ordering::Relaxed);
         return (StatusCode::UNAUTHORIZED, Bytes::new());
     }
@@ -186,6 +211,14 @@ async fn sink_handler(
     if s.failing.lock().unwrap().contains(&tenant) {
         return (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
     }
+    if refused_first(event, s.refuse_first_percent)
+        && s.refused
+            .lock()
+            .unwrap()
+            .insert((event.to_string(), path.clone()))
+    {
+        return (StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
+    }
     s.unique
         .lock()
         .unwrap()
@@ -194,10 +227,14 @@ async fn sink_handler(
         event: event.to_string(),
         sub: path,
         received_us,
-        produced_us: produced_at(&body),
+        produced_us,
     });
     (StatusCode::OK, Bytes::new())
 }
+
+/// How far a delivery's `webhook-timestamp` may be from the sink's clock (Standard Webhooks'
+/// default tolerance).
+const SIGNATURE_TOLERANCE_S: i64 = 300;
 
 /// The produce time the payload starts with: `{"produced_us":<n>,`. At a fixed rate it is the
 /// time the event was due on the producer's schedule, not when the producer got to it: a
@@ -394,6 +431,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         slow_tenants: 0,
         slow_delay: Duration::ZERO,
         sink_delay: Duration::ZERO,
+        refuse_first_percent: 0,
         workers: None,
         kill_after: None,
         scale_out_after: None,
@@ -450,6 +488,13 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
     // held `ms` at the sink, so the default 64 workers keep up only with sinks faster than
     // 640 ms. A backlog builds, and claims must not run so far ahead of the workers that they
     // wait out their lease (`attempts_unsent`).
+    // A receiver that fails now and then: `percent` of the events' first deliveries are
+    // answered 500, and each must arrive at its retry (5 s on the hub's curve, full jitter), once.
+    let flaky = |percent: u8| Spec {
+        name: format!("flaky-{percent}pct"),
+        refuse_first_percent: percent,
+        ..at(1000)
+    };
     let backlog = |delay_ms: u64| Spec {
         name: format!("backlog-{delay_ms}ms"),
         sink_delay: Duration::from_millis(delay_ms),
@@ -489,6 +534,14 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         "recovery" => vec![recovery],
         "scale-out" => vec![scale_out],
         "limits" => vec![],
+        one if one.starts_with("flaky=") => match one["flaky=".len()..].parse::<u8>() {
+            Ok(percent) if (1..=100).contains(&percent) => vec![flaky(percent)],
+            _ => {
+                return Err(format!(
+                    "bad scenario {one:?}: flaky=<percent of first deliveries refused, 1-100>, e.g. flaky=10"
+                ));
+            }
+        },
         one if one.starts_with("backlog=") => match one["backlog=".len()..].parse::<u64>() {
             Ok(ms) if ms > 0 => vec![backlog(ms)],
             _ => {
@@ -519,7 +572,7 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         ],
         other => {
             return Err(format!(
-                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, backlog=<ms>, noisy-neighbour, slow-neighbour[=<ms>], recovery, scale-out, limits or all"
+                "unknown scenario {other:?}: throughput, latency, latency=<rate>, fanout, slow-sink, backlog=<ms>, flaky=<percent>, noisy-neighbour, slow-neighbour[=<ms>], recovery, scale-out, limits or all"
             ));
         }
     };
@@ -642,6 +695,8 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
     let sink = Sink {
         delay: spec.sink_delay,
         slow_delay: spec.slow_delay,
+        size: opts.size,
+        refuse_first_percent: spec.refuse_first_percent,
         ..Sink::default()
     };
     for t in 0..spec.failing_tenants {
@@ -874,13 +929,7 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if second.is_some() || spec.kill_after.is_some() {
-        // An attempt whose outcome a rebalance or a kill dropped is sent again by its
-        // partition's owner once its lease ends (`STREAMING_HUB_HTTP_TIMEOUT` + 10 s): waited
-        // out, so such a second delivery counts as a duplicate below.
-        let lease = config.http_timeout + Duration::from_secs(15);
-        tokio::time::sleep(lease).await;
-    }
+    // What the run cost, read before the wait below (idle time is not the deliveries').
     // A second instance's CPU counts from its start.
     let cpu = killed_cpu + hub.as_ref().map_or(0.0, |h| cpu_seconds(h.pid())) - cpu0
         + second.as_ref().map_or(0.0, |h| cpu_seconds(h.pid()));
@@ -896,6 +945,12 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         .chain(second.iter())
         .map(|h| peak_rss_mib(h.pid()))
         .fold(killed_rss, u64::max);
+    // In every scenario: an attempt sent again (its outcome lost to an abort, a rebalance, a
+    // kill) goes out once its lease ends (`STREAMING_HUB_HTTP_TIMEOUT` + 10 s). Waited out with
+    // the sink still taking deliveries, so such a second delivery counts as a duplicate below
+    // (a sink that stopped at the last expected delivery could only ever count 0).
+    let lease = config.http_timeout + Duration::from_secs(15);
+    tokio::time::sleep(lease).await;
     // Where the time went: the hub's own metrics (transaction phases, batch sizes, ingest to
     // outcome) as the run left them, next to the results.
     let mut attempts_unsent = None;
@@ -993,12 +1048,22 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
             healthy.saturating_record(lat);
         }
     }
-    let (first_rx, last_rx) = first.iter().fold((i64::MAX, i64::MIN), |(a, b), g| {
-        (a.min(g.received_us), b.max(g.received_us))
-    });
+    // Max rate: from the producer's first send (the first transactions' time counts) to the
+    // last delivery.
+    let first_sent = produced
+        .iter()
+        .map(|(_, _, at)| *at)
+        .min()
+        .unwrap_or(i64::MAX);
+    let last_rx = first
+        .iter()
+        .map(|g| g.received_us)
+        .max()
+        .unwrap_or(i64::MIN);
     let deliveries_per_s = match spec.rate {
-        // Max rate: deliveries over the span they arrived in.
-        None if first.len() > 1 => first.len() as f64 / ((last_rx - first_rx) as f64 / 1e6),
+        None if first.len() > 1 && last_rx > first_sent => {
+            first.len() as f64 / ((last_rx - first_sent) as f64 / 1e6)
+        }
         _ => {
             first.iter().filter(|g| in_measured(g.received_us)).count() as f64
                 / opts.duration.as_secs_f64()
@@ -1042,6 +1107,8 @@ async fn run_one(config: &Config, opts: &LoadOptions, spec: &Spec) -> Result<Run
         unexpected,
         duplicates,
         bad_signatures: sink.bad.load(Ordering::Relaxed),
+        sink_refused: (spec.refuse_first_percent > 0)
+            .then(|| sink.refused.lock().unwrap().len() as u64),
         deliveries_per_s,
         p50_ms: ms(&all, 0.5),
         p99_ms: ms(&all, 0.99),
@@ -1393,6 +1460,7 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
         slow_tenants: 0,
         slow_delay: Duration::ZERO,
         sink_delay: Duration::ZERO,
+        refuse_first_percent: 0,
         workers: None,
         kill_after: None,
         scale_out_after: None,
@@ -1436,7 +1504,10 @@ async fn kafka_limit(config: &Config, size: usize, n: usize) -> Result<f64, Stri
 /// The sink's request rate from the hub's own HTTP client (`delivery::client::build_client`:
 /// keep-alive, HTTP/1.1, its pool and timeouts), 64 in flight, bodies of the run's size.
 async fn sink_limit(config: &Config, size: usize, for_how_long: Duration) -> Result<f64, String> {
-    let sink = Sink::default();
+    let sink = Sink {
+        size,
+        ..Sink::default()
+    };
     sink.secrets.lock().unwrap().insert(
         "tenant-0/0".into(),
         Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
@@ -1589,10 +1660,143 @@ fn without_secret(v: &serde_json::Value) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::{
-        Got, broker_pid, ceiling, counter_of, longest_tenant_wait, payload, per_1k, produced_at,
-        specs_of, tally, topics_of_run,
+        Got, Sink, broker_pid, ceiling, counter_of, longest_tenant_wait, now_us, payload, per_1k,
+        produced_at, refused_first, sink_handler, specs_of, tally, topics_of_run,
     };
+    use crate::delivery::signing;
+    use crate::runtime::secret::Secret;
+    use axum::body::Bytes;
+    use axum::extract::{Path, State};
+    use axum::http::{HeaderMap, StatusCode};
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
+
+    /// Sends the sink a delivery of `body` as event `id` to tenant-1's subscription `n`, signed
+    /// with `secret` at `ts`; its answer's status.
+    async fn deliver(
+        sink: &Sink,
+        secret: &Secret,
+        id: String,
+        ts: i64,
+        n: u32,
+        body: Vec<u8>,
+    ) -> StatusCode {
+        let mut h = HeaderMap::new();
+        let sig = signing::sign(secret, &id, ts, &body).unwrap();
+        h.insert("webhook-id", id.parse().unwrap());
+        h.insert("x-lerian-event-id", id.parse().unwrap());
+        h.insert("webhook-timestamp", ts.to_string().parse().unwrap());
+        h.insert("webhook-signature", sig.parse().unwrap());
+        let path = Path(("tenant-1".to_string(), n));
+        sink_handler(State(sink.clone()), path, h, Bytes::from(body))
+            .await
+            .0
+    }
+
+    /// The sink takes a delivery only when it is signed, fresh, and carries the producer's body
+    /// byte for byte: a hub that garbled a body (and signed what it sent) or sent a stale
+    /// timestamp would otherwise count as delivering.
+    #[tokio::test]
+    async fn the_sink_counts_only_fresh_signed_deliveries_of_the_bodies_produced() {
+        let secret = Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+        let sink = Sink {
+            size: 256,
+            ..Sink::default()
+        };
+        sink.secrets
+            .lock()
+            .unwrap()
+            .insert("tenant-1/0".into(), secret.clone());
+        let send = |body: Vec<u8>, ts: i64| {
+            let id = uuid::Uuid::now_v7().to_string();
+            deliver(&sink, &secret, id, ts, 0, body)
+        };
+        let now_s = now_us() / 1_000_000;
+        let good = payload(256, now_us());
+        assert_eq!(send(good.clone(), now_s).await, StatusCode::OK);
+        let mut garbled = good.clone();
+        garbled[100] = b'y';
+        assert_eq!(send(garbled, now_s).await, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            send(payload(300, now_us()), now_s).await,
+            StatusCode::UNAUTHORIZED,
+            "another size"
+        );
+        assert_eq!(
+            send(good.clone(), now_s - 301).await,
+            StatusCode::UNAUTHORIZED,
+            "stale"
+        );
+        assert_eq!(
+            send(good.clone(), now_s * 1000).await,
+            StatusCode::UNAUTHORIZED,
+            "milliseconds"
+        );
+        assert_eq!(sink.bad.load(Ordering::Relaxed), 4);
+        assert_eq!(sink.got.lock().unwrap().len(), 1);
+    }
+
+    /// `flaky=<percent>` refuses about that share of events, the same ones at every attempt.
+    #[test]
+    fn a_flaky_sink_refuses_the_share_of_events_asked() {
+        let ids: Vec<String> = (0..20_000)
+            .map(|_| uuid::Uuid::now_v7().to_string())
+            .collect();
+        let share = |percent| ids.iter().filter(|id| refused_first(id, percent)).count();
+        assert_eq!(share(0), 0);
+        assert_eq!(share(100), ids.len());
+        let ten = share(10);
+        assert!(
+            (1_700..=2_300).contains(&ten),
+            "10% of 20,000 refused: {ten}"
+        );
+        let fifty = share(50);
+        assert!(
+            (9_400..=10_600).contains(&fifty),
+            "50% of 20,000 refused: {fifty}"
+        );
+        let specs = specs_of("flaky=10", Duration::from_secs(15)).unwrap().0;
+        assert_eq!(specs[0].refuse_first_percent, 10);
+        assert!(specs_of("flaky=0", Duration::from_secs(15)).is_err());
+        assert!(specs_of("flaky=101", Duration::from_secs(15)).is_err());
+    }
+
+    /// A refused event's first delivery to a subscription is answered 500 and not counted; the
+    /// next is taken; another subscription's first delivery of it is refused too.
+    #[tokio::test]
+    async fn a_flaky_sink_refuses_each_delivery_once_then_takes_it() {
+        let secret = Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+        let sink = Sink {
+            size: 128,
+            refuse_first_percent: 100,
+            ..Sink::default()
+        };
+        for path in ["tenant-1/0", "tenant-1/1"] {
+            sink.secrets
+                .lock()
+                .unwrap()
+                .insert(path.into(), secret.clone());
+        }
+        let id = uuid::Uuid::now_v7().to_string();
+        let body = payload(128, now_us());
+        let send = |n: u32| {
+            let ts = now_us() / 1_000_000;
+            deliver(&sink, &secret, id.clone(), ts, n, body.clone())
+        };
+        assert_eq!(send(0).await, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(sink.got.lock().unwrap().is_empty());
+        assert_eq!(send(0).await, StatusCode::OK);
+        assert_eq!(send(1).await, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(send(1).await, StatusCode::OK);
+        assert_eq!(
+            send(0).await,
+            StatusCode::OK,
+            "a duplicate is taken (and counted)"
+        );
+        assert_eq!(sink.got.lock().unwrap().len(), 3);
+        assert_eq!(sink.refused.lock().unwrap().len(), 2);
+        assert_eq!(sink.bad.load(Ordering::Relaxed), 0);
+    }
 
     fn got(event: &str, sub: &str, received_us: i64) -> Got {
         Got {

@@ -93,8 +93,8 @@ enum Command {
     },
     /// End-to-end load harness: starts the hub, a verifying sink and a producer; prints JSON and a
     /// table (scenarios: throughput, latency, latency=<rate> (one rate of the curve), fanout,
-    /// slow-sink, backlog=<sink ms>, noisy-neighbour, slow-neighbour, recovery, scale-out, limits,
-    /// all).
+    /// slow-sink, backlog=<sink ms>, flaky=<percent of first deliveries refused>, noisy-neighbour,
+    /// slow-neighbour, recovery, scale-out, limits, all).
     Load {
         scenario: String,
         /// Measured time per run, after the warm-up.

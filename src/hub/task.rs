@@ -1992,9 +1992,7 @@ impl HubStage {
             .map_err(|e| KafkaError::Setup(e.to_string()))?,
         );
         let producer: &BaseProducer<TrackingContext> = &owned_producer;
-        producer
-            .init_transactions(TXN_TIMEOUT)
-            .map_err(fatal_or_kafka)?;
+        kafka::init_waiting(producer, TXN_TIMEOUT, kafka::INIT_PATIENCE).map_err(fatal_or_kafka)?;
         let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(
             &config,
             &config.hub_group_id(),

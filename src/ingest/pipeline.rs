@@ -274,8 +274,7 @@ impl Ingest {
                 .set("message.max.bytes", "4194304")
                 .create_with_context(kafka::PlacedOnly::default())
                 .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        producer
-            .init_transactions(TXN_TIMEOUT)
+        kafka::init_waiting(&producer, TXN_TIMEOUT, kafka::INIT_PATIENCE)
             .map_err(fatal_or_kafka)?;
         consumer
             .subscribe(&[self.config.follow_pattern.as_str()])

@@ -40,22 +40,6 @@ pub enum KafkaError {
     },
 }
 
-impl KafkaError {
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            KafkaError::Setup(_) | KafkaError::Cancelled | KafkaError::AheadOfChangelog { .. } => {
-                false
-            }
-            KafkaError::Call(e) => !matches!(
-                e.rdkafka_error_code(),
-                Some(rdkafka::types::RDKafkaErrorCode::Fenced)
-                    | Some(rdkafka::types::RDKafkaErrorCode::ProducerFenced)
-                    | Some(rdkafka::types::RDKafkaErrorCode::InvalidProducerEpoch)
-            ),
-        }
-    }
-}
-
 /// The settings every client of this hub shares: brokers, TLS, SASL.
 pub fn base(config: &Config) -> ClientConfig {
     let mut c = ClientConfig::new();
@@ -274,6 +258,48 @@ where
     C: rdkafka::producer::ProducerContext,
     P: Producer<C>,
 {
+    let call = |p: &P, try_for| p.commit_transaction(try_for);
+    let tries = (timeout, Duration::from_secs(2), patience);
+    resume_while(producer, "commit", call, commit_undecided, tries)
+}
+
+/// How long [`init_waiting`] calls `init_transactions` again while it may be.
+pub const INIT_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Initialises a transactional producer. While the transaction coordinator moves or is still
+/// loading, or this id's previous transaction is still finishing, librdkafka says the call may
+/// be made again (it resumes): so it is, serving delivery reports in between, until `patience`
+/// from the first call. Any other error is returned. Before, a start in such a moment ended the
+/// process, and every instance started then went round in a crash loop for as long as it lasted.
+pub fn init_waiting<C, P>(
+    producer: &P,
+    timeout: Duration,
+    patience: Duration,
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    P: Producer<C>,
+{
+    let call = |p: &P, try_for| p.init_transactions(try_for);
+    let tries = (timeout, Duration::from_secs(5), patience);
+    resume_while(producer, "init", call, init_retriable, tries)
+}
+
+/// Makes a resumable transaction call, and again while `retriable` says it may be, until
+/// `patience` from the first: the first try may take `timeout`, the later ones at most `later`,
+/// with delivery reports served in between ([`between_tries`]). `tries` = (timeout, later,
+/// patience).
+fn resume_while<C, P>(
+    producer: &P,
+    what: &'static str,
+    call: impl Fn(&P, Duration) -> Result<(), rdkafka::error::KafkaError>,
+    retriable: fn(&rdkafka::error::KafkaError) -> bool,
+    (timeout, later, patience): (Duration, Duration, Duration),
+) -> Result<(), rdkafka::error::KafkaError>
+where
+    C: rdkafka::producer::ProducerContext,
+    P: Producer<C>,
+{
     let deadline = std::time::Instant::now() + patience;
     let mut first = true;
     retry_while(
@@ -281,14 +307,19 @@ where
             let try_for = if std::mem::take(&mut first) {
                 timeout
             } else {
-                timeout.min(Duration::from_secs(2))
+                timeout.min(later)
             };
-            producer.commit_transaction(try_for)
+            call(producer, try_for)
         },
-        commit_undecided,
-        between_tries(producer, "commit"),
+        retriable,
+        between_tries(producer, what),
         deadline,
     )
+}
+
+/// An `init_transactions` error librdkafka says the call may be made again after.
+fn init_retriable(e: &rdkafka::error::KafkaError) -> bool {
+    matches!(e, rdkafka::error::KafkaError::Transaction(e) if e.is_retriable() && !e.is_fatal())
 }
 
 /// Whether [`commit_waiting`] gave up on a commit still running (librdkafka goes on with it in
@@ -300,7 +331,7 @@ pub fn commit_undecided(e: &rdkafka::error::KafkaError) -> bool {
         if e.is_retriable() && !e.txn_requires_abort() && !e.is_fatal())
 }
 
-/// What [`abort_waiting`] and [`commit_waiting`] do before they call again: say so, beat the
+/// What [`abort_waiting`], [`commit_waiting`] and [`init_waiting`] do before they call again: say so, beat the
 /// liveness watchdog (bounded by their patience) and serve delivery reports.
 fn between_tries<'p, C, P>(
     producer: &'p P,
