@@ -456,15 +456,18 @@ fn specs_of(scenario: &str, d: Duration) -> Result<(Vec<Spec>, Spec), String> {
         events: 20_000,
         ..at(0)
     };
+    // Every delivery held 50 ms at the sink, 20,000 events as fast as the producer can: what
+    // the workers can deliver (64 by default: at most 1,280/s at 50 ms each; 256: 5,120/s).
     let slow = |workers: Option<usize>| Spec {
         name: format!(
             "slow-sink-{}",
             workers.map_or("default".into(), |w| w.to_string())
         ),
-        rate: Some(500),
+        rate: None,
+        events: 20_000,
         sink_delay: Duration::from_millis(50),
         workers,
-        ..at(500)
+        ..at(0)
     };
     let noisy = Spec {
         name: "noisy-neighbour".into(),
@@ -1900,6 +1903,25 @@ mod tests {
                 "loadab12.inbox",
                 "loadab12.hub.jobs.changelog",
                 "lerian.streaming.loadab12.dlq"
+            ]
+        );
+    }
+
+    /// `slow-sink` runs as fast as the producer can, once with the default workers and once
+    /// with 256: the deliveries/s each reaches (at a fixed rate both only kept up).
+    #[test]
+    fn slow_sink_runs_at_full_speed_with_two_worker_settings() {
+        let (specs, _) = specs_of("slow-sink", Duration::from_secs(15)).unwrap();
+        let shape: Vec<_> = specs
+            .iter()
+            .map(|s| (s.rate, s.workers, s.events, s.sink_delay))
+            .collect();
+        let delay = Duration::from_millis(50);
+        assert_eq!(
+            shape,
+            [
+                (None, None, 20_000, delay),
+                (None, Some(256), 20_000, delay)
             ]
         );
     }
