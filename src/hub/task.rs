@@ -1992,7 +1992,14 @@ impl HubStage {
             .map_err(|e| KafkaError::Setup(e.to_string()))?,
         );
         let producer: &BaseProducer<TrackingContext> = &owned_producer;
-        kafka::init_waiting(producer, TXN_TIMEOUT, kafka::INIT_PATIENCE).map_err(fatal_or_kafka)?;
+        if let Err(e) = kafka::init_waiting(producer, TXN_TIMEOUT, kafka::INIT_PATIENCE, &stop) {
+            if stop.load(Ordering::Relaxed) {
+                // Stopped while the coordinator could not take the producer: nothing was begun.
+                crate::runtime::liveness::rest(self.liveness());
+                return Ok(());
+            }
+            return Err(fatal_or_kafka(e));
+        }
         let consumer: BaseConsumer<HubContext> = kafka::transactional_consumer(
             &config,
             &config.hub_group_id(),

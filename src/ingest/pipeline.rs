@@ -274,8 +274,14 @@ impl Ingest {
                 .set("message.max.bytes", "4194304")
                 .create_with_context(kafka::PlacedOnly::default())
                 .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        kafka::init_waiting(&producer, TXN_TIMEOUT, kafka::INIT_PATIENCE)
-            .map_err(fatal_or_kafka)?;
+        if let Err(e) = kafka::init_waiting(&producer, TXN_TIMEOUT, kafka::INIT_PATIENCE, &stop) {
+            if stop.load(Ordering::Relaxed) {
+                // Stopped while the coordinator could not take the producer: nothing was begun.
+                crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
+                return Ok(());
+            }
+            return Err(fatal_or_kafka(e));
+        }
         consumer
             .subscribe(&[self.config.follow_pattern.as_str()])
             .map_err(KafkaError::from)?;

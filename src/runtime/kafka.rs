@@ -269,12 +269,15 @@ pub const INIT_PATIENCE: Duration = Duration::from_secs(120);
 /// Initialises a transactional producer. While the transaction coordinator moves or is still
 /// loading, or this id's previous transaction is still finishing, librdkafka says the call may
 /// be made again (it resumes): so it is, serving delivery reports in between, until `patience`
-/// from the first call. Any other error is returned. Before, a start in such a moment ended the
-/// process, and every instance started then went round in a crash loop for as long as it lasted.
+/// from the first call, or until `stop` is set (a shutdown does not wait out the patience: the
+/// last error is returned then). Any other error is returned. Before, a start in such a moment
+/// ended the process, and every instance started then went round in a crash loop for as long as
+/// it lasted.
 pub fn init_waiting<C, P>(
     producer: &P,
     timeout: Duration,
     patience: Duration,
+    stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(), rdkafka::error::KafkaError>
 where
     C: rdkafka::producer::ProducerContext,
@@ -282,7 +285,10 @@ where
 {
     let call = |p: &P, try_for| p.init_transactions(try_for);
     let tries = (timeout, Duration::from_secs(5), patience);
-    resume_while(producer, "init", call, init_retriable, tries)
+    let retriable = |e: &rdkafka::error::KafkaError| {
+        init_retriable(e) && !stop.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    resume_while(producer, "init", call, retriable, tries)
 }
 
 /// Makes a resumable transaction call, and again while `retriable` says it may be, until
@@ -293,7 +299,7 @@ fn resume_while<C, P>(
     producer: &P,
     what: &'static str,
     call: impl Fn(&P, Duration) -> Result<(), rdkafka::error::KafkaError>,
-    retriable: fn(&rdkafka::error::KafkaError) -> bool,
+    retriable: impl Fn(&rdkafka::error::KafkaError) -> bool,
     (timeout, later, patience): (Duration, Duration, Duration),
 ) -> Result<(), rdkafka::error::KafkaError>
 where
@@ -1369,6 +1375,41 @@ mod tests {
         assert!(placed(0));
         assert!(placed(i64::MAX));
         assert!(!never_clears(unplaced(1).rdkafka_error_code()));
+    }
+
+    /// A transactional producer whose coordinator cannot be reached (here no broker at its
+    /// address: librdkafka's retriable timeout, as while a coordinator moves or loads) is
+    /// initialised again until the patience runs out; once the process is stopping, not again.
+    #[test]
+    fn init_is_tried_again_while_retriable_and_not_once_stopping() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", addr.to_string())
+            .set("transactional.id", "init-waiting-test")
+            .create()
+            .unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let timeout = Duration::from_millis(500);
+        let patience = Duration::from_secs(3);
+        let t0 = Instant::now();
+        let e = init_waiting(&producer, timeout, patience, &stop).unwrap_err();
+        assert!(init_retriable(&e), "{e}");
+        assert!(
+            t0.elapsed() >= patience,
+            "gave up after {:?}, before its patience",
+            t0.elapsed()
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let t1 = Instant::now();
+        let e = init_waiting(&producer, timeout, Duration::from_secs(30), &stop).unwrap_err();
+        assert!(init_retriable(&e), "{e}");
+        assert!(
+            t1.elapsed() < Duration::from_secs(20),
+            "stopping, it still tried for {:?}",
+            t1.elapsed()
+        );
     }
 
     #[test]
