@@ -889,6 +889,13 @@ mod tests {
             .collect()
     }
 
+    /// Writes a due timer straight to the store, whatever job it names (or none).
+    fn put_timer(store: &Store, due: Vec<u8>) {
+        let mut staged = Staged::default();
+        staged.put(DUE, due, Vec::new());
+        store.apply(staged, &[]).unwrap();
+    }
+
     #[test]
     fn a_timer_whose_job_is_gone_is_passed_over_not_scanned_forever() {
         let dir = tempfile::tempdir().unwrap();
@@ -896,10 +903,8 @@ mod tests {
         let codec = Codec::new().unwrap();
         let mut ring = TenantRing::default();
         commit_jobs(&store, &codec, &mut ring, &[job("t", "live", 5)]);
-        let mut staged = Staged::default();
         let orphan = job_key("t", "gone", "s");
-        staged.put(DUE, due_key("t", 1, &orphan), Vec::new());
-        store.apply(staged, &[]).unwrap();
+        put_timer(&store, due_key("t", 1, &orphan));
         // Run where a scan that never ends fails the test instead of hanging it.
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -978,9 +983,7 @@ mod tests {
         commit_jobs(&store, &codec, &mut ring, &[job("t", "waiting", 1_000)]);
         let key = job_key("t", "waiting", "s");
         let stale = due_key("t", 1, &key);
-        let mut staged = Staged::default();
-        staged.put(DUE, stale.clone(), Vec::new());
-        store.apply(staged, &[]).unwrap();
+        put_timer(&store, stale.clone());
         let mut staged = Staged::default();
         let mut js = JobStore {
             store: &store,
@@ -1006,9 +1009,7 @@ mod tests {
         let mut ring = TenantRing::default();
         commit_jobs(&store, &codec, &mut ring, &[job("t", "live", 5)]);
         let orphan = due_key("t", 1, &job_key("t", "gone", "s"));
-        let mut staged = Staged::default();
-        staged.put(DUE, orphan.clone(), Vec::new());
-        store.apply(staged, &[]).unwrap();
+        put_timer(&store, orphan.clone());
         let mut staged = Staged::default();
         let mut js = JobStore {
             store: &store,
