@@ -614,11 +614,12 @@ settings! {
     /// started before it commits: an attempt that ends within it is recorded in the same
     /// transaction, and a delivered job then writes no job or payload record at all. The wait
     /// ends sooner once new inbox records have come in (they wait for this transaction to
-    /// commit; under a steady stream they do not wait for the attempts). `0` starts
+    /// commit; under a steady stream they do not wait for the attempts). An attempt that ends
+    /// after the wait, while the transaction sends its offsets, is recorded in it too. `0` starts
     /// every attempt after its claim has committed. Events the partition's previous owner may
     /// have been attempting uncommitted (read again after a crash or a handover) take the
     /// committed-claim path, their possible attempt counted as one reclaim (README, "Claims and
-    /// first attempts"). At most 30s. Measured in BENCHMARKS.md (sessions 33, 34).
+    /// first attempts"). At most 30s. Measured in BENCHMARKS.md (sessions 33, 34, 61).
     early_attempt_wait: std::time::Duration = "20ms";
     /// Kill switch of auto-disable: `false` never disables a subscription, however long it fails.
     autodisable_enabled: bool = "true";

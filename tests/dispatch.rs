@@ -1357,6 +1357,73 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
     assert_eq!(ids.len(), 7, "every event once at the first sink");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_attempt_that_ends_while_its_transaction_sends_its_offsets_is_recorded_in_it() {
+    // With a 1 ms wait for its first attempts a transaction seldom sees one end within it (and
+    // the next ones then do not wait at all); an attempt that ends while the transaction's
+    // offsets go to the coordinator, a broker round trip, is still recorded in it, before its
+    // jobs changelog writes, and leaves no job or payload record, as one that ends within the
+    // wait. Events go one at a time until one has: a hub that wrote its jobs changelog before
+    // the offsets records none there, whatever the timing.
+    let s = ApiHub::start("early-late", &[("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "1ms")]).await;
+    let (url, sink) = start_sink(vec![200]).await;
+    subscribe(&s, "tenant-l", &url, None).await;
+    s.commit_inbox_offsets().await;
+    const EARLY: &str = "streaming_hub_early_attempts_total";
+    let ended = |text: &str, when: &str| metric_sum(text, &format!("{EARLY}{{ended=\"{when}\""));
+    let p = producer();
+    let mut sent = 0;
+    let text = loop {
+        produce(
+            &p,
+            &s.topic,
+            &[event("tenant-l", "ledger", "transaction", "posted")],
+        );
+        sent += 1;
+        wait_for_deliveries(&sink, sent, Duration::from_secs(60));
+        // Counted once its transaction committed.
+        let text = s.hub.metrics_when(&s.http, EARLY, sent as u64).await;
+        if ended(&text, "before_writes") > 0 || sent == 200 {
+            break text;
+        }
+    };
+    let (within, late, after) = (
+        ended(&text, "within_wait"),
+        ended(&text, "before_writes"),
+        ended(&text, "after_wait"),
+    );
+    assert!(
+        late >= 1,
+        "no first attempt recorded between its transaction's offsets and its writes in {sent} events \
+         ({within} within the wait, {after} after)"
+    );
+    assert_eq!(
+        within + late + after,
+        sent as u64,
+        "each event's first attempt was early"
+    );
+    // Only the events whose first attempt was recorded in a later transaction wrote a job and
+    // a payload (and, once delivered, their tombstones).
+    let changelog = format!("{}.hub.jobs.changelog", s.prefix);
+    let events_with = |prefix: &str, got: &[Got]| -> std::collections::HashSet<String> {
+        got.iter()
+            .filter_map(|g| {
+                let key = String::from_utf8_lossy(g.rec.key.as_deref()?).into_owned();
+                let rest = key.strip_prefix(prefix)?;
+                Some(rest.split('\0').nth(1)?.to_string())
+            })
+            .collect()
+    };
+    let got = read_all(&[&changelog], Duration::from_secs(30));
+    let (jobs, payloads) = (events_with("j/", &got), events_with("p/", &got));
+    assert_eq!(
+        jobs.len() as u64,
+        after,
+        "events with job records: {jobs:?}"
+    );
+    assert_eq!(payloads, jobs, "events with payload records");
+}
+
 /// A sink that holds every delivery until the test opens its gate, then answers `status`.
 async fn start_gated_sink(
     status: StatusCode,

@@ -698,14 +698,15 @@ impl HubContext {
             let mut outputs = Outputs { producer };
             record_outcomes(&self.env, d, tasks, &mut staged, &mut outputs, now, 0)?;
             let mut offsets = HashMap::new();
+            fence_offsets(tasks, &mut offsets);
             let delivered = commit_staged(
                 &self.env,
                 producer,
                 consumer,
-                tasks,
-                &staged,
-                &mut offsets,
+                &mut staged,
+                &offsets,
                 &mut outputs,
+                &mut |_, _| Ok(()),
                 &mut |_| {},
                 false,
             )?;
@@ -2662,10 +2663,11 @@ impl HubStage {
             )?;
         }
         let launched_early = early.len();
+        let mut started_early = None;
         if let (Some(d), false) = (self.dispatch.as_mut(), early.is_empty()) {
             let router = &self.router;
             let more = || kafka::has_queued(consumer);
-            attempt_early(
+            started_early = Some(attempt_early(
                 env,
                 d,
                 router,
@@ -2675,19 +2677,29 @@ impl HubStage {
                 now,
                 early,
                 &more,
-            )?;
+            )?);
         }
         let hold = env.config.dangerous_test_stale_offsets
             && launched_early > 0
             && !STALE_OFFSETS_HELD.swap(true, Ordering::SeqCst);
+        fence_offsets(tasks, &mut offsets);
+        let router = &self.router;
+        let mut dispatch = self.dispatch.as_mut();
+        let mut before_writes = |staged: &mut HashMap<i32, Staged>, out: &mut Outputs<'_>| match (
+            dispatch.as_deref_mut(),
+            started_early.as_ref(),
+        ) {
+            (Some(d), Some(early)) => pick_up_early(env, d, router, tasks, staged, out, now, early),
+            _ => Ok(()),
+        };
         let delivered = commit_staged(
             env,
             producer,
             consumer,
-            tasks,
-            &staged,
-            &mut offsets,
+            &mut staged,
+            &offsets,
             &mut outputs,
+            &mut before_writes,
             &mut phase_done,
             hold,
         )?;
@@ -2712,20 +2724,38 @@ impl HubStage {
     }
 }
 
-/// The end of a hub transaction, up to its commit: the jobs changelog writes `staged` holds,
-/// the inbox offset of every owned partition (`offsets` has those of the records read; the
-/// others go at `Task::next_offset`, so the group generation fences the whole transaction),
-/// the wait for the records' acknowledgements, and the commit. Returns the changelog offsets
-/// written, per topic and partition.
+/// Every owned partition's inbox offset goes into the transaction: `offsets` has those of the
+/// records read; the others go at `Task::next_offset`, so the group generation fences the whole
+/// transaction.
+fn fence_offsets(tasks: &HashMap<i32, Task>, offsets: &mut HashMap<i32, i64>) {
+    for (p, task) in tasks.iter() {
+        if let (false, Some(next)) = (offsets.contains_key(p), task.next_offset) {
+            offsets.insert(*p, next);
+        }
+    }
+}
+
+/// What a transaction does between sending its offsets and its jobs changelog writes (see
+/// [`commit_staged`]).
+type BeforeJobWrites<'f, 'o> =
+    dyn FnMut(&mut HashMap<i32, Staged>, &mut Outputs<'o>) -> Result<(), HubError> + 'f;
+
+/// The end of a hub transaction, up to its commit: the inbox offsets (`offsets`, see
+/// [`fence_offsets`]), then `before_writes` (the outcomes of early attempts that ended while the
+/// offsets went to the coordinator, see [`pick_up_early`]), then the jobs changelog writes
+/// `staged` holds, the wait for the records' acknowledgements, and the commit. The jobs
+/// changelog goes after the offsets so that those outcomes are in it: a job created and
+/// delivered in one transaction writes nothing. Returns the changelog offsets written, per
+/// topic and partition.
 #[allow(clippy::too_many_arguments)]
-fn commit_staged(
+fn commit_staged<'o>(
     env: &Env,
     producer: &BaseProducer<TrackingContext>,
     consumer: &BaseConsumer<HubContext>,
-    tasks: &HashMap<i32, Task>,
-    staged: &HashMap<i32, Staged>,
-    offsets: &mut HashMap<i32, i64>,
-    outputs: &mut Outputs<'_>,
+    staged: &mut HashMap<i32, Staged>,
+    offsets: &HashMap<i32, i64>,
+    outputs: &mut Outputs<'o>,
+    before_writes: &mut BeforeJobWrites<'_, 'o>,
     phase_done: &mut dyn FnMut(&'static str),
     hold: bool,
 ) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
@@ -2739,19 +2769,6 @@ fn commit_staged(
     } else {
         None
     };
-    // The jobs changelog is the batch's final job writes: a key written twice in one
-    // transaction (a job created and claimed) needs only its last record in the compacted
-    // changelog, and the staging holds exactly that.
-    for (p, st) in staged {
-        for (k, v) in st.writes_in(JOBS) {
-            outputs.send(&env.jobs_changelog, Some(*p), k, v)?;
-        }
-    }
-    for (p, task) in tasks.iter() {
-        if let (false, Some(next)) = (offsets.contains_key(p), task.next_offset) {
-            offsets.insert(*p, next);
-        }
-    }
     kafka::push(producer.client());
     phase_done("work");
     // The batch's work done: the bounded calls below each start on a fresh beat.
@@ -2779,6 +2796,17 @@ fn commit_staged(
         crate::runtime::liveness::beat_current();
     }
     phase_done("offsets");
+    before_writes(staged, outputs)?;
+    // The jobs changelog is the batch's final job writes: a key written twice in one
+    // transaction (a job created and claimed) needs only its last record in the compacted
+    // changelog, and the staging holds exactly that.
+    for (p, st) in staged.iter() {
+        for (k, v) in st.writes_in(JOBS) {
+            outputs.send(&env.jobs_changelog, Some(*p), k, v)?;
+        }
+    }
+    kafka::push(producer.client());
+    phase_done("jobs");
     // Serves delivery reports: the changelog offsets.
     kafka::wait_delivered(
         || producer.in_flight_count(),
@@ -3510,7 +3538,7 @@ fn attempt_early(
     now: i64,
     early: Vec<Attempt>,
     more_to_read: &dyn Fn() -> bool,
-) -> Result<(), HubError> {
+) -> Result<EarlyStarted, HubError> {
     let keys: HashSet<Vec<u8>> = early.iter().map(|a| a.job_key.clone()).collect();
     // Each job's partition, key, and its two timers: as created (due now) and as claimed.
     let written: Vec<(i32, [Vec<u8>; 3])> = early
@@ -3526,42 +3554,100 @@ fn attempt_early(
         .collect();
     let launched = early.len();
     d.launch(early);
+    let mut started = EarlyStarted {
+        keys,
+        written,
+        launched,
+        ended: 0,
+    };
     if d.early_unwaited > 0 {
         d.early_unwaited -= 1;
-        return Ok(());
+        return Ok(started);
     }
     let from = d.pending.len();
     let (ended, cut) = d.wait_for(
-        &keys,
+        &started.keys,
         Instant::now() + env.config.early_attempt_wait,
         more_to_read,
     );
+    started.ended = ended;
     // Other attempts of this loop ended meanwhile too: those of partitions it no longer owns go
     // to the loop that does, as before a transaction (the ones before `from` are all its own).
     d.hand_over(tasks, router, now);
-    telemetry::early_attempts(launched, ended);
     // A wait that new records cut short says nothing of how long the attempts take.
     if ended * 2 < launched && !cut {
         d.early_unwaited = EARLY_UNWAITED;
     }
     record_outcomes(env, d, tasks, staged, out, now, from)?;
+    forget_delivered_early(staged, &started.written);
+    Ok(started)
+}
+
+/// A transaction's first attempts started before it commits (see [`attempt_early`]).
+struct EarlyStarted {
+    /// Their job keys.
+    keys: HashSet<Vec<u8>>,
+    /// Each job's partition, key, and its two timers: as created (due now) and as claimed.
+    written: Vec<(i32, [Vec<u8>; 3])>,
+    launched: usize,
+    /// How many ended within the wait.
+    ended: usize,
+}
+
+/// Between a transaction's offsets and its jobs changelog writes (see [`commit_staged`]): the
+/// outcomes that came while the offsets went to the coordinator (a round trip of a few ms, about
+/// as long as a local receiver takes) are recorded in this transaction too, with no wait of its
+/// own, and an early attempt that delivered leaves no write, as within the wait. Under a steady
+/// stream the wait ends at once (new records came), so before this most first attempts ended
+/// after it, and each such delivery wrote its job and payload and then their tombstones in the
+/// next transaction. Counts the transaction's early attempts by when they ended.
+#[allow(clippy::too_many_arguments)]
+fn pick_up_early(
+    env: &Env,
+    d: &mut Dispatch,
+    router: &OutcomeRouter,
+    tasks: &mut HashMap<i32, Task>,
+    staged: &mut HashMap<i32, Staged>,
+    out: &mut Outputs<'_>,
+    now: i64,
+    early: &EarlyStarted,
+) -> Result<(), HubError> {
+    let from = d.pending.len();
+    d.drain();
+    let late = d.pending[from..]
+        .iter()
+        .filter(|o| early.keys.contains(&o.job_key))
+        .count();
+    telemetry::early_attempts(early.launched, early.ended, late);
+    if d.pending.len() > from {
+        // As after the wait: the ones before `from` are all this loop's own.
+        d.hand_over(tasks, router, now);
+        record_outcomes(env, d, tasks, staged, out, now, from)?;
+        forget_delivered_early(staged, &early.written);
+    }
+    Ok(())
+}
+
+/// A job created and delivered in this transaction leaves no write: its job, its timers and
+/// (with its event's last job) its payload were new to the store, so their staged writes are
+/// dropped rather than sent as records and tombstones.
+fn forget_delivered_early(staged: &mut HashMap<i32, Staged>, written: &[(i32, [Vec<u8>; 3])]) {
     for (p, [key, created, leased]) in written {
-        let Some(st) = staged.get_mut(&p) else {
+        let Some(st) = staged.get_mut(p) else {
             continue;
         };
-        if st.get(JOBS, &key) != Some(None) {
+        if st.get(JOBS, key) != Some(None) {
             continue; // not finished here (still leased, rescheduled) or not ours
         }
-        st.forget(JOBS, &key);
-        st.forget(DUE, &created);
-        st.forget(DUE, &leased);
-        if let Some(pk) = jobs::payload_key_of(&key) {
+        st.forget(JOBS, key);
+        st.forget(DUE, created);
+        st.forget(DUE, leased);
+        if let Some(pk) = jobs::payload_key_of(key) {
             if st.get(JOBS, &pk) == Some(None) {
                 st.forget(JOBS, &pk);
             }
         }
     }
-    Ok(())
 }
 
 /// How long a delivery recorded on no lease is kept for a claim of its job (see

@@ -304,11 +304,15 @@ pub fn txn_phase(stage: &'static str, phase: &'static str, took: Duration) {
 
 pub const EARLY_ATTEMPTS: &str = "streaming_hub_early_attempts_total";
 
-/// A hub transaction started `launched` first attempts of new events before committing and
-/// waited for them: `ended` came back within the wait (recorded in that transaction).
-pub fn early_attempts(launched: usize, ended: usize) {
-    counter!(EARLY_ATTEMPTS, "ended" => "within_wait").increment(ended as u64);
-    counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment((launched - ended) as u64);
+/// A hub transaction started `launched` first attempts of new events before committing:
+/// `within_wait` came back within its wait for them, `before_writes` after it but before the
+/// transaction's jobs changelog writes (both recorded in that transaction), the rest later
+/// (`after_wait`, recorded in a later one).
+pub fn early_attempts(launched: usize, within_wait: usize, before_writes: usize) {
+    counter!(EARLY_ATTEMPTS, "ended" => "within_wait").increment(within_wait as u64);
+    counter!(EARLY_ATTEMPTS, "ended" => "before_writes").increment(before_writes as u64);
+    let after = launched.saturating_sub(within_wait + before_writes);
+    counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment(after as u64);
 }
 
 pub const RESENDS_AVOIDED: &str = "streaming_hub_resends_avoided_total";
