@@ -1359,16 +1359,18 @@ async fn an_event_delivered_within_its_transaction_writes_no_job_or_payload_to_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_attempt_that_ends_while_its_transaction_sends_its_offsets_is_recorded_in_it() {
-    // With a 1 ms wait for its first attempts a transaction seldom sees one end within it (and
-    // the next ones then do not wait at all); an attempt that ends while the transaction's
+    // With a 1 µs wait for its first attempts a transaction sees none end within it (and the
+    // next ones then do not wait at all); an attempt that ends while the transaction's
     // offsets go to the coordinator, a broker round trip, is still recorded in it, before its
     // jobs changelog writes, and leaves no job or payload record, as one that ends within the
     // wait. Events go one at a time until one has: a hub that wrote its jobs changelog before
     // the offsets records none there, whatever the timing.
-    let s = ApiHub::start("early-late", &[("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "1ms")]).await;
+    let s = ApiHub::start("early-late", &[("STREAMING_HUB_EARLY_ATTEMPT_WAIT", "1us")]).await;
     let (url, sink) = start_sink(vec![200]).await;
     subscribe(&s, "tenant-l", &url, None).await;
     s.commit_inbox_offsets().await;
+    const NEW: &str = "streaming_hub_hub_events_total{outcome=\"new\"";
+    let new_before = s.metric(NEW).await;
     const EARLY: &str = "streaming_hub_early_attempts_total";
     let ended = |text: &str, when: &str| metric_sum(text, &format!("{EARLY}{{ended=\"{when}\""));
     let p = producer();
@@ -1381,8 +1383,11 @@ async fn a_first_attempt_that_ends_while_its_transaction_sends_its_offsets_is_re
         );
         sent += 1;
         wait_for_deliveries(&sink, sent, Duration::from_secs(60));
-        // Counted once its transaction committed.
-        let text = s.hub.metrics_when(&s.http, EARLY, sent as u64).await;
+        // Its transaction committed (its early attempts are counted with it).
+        let text = s
+            .hub
+            .metrics_when(&s.http, NEW, new_before + sent as u64)
+            .await;
         if ended(&text, "before_writes") > 0 || sent == 200 {
             break text;
         }
@@ -1397,13 +1402,14 @@ async fn a_first_attempt_that_ends_while_its_transaction_sends_its_offsets_is_re
         "no first attempt recorded between its transaction's offsets and its writes in {sent} events \
          ({within} within the wait, {after} after)"
     );
-    assert_eq!(
-        within + late + after,
-        sent as u64,
-        "each event's first attempt was early"
+    // Each event's first attempt was early, but for one whose transaction aborted (read again
+    // on the committed-claim path).
+    assert!(
+        within + late + after <= sent as u64,
+        "{within} + {late} + {after} > {sent}"
     );
-    // Only the events whose first attempt was recorded in a later transaction wrote a job and
-    // a payload (and, once delivered, their tombstones).
+    // Only the events whose first attempt was not recorded in their own transaction wrote a job
+    // and a payload (and, once delivered, their tombstones).
     let changelog = format!("{}.hub.jobs.changelog", s.prefix);
     let events_with = |prefix: &str, got: &[Got]| -> std::collections::HashSet<String> {
         got.iter()
@@ -1418,7 +1424,7 @@ async fn a_first_attempt_that_ends_while_its_transaction_sends_its_offsets_is_re
     let (jobs, payloads) = (events_with("j/", &got), events_with("p/", &got));
     assert_eq!(
         jobs.len() as u64,
-        after,
+        sent as u64 - within - late,
         "events with job records: {jobs:?}"
     );
     assert_eq!(payloads, jobs, "events with payload records");
@@ -1930,8 +1936,9 @@ async fn a_batch_whose_offsets_were_refused_as_the_group_moved_runs_again_and_it
     let before = *got.lock().unwrap();
     assert_eq!(before, 0, "an unmatched event was delivered");
 
-    // The sink holds the first attempts: their jobs are written leased in the held transaction,
-    // after the hold, so those writes are still in flight when the refusal comes (as under load).
+    // The sink holds the first attempts, so their jobs stay leased in the held transaction (its
+    // dedup and sequence records written before the hold; its jobs records would follow the
+    // refused offsets), and the run again must not send them a second time.
     gate.send(false).unwrap();
     let events = produce_one_each(&s, &tenants);
     s.hub.wait_logged(

@@ -2760,7 +2760,9 @@ fn commit_staged<'o>(
     hold: bool,
 ) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
     // `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: the metadata is taken and held before the
-    // writes below, so they are still in flight when the refusal comes, as under load.
+    // offsets go, so the coordinator refuses them, as when the group moves on while a loaded
+    // loop sends them (the batch's dedup and sequence records were written before; its jobs
+    // records would follow the offsets).
     let held = if hold {
         let metadata = kafka::member_metadata_as(consumer, &consumer.context().membership)
             .map_err(KafkaError::from)?;

@@ -308,11 +308,14 @@ pub const EARLY_ATTEMPTS: &str = "streaming_hub_early_attempts_total";
 /// `within_wait` came back within its wait for them, `before_writes` after it but before the
 /// transaction's jobs changelog writes (both recorded in that transaction), the rest later
 /// (`after_wait`, recorded in a later one).
+/// Counted once the transaction commits.
 pub fn early_attempts(launched: usize, within_wait: usize, before_writes: usize) {
-    counter!(EARLY_ATTEMPTS, "ended" => "within_wait").increment(within_wait as u64);
-    counter!(EARLY_ATTEMPTS, "ended" => "before_writes").increment(before_writes as u64);
-    let after = launched.saturating_sub(within_wait + before_writes);
-    counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment(after as u64);
+    on_commit(move || {
+        counter!(EARLY_ATTEMPTS, "ended" => "within_wait").increment(within_wait as u64);
+        counter!(EARLY_ATTEMPTS, "ended" => "before_writes").increment(before_writes as u64);
+        let after = launched.saturating_sub(within_wait + before_writes);
+        counter!(EARLY_ATTEMPTS, "ended" => "after_wait").increment(after as u64);
+    });
 }
 
 pub const RESENDS_AVOIDED: &str = "streaming_hub_resends_avoided_total";
