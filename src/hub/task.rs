@@ -699,17 +699,9 @@ impl HubContext {
             record_outcomes(&self.env, d, tasks, &mut staged, &mut outputs, now, 0)?;
             let mut offsets = HashMap::new();
             fence_offsets(tasks, &mut offsets);
-            let delivered = commit_staged(
-                &self.env,
-                producer,
-                consumer,
-                &mut staged,
-                &offsets,
-                &mut outputs,
-                &mut |_, _| Ok(()),
-                &mut |_| {},
-                false,
-            )?;
+            send_offsets(&self.env, producer, consumer, &offsets, &mut |_| {}, false)?;
+            let delivered =
+                write_jobs_and_commit(&self.env, producer, &staged, &mut outputs, &mut |_| {})?;
             telemetry::committed();
             d.breakers.commit();
             apply_committed(&self.env, tasks, staged, &offsets, &delivered)
@@ -2683,26 +2675,16 @@ impl HubStage {
             && launched_early > 0
             && !STALE_OFFSETS_HELD.swap(true, Ordering::SeqCst);
         fence_offsets(tasks, &mut offsets);
-        let router = &self.router;
-        let mut dispatch = self.dispatch.as_mut();
-        let mut before_writes = |staged: &mut HashMap<i32, Staged>, out: &mut Outputs<'_>| match (
-            dispatch.as_deref_mut(),
-            started_early.as_ref(),
-        ) {
-            (Some(d), Some(early)) => pick_up_early(env, d, router, tasks, staged, out, now, early),
-            _ => Ok(()),
-        };
-        let delivered = commit_staged(
-            env,
-            producer,
-            consumer,
-            &mut staged,
-            &offsets,
-            &mut outputs,
-            &mut before_writes,
-            &mut phase_done,
-            hold,
-        )?;
+        send_offsets(env, producer, consumer, &offsets, &mut phase_done, hold)?;
+        // The jobs changelog goes after the offsets so that the first attempts that ended while
+        // the offsets went to the coordinator are recorded before it: a job created and
+        // delivered in one transaction writes nothing.
+        if let (Some(d), Some(early)) = (self.dispatch.as_mut(), started_early.as_ref()) {
+            let router = &self.router;
+            pick_up_early(env, d, router, tasks, &mut staged, &mut outputs, now, early)?;
+        }
+        let delivered =
+            write_jobs_and_commit(env, producer, &staged, &mut outputs, &mut phase_done)?;
         telemetry::committed();
         // Its purges' deletions are committed: the next purge seeks past them.
         for (p, mark) in purged_to {
@@ -2735,30 +2717,18 @@ fn fence_offsets(tasks: &HashMap<i32, Task>, offsets: &mut HashMap<i32, i64>) {
     }
 }
 
-/// What a transaction does between sending its offsets and its jobs changelog writes (see
-/// [`commit_staged`]).
-type BeforeJobWrites<'f, 'o> =
-    dyn FnMut(&mut HashMap<i32, Staged>, &mut Outputs<'o>) -> Result<(), HubError> + 'f;
-
-/// The end of a hub transaction, up to its commit: the inbox offsets (`offsets`, see
-/// [`fence_offsets`]), then `before_writes` (the outcomes of early attempts that ended while the
-/// offsets went to the coordinator, see [`pick_up_early`]), then the jobs changelog writes
-/// `staged` holds, the wait for the records' acknowledgements, and the commit. The jobs
-/// changelog goes after the offsets so that those outcomes are in it: a job created and
-/// delivered in one transaction writes nothing. Returns the changelog offsets written, per
-/// topic and partition.
-#[allow(clippy::too_many_arguments)]
-fn commit_staged<'o>(
+/// The first half of the end of a hub transaction: the records produced so far are pushed, then
+/// the inbox offsets (`offsets`, see [`fence_offsets`]) go into it. The jobs changelog follows
+/// ([`write_jobs_and_commit`]), so the first attempts that ended during this round trip are
+/// recorded in it (see [`pick_up_early`]).
+fn send_offsets(
     env: &Env,
     producer: &BaseProducer<TrackingContext>,
     consumer: &BaseConsumer<HubContext>,
-    staged: &mut HashMap<i32, Staged>,
     offsets: &HashMap<i32, i64>,
-    outputs: &mut Outputs<'o>,
-    before_writes: &mut BeforeJobWrites<'_, 'o>,
     phase_done: &mut dyn FnMut(&'static str),
     hold: bool,
-) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
+) -> Result<(), HubError> {
     // `STREAMING_HUB_DANGEROUS_TEST_STALE_OFFSETS`: the metadata is taken and held before the
     // offsets go, so the coordinator refuses them, as when the group moves on while a loaded
     // loop sends them (the batch's dedup and sequence records were written before; its jobs
@@ -2798,7 +2768,19 @@ fn commit_staged<'o>(
         crate::runtime::liveness::beat_current();
     }
     phase_done("offsets");
-    before_writes(staged, outputs)?;
+    Ok(())
+}
+
+/// The second half of the end of a hub transaction, after [`send_offsets`]: the jobs changelog
+/// writes `staged` holds, the wait for the records' acknowledgements, and the commit. Returns
+/// the changelog offsets written, per topic and partition.
+fn write_jobs_and_commit(
+    env: &Env,
+    producer: &BaseProducer<TrackingContext>,
+    staged: &HashMap<i32, Staged>,
+    outputs: &mut Outputs<'_>,
+    phase_done: &mut dyn FnMut(&'static str),
+) -> Result<HashMap<String, HashMap<i32, i64>>, HubError> {
     // The jobs changelog is the batch's final job writes: a key written twice in one
     // transaction (a job created and claimed) needs only its last record in the compacted
     // changelog, and the staging holds exactly that.
@@ -3596,7 +3578,8 @@ struct EarlyStarted {
     ended: usize,
 }
 
-/// Between a transaction's offsets and its jobs changelog writes (see [`commit_staged`]): the
+/// Between a transaction's offsets ([`send_offsets`]) and its jobs changelog writes
+/// ([`write_jobs_and_commit`]): the
 /// outcomes that came while the offsets went to the coordinator (a round trip of a few ms, about
 /// as long as a local receiver takes) are recorded in this transaction too, with no wait of its
 /// own, and an early attempt that delivered leaves no write, as within the wait. Under a steady
