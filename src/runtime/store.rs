@@ -67,6 +67,15 @@ pub enum StoreError {
     UnknownStore(String),
 }
 
+/// Where a [`Store::visit_within`] scan stops.
+#[derive(Clone, Copy)]
+pub struct Bounds<'a> {
+    /// The first key not read (RocksDB's `iterate_upper_bound`).
+    pub until: Option<&'a [u8]>,
+    /// Most deleted keys stepped over (RocksDB's `max_skippable_internal_keys`; 0: no cap).
+    pub skip_at_most: u64,
+}
+
 /// A key and its value, as read from a store.
 pub type KeyValue = (Vec<u8>, Vec<u8>);
 
@@ -219,10 +228,35 @@ impl Store {
         family: &str,
         from: &[u8],
         limit: usize,
-        mut visit: impl FnMut(&[u8]) -> bool,
+        visit: impl FnMut(&[u8]) -> bool,
     ) -> Result<usize, StoreError> {
+        let all = Bounds {
+            until: None,
+            skip_at_most: 0,
+        };
+        let visited = self.visit_within(family, from, all, limit, visit)?;
+        Ok(visited.unwrap_or_default())
+    }
+
+    /// As [`Store::visit_from`], within `bounds`: keys from `bounds.until` on are not read, nor
+    /// the deleted keys before them that RocksDB would otherwise step over to reach the next live
+    /// one. `None` when more than `bounds.skip_at_most` deleted keys came before the next live
+    /// key or the end (nothing known past the keys visited).
+    pub fn visit_within(
+        &self,
+        family: &str,
+        from: &[u8],
+        bounds: Bounds<'_>,
+        limit: usize,
+        mut visit: impl FnMut(&[u8]) -> bool,
+    ) -> Result<Option<usize>, StoreError> {
         let cf = self.cf(family)?;
-        let mut iter = self.db.raw_iterator_cf(cf);
+        let mut opts = rocksdb::ReadOptions::default();
+        if let Some(until) = bounds.until {
+            opts.set_iterate_upper_bound(until);
+        }
+        opts.set_max_skippable_internal_keys(bounds.skip_at_most);
+        let mut iter = self.db.raw_iterator_cf_opt(cf, opts);
         iter.seek(from);
         let mut n = 0;
         while n < limit && iter.valid() {
@@ -233,8 +267,13 @@ impl Store {
             n += 1;
             iter.next();
         }
-        iter.status()?;
-        Ok(n)
+        match iter.status() {
+            Err(e) if bounds.skip_at_most > 0 && e.kind() == rocksdb::ErrorKind::Incomplete => {
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+            Ok(()) => Ok(Some(n)),
+        }
     }
 
     /// Number of keys (approximate, from RocksDB's estimate), for metrics and tests.
