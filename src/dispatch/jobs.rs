@@ -139,8 +139,9 @@ pub struct TenantRing {
     /// time, and a mark by time alone made each claim step over every timer claimed before it.
     /// Lowered by every timer a commit writes ([`TenantRing::note_timers`]).
     marks: std::collections::HashMap<String, Vec<u8>>,
-    /// Per tenant, a time no live timer of it is due before, learnt by its last scan (which
-    /// stopped at a timer not due yet): the tenant is not scanned again before then. Every scan
+    /// Per tenant, a time no live timer of it is due before, learnt by its last scan that found
+    /// nothing due (its next timer's due time, or the end of an empty window looked through: see
+    /// [`JobStore::next_timer`]): the tenant is not scanned again before then. Every scan
     /// creates and seeks a RocksDB iterator, and at light load, with each tenant's next timer a
     /// lease minutes away, scanning every tenant in every round was 42% of the hub thread.
     /// Lowered by every timer a commit writes ([`TenantRing::note_timers`]); a timer deleted
@@ -150,12 +151,14 @@ pub struct TenantRing {
     /// past now its next look for one reaches (see [`JobStore::next_timer`]). Cleared by every
     /// timer a commit writes for it.
     look_ahead: std::collections::HashMap<String, i64>,
-    /// Tenant scans so far (each one RocksDB iterator).
+    /// Tenant scans so far (each one to three RocksDB iterators: the timers due, and for a
+    /// tenant with none, the look for its next one).
     scans: u64,
 }
 
-/// The most tombstones a look for a tenant's next timer steps over before it looks only a
-/// window ahead instead (see [`JobStore::next_timer`]).
+/// The most internal entries a look for a tenant's next timer steps over (a deleted timer is two
+/// until a compaction: its tombstone and the put it hides) before it looks only a window ahead
+/// instead (see [`JobStore::next_timer`]).
 const LOOK_AHEAD_SKIPS: u64 = 128;
 /// The first window such a look reads past now; each empty one makes the next four times as
 /// long, up to [`LOOK_AHEAD_WHOLE_MS`].
@@ -172,7 +175,7 @@ impl TenantRing {
         }
     }
 
-    /// Tenant scans made so far (each one RocksDB iterator).
+    /// Tenant scans made so far.
     pub fn scans(&self) -> u64 {
         self.scans
     }
@@ -488,7 +491,7 @@ impl JobStore<'_> {
     }
 
     /// Up to `limit` due jobs, tenants in turn, each taking at most an equal share of `limit`
-    /// per turn: (job key, job). One iterator pass per turn collects a tenant's share (a pass
+    /// per turn: (job key, job). One pass over its due timers per turn collects a tenant's share (a pass
     /// per job stepped over every job this call had already taken from the same tenant). Jobs
     /// created in this transaction are not seen (they are claimed by the next one).
     pub fn due_jobs(
@@ -525,8 +528,8 @@ impl JobStore<'_> {
             // tenant at its in-flight cap), so they are still due after this scan.
             let mut passed_over = false;
             let staged = &*self.staged;
-            // Only the timers due by now: the iterator stops at the first one due later, and
-            // does not step over the tombstones before the next live timer (the leases of
+            // Only the timers due by now: the iterator stops at the bound after them, and does
+            // not step over the tombstones between it and the next live timer (the leases of
             // attempts that ended, up to a lease ahead: at 5,000 events/s walking them was 39%
             // of the hub thread).
             let due_by_now = due_key_bound(&tenant, now);
@@ -645,10 +648,14 @@ impl JobStore<'_> {
     /// A tenant with nothing due now: its next live timer from `from` on, whose due time it
     /// sleeps until (`TenantRing::not_before`). The tombstones of the timers deleted since the
     /// last compaction lie between (the leases of attempts that ended, up to a lease ahead), and
-    /// a RocksDB iterator steps over every one: the look gives up past [`LOOK_AHEAD_SKIPS`] of
-    /// them, and from then on reads only a window ahead of now (the tenant sleeps until the
+    /// a RocksDB iterator steps over every one: the look gives up past [`LOOK_AHEAD_SKIPS`]
+    /// entries, and from then on reads only a window ahead of now (the tenant sleeps until the
     /// window's end when it is empty), each empty window four times the last, until a timer
-    /// written for the tenant starts it again from the whole range.
+    /// written for the tenant starts it again from the whole range. An empty window's end can
+    /// wake an idle loop for a transaction that finds nothing: a tenant whose next lease is 25 s
+    /// away behind many tombstones wakes at about +1 s, +5 s and +21 s before it, where a walk
+    /// over them all (once per sleep) would not wake it; the windows keep a busy loop's looks
+    /// short.
     fn next_timer(
         &self,
         ring: &mut TenantRing,

@@ -72,7 +72,8 @@ pub enum StoreError {
 pub struct Bounds<'a> {
     /// The first key not read (RocksDB's `iterate_upper_bound`).
     pub until: Option<&'a [u8]>,
-    /// Most deleted keys stepped over (RocksDB's `max_skippable_internal_keys`; 0: no cap).
+    /// Most internal entries stepped over (RocksDB's `max_skippable_internal_keys`; 0: no cap):
+    /// until a compaction a deleted key is two, its tombstone and the put it hides.
     pub skip_at_most: u64,
 }
 
