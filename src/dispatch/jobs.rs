@@ -630,21 +630,7 @@ impl JobStore<'_> {
         }
         Ok(out)
     }
-}
 
-/// What a look for a tenant's next timer past its due ones found (see [`JobStore::next_timer`]).
-enum NextTimer {
-    /// Not looked for: the tenant is scanned again next round.
-    NotLooked,
-    /// Its next live timer's key.
-    At(Vec<u8>),
-    /// None before this key (a window's end).
-    NoneUntil(Vec<u8>),
-    /// None at all from where it looked.
-    Nothing,
-}
-
-impl JobStore<'_> {
     /// A tenant with nothing due now: its next live timer from `from` on, whose due time it
     /// sleeps until (`TenantRing::not_before`). The tombstones of the timers deleted since the
     /// last compaction lie between (the leases of attempts that ended, up to a lease ahead), and
@@ -707,6 +693,18 @@ impl JobStore<'_> {
             }
         }
     }
+}
+
+/// What a look for a tenant's next timer past its due ones found (see [`JobStore::next_timer`]).
+enum NextTimer {
+    /// Not looked for: the tenant is scanned again next round.
+    NotLooked,
+    /// Its next live timer's key.
+    At(Vec<u8>),
+    /// None before this key (a window's end).
+    NoneUntil(Vec<u8>),
+    /// None at all from where it looked.
+    Nothing,
 }
 
 /// Where an encoded payload record's `refcount` starts, and its value, read without a full

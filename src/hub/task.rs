@@ -3579,10 +3579,10 @@ struct EarlyStarted {
 }
 
 /// Between a transaction's offsets ([`send_offsets`]) and its jobs changelog writes
-/// ([`write_jobs_and_commit`]): the
-/// outcomes that came while the offsets went to the coordinator (a round trip of a few ms, about
-/// as long as a local receiver takes) are recorded in this transaction too, with no wait of its
-/// own, and an early attempt that delivered leaves no write, as within the wait. Under a steady
+/// ([`write_jobs_and_commit`]): the outcomes that came while the offsets went to the coordinator
+/// (a round trip of a few ms, about as long as a local receiver takes) are recorded in this
+/// transaction too, with no wait of its own, and an early attempt that delivered leaves no
+/// write, as within the wait. Under a steady
 /// stream the wait ends at once (new records came), so before this most first attempts ended
 /// after it, and each such delivery wrote its job and payload and then their tombstones in the
 /// next transaction. Counts the transaction's early attempts by when they ended.
