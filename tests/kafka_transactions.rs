@@ -527,3 +527,66 @@ async fn the_next_generation_is_refused_inside_a_revocation() {
     let refused = answer.expect_err("the next generation, inside the revocation: refused");
     assert!(refused.contains("during a rebalance callback"), "{refused}");
 }
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| t.ok().map(|t| t.path()))
+        .filter(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim_end() == name))
+        .collect()
+}
+
+/// Nanoseconds a thread has run on a CPU (the kernel's scheduler statistics, not sampled).
+fn ran_ns(thread: &std::path::Path) -> u64 {
+    let stat = std::fs::read_to_string(thread.join("schedstat")).expect("schedstat");
+    stat.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// A producer whose reports a `Served` thread serves gets each one as it comes (its place, in
+/// order), while that thread runs for nothing when nothing comes: rdkafka's own polling thread
+/// spun through the last millisecond of every 100 ms (about 9 ms of CPU a second, idle). Its
+/// thread ends with it.
+#[tokio::test]
+async fn a_served_producer_gets_its_reports_and_its_thread_sleeps_while_idle() {
+    use streaming_hub::runtime::served::{Awaited, Served, send_awaited};
+    require_broker();
+    let topic = unique("served");
+    create_topic(&topic, 1).await;
+    let name = "test-served";
+    let producer: BaseProducer<Awaited> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create_with_context(Awaited)
+        .expect("producer");
+    let served = Served::new(producer, name).expect("served");
+    for i in 0..20 {
+        let at = send_awaited(&served, &topic, "k", Some(b"v"), Duration::from_secs(10))
+            .await
+            .expect("delivered");
+        assert_eq!(at, (0, i), "record {i}'s report");
+    }
+    assert!(served.wakeups() >= 1, "the reports woke the thread");
+    let thread = match threads_named(name).as_slice() {
+        [t] => t.clone(),
+        other => panic!("one thread named {name} expected, found {other:?}"),
+    };
+    // Idle for a second (the span observed, not a wait for something): its thread sleeps.
+    let (ran, woke) = (ran_ns(&thread), served.wakeups());
+    std::thread::sleep(Duration::from_secs(1));
+    let idle_ns = ran_ns(&thread) - ran;
+    assert!(
+        idle_ns < 2_000_000,
+        "the serving thread ran {idle_ns} ns in an idle second"
+    );
+    assert!(served.wakeups() - woke <= 1, "woken while idle");
+    // Still served after the idle second.
+    let at = send_awaited(&served, &topic, "k", None, Duration::from_secs(10))
+        .await
+        .expect("delivered after idling");
+    assert_eq!(at, (0, 20));
+    drop(served);
+    assert!(
+        threads_named(name).is_empty(),
+        "the thread ended with its producer"
+    );
+}

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
@@ -37,6 +37,7 @@ use crate::ingest::classify::{
 use crate::runtime::clock::SharedClock;
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::orphans::{self, Covers, GroupWatch, Joining, PosixRegex, Rejoin};
+use crate::runtime::served::Served;
 use crate::runtime::telemetry::{self, CommitOutcome, IngestCommit, IngestTally, IngestVerdict};
 
 /// Header names the hub adds to inbox records.
@@ -269,12 +270,15 @@ impl Ingest {
         })
         .map_err(|e| KafkaError::Setup(e.to_string()))?;
         let txn_id = format!("{}.ingest.{instance}", self.config.topic_prefix);
-        let producer: ThreadedProducer<kafka::PlacedOnly> =
+        let producer: BaseProducer<kafka::PlacedOnly> =
             kafka::transactional_producer(&self.config, &txn_id)
                 .set("message.max.bytes", "4194304")
                 .create_with_context(kafka::PlacedOnly::default())
                 .map_err(|e| KafkaError::Setup(e.to_string()))?;
-        if let Err(e) = kafka::init_waiting(&producer, TXN_TIMEOUT, kafka::INIT_PATIENCE, &stop) {
+        // Its delivery reports are served as they come, by a thread that sleeps meanwhile.
+        let producer = Served::new(producer, "ingest-reports")
+            .map_err(|e| KafkaError::Setup(format!("serving the producer's reports: {e}")))?;
+        if let Err(e) = kafka::init_waiting(&*producer, TXN_TIMEOUT, kafka::INIT_PATIENCE, &stop) {
             if stop.load(Ordering::Relaxed) {
                 // Stopped while the coordinator could not take the producer: nothing was begun.
                 crate::runtime::liveness::rest(&crate::runtime::liveness::INGEST);
@@ -363,9 +367,11 @@ impl Ingest {
                         outcome: CommitOutcome::Aborted,
                     }
                     .emit(Some(&msg));
-                    if let Err(abort) =
-                        crate::runtime::kafka::abort_waiting(&producer, TXN_TIMEOUT, ABORT_PATIENCE)
-                    {
+                    if let Err(abort) = crate::runtime::kafka::abort_waiting(
+                        &*producer,
+                        TXN_TIMEOUT,
+                        ABORT_PATIENCE,
+                    ) {
                         return Err(fatal_or_kafka(abort));
                     }
                     rewind(&consumer, &batch);
@@ -456,7 +462,7 @@ impl Ingest {
     /// once it has committed.
     fn commit_batch<'b>(
         &self,
-        producer: &ThreadedProducer<kafka::PlacedOnly>,
+        producer: &BaseProducer<kafka::PlacedOnly>,
         consumer: &BaseConsumer<IngestContext>,
         batch: &'b [BorrowedMessage<'_>],
     ) -> Result<IngestTally<'b>, Failed> {
@@ -492,7 +498,7 @@ impl Ingest {
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         crate::runtime::liveness::beat_current();
         phase_done("offsets");
-        // The polling thread serves the delivery reports; committing with none in flight skips
+        // The producer's own thread (`Served`) serves the delivery reports; committing with none in flight skips
         // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
@@ -519,7 +525,7 @@ impl Ingest {
     /// verdict goes into `tally`.
     fn route<'b>(
         &self,
-        producer: &ThreadedProducer<kafka::PlacedOnly>,
+        producer: &BaseProducer<kafka::PlacedOnly>,
         msg: &'b BorrowedMessage<'_>,
         (now_ms, ingest_time): (i64, &str),
         tally: &mut IngestTally<'b>,
@@ -900,7 +906,7 @@ fn clip_id(id: &str) -> &str {
 
 /// Sends into the open transaction, waiting while the local queue is full.
 fn send<K: rdkafka::message::ToBytes + ?Sized, P: rdkafka::message::ToBytes + ?Sized>(
-    producer: &ThreadedProducer<kafka::PlacedOnly>,
+    producer: &BaseProducer<kafka::PlacedOnly>,
     mut record: BaseRecord<'_, K, P>,
 ) -> Result<(), RdKafkaError> {
     loop {

@@ -92,6 +92,14 @@ pub fn base(config: &Config) -> ClientConfig {
 
 /// A consumer of a consume-process-produce loop: manual offsets (they go into the transaction),
 /// `read_committed` (inputs may be other transactions' outputs), static membership.
+/// How long the broker holds a fetch of ingest's and the hub's consumers that finds nothing to
+/// read. A held fetch is answered as soon as records become readable (a transaction's markers
+/// included), so this costs no latency under load (`load latency=1000` and `5000`: within the
+/// spread); what it sets is how often an idle consumer asks again. At 20 ms the two consumers'
+/// fetches were two thirds of what an idle instance cost the broker (BENCHMARKS.md, session 63);
+/// the price is that a partition newly assigned may wait this long for its first fetch.
+pub const FETCH_WAIT: Duration = Duration::from_millis(100);
+
 pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> ClientConfig {
     let mut c = base(config);
     c.set("group.id", group)
@@ -117,7 +125,7 @@ pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> Cli
             "topic.metadata.refresh.interval.ms",
             millis(config.follow_refresh_interval),
         )
-        .set("fetch.wait.max.ms", "20")
+        .set("fetch.wait.max.ms", millis(FETCH_WAIT))
         .set("queued.max.messages.kbytes", "16384")
         // Small fetches per partition: a read_committed consumer of a backlog got one partition's
         // records for seconds at a time (1 MiB per fetch, the default, up to the 16 MiB queue),

@@ -11,6 +11,7 @@ pub mod liveness;
 pub mod orphans;
 pub mod records;
 pub mod secret;
+pub mod served;
 pub mod store;
 pub mod telemetry;
 pub mod topology;

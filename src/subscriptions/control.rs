@@ -14,18 +14,22 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError as RdKafkaError;
 use rdkafka::message::Message;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::BaseProducer;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::Config;
 use crate::runtime::avro::{Codec, CodecError, RecordKind};
 use crate::runtime::kafka::{self, KafkaError};
 use crate::runtime::records::SubscriptionRecord;
+use crate::runtime::served::{self, Awaited, Served};
 use crate::subscriptions::rounds::Rounds;
 use crate::subscriptions::table::{SharedTable, Sub, Table};
 
 /// How long a write waits to see itself in the table before it reports a timeout.
 const READ_YOUR_WRITES: Duration = Duration::from_secs(15);
+
+/// How long a write waits for room in the producer's queue.
+const QUEUE_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RepoError {
@@ -348,7 +352,7 @@ enum Writer {
     #[cfg(test)]
     Gated(Arc<tokio::sync::Notify>),
     Kafka {
-        producer: FutureProducer,
+        producer: Arc<Served<Awaited>>,
         topic: String,
         /// Asks the control partitions' ends ([`Subscriptions::sync`]), in rounds that every
         /// read waiting meanwhile shares.
@@ -435,7 +439,7 @@ impl Subscriptions {
         codec: Arc<Codec>,
         table: SharedTable,
     ) -> Result<Subscriptions, KafkaError> {
-        let producer: FutureProducer = kafka::base(config)
+        let producer: BaseProducer<Awaited> = kafka::base(config)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "0")
@@ -446,8 +450,13 @@ impl Subscriptions {
                 "message.timeout.ms",
                 CONTROL_SEND_TIMEOUT.as_millis().to_string(),
             )
-            .create()
+            .create_with_context(Awaited)
             .map_err(|e| KafkaError::Setup(e.to_string()))?;
+        // Each write's delivery report goes to the request awaiting it, served by a thread that
+        // sleeps meanwhile.
+        let producer = Served::new(producer, "control-writes")
+            .map(Arc::new)
+            .map_err(|e| KafkaError::Setup(format!("serving the producer's reports: {e}")))?;
         let consumer: BaseConsumer<kafka::ReaderContext> = kafka::base(config)
             .set("group.id", format!("{}.control", config.group_id))
             .set("enable.auto.commit", "false")
@@ -696,15 +705,11 @@ impl Subscriptions {
             Writer::Kafka {
                 producer, topic, ..
             } => {
-                match producer
-                    .send(
-                        FutureRecord::to(topic).key(&id).payload(&bytes),
-                        Duration::from_secs(10),
-                    )
-                    .await
-                {
-                    Ok(d) => Some((d.partition, d.offset)),
-                    Err((e, _)) => return self.landed_or(&rec, e.to_string()).await,
+                let sent =
+                    served::send_awaited(producer, topic, &id, Some(&bytes), QUEUE_WAIT).await;
+                match sent {
+                    Ok(at) => Some(at),
+                    Err(e) => return self.landed_or(&rec, e.to_string()).await,
                 }
             }
         };
@@ -818,14 +823,10 @@ impl Subscriptions {
             Writer::Kafka {
                 producer, topic, ..
             } => {
-                let d = producer
-                    .send(
-                        FutureRecord::<str, [u8]>::to(topic).key(id),
-                        Duration::from_secs(10),
-                    )
+                let at = served::send_awaited(producer, topic, id, None, QUEUE_WAIT)
                     .await
-                    .map_err(|(e, _)| RepoError::Write(e.to_string()))?;
-                Some((d.partition, d.offset))
+                    .map_err(|e| RepoError::Write(e.to_string()))?;
+                Some(at)
             }
         };
         let wait = match &self.writer {
