@@ -90,16 +90,19 @@ pub fn base(config: &Config) -> ClientConfig {
     c
 }
 
-/// A consumer of a consume-process-produce loop: manual offsets (they go into the transaction),
-/// `read_committed` (inputs may be other transactions' outputs), static membership.
 /// How long the broker holds a fetch of ingest's and the hub's consumers that finds nothing to
 /// read. A held fetch is answered as soon as records become readable (a transaction's markers
 /// included), so this costs no latency under load (`load latency=1000` and `5000`: within the
 /// spread); what it sets is how often an idle consumer asks again. At 20 ms the two consumers'
 /// fetches were two thirds of what an idle instance cost the broker (BENCHMARKS.md, session 63);
-/// the price is that a partition newly assigned may wait this long for its first fetch.
+/// the price is that a fetch of a new position waits for the one held meanwhile: a partition
+/// newly assigned, the hub's resume after a restore, ingest's rewind after an abort may each wait
+/// up to this long for their first records (`load recovery`: resumed 1.4-1.8 s after the kill
+/// against 1.8-2.5 s at 20 ms).
 pub const FETCH_WAIT: Duration = Duration::from_millis(100);
 
+/// A consumer of a consume-process-produce loop: manual offsets (they go into the transaction),
+/// `read_committed` (inputs may be other transactions' outputs), static membership.
 pub fn transactional_consumer(config: &Config, group: &str, member: &str) -> ClientConfig {
     let mut c = base(config);
     c.set("group.id", group)

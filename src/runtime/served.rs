@@ -71,6 +71,10 @@ impl Drop for MainQueue {
 impl<C: ProducerContext + 'static> Served<C> {
     /// Starts serving `producer`'s events; `name` names the thread.
     pub fn new(producer: BaseProducer<C>, name: &str) -> std::io::Result<Served<C>> {
+        if name.contains('\0') {
+            // The thread's spawn would panic on it, after librdkafka was given the descriptor.
+            return Err(std::io::ErrorKind::InvalidInput.into());
+        }
         let (reader, bell) = pipe()?;
         // librdkafka writes from its own threads, which must never block on a full pipe (a
         // full pipe holds a wake-up already).
