@@ -3,7 +3,7 @@
 //! polling in 100 ms slices, and the end of each slice is a busy loop: its poll rounds the time
 //! left down to whole milliseconds, and a wait of zero returns at once, so the last millisecond
 //! of every slice spins. That was about 0.9% of a core per producer, idle or not, and two of
-//! them were two thirds of an idle instance's CPU (BENCHMARKS.md, session 63).
+//! them were about half of an idle instance's CPU (BENCHMARKS.md, session 63).
 //!
 //! Here librdkafka writes a byte to a pipe when its queue of events goes from empty to not
 //! empty (`rd_kafka_queue_io_event_enable`), and the thread blocks reading that pipe: it wakes
