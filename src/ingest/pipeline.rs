@@ -498,8 +498,8 @@ impl Ingest {
         producer.send_offsets_to_transaction(&tpl, &metadata, TXN_TIMEOUT)?;
         crate::runtime::liveness::beat_current();
         phase_done("offsets");
-        // The producer's own thread (`Served`) serves the delivery reports; committing with none in flight skips
-        // rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
+        // The producer's own thread (`Served`) serves the delivery reports; committing with none
+        // in flight skips rdkafka's flush, which costs 100 ms (see `kafka::wait_delivered`).
         kafka::wait_delivered(|| producer.in_flight_count(), |_| {}, TXN_TIMEOUT)?;
         phase_done("delivered");
         // Reported delivered without an offset: maybe never written (see `kafka::placed`).
